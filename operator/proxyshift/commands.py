@@ -1,0 +1,69 @@
+"""The one way proxyshift runs an external program: an argument list, a timeout, no shell.
+
+Every tool the agent and the local cluster call (iptables-save, nft, ip, ...) goes
+through `run`, so a missing binary, a hung tool and a failing tool each give one
+clear error instead of a traceback from subprocess.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+DEFAULT_TIMEOUT_SECONDS = 30.0
+
+
+class CommandError(RuntimeError):
+    """An external command could not run, timed out, or exited non-zero."""
+
+    def __init__(self, argv: Sequence[str], message: str, *, returncode: int | None = None,
+                 stderr: str = "") -> None:
+        self.argv = list(argv)
+        self.returncode = returncode
+        self.stderr = stderr
+        super().__init__(f"{argv[0]}: {message}")
+
+
+class ToolMissingError(CommandError):
+    """The program is not installed (or not on PATH)."""
+
+
+@dataclass(frozen=True)
+class Result:
+    argv: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def netns_prefix(netns: str | None) -> list[str]:
+    """Argument prefix that runs a command inside a named network namespace."""
+    return ["ip", "netns", "exec", netns] if netns else []
+
+
+def run(argv: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT_SECONDS, input: str | None = None,
+        check: bool = True, netns: str | None = None, env: dict[str, str] | None = None) -> Result:
+    """Run `argv` (never through a shell) and return its output.
+
+    Raises ToolMissingError when the program does not exist, CommandError on a
+    timeout or (with check=True) a non-zero exit, carrying the tool's stderr.
+    """
+    full = [*netns_prefix(netns), *argv]
+    if shutil.which(full[0]) is None:
+        raise ToolMissingError(full, f"not found on PATH (install the package that provides {full[0]!r})")
+    try:
+        proc = subprocess.run(  # noqa: S603 - argument list, never a shell
+            full, input=input, capture_output=True, text=True, timeout=timeout, check=False, env=env,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise CommandError(full, f"timed out after {timeout:g}s") from exc
+    except OSError as exc:
+        raise CommandError(full, f"could not start: {exc}") from exc
+    if check and proc.returncode != 0:
+        detail = (proc.stderr or proc.stdout).strip().splitlines()
+        tail = "; ".join(detail[-5:]) if detail else "no output"
+        raise CommandError(full, f"exited {proc.returncode}: {tail}", returncode=proc.returncode,
+                           stderr=proc.stderr)
+    return Result(full, proc.returncode, proc.stdout, proc.stderr)
