@@ -1,0 +1,86 @@
+"""The parts of KubeProxyConfiguration (kubeproxy.config.k8s.io/v1alpha1) proxyshift touches.
+
+A baseline config read from the cluster carries many fields we do not model;
+every model here keeps unknown fields (extra="allow") so rendering a revision
+never drops a setting the cluster's operator chose.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from pydantic import ConfigDict, Field
+
+from proxyshift.api.common import KubeModel
+
+KUBE_PROXY_CONFIG_API_VERSION = "kubeproxy.config.k8s.io/v1alpha1"
+
+
+class _Preserving(KubeModel):
+    model_config = ConfigDict(
+        alias_generator=KubeModel.model_config["alias_generator"],
+        populate_by_name=True,
+        extra="allow",
+    )
+
+
+class KPIPVSConfiguration(_Preserving):
+    scheduler: str | None = None
+    strict_arp: bool | None = Field(default=None, alias="strictARP")
+    sync_period: str | None = None
+    min_sync_period: str | None = None
+    tcp_timeout: str | None = None
+    tcp_fin_timeout: str | None = None
+    udp_timeout: str | None = None
+    exclude_cidrs: list[str] | None = Field(default=None, alias="excludeCIDRs")
+
+
+class KPIPTablesConfiguration(_Preserving):
+    masquerade_all: bool | None = None
+    masquerade_bit: int | None = None
+    min_sync_period: str | None = None
+    sync_period: str | None = None
+    localhost_node_ports: bool | None = None
+
+
+class KPNFTablesConfiguration(_Preserving):
+    masquerade_all: bool | None = None
+    masquerade_bit: int | None = None
+    min_sync_period: str | None = None
+    sync_period: str | None = None
+
+
+class KPConntrackConfiguration(_Preserving):
+    max_per_core: int | None = None
+    min: int | None = None
+    tcp_established_timeout: str | None = None
+    tcp_close_wait_timeout: str | None = None
+
+
+class KubeProxyConfiguration(_Preserving):
+    api_version: str = KUBE_PROXY_CONFIG_API_VERSION
+    kind: str = "KubeProxyConfiguration"
+    mode: str | None = None
+    ipvs: KPIPVSConfiguration | None = None
+    iptables: KPIPTablesConfiguration | None = None
+    nftables: KPNFTablesConfiguration | None = None
+    conntrack: KPConntrackConfiguration | None = None
+    metrics_bind_address: str | None = None
+    healthz_bind_address: str | None = None
+
+    @classmethod
+    def from_yaml(cls, text: str) -> KubeProxyConfiguration:
+        data = yaml.safe_load(text) or {}
+        if not isinstance(data, dict):
+            raise ValueError("kube-proxy config.conf is not a YAML mapping")
+        if data.get("kind", "KubeProxyConfiguration") != "KubeProxyConfiguration":
+            raise ValueError(f"kube-proxy config.conf has kind {data.get('kind')!r}, not KubeProxyConfiguration")
+        return cls.model_validate(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        # exclude_unset keeps the baseline's shape: only what was there plus what we set.
+        return self.model_dump(by_alias=True, exclude_unset=True, mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=True, default_flow_style=False)

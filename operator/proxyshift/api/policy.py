@@ -1,0 +1,368 @@
+"""The ProxyPolicy API: what a platform engineer writes.
+
+The pydantic validators here and the CEL rules attached to the schema say the
+same things; the CRD generator carries the CEL rules into the CRD so the API
+server refuses a bad spec with the same message.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from proxyshift.api.common import (
+    Condition,
+    Duration,
+    KubeModel,
+    LabelSelector,
+)
+
+ProxyMode = Literal["iptables", "ipvs", "nftables"]
+IPVSScheduler = Literal["rr", "wrr", "lc", "wlc", "lblc", "lblcr", "dh", "sh", "sed", "nq", "mh"]
+PERCENT_RE = re.compile(r"^([0-9]+)%$")
+
+
+def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+    entry = {"rule": rule, "message": message}
+    if field_path:
+        entry["fieldPath"] = field_path
+    return entry
+
+
+class IPVSSettings(KubeModel):
+    """Settings of kube-proxy's ipvs mode (KubeProxyConfiguration.ipvs). Only valid with mode ipvs."""
+
+    scheduler: IPVSScheduler = Field(
+        default="rr",
+        description="IPVS scheduler: rr, wrr, lc, wlc, lblc, lblcr, dh, sh, sed, nq or mh. "
+        "The node needs the kernel module ip_vs_<scheduler>.",
+    )
+    strict_arp: bool | None = Field(
+        default=None, alias="strictARP", description="Set arp_ignore/arp_announce strictly (MetalLB needs it)."
+    )
+    sync_period: Duration | None = Field(default=None, description="Full resync interval, e.g. 30s.")
+    min_sync_period: Duration | None = Field(default=None, description="Minimum interval between syncs, e.g. 1s.")
+    tcp_timeout: Duration | None = Field(default=None, description="IPVS TCP session timeout; 0s keeps the kernel's.")
+    tcp_fin_timeout: Duration | None = Field(default=None, description="IPVS TCP FIN_WAIT timeout.")
+    udp_timeout: Duration | None = Field(default=None, description="IPVS UDP timeout.")
+    exclude_cidrs: list[str] | None = Field(
+        default=None, alias="excludeCIDRs", description="CIDRs whose IPVS rules kube-proxy must not touch."
+    )
+
+
+class IPTablesSettings(KubeModel):
+    """Settings of kube-proxy's iptables mode (KubeProxyConfiguration.iptables)."""
+
+    sync_period: Duration | None = Field(default=None, description="Full resync interval, e.g. 30s.")
+    min_sync_period: Duration | None = Field(default=None, description="Minimum interval between syncs, e.g. 1s.")
+    masquerade_all: bool | None = Field(default=None, description="SNAT all traffic sent to Service IPs.")
+    masquerade_bit: int | None = Field(
+        default=None, ge=0, le=31, description="fwmark bit used to mark packets for SNAT (0-31)."
+    )
+    localhost_node_ports: bool | None = Field(
+        default=None, description="Accept NodePort connections on localhost (route_localnet)."
+    )
+
+
+class NFTablesSettings(KubeModel):
+    """Settings of kube-proxy's nftables mode (KubeProxyConfiguration.nftables)."""
+
+    sync_period: Duration | None = Field(default=None, description="Full resync interval, e.g. 30s.")
+    min_sync_period: Duration | None = Field(default=None, description="Minimum interval between syncs, e.g. 1s.")
+    masquerade_all: bool | None = Field(default=None, description="SNAT all traffic sent to Service IPs.")
+    masquerade_bit: int | None = Field(
+        default=None, ge=0, le=31, description="fwmark bit used to mark packets for SNAT (0-31)."
+    )
+
+
+class Stage(KubeModel):
+    """One step of a staged rollout: how far to go, then how long to wait."""
+
+    model_config = KubeModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                cel("has(self.nodes) != has(self.percent)", "a stage sets exactly one of nodes or percent"),
+            ]
+        }
+    }
+
+    nodes: int | None = Field(
+        default=None, ge=1, description="Migrate this many nodes in total by the end of the stage."
+    )
+    percent: int | None = Field(
+        default=None, ge=1, le=100, description="Migrate this percentage of the selected nodes by the end of the stage."
+    )
+    pause: Duration | None = Field(
+        default=None, description="Wait this long after the stage before the next one starts, e.g. 10m."
+    )
+
+    @model_validator(mode="after")
+    def _one_target(self) -> Stage:
+        if (self.nodes is None) == (self.percent is None):
+            raise ValueError("a stage sets exactly one of nodes or percent")
+        return self
+
+
+def _check_max_unavailable(value: int | str) -> int | str:
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError("maxUnavailable must be at least 1 (or a percentage from 1% to 100%)")
+        return value
+    match = PERCENT_RE.match(value)
+    if not match:
+        raise ValueError(f"maxUnavailable {value!r} must be a whole number or a percentage like 25%")
+    if not 1 <= int(match.group(1)) <= 100:
+        raise ValueError("maxUnavailable as a percentage must be from 1% to 100%")
+    return value
+
+
+class RolloutSettings(KubeModel):
+    """How fast the policy moves through its nodes."""
+
+    model_config = KubeModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                cel(
+                    "type(self.maxUnavailable) == int ? self.maxUnavailable >= 1 : "
+                    "(self.maxUnavailable.matches('^[0-9]+%$') && "
+                    "int(self.maxUnavailable.replace('%', '')) >= 1 && "
+                    "int(self.maxUnavailable.replace('%', '')) <= 100)",
+                    "maxUnavailable must be at least 1, or a percentage from 1% to 100%",
+                    ".maxUnavailable",
+                ),
+                cel(
+                    "!has(self.stages) || (size(self.stages) > 0 && "
+                    "has(self.stages[size(self.stages) - 1].percent) && "
+                    "self.stages[size(self.stages) - 1].percent == 100)",
+                    "stages must not be empty and the last stage must be percent: 100",
+                    ".stages",
+                ),
+                cel("!self.drain || self.cordon", "drain needs cordon: set cordon: true", ".drain"),
+            ]
+        }
+    }
+
+    max_unavailable: int | str = Field(
+        default=1,
+        description="How many selected nodes may be mid-migration at once: a number (>= 1) or a percentage "
+        "(1%-100%, rounded down, at least 1).",
+        json_schema_extra={"x-kubernetes-int-or-string": True},
+    )
+    stages: list[Stage] | None = Field(
+        default=None,
+        description="Optional canary stages, e.g. [{nodes: 1, pause: 10m}, {percent: 50}, {percent: 100}]. "
+        "Must end with percent: 100.",
+    )
+    pause_between_nodes: Duration | None = Field(
+        default=None, description="Wait this long after a node is done before starting the next one."
+    )
+    cordon: bool = Field(default=False, description="Cordon each node while its kube-proxy is switched.")
+    drain: bool = Field(
+        default=False, description="Evict pods (respecting PodDisruptionBudgets) before the switch; needs cordon."
+    )
+    paused: bool = Field(
+        default=False, description="Start no new node while true; nodes in flight finish their step sequence."
+    )
+
+    @field_validator("max_unavailable")
+    @classmethod
+    def _max_unavailable_in_range(cls, value: int | str) -> int | str:
+        return _check_max_unavailable(value)
+
+    @field_validator("stages")
+    @classmethod
+    def _stages_end_at_100(cls, stages: list[Stage] | None) -> list[Stage] | None:
+        if stages is None:
+            return None
+        if not stages or stages[-1].percent != 100:
+            raise ValueError("stages must not be empty and the last stage must be percent: 100")
+        return stages
+
+    @model_validator(mode="after")
+    def _drain_needs_cordon(self) -> RolloutSettings:
+        if self.drain and not self.cordon:
+            raise ValueError("drain needs cordon: set cordon: true")
+        return self
+
+
+class PreflightSettings(KubeModel):
+    """What the agent checks on a node before anything changes there."""
+
+    load_modules: bool = Field(
+        default=False, description="Let the agent modprobe missing kernel modules (grants it SYS_MODULE)."
+    )
+    extra_modules: list[str] | None = Field(
+        default=None,
+        description="More kernel modules the node must have, e.g. nf_conntrack_netlink.",
+        json_schema_extra={"items": {"type": "string", "pattern": "^[a-z0-9_]+$"}},
+    )
+
+    @field_validator("extra_modules")
+    @classmethod
+    def _module_names(cls, names: list[str] | None) -> list[str] | None:
+        for name in names or []:
+            if not re.match(r"^[a-z0-9_]+$", name):
+                raise ValueError(f"{name!r} is not a kernel module name (lowercase letters, digits, _)")
+        return names
+
+
+class ServiceRef(KubeModel):
+    """A ClusterIP Service the gate connects to from the node."""
+
+    namespace: str = Field(default="default", description="Namespace of the Service.")
+    name: str = Field(description="Name of the Service.")
+    port: int = Field(ge=1, le=65535, description="Service port to connect to over TCP.")
+
+
+class GateSettings(KubeModel):
+    """What the new kube-proxy must prove before a node counts as migrated."""
+
+    timeout: Duration = Field(default="5m", description="Roll the node back if the gate has not passed by then.")
+    min_syncs: int = Field(default=1, ge=1, description="Full rule syncs the new kube-proxy must have completed.")
+    max_sync_duration_seconds: float | None = Field(
+        default=None, gt=0, description="Upper bound on the p99 of kube-proxy's sync duration (seconds)."
+    )
+    healthz: bool = Field(default=True, description="Require /healthz on the health port to answer 200.")
+    probe_services: list[ServiceRef] | None = Field(
+        default=None, description="ClusterIP Services that must accept a TCP connection from the node."
+    )
+
+
+class CleanupSettings(KubeModel):
+    """What happens to the rules of the mode a node left."""
+
+    stale_rules: bool = Field(
+        default=True, description="Flush kube-proxy's own objects of the old mode (never a user's rules)."
+    )
+
+
+class ProxyPolicySpec(KubeModel):
+    """Desired kube-proxy mode for a pool of nodes, and how to get there."""
+
+    model_config = KubeModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                cel("!has(self.ipvs) || self.mode == 'ipvs'", "ipvs settings are only allowed with mode: ipvs",
+                    ".ipvs"),
+                cel("!has(self.iptables) || self.mode == 'iptables'",
+                    "iptables settings are only allowed with mode: iptables", ".iptables"),
+                cel("!has(self.nftables) || self.mode == 'nftables'",
+                    "nftables settings are only allowed with mode: nftables", ".nftables"),
+            ]
+        }
+    }
+
+    node_selector: LabelSelector = Field(
+        description="The pool: nodes whose labels match. {} selects every node."
+    )
+    mode: ProxyMode = Field(description="The kube-proxy mode the pool runs: iptables, ipvs or nftables.")
+    ipvs: IPVSSettings | None = Field(default=None, description="ipvs mode settings; only with mode: ipvs.")
+    iptables: IPTablesSettings | None = Field(
+        default=None, description="iptables mode settings; only with mode: iptables."
+    )
+    nftables: NFTablesSettings | None = Field(
+        default=None, description="nftables mode settings; only with mode: nftables."
+    )
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings, description="Pace of the rollout.")
+    preflight: PreflightSettings = Field(default_factory=PreflightSettings, description="Node checks.")
+    gate: GateSettings = Field(default_factory=GateSettings, description="What the new kube-proxy must prove.")
+    cleanup: CleanupSettings = Field(default_factory=CleanupSettings, description="Stale rule cleanup.")
+    deletion_policy: Literal["Revert", "Orphan"] = Field(
+        default="Revert",
+        description="On delete: Revert returns the nodes to the baseline kube-proxy node by node; "
+        "Orphan leaves them where they are.",
+    )
+
+    @model_validator(mode="after")
+    def _settings_match_mode(self) -> ProxyPolicySpec:
+        for name in ("ipvs", "iptables", "nftables"):
+            if getattr(self, name) is not None and self.mode != name:
+                raise ValueError(f"{name} settings are only allowed with mode: {name}")
+        return self
+
+    @property
+    def scheduler(self) -> str | None:
+        if self.mode != "ipvs":
+            return None
+        return (self.ipvs or IPVSSettings()).scheduler
+
+
+NodePhase = Literal[
+    "Pending", "Preflight", "Cordon", "Switch", "Gate", "Cleanup", "Verify", "Uncordon", "Done",
+    "Failed", "RollingBack", "RolledBack",
+]
+
+
+class NodeProgress(KubeModel):
+    """A node that is mid-migration."""
+
+    name: str = Field(description="Node name.")
+    phase: str = Field(description="Current step of the node.")
+    since: str = Field(description="When the node entered this step (RFC 3339).")
+    revision: str | None = Field(default=None, description="The revision the node is moving to.")
+    message: str = Field(default="", description="What the step is waiting for.")
+
+
+class NodeFailure(KubeModel):
+    """A node that failed or was rolled back, with the reason."""
+
+    name: str = Field(description="Node name.")
+    phase: str = Field(description="Failed, RollingBack or RolledBack.")
+    reason: str = Field(description="CamelCase reason, e.g. PreflightFailed, GateTimeout.")
+    message: str = Field(default="", description="What went wrong, for a person.")
+    at: str = Field(description="When it failed (RFC 3339).")
+
+
+class NodeCounts(KubeModel):
+    """How many selected nodes are in each state."""
+
+    selected: int = Field(default=0, description="Nodes the selector matches (and this policy owns).")
+    updated: int = Field(default=0, description="Nodes running the policy's current revision.")
+    in_flight: int = Field(default=0, description="Nodes mid-migration.")
+    pending: int = Field(default=0, description="Nodes still to migrate.")
+    failed: int = Field(default=0, description="Nodes that failed or were rolled back.")
+    conflicting: int = Field(default=0, description="Selected nodes owned by an older policy.")
+
+
+class ProxyPolicyStatus(KubeModel):
+    """What the operator observed and did. Bounded in size: no list of every node."""
+
+    model_config = KubeModel.model_config | {"extra": "ignore"}
+
+    observed_generation: int | None = Field(default=None, description="The spec generation last acted on.")
+    phase: str | None = Field(
+        default=None, description="Pending, Progressing, Paused, Ready, Degraded, Conflict or Deleting."
+    )
+    current_revision: str | None = Field(default=None, description="The revision the spec renders to.")
+    progress: str | None = Field(default=None, description="updated/selected, e.g. 3/5.")
+    stage: int | None = Field(default=None, description="Index of the current rollout stage, when staged.")
+    stage_started_at: str | None = Field(default=None, description="When the current stage was reached.")
+    nodes: NodeCounts = Field(default_factory=NodeCounts, description="Node counts by state.")
+    in_flight: list[NodeProgress] = Field(default_factory=list, description="Nodes mid-migration (bounded).")
+    failed: list[NodeFailure] = Field(
+        default_factory=list, description="Most recent failed or rolled-back nodes (at most 20)."
+    )
+    conflicting_nodes: list[str] = Field(
+        default_factory=list, description="Some nodes owned by an older policy (at most 20 names)."
+    )
+    retry_token: str | None = Field(default=None, description="Last proxyshift.io/retry value acted on.")
+    conditions: list[Condition] = Field(default_factory=list, description="Ready, Progressing, Degraded, "
+                                        "Paused and Conflict.")
+
+
+class ProxyPolicy(KubeModel):
+    """A desired kube-proxy mode for the nodes a selector picks, rolled out node by node."""
+
+    model_config = KubeModel.model_config | {"extra": "ignore"}
+
+    api_version: str = Field(default="proxyshift.io/v1alpha1")
+    kind: str = Field(default="ProxyPolicy")
+    metadata: dict = Field(default_factory=dict)
+    spec: ProxyPolicySpec
+    status: ProxyPolicyStatus = Field(default_factory=ProxyPolicyStatus)
+
+    @property
+    def name(self) -> str:
+        return str(self.metadata.get("name", ""))

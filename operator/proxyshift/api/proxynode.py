@@ -1,0 +1,153 @@
+"""The ProxyNode API: one per Node, the channel between operator and agent.
+
+spec is written only by the operator (what the node should run, the step it
+is in, the operation the agent should perform); status only by the node's own
+agent (what is really there). `kubectl get proxynodes` is the fleet view.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from proxyshift.api.common import KubeModel
+
+OperationType = Literal["Preflight", "Cleanup", "Probe"]
+
+
+class Operation(KubeModel):
+    """A request from the operator to the agent, executed at most once per id."""
+
+    id: str = Field(description="Unique id; the agent runs each id once and reports it in status.lastOperation.")
+    type: OperationType = Field(description="Preflight, Cleanup or Probe.")
+    params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Operation parameters: mode, scheduler, loadModules, extraModules (Preflight); "
+        "removeModes, targetMode (Cleanup); services as ip:port (Probe).",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+
+class NodeMigration(KubeModel):
+    """Where the operator is with this node. Lets a restarted operator resume from the API alone."""
+
+    model_config = KubeModel.model_config | {"extra": "ignore"}
+
+    phase: str = Field(default="Pending", description="Pending, Preflight, Cordon, Switch, Gate, Cleanup, "
+                       "Verify, Uncordon, Done, Failed, RollingBack or RolledBack.")
+    phase_since: str | None = Field(default=None, description="When the node entered this phase (RFC 3339).")
+    from_revision: str | None = Field(
+        default=None, description="Revision the node came from; empty means the baseline kube-proxy."
+    )
+    from_mode: str | None = Field(default=None, description="kube-proxy mode the node came from.")
+    to_revision: str | None = Field(default=None, description="Revision the node is moving to.")
+    switched_at: str | None = Field(default=None, description="When the node's revision label was changed.")
+    cordoned_by_us: bool | None = Field(default=None, description="True when proxyshift cordoned the node.")
+    attempt: int | None = Field(default=None, description="How many times this migration was started.")
+    reason: str | None = Field(default=None, description="Reason of a failure or rollback.")
+    message: str | None = Field(default=None, description="Details of the last failure or wait.")
+    started_at: str | None = Field(default=None, description="When the migration of this node started.")
+    finished_at: str | None = Field(default=None, description="When the node reached Done or RolledBack.")
+
+
+class ProxyNodeSpec(KubeModel):
+    """Written by the operator."""
+
+    model_config = KubeModel.model_config | {"extra": "ignore"}
+
+    policy: str | None = Field(default=None, description="The ProxyPolicy that owns this node, if any.")
+    revision: str | None = Field(
+        default=None, description="Target revision (<policy>-<hash>); empty means the baseline kube-proxy."
+    )
+    mode: str | None = Field(default=None, description="Target kube-proxy mode.")
+    scheduler: str | None = Field(default=None, description="Target IPVS scheduler (mode ipvs).")
+    migration: NodeMigration | None = Field(default=None, description="Progress of this node's migration.")
+    operation: Operation | None = Field(default=None, description="The operation the agent should perform.")
+
+
+class KubeProxyFacts(KubeModel):
+    """What the node's kube-proxy says about itself, from its own endpoints."""
+
+    model_config = KubeModel.model_config | {"extra": "ignore"}
+
+    proxy_mode: str | None = Field(default=None, description="Answer of /proxyMode on the metrics port.")
+    healthz_status: int | None = Field(default=None, description="HTTP status of /healthz on the health port.")
+    process_start_time: float | None = Field(
+        default=None, description="process_start_time_seconds (Unix time) of kube-proxy."
+    )
+    last_sync_timestamp: float | None = Field(
+        default=None, description="kubeproxy_sync_proxy_rules_last_timestamp_seconds (Unix time)."
+    )
+    sync_count: int | None = Field(default=None, description="Rule syncs counted by the sync-duration histogram.")
+    sync_duration_p99_seconds: float | None = Field(
+        default=None, description="p99 of kubeproxy_sync_proxy_rules_duration_seconds, from the histogram."
+    )
+    sync_failures: int | None = Field(
+        default=None, description="iptables-restore failures plus nftables sync failures, as counted."
+    )
+    error: str | None = Field(default=None, description="Why the probe could not read kube-proxy, if it failed.")
+    probed_at: str | None = Field(default=None, description="When the probe ran (RFC 3339).")
+
+
+class ModeObjects(KubeModel):
+    """kube-proxy objects of one mode found on the node."""
+
+    mode: str = Field(description="iptables, ipvs or nftables.")
+    count: int = Field(description="Number of objects (chains, tables, virtual servers, sets, interfaces).")
+    summary: str = Field(default="", description="e.g. 'nat: 2011 chains; filter: 6 chains'.")
+
+
+class OperationStatus(KubeModel):
+    """The agent's account of the last operation it was asked to run."""
+
+    model_config = KubeModel.model_config | {"extra": "ignore"}
+
+    id: str = Field(description="Id of the operation (spec.operation.id).")
+    type: str = Field(description="Preflight, Cleanup or Probe.")
+    state: Literal["Running", "Succeeded", "Failed"] = Field(description="Running, Succeeded or Failed.")
+    message: str = Field(default="", description="Result for a person: what passed, what is missing.")
+    started_at: str | None = Field(default=None, description="RFC 3339.")
+    finished_at: str | None = Field(default=None, description="RFC 3339.")
+    details: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Structured result (missing modules, objects removed, connect results).",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+
+class ProxyNodeStatus(KubeModel):
+    """Written by the node's agent: the node's real state."""
+
+    model_config = KubeModel.model_config | {"extra": "ignore"}
+
+    observed_mode: str | None = Field(default=None, description="kube-proxy's own /proxyMode answer.")
+    kernel_release: str | None = Field(default=None, description="uname -r of the node.")
+    modules: list[str] = Field(default_factory=list, description="Proxy-relevant kernel modules present.")
+    tools: dict[str, str] = Field(
+        default_factory=dict, description="Versions: nft, iptables, iptablesBackend, ipset, ipvsadm."
+    )
+    kube_proxy: KubeProxyFacts | None = Field(default=None, description="Latest kube-proxy probe.")
+    objects: list[ModeObjects] = Field(default_factory=list, description="kube-proxy objects per mode on the node.")
+    leftovers: list[str] = Field(
+        default_factory=list, description="Modes other than the observed one that still have objects here."
+    )
+    last_operation: OperationStatus | None = Field(default=None, description="Result of the last operation.")
+    heartbeat: str | None = Field(default=None, description="Last time the agent wrote status (RFC 3339).")
+    agent_version: str | None = Field(default=None, description="proxyshift version of the agent.")
+
+
+class ProxyNode(KubeModel):
+    """One node's kube-proxy: target (spec, by the operator) and reality (status, by the agent)."""
+
+    model_config = KubeModel.model_config | {"extra": "ignore"}
+
+    api_version: str = Field(default="proxyshift.io/v1alpha1")
+    kind: str = Field(default="ProxyNode")
+    metadata: dict = Field(default_factory=dict)
+    spec: ProxyNodeSpec = Field(default_factory=ProxyNodeSpec)
+    status: ProxyNodeStatus = Field(default_factory=ProxyNodeStatus)
+
+    @property
+    def name(self) -> str:
+        return str(self.metadata.get("name", ""))
