@@ -1,0 +1,177 @@
+"""What the planner sees and what it asks for: plain, immutable data, no I/O.
+
+The operator builds a `World` from its indexes (Nodes, ProxyNodes, revision
+DaemonSets, kube-proxy pods, policies), calls `plan(world, policy_name)` and
+performs the returned actions, one idempotent step each. Everything the planner
+needs to resume after a crash is in these objects, which come from the API.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from proxyshift.api.policy import ProxyPolicy, ProxyPolicyStatus
+from proxyshift.api.proxynode import NodeMigration, Operation, ProxyNode
+
+REVISION_LABEL = "proxyshift.io/revision"
+RETRY_ANNOTATION = "proxyshift.io/retry"
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """The parts of a Node the planner reads."""
+
+    name: str
+    labels: dict[str, str]
+    unschedulable: bool = False
+    ready: bool = True
+    exists: bool = True
+
+    @property
+    def revision(self) -> str | None:
+        """The revision label; None means the node runs the baseline kube-proxy."""
+        return self.labels.get(REVISION_LABEL)
+
+
+@dataclass(frozen=True)
+class KubeProxyPodView:
+    """The kube-proxy pod on a node: which DaemonSet it belongs to and whether it is up."""
+
+    node: str
+    name: str
+    daemonset: str  # "kube-proxy" for the baseline, else "kube-proxy-<revision>"
+    ready: bool
+    running: bool
+    deleting: bool
+    started_at: datetime | None = None
+    restarts: int = 0
+
+
+@dataclass(frozen=True)
+class RevisionView:
+    """A revision (ConfigMap + DaemonSet pair) that exists in the cluster."""
+
+    name: str  # "<policy>-<hash>" : the label value nodes carry
+    policy: str
+    mode: str
+    config_hash: str
+
+
+@dataclass(frozen=True)
+class World:
+    """Everything the planner may look at, read at one instant."""
+
+    now: datetime
+    policies: dict[str, ProxyPolicy]
+    nodes: dict[str, NodeView]
+    proxynodes: dict[str, ProxyNode]
+    revisions: dict[str, RevisionView]
+    kube_proxy_pods: dict[str, list[KubeProxyPodView]]  # node name -> pods on it
+    baseline_mode: str = "iptables"
+
+
+# ---- actions: each is one idempotent API step the operator performs ----
+
+
+@dataclass(frozen=True)
+class Action:
+    """Base of every action. `reason` is the CamelCase reason used for the Event."""
+
+    reason: str = field(default="", kw_only=True)
+    message: str = field(default="", kw_only=True)
+
+
+@dataclass(frozen=True)
+class EnsureRevision(Action):
+    """Create (or leave as is) the revision's ConfigMap and DaemonSet for the policy's current spec."""
+
+    policy: str
+    revision: str
+
+
+@dataclass(frozen=True)
+class DeleteRevision(Action):
+    """Delete a revision no node uses any more."""
+
+    revision: str
+
+
+@dataclass(frozen=True)
+class EnsureProxyNode(Action):
+    """Create the ProxyNode for a node (spec only), or set its owner policy."""
+
+    node: str
+    policy: str | None
+
+
+@dataclass(frozen=True)
+class SetMigration(Action):
+    """Write ProxyNode.spec: target revision/mode, the node's migration record and operation."""
+
+    node: str
+    policy: str | None
+    revision: str | None
+    mode: str | None
+    scheduler: str | None
+    migration: NodeMigration | None
+    operation: Operation | None
+
+
+@dataclass(frozen=True)
+class SetRevisionLabel(Action):
+    """Move the node to a revision's DaemonSet (None removes the label: back to the baseline)."""
+
+    node: str
+    revision: str | None
+
+
+@dataclass(frozen=True)
+class Cordon(Action):
+    node: str
+
+
+@dataclass(frozen=True)
+class Drain(Action):
+    """Evict the node's pods, respecting PodDisruptionBudgets, ignoring DaemonSet pods."""
+
+    node: str
+
+
+@dataclass(frozen=True)
+class Uncordon(Action):
+    node: str
+
+
+@dataclass(frozen=True)
+class RecordStatus(Action):
+    """Replace the policy's status (the operator patches status subresource)."""
+
+    policy: str
+    status: ProxyPolicyStatus
+
+
+@dataclass(frozen=True)
+class RemoveFinalizer(Action):
+    """The policy's deletion is complete."""
+
+    policy: str
+
+
+@dataclass(frozen=True)
+class Event(Action):
+    """An Event on the policy (node None) or on the node."""
+
+    policy: str
+    node: str | None
+    type: str = "Normal"  # or Warning
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's answer: the actions to do now, and when to look again at the latest."""
+
+    actions: list[Action]
+    requeue_after_seconds: float | None = None
+    details: dict[str, Any] = field(default_factory=dict)
