@@ -1,0 +1,47 @@
+"""`proxyshift` command line: one entry point, each subcommand in the module that owns the job."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+# subcommand -> (module, function, one-line help). Modules are imported lazily so
+# `proxyshift crds` does not pay for kopf and `proxyshift agent` not for the planner.
+SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
+    "operator": ("proxyshift.controller.main", "main", "run the operator (kopf)"),
+    "agent": ("proxyshift.agent.loop", "main", "run the node agent for one node"),
+    "status": ("proxyshift.controller.status_view", "main", "show a policy's rollout"),
+    "plan": ("proxyshift.controller.plan_view", "main", "show what a policy would do, change nothing"),
+    "crds": ("proxyshift.api.crdgen", "main", "generate (or --check) the CRD YAML under crds/"),
+    "localcluster": ("proxyshift.localcluster.cli", "main", "the local test cluster: up, down, status"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: proxyshift <command> [args]", "", "commands:"]
+    lines += [f"  {name:<13} {help_}" for name, (_, _, help_) in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0 if args else 2
+    if args[0] == "--version":
+        from proxyshift import __version__
+
+        print(__version__)
+        return 0
+    entry = SUBCOMMANDS.get(args[0])
+    if entry is None:
+        print(f"proxyshift: unknown command {args[0]!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module, function, _ = entry
+    handler: Callable[[list[str]], int | None] = getattr(importlib.import_module(module), function)
+    return int(handler(args[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
