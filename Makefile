@@ -1,0 +1,60 @@
+# proxyshift developer entry points. `make demo` is the main job, `make test` runs every test.
+SHELL := /bin/bash
+PYTHON ?= python3
+PYTEST ?= $(PYTHON) -m pytest
+export PYTHONUNBUFFERED := 1
+
+.PHONY: help setup deps lint crds crds-check binaries cluster-up cluster-down cluster-status \
+        test test-unit test-dataplane test-e2e test-reliability bench demo clean
+
+help:
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+setup: deps ## install system packages and Python dependencies (idempotent)
+
+deps:
+	@./hack/install-deps.sh
+
+lint: ## ruff over the whole tree
+	ruff check .
+
+crds: ## regenerate crds/ and docs/crd-reference.md from the pydantic models
+	proxyshift crds
+
+crds-check: ## fail when the committed CRDs differ from the models
+	proxyshift crds --check
+
+binaries: ## build the pinned upstream Kubernetes and etcd binaries (cached)
+	$(PYTHON) -m proxyshift.localcluster.build
+
+cluster-up: binaries ## start the local cluster (3 nodes: pools blue=2, green=1)
+	localcluster up --pools blue=2,green=1
+
+cluster-down: ## stop the local cluster and remove everything it made
+	localcluster down
+
+cluster-status:
+	localcluster status
+
+test-unit: ## pure tests (fast, no root)
+	$(PYTEST) -m unit
+
+test-dataplane: ## root + network namespaces with real iptables/nft
+	$(PYTEST) -m dataplane
+
+test-e2e: binaries ## on the local cluster
+	$(PYTEST) -m e2e
+
+test-reliability: binaries
+	$(PYTEST) -m reliability
+
+test: setup lint crds-check binaries ## everything CI runs
+	$(PYTEST) -m "unit or dataplane or e2e or reliability"
+
+bench: binaries ## benchmarks (print tables)
+	$(PYTHON) bench/run_all.py
+
+demo: setup binaries ## the main job: local cluster, operator, pool blue iptables -> nftables, live progress
+	$(PYTHON) -m proxyshift.demo
+
+clean: cluster-down

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Install everything proxyshift's demo and tests need on a fresh Debian machine.
+# Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DEBIAN_PACKAGES=(iptables nftables ipset conntrack iproute2 ipvsadm kmod procps lua5.4)
+
+missing=()
+for pkg in "${DEBIAN_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+  echo "==> apt-get install ${missing[*]}"
+  if [ "$(id -u)" -ne 0 ]; then echo "need root to install ${missing[*]}" >&2; exit 1; fi
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+else
+  echo "==> Debian packages present: ${DEBIAN_PACKAGES[*]}"
+fi
+
+if python3 -c 'import proxyshift, pytest, hypothesis' 2>/dev/null && command -v proxyshift >/dev/null; then
+  echo "==> python package proxyshift installed (editable)"
+else
+  echo "==> pip install -e .[dev]"
+  python3 -m pip install -q -e '.[dev]'
+fi
