@@ -1,0 +1,203 @@
+"""state.json: the record of every process and path the local cluster made, so `down` can undo all of it.
+
+Each daemon is recorded (pid + kernel start time) the moment it is spawned and
+each path before it is created, so even a cluster whose `up` crashed half-way is
+fully removable. The start time guards against killing an unrelated process
+that reused a recorded pid after a reboot or a long time.
+
+The node half records its own processes and paths through the same functions
+(`spawn`, `record_process`, `record_path`), and `stop_all`/`remove_paths` treat
+them like the control plane's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from proxyshift.localcluster.paths import StateLayout
+
+STATE_VERSION = 1
+STOP_GRACE_SECONDS = 10.0
+
+
+def _empty_state() -> dict[str, Any]:
+    return {"version": STATE_VERSION, "processes": [], "paths": [], "info": {}}
+
+
+@contextlib.contextmanager
+def locked_state(state_dir: Path) -> Iterator[dict[str, Any]]:
+    """Read-modify-write state.json under an exclusive lock (the node simulator writes it too)."""
+    layout = StateLayout(state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    lock_path = state_dir / ".state.lock"
+    with lock_path.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        state = read_state(state_dir)
+        yield state
+        tmp = layout.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2) + "\n")
+        tmp.replace(layout.state_file)
+
+
+def read_state(state_dir: Path) -> dict[str, Any]:
+    path = StateLayout(state_dir).state_file
+    if not path.is_file():
+        return _empty_state()
+    try:
+        state = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        # A torn file must not make a cluster unremovable; pid files are the fallback.
+        return _empty_state()
+    for key, value in _empty_state().items():
+        state.setdefault(key, value)
+    return state
+
+
+def record_path(state_dir: Path, path: Path) -> None:
+    """Note a path `down` must remove (file or folder). Call before creating it."""
+    with locked_state(state_dir) as state:
+        if str(path) not in state["paths"]:
+            state["paths"].append(str(path))
+
+
+def start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot, or None if it is gone (or a zombie)."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])  # field 22 of proc(5); fields[0] is field 3
+
+
+def record_process(state_dir: Path, name: str, pid: int, argv: Sequence[str], log: Path | None = None) -> None:
+    ticks = start_ticks(pid)
+    with locked_state(state_dir) as state:
+        state["processes"] = [p for p in state["processes"] if p["name"] != name]
+        state["processes"].append({"name": name, "pid": pid, "start_ticks": ticks, "argv": list(argv),
+                                   "log": str(log) if log else None})
+    pid_file = StateLayout(state_dir).pid(name)
+    pid_file.parent.mkdir(parents=True, exist_ok=True)
+    pid_file.write_text(f"{pid}\n")
+
+
+def spawn(state_dir: Path, name: str, argv: Sequence[str], *, env: dict[str, str] | None = None,
+          cwd: Path | None = None) -> subprocess.Popen[bytes]:
+    """Start a long-running daemon, logging to logs/<name>.log, and record it at once.
+
+    It gets its own session so it outlives the `localcluster up` command that
+    started it and so `down` can signal its whole process group.
+    """
+    layout = StateLayout(state_dir)
+    record_path(state_dir, layout.logs)
+    record_path(state_dir, layout.pids)
+    layout.logs.mkdir(parents=True, exist_ok=True)
+    log_path = layout.log(name)
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=log,  # noqa: S603
+                                stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+    record_process(state_dir, name, proc.pid, argv, log_path)
+    return proc
+
+
+def is_alive(record: dict[str, Any]) -> bool:
+    ticks = start_ticks(record["pid"])
+    return ticks is not None and (record.get("start_ticks") is None or ticks == record["start_ticks"])
+
+
+def _reap(pid: int) -> None:
+    # Only our own children can be reaped; for the others (started by an earlier
+    # `up` command) init does it.
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def _signal(record: dict[str, Any], sig: signal.Signals) -> None:
+    pid = record["pid"]
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        # spawn() made the daemon a session (and group) leader: signal the group so
+        # helpers it started go too. Anything else gets only its own pid.
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+
+
+def stop_process(record: dict[str, Any], grace: float = STOP_GRACE_SECONDS) -> None:
+    if not is_alive(record):
+        _reap(record["pid"])
+        return
+    _signal(record, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        _reap(record["pid"])
+        if not is_alive(record):
+            return
+        time.sleep(0.1)
+    _signal(record, signal.SIGKILL)
+    for _ in range(50):
+        _reap(record["pid"])
+        if not is_alive(record):
+            return
+        time.sleep(0.1)
+
+
+def _pid_file_records(state_dir: Path, known: set[int]) -> list[dict[str, Any]]:
+    """Processes that have a pid file but no state.json entry (a torn state.json)."""
+    records = []
+    for pid_file in sorted(StateLayout(state_dir).pids.glob("*.pid")):
+        with contextlib.suppress(ValueError, OSError):
+            pid = int(pid_file.read_text().strip())
+            if pid not in known:
+                # No recorded start time: accept only a process whose argv still
+                # names the binary the pid file is named after.
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+                if Path(cmdline.decode(errors="replace")).name == pid_file.stem:
+                    records.append({"name": pid_file.stem, "pid": pid, "start_ticks": None})
+    return records
+
+
+def stop_all(state_dir: Path) -> list[str]:
+    """Stop every recorded process, newest first; returns the names stopped."""
+    state = read_state(state_dir)
+    records = list(state["processes"])
+    records += _pid_file_records(state_dir, {r["pid"] for r in records})
+    stopped = []
+    for record in reversed(records):
+        if is_alive(record):
+            stopped.append(record["name"])
+        stop_process(record)
+    return stopped
+
+
+def remove_paths(state_dir: Path) -> None:
+    """Remove every recorded path, then state.json, the lock and the folder if it is empty."""
+    state = read_state(state_dir)
+    for raw in reversed(state["paths"]):
+        path = Path(raw)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    layout = StateLayout(state_dir)
+    for leftover in (layout.state_file, layout.state_file.with_suffix(".tmp"), state_dir / ".state.lock"):
+        leftover.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        state_dir.rmdir()
+
+
+def running(state_dir: Path) -> list[dict[str, Any]]:
+    """Recorded processes, each with an `alive` flag."""
+    return [{**record, "alive": is_alive(record)} for record in read_state(state_dir)["processes"]]
