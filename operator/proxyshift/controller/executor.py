@@ -1,0 +1,157 @@
+"""Performs the planner's actions against the API: one idempotent call (or small set) per action."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import jsonpatch
+
+from proxyshift.api.policy import ProxyPolicy
+from proxyshift.controller import metrics
+from proxyshift.controller.kube import ClusterAPI
+from proxyshift.controller.settings import BASELINE_PATCH_ANNOTATION, CONFIG
+from proxyshift.planner import world as w
+from proxyshift.render import revision as render
+
+log = logging.getLogger(__name__)
+
+
+class StepBlocked(Exception):
+    """The action cannot complete yet (e.g. a PodDisruptionBudget refuses an eviction); retry later."""
+
+
+@dataclass
+class Executor:
+    api: ClusterAPI
+    node_uids: dict[str, str] = field(default_factory=dict)
+
+    def perform(self, action: w.Action, policies: dict[str, ProxyPolicy]) -> None:
+        kind = type(action).__name__
+        policy_name = getattr(action, "policy", None) or ""
+        metrics.ACTIONS.labels(policy_name or "-", kind).inc()
+        handler = getattr(self, f"_do_{kind}", None)
+        if handler is None:
+            raise NotImplementedError(f"no executor for action {kind}")
+        handler(action, policies)
+
+    # ---- revisions ----
+
+    def _baseline(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        cm = self.api.read_configmap(CONFIG.baseline_configmap)
+        ds = self.api.read_daemonset(CONFIG.baseline_daemonset)
+        if cm is None or ds is None:
+            missing = CONFIG.baseline_configmap if cm is None else CONFIG.baseline_daemonset
+            raise StepBlocked(f"baseline kube-proxy object {CONFIG.kube_proxy_namespace}/{missing} not found")
+        return cm, ds
+
+    def _do_EnsureRevision(self, action: w.EnsureRevision, policies: dict[str, ProxyPolicy]) -> None:
+        cm, ds = self._baseline()
+        rendered = render.render_revision(policies[action.policy], cm, ds)
+        if rendered.name != action.revision:
+            raise StepBlocked(f"revision {action.revision} no longer matches the spec (now {rendered.name})")
+        self.ensure_baseline_affinity(ds)
+        self.api.apply_configmap(rendered.configmap)
+        self.api.apply_daemonset(rendered.daemonset)
+
+    def ensure_baseline_affinity(self, ds: dict[str, Any]) -> None:
+        """Keep the baseline DaemonSet off nodes that carry a revision label; record how to undo it."""
+        patch = render.baseline_affinity_patch(ds)
+        if patch is None:
+            return
+        original = ds.get("spec", {}).get("template", {}).get("spec", {}).get("affinity")
+        record = jsonpatch.JsonPatch(
+            [
+                *patch.patch,
+                {
+                    "op": "add",
+                    "path": "/metadata/annotations/" + BASELINE_PATCH_ANNOTATION.replace("/", "~1"),
+                    "value": json.dumps({"affinity": original}, sort_keys=True),
+                },
+            ]
+        )
+        if not ds.get("metadata", {}).get("annotations"):
+            record.patch.insert(0, {"op": "add", "path": "/metadata/annotations", "value": {}})
+        self.api.json_patch_daemonset(CONFIG.baseline_daemonset, record)
+
+    def undo_baseline_affinity(self) -> None:
+        ds = self.api.read_daemonset(CONFIG.baseline_daemonset)
+        if ds is None:
+            return
+        recorded = (ds.get("metadata", {}).get("annotations") or {}).get(BASELINE_PATCH_ANNOTATION)
+        if recorded is None:
+            return
+        original = json.loads(recorded)["affinity"]
+        ops: list[dict[str, Any]] = []
+        if original is None:
+            ops.append({"op": "remove", "path": "/spec/template/spec/affinity"})
+        else:
+            ops.append({"op": "replace", "path": "/spec/template/spec/affinity", "value": original})
+        ops.append({"op": "remove", "path": "/metadata/annotations/" + BASELINE_PATCH_ANNOTATION.replace("/", "~1")})
+        self.api.json_patch_daemonset(CONFIG.baseline_daemonset, jsonpatch.JsonPatch(ops))
+
+    def _do_DeleteRevision(self, action: w.DeleteRevision, _: dict[str, ProxyPolicy]) -> None:
+        cm_name, ds_name = render.revision_object_names(action.revision)
+        self.api.delete_daemonset(ds_name)
+        self.api.delete_configmap(cm_name)
+
+    # ---- nodes ----
+
+    def _do_EnsureProxyNode(self, action: w.EnsureProxyNode, _: dict[str, ProxyPolicy]) -> None:
+        self.api.ensure_proxynode(action.node, self.node_uids.get(action.node), {"policy": action.policy})
+
+    def _do_SetMigration(self, action: w.SetMigration, _: dict[str, ProxyPolicy]) -> None:
+        spec: dict[str, Any] = {
+            "policy": action.policy,
+            "revision": action.revision,
+            "mode": action.mode,
+            "scheduler": action.scheduler,
+            "migration": action.migration.to_k8s() if action.migration else None,
+            "operation": action.operation.to_k8s() if action.operation else None,
+        }
+        existing = self.api.get_proxynode(action.node)
+        if existing is None:
+            self.api.ensure_proxynode(action.node, self.node_uids.get(action.node), spec)
+        else:
+            # merge patch: None removes a field, so a finished operation is cleared explicitly.
+            self.api.patch_proxynode_spec(action.node, spec)
+
+    def _do_SetRevisionLabel(self, action: w.SetRevisionLabel, _: dict[str, ProxyPolicy]) -> None:
+        self.api.set_node_label(action.node, w.REVISION_LABEL, action.revision)
+
+    def _do_Cordon(self, action: w.Cordon, _: dict[str, ProxyPolicy]) -> None:
+        self.api.set_unschedulable(action.node, True)
+
+    def _do_Uncordon(self, action: w.Uncordon, _: dict[str, ProxyPolicy]) -> None:
+        self.api.set_unschedulable(action.node, False)
+
+    def _do_Drain(self, action: w.Drain, _: dict[str, ProxyPolicy]) -> None:
+        remaining, blocked = self.api.evict_pods(action.node)
+        if blocked:
+            raise StepBlocked(f"drain of {action.node} waits: " + "; ".join(blocked[:5]))
+        if remaining:
+            log.info("drain of %s: %d pods still terminating", action.node, remaining)
+
+    # ---- policy ----
+
+    def _do_RecordStatus(self, action: w.RecordStatus, _: dict[str, ProxyPolicy]) -> None:
+        status = action.status.to_k8s()
+        self.api.patch_policy_status(action.policy, status)
+        ready = any(c.type == "Ready" and c.status == "True" for c in action.status.conditions)
+        metrics.POLICY_READY.labels(action.policy).set(1 if ready else 0)
+
+    def _do_RemoveFinalizer(self, action: w.RemoveFinalizer, _: dict[str, ProxyPolicy]) -> None:
+        # kopf owns the finalizer: the delete handler returning (instead of asking to retry) removes it.
+        return None
+
+    def _do_Event(self, action: w.Event, policies: dict[str, ProxyPolicy]) -> None:
+        if action.node:
+            self.api.emit_event(kind="Node", name=action.node, uid=self.node_uids.get(action.node),
+                                namespace=None, reason=action.reason, message=action.message,
+                                type_=action.type, api_version="v1")
+        policy = policies.get(action.policy)
+        uid = policy.metadata.get("uid") if policy else None
+        self.api.emit_event(kind="ProxyPolicy", name=action.policy, uid=uid, namespace=None,
+                            reason=action.reason, message=action.message, type_=action.type)

@@ -1,0 +1,197 @@
+"""kopf handlers: thin. Indexes mirror the world; one rollout loop per policy asks the planner.
+
+Each loop iteration reads a World from the indexes, asks `planner.plan` for the
+next step, performs its actions (idempotent API calls) and sleeps until
+something it watches changes. Kill the operator at any point and the next one
+continues from the API objects alone: no state lives only here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from typing import Any
+
+import kopf
+import kubernetes
+from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
+
+from proxyshift.api.kubeproxy import KubeProxyConfiguration
+from proxyshift.api.policy import ProxyPolicy
+from proxyshift.api.proxynode import ProxyNode
+from proxyshift.controller import metrics
+from proxyshift.controller.executor import Executor, StepBlocked
+from proxyshift.controller.kube import ClusterAPI, describe_api_error
+from proxyshift.controller.settings import CONFIG
+from proxyshift.controller.snapshot import build_world, kube_proxy_pod_view, node_view, revision_view
+from proxyshift.planner import planner
+from proxyshift.planner import world as w
+
+log = logging.getLogger("proxyshift.operator")
+GROUP, VERSION = "proxyshift.io", "v1alpha1"
+
+# policy name -> event set whenever something the policy's loop depends on changes
+_wakers: dict[str, asyncio.Event] = {}
+_state: dict[str, Any] = {}
+
+
+def wake(policy: str | None = None) -> None:
+    targets = [_wakers[policy]] if policy and policy in _wakers else list(_wakers.values())
+    for event in targets:
+        event.set()
+
+
+# ---- login and settings ----
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """Log in explicitly: a kubeconfig when one is given, else the pod's service account."""
+    if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
+        kubernetes.config.load_incluster_config()
+        return kopf.login_with_service_account(**kwargs)
+    kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
+    return kopf.login_with_kubeconfig(**kwargs)
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # Progress and diff-base live in the status: annotations would show up as drift in Argo CD.
+    settings.persistence.progress_storage = kopf.StatusProgressStorage(field="status.kopf.progress")
+    settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage(
+        field="status.kopf.lastHandledConfiguration"
+    )
+    settings.persistence.finalizer = "proxyshift.io/finalizer"
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    settings.networking.request_timeout = 60
+    settings.peering.priority = int(os.environ.get("PROXYSHIFT_PEERING_PRIORITY", "0"))
+    _state["api"] = ClusterAPI()
+    _state["executor"] = Executor(_state["api"])
+
+
+# ---- indexes: the operator's memory of the world ----
+
+
+@kopf.index("", "v1", "nodes")
+def node_index(name: str, labels: dict[str, str], spec: dict[str, Any], status: dict[str, Any], uid: str,
+               **_: Any) -> dict[str, w.NodeView]:
+    executor: Executor | None = _state.get("executor")
+    if executor is not None:
+        executor.node_uids[name] = uid
+    wake()
+    return {name: node_view(name, labels, spec, status)}
+
+
+@kopf.index(GROUP, VERSION, "proxynodes")
+def proxynode_index(name: str, body: kopf.Body, **_: Any) -> dict[str, ProxyNode]:
+    node = ProxyNode.model_validate(dict(body))
+    wake(node.spec.policy)
+    return {name: node}
+
+
+@kopf.index("", "v1", "pods", labels={"k8s-app": "kube-proxy"})
+def kube_proxy_pod_index(body: kopf.Body, **_: Any) -> dict[str, w.KubeProxyPodView]:
+    view = kube_proxy_pod_view(body)
+    if view is None:
+        return {}
+    wake()
+    return {view.node: view}
+
+
+@kopf.index("apps", "v1", "daemonsets", labels={"app.kubernetes.io/managed-by": "proxyshift"})
+def revision_index(body: kopf.Body, **_: Any) -> dict[str, w.RevisionView]:
+    view = revision_view(body)
+    return {view.name: view} if view else {}
+
+
+@kopf.index(GROUP, VERSION, "proxypolicies")
+def policy_index(name: str, body: kopf.Body, logger: kopf.Logger, **_: Any) -> dict[str, ProxyPolicy]:
+    try:
+        policy = ProxyPolicy.model_validate(dict(body))
+    except ValidationError as exc:
+        # The CRD's schema and CEL rules refuse such specs; this only guards an older CRD.
+        logger.error("ProxyPolicy %s is invalid and is ignored: %s", name, exc)
+        return {}
+    wake(name)
+    return {name: policy}
+
+
+@kopf.index("", "v1", "configmaps", when=lambda name, namespace, **_: (
+    namespace == CONFIG.kube_proxy_namespace and name == CONFIG.baseline_configmap))
+def baseline_index(body: kopf.Body, **_: Any) -> dict[str, str]:
+    text = (body.get("data") or {}).get("config.conf", "")
+    try:
+        mode = KubeProxyConfiguration.from_yaml(text).mode or "iptables"
+    except ValueError:
+        mode = "iptables"
+    # kube-proxy's default mode on Linux is iptables when mode is empty.
+    return {"mode": mode or "iptables"}
+
+
+# ---- the rollout loop ----
+
+
+async def step(name: str, indexes: dict[str, Any]) -> w.Plan:
+    """One level-triggered step: snapshot, plan, perform."""
+    world = build_world(
+        policies=indexes["policy_index"],
+        nodes=indexes["node_index"],
+        proxynodes=indexes["proxynode_index"],
+        revisions=indexes["revision_index"],
+        pods=indexes["kube_proxy_pod_index"],
+        baseline_mode=next(iter(indexes["baseline_index"].get("mode", ["iptables"]))),
+    )
+    plan = planner.plan(world, name)
+    executor: Executor = _state["executor"]
+    for action in plan.actions:
+        await asyncio.to_thread(executor.perform, action, world.policies)
+    return plan
+
+
+def _indexes(kwargs: dict[str, Any]) -> dict[str, Any]:
+    names = ("policy_index", "node_index", "proxynode_index", "revision_index", "kube_proxy_pod_index",
+             "baseline_index")
+    return {n: kwargs[n] for n in names}
+
+
+@kopf.daemon(GROUP, VERSION, "proxypolicies", cancellation_timeout=10)
+async def rollout(name: str, stopped: kopf.DaemonStopped, logger: kopf.Logger, **kwargs: Any) -> None:
+    event = _wakers.setdefault(name, asyncio.Event())
+    indexes = _indexes(kwargs)
+    try:
+        while not stopped:
+            event.clear()
+            delay = CONFIG.idle_requeue_seconds
+            try:
+                plan = await step(name, indexes)
+                if plan.requeue_after_seconds is not None:
+                    delay = plan.requeue_after_seconds
+            except StepBlocked as exc:
+                logger.info("%s", exc)
+                delay = 5.0
+            except ApiException as exc:
+                metrics.RECONCILE_ERRORS.labels(name, f"api{exc.status}").inc()
+                logger.warning("API error in rollout step: %s", describe_api_error(exc))
+                delay = 2.0
+            except Exception as exc:
+                metrics.RECONCILE_ERRORS.labels(name, type(exc).__name__).inc()
+                logger.exception("rollout step failed")
+                delay = 5.0
+            # Batch bursts of watch events (our own writes echo back) before planning again.
+            await asyncio.sleep(CONFIG.min_requeue_seconds)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), timeout=max(0.0, delay - CONFIG.min_requeue_seconds))
+    finally:
+        _wakers.pop(name, None)
+
+
+@kopf.on.delete(GROUP, VERSION, "proxypolicies")
+async def on_delete(name: str, **kwargs: Any) -> None:
+    """Deletion: Revert walks the nodes back to the baseline; the finalizer goes when the planner says so."""
+    plan = await step(name, _indexes(kwargs))
+    if not any(isinstance(a, w.RemoveFinalizer) for a in plan.actions):
+        raise kopf.TemporaryError("reverting nodes before the policy goes away", delay=2)

@@ -1,0 +1,47 @@
+"""`proxyshift operator`: run the kopf operator."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+
+import kopf
+from prometheus_client import start_http_server
+
+from proxyshift.controller.settings import CONFIG
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="proxyshift operator", description="Run the proxyshift operator.")
+    parser.add_argument("--kubeconfig", help="kubeconfig to use (default: in-cluster, else $KUBECONFIG)")
+    parser.add_argument("--standalone", action="store_true",
+                        help="no peering (one replica only; use for the local demo)")
+    parser.add_argument("--peering", default=CONFIG.peering_name, help="ClusterKopfPeering name for HA")
+    parser.add_argument("--metrics-port", type=int, default=CONFIG.metrics_port,
+                        help="port of /metrics (0 disables)")
+    parser.add_argument("--liveness", default="http://0.0.0.0:8081/healthz",
+                        help="kopf liveness endpoint URL")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    return parser.parse_args(list(argv))
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    if args.kubeconfig:
+        os.environ["KUBECONFIG"] = args.kubeconfig
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.metrics_port:
+        start_http_server(args.metrics_port)
+    from proxyshift.controller import handlers  # noqa: F401  (registers the handlers with kopf)
+
+    asyncio.run(kopf.operator(
+        clusterwide=True,
+        standalone=args.standalone,
+        peering_name=None if args.standalone else args.peering,
+        liveness_endpoint=args.liveness or None,
+    ))
+    return 0

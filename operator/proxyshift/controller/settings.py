@@ -1,0 +1,36 @@
+"""Every operator knob in one place (kopf's advice: settings in one place, handlers thin)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """Where the baseline kube-proxy lives and how the operator paces itself."""
+
+    kube_proxy_namespace: str = field(default_factory=lambda: _env("PROXYSHIFT_KUBE_PROXY_NAMESPACE", "kube-system"))
+    baseline_configmap: str = field(default_factory=lambda: _env("PROXYSHIFT_BASELINE_CONFIGMAP", "kube-proxy"))
+    baseline_daemonset: str = field(default_factory=lambda: _env("PROXYSHIFT_BASELINE_DAEMONSET", "kube-proxy"))
+    kube_proxy_pod_label: str = field(
+        default_factory=lambda: _env("PROXYSHIFT_KUBE_PROXY_POD_LABEL", "k8s-app=kube-proxy")
+    )
+    # The loop wakes on every ProxyNode/pod change; this is only the idle heartbeat.
+    idle_requeue_seconds: float = float(_env("PROXYSHIFT_IDLE_REQUEUE_SECONDS", "30"))
+    min_requeue_seconds: float = float(_env("PROXYSHIFT_MIN_REQUEUE_SECONDS", "0.2"))
+    metrics_port: int = int(_env("PROXYSHIFT_METRICS_PORT", "8080"))
+    peering_name: str = _env("PROXYSHIFT_PEERING", "proxyshift")
+    kopf_field: str = "kopf"
+
+
+CONFIG = OperatorConfig()
+
+FINALIZER = "proxyshift.io/finalizer"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGED_BY_VALUE = "proxyshift"
+BASELINE_PATCH_ANNOTATION = "proxyshift.io/baseline-affinity-undo"
