@@ -1,0 +1,172 @@
+"""Surgical flush of kube-proxy's iptables chains: one save and one restore per family and backend.
+
+The restore input is applied with --noflush, so the kernel only sees what we
+name: kube-proxy's stale chains are declared (which empties them), the rules
+in other chains that jump into them are deleted by their own text (`-D`), and
+the chains are removed (`-X`). Nothing else is named, so a user's chains and
+rules stay exactly as iptables-save shows them. iptables-restore applies the
+input as one transaction: either all of it happens or none of it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from proxyshift.agent.flush.base import FlushStep, Runner
+from proxyshift.agent.iptables_save import Dump, Rule, parse, rule_sets
+from proxyshift.agent.ownership import Mode, chain_is_stale, iptables_chain_modes
+from proxyshift.commands import CommandError, run
+
+Family = Literal["ipv4", "ipv6"]
+Backend = Literal["nft", "legacy"]
+
+SAVE_TIMEOUT = 120.0
+RESTORE_TIMEOUT = 300.0
+
+
+@dataclass(frozen=True)
+class IptablesTool:
+    """One iptables family + backend: the save/restore binaries to use."""
+
+    family: Family
+    backend: Backend | None   # None: the distribution's default `iptables-save`
+
+    @property
+    def _stem(self) -> str:
+        return "iptables" if self.family == "ipv4" else "ip6tables"
+
+    @property
+    def save(self) -> str:
+        return f"{self._stem}-{self.backend}-save" if self.backend else f"{self._stem}-save"
+
+    @property
+    def restore(self) -> str:
+        return f"{self._stem}-{self.backend}-restore" if self.backend else f"{self._stem}-restore"
+
+    @property
+    def label(self) -> str:
+        return f"iptables ({self.family}, {self.backend or 'default'} backend)"
+
+
+def available_tools(which: Callable[[str], str | None] = shutil.which,
+                    families: Iterable[Family] = ("ipv4", "ipv6")) -> list[IptablesTool]:
+    """Every family/backend whose tools are installed.
+
+    Both backends are looked at: a kube-proxy image may have written legacy rules
+    on a host whose own iptables is nft (or the reverse), and those are stale too.
+    """
+    tools: list[IptablesTool] = []
+    for family in families:
+        found = False
+        for backend in ("nft", "legacy"):
+            tool = IptablesTool(family, backend)
+            if which(tool.save) and which(tool.restore):
+                tools.append(tool)
+                found = True
+        if not found:
+            tool = IptablesTool(family, None)
+            if which(tool.save) and which(tool.restore):
+                tools.append(tool)
+    return tools
+
+
+@dataclass
+class TablePlan:
+    table: str
+    delete_chains: list[str] = field(default_factory=list)
+    # Rules outside the deleted chains that must go with them: jumps into a deleted
+    # chain, and rules in kube-proxy's own kept chains that match a destroyed ipset.
+    delete_rules: list[Rule] = field(default_factory=list)
+
+
+def plan_flush(dump: Dump, remove_modes: frozenset[Mode], target_mode: Mode | None,
+               destroy_sets: frozenset[str] = frozenset()) -> list[TablePlan]:
+    """Pure: what to remove from `dump`. Empty when nothing is stale (idempotence)."""
+    plans: list[TablePlan] = []
+    for table in dump.tables.values():
+        doomed = [c for c in table.user_defined() if chain_is_stale(table.name, c, remove_modes, target_mode)]
+        doomed_set = set(doomed)
+        rules: list[Rule] = []
+        for rule in table.rules:
+            if rule.chain in doomed_set:
+                continue  # emptied by the chain declaration
+            jumps_into_doomed = rule.target in doomed_set
+            matches_doomed_set = bool(destroy_sets) and bool(iptables_chain_modes(table.name, rule.chain)) \
+                and bool(set(rule_sets(rule.line)) & destroy_sets)
+            if jumps_into_doomed or matches_doomed_set:
+                rules.append(rule)
+        if doomed or rules:
+            plans.append(TablePlan(table.name, doomed, rules))
+    return plans
+
+
+def render_restore(plans: list[TablePlan]) -> str:
+    """iptables-restore --noflush input for the plans."""
+    out: list[str] = []
+    for plan in plans:
+        out.append(f"*{plan.table}")
+        # Declaring an existing chain under --noflush empties it, which also drops
+        # every link between doomed chains before they are deleted.
+        out.extend(f":{chain} - [0:0]" for chain in plan.delete_chains)
+        out.extend(f"-D {rule.chain} {rule.spec}" for rule in plan.delete_rules)
+        out.extend(f"-X {chain}" for chain in plan.delete_chains)
+        out.append("COMMIT")
+    return "\n".join(out) + "\n" if out else ""
+
+
+def _count(plans: list[TablePlan], step: FlushStep) -> None:
+    for plan in plans:
+        step.add("chains", len(plan.delete_chains))
+        step.add("jump rules", len(plan.delete_rules))
+
+
+@dataclass
+class IptablesFlusher:
+    run: Runner = run
+    tools: list[IptablesTool] | None = None
+    destroy_sets: frozenset[str] = frozenset()
+    verify: bool = True
+
+    def _save(self, tool: IptablesTool) -> Dump:
+        return parse(self.run([tool.save], timeout=SAVE_TIMEOUT).stdout)
+
+    def flush_one(self, tool: IptablesTool, remove_modes: frozenset[Mode],
+                  target_mode: Mode | None) -> FlushStep:
+        step = FlushStep(tool.label)
+        try:
+            plans = plan_flush(self._save(tool), remove_modes, target_mode, self.destroy_sets)
+            if not plans:
+                return step
+            try:
+                self.run([tool.restore, "-w", "5", "--noflush"], input=render_restore(plans),
+                         timeout=RESTORE_TIMEOUT)
+            except CommandError as first:
+                # The transaction changed nothing. Most likely kube-proxy rewrote a chain
+                # between our save and restore: plan again from a fresh save, once.
+                plans = plan_flush(self._save(tool), remove_modes, target_mode, self.destroy_sets)
+                if plans:
+                    try:
+                        self.run([tool.restore, "-w", "5", "--noflush"], input=render_restore(plans),
+                                 timeout=RESTORE_TIMEOUT)
+                    except CommandError as second:
+                        step.errors.append(f"iptables-restore refused the flush twice ({first}; {second}); "
+                                           "nothing was changed")
+                        return step
+            _count(plans, step)
+            if self.verify:
+                left = plan_flush(self._save(tool), remove_modes, target_mode, self.destroy_sets)
+                if left:
+                    names = [c for p in left for c in p.delete_chains][:5]
+                    step.errors.append(f"after the flush kube-proxy chains are still present: {names}")
+        except CommandError as exc:
+            step.errors.append(str(exc))
+        return step
+
+    def flush(self, remove_modes: frozenset[Mode], target_mode: Mode | None) -> list[FlushStep]:
+        tools = self.tools if self.tools is not None else available_tools()
+        if not tools:
+            return [FlushStep("iptables", skipped=["no iptables-save/iptables-restore installed"])]
+        return [self.flush_one(tool, remove_modes, target_mode) for tool in tools]

@@ -1,0 +1,105 @@
+"""The iptables flush on real iptables in fresh namespaces: kube-proxy's objects go, the user's stay.
+
+"Byte for byte" is checked against a reference namespace that received exactly
+the same user and kubelet rules in the same order but never any of
+kube-proxy's: after the flush both namespaces' iptables-save texts must be
+identical (headers with timestamps aside).
+"""
+
+from __future__ import annotations
+
+import pytest
+from kp_rules import iptables_mode_rules, kubelet_rules, user_rules
+
+from proxyshift.agent.flush import flush
+from proxyshift.agent.flush.iptables import IptablesTool
+from proxyshift.agent.iptables_save import parse
+
+pytestmark = pytest.mark.dataplane
+
+V4_NFT = [IptablesTool("ipv4", "nft")]
+V6_NFT = [IptablesTool("ipv6", "nft")]
+SHARED_WITH_IPVS = {("nat", "KUBE-SERVICES"), ("nat", "KUBE-POSTROUTING"), ("nat", "KUBE-MARK-MASQ"),
+                    ("filter", "KUBE-FORWARD"), ("filter", "KUBE-PROXY-FIREWALL")}
+
+
+def body(save_text: str) -> list[str]:
+    """iptables-save output without its timestamped comment lines."""
+    return [line for line in save_text.splitlines() if not line.startswith("#")]
+
+
+def chains(save_text: str) -> set[tuple[str, str]]:
+    dump = parse(save_text)
+    return {(t.name, c) for t in dump.tables.values() for c in t.user_defined()}
+
+
+def load_node(ns, services: int, *, v6: bool = False) -> None:
+    before, after = user_rules(v6=v6)
+    ns.restore(kubelet_rules(v6=v6), v6=v6)
+    ns.restore(before, v6=v6)
+    ns.restore(iptables_mode_rules(services, v6=v6), v6=v6)
+    ns.restore(after, v6=v6)
+
+
+def load_reference(ns, *, v6: bool = False) -> None:
+    before, after = user_rules(v6=v6)
+    ns.restore(kubelet_rules(v6=v6), v6=v6)
+    ns.restore(before, v6=v6)
+    ns.restore(after, v6=v6)
+
+
+@pytest.mark.parametrize("v6", [False, True], ids=["ipv4", "ipv6"])
+def test_flush_for_nftables_removes_every_kube_proxy_chain_and_keeps_user_rules_byte_for_byte(netns_factory, v6):
+    node, ref = netns_factory(), netns_factory()
+    load_node(node, 1000, v6=v6)
+    load_reference(ref, v6=v6)
+    before = node.save(v6=v6)
+    assert len([c for c in chains(before) if c[1].startswith("KUBE-SVC-")]) > 900
+
+    report = flush(["iptables", "ipvs"], "nftables", runner=node.run, iptables_tools=V6_NFT if v6 else V4_NFT)
+
+    assert report.ok, report.message()
+    after = node.save(v6=v6)
+    assert body(after) == body(ref.save(v6=v6))
+    left = {c for c in chains(after) if c[1].startswith("KUBE-")}
+    assert left == {("mangle", "KUBE-KUBELET-CANARY"), ("nat", "KUBE-KUBELET-CANARY"),
+                    ("filter", "KUBE-KUBELET-CANARY"), ("filter", "KUBE-FIREWALL"), ("filter", "KUBE-MYAPP")}
+
+
+def test_flush_is_idempotent(netns):
+    load_node(netns, 200)
+    first = flush(["iptables"], "nftables", runner=netns.run, iptables_tools=V4_NFT)
+    after_first = body(netns.save())
+    second = flush(["iptables"], "nftables", runner=netns.run, iptables_tools=V4_NFT)
+    assert first.ok and second.ok
+    assert first.total_removed() > 0
+    assert second.total_removed() == 0
+    assert body(netns.save()) == after_first
+
+
+def test_flush_for_ipvs_keeps_the_chains_ipvs_shares(netns_factory):
+    node = netns_factory()
+    load_node(node, 300)
+    report = flush(["iptables"], "ipvs", runner=node.run, iptables_tools=V4_NFT)
+    assert report.ok, report.message()
+    after = node.save()
+    kube = {c for c in chains(after) if c[1].startswith("KUBE-")}
+    assert kube - {("mangle", "KUBE-KUBELET-CANARY"), ("nat", "KUBE-KUBELET-CANARY"),
+                   ("filter", "KUBE-KUBELET-CANARY"), ("filter", "KUBE-FIREWALL"),
+                   ("filter", "KUBE-MYAPP")} == SHARED_WITH_IPVS
+    lines = body(after)
+    # The jumps into shared chains and their own non-service rules stay for the ipvs kube-proxy.
+    assert '-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES' in lines
+    assert any(line.startswith("-A KUBE-POSTROUTING") and "MASQUERADE" in line for line in lines)
+    assert any(line.startswith("-A KUBE-MARK-MASQ") for line in lines)
+    # ...but nothing in them points at a removed per-service chain any more.
+    assert not [line for line in lines if "KUBE-SVC-" in line or "KUBE-SEP-" in line or "KUBE-NODEPORTS" in line]
+
+
+def test_flush_leaves_a_node_without_kube_proxy_rules_untouched(netns_factory):
+    node, ref = netns_factory(), netns_factory()
+    load_reference(node)
+    load_reference(ref)
+    report = flush(["iptables", "ipvs"], "nftables", runner=node.run, iptables_tools=V4_NFT)
+    assert report.ok and report.total_removed() == 0
+    assert body(node.save()) == body(ref.save())
