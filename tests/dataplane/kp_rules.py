@@ -62,9 +62,10 @@ def iptables_mode_rules(services: int, *, v6: bool = False, endpoints_per_servic
         svc = f"KUBE-SVC-{_hash(name, 'tcp')}"
         if i % 97 == 96:
             # A Service without endpoints: kube-proxy rejects in filter, no nat chains.
+            reject = "icmp6-port-unreachable" if v6 else "icmp-port-unreachable"
             filter_svc_rules.append(
                 f'-A KUBE-SERVICES -d {cip}{plen} -p tcp -m comment --comment "{name} has no endpoints" '
-                f"-m tcp --dport 80 -j REJECT --reject-with {'icmp6-port-unreachable' if v6 else 'icmp-port-unreachable'}"
+                f"-m tcp --dport 80 -j REJECT --reject-with {reject}"
             )
             continue
         nat_chains.append(svc)
@@ -200,10 +201,10 @@ def nftables_mode_ruleset(services: int, *, family: str = "ip") -> str:
     for i in range(services):
         chain = f"service-{_hash(str(i))[:8]}-ns{i % 50}/svc{i}/tcp/http"
         cip = _cluster_ip(i, v6)
-        lines.append(f'add chain {family} kube-proxy "{chain}"')
-        lines.append(f'add rule {family} kube-proxy "{chain}" {"ip6" if v6 else "ip"} daddr {cip} '
+        lines.append(f'add chain {family} kube-proxy {chain}')
+        lines.append(f'add rule {family} kube-proxy {chain} {"ip6" if v6 else "ip"} daddr {cip} '
                      "jump mark-for-masquerade")
-        lines.append(f'add element {family} kube-proxy service-ips {{ {cip} . tcp . 80 : goto "{chain}" }}')
+        lines.append(f'add element {family} kube-proxy service-ips {{ {cip} . tcp . 80 : goto {chain} }}')
     return "\n".join(lines) + "\n"
 
 
