@@ -1,0 +1,131 @@
+"""`proxyshift status [POLICY] [--watch]`: the rollout as a person wants to see it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import kubernetes
+from kubernetes.client.exceptions import ApiException
+
+from proxyshift.api.common import API_GROUP, API_VERSION
+
+TERMINAL_PHASES = {"Ready", "Degraded"}
+
+
+def load_api(kubeconfig: str | None) -> kubernetes.client.CustomObjectsApi:
+    if kubeconfig or os.environ.get("KUBECONFIG") or not os.environ.get("KUBERNETES_SERVICE_HOST"):
+        kubernetes.config.load_kube_config(config_file=kubeconfig)
+    else:
+        kubernetes.config.load_incluster_config()
+    return kubernetes.client.CustomObjectsApi()
+
+
+def age(stamp: str | None, now: datetime) -> str:
+    if not stamp:
+        return "-"
+    seconds = int((now - datetime.fromisoformat(stamp.replace("Z", "+00:00"))).total_seconds())
+    if seconds < 120:
+        return f"{max(seconds, 0)}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m"
+    return f"{seconds // 3600}h"
+
+
+def table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows)
+
+
+def bar(done: int, total: int, width: int = 30) -> str:
+    filled = width * done // total if total else width
+    return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total}"
+
+
+def condition_line(cond: dict[str, Any]) -> str:
+    return f"{cond.get('type')}={cond.get('status')} ({cond.get('reason')}): {cond.get('message', '')}"
+
+
+def render_policies(policies: list[dict[str, Any]]) -> str:
+    rows = [["NAME", "MODE", "PHASE", "PROGRESS", "REVISION"]]
+    for p in sorted(policies, key=lambda p: p["metadata"]["name"]):
+        st = p.get("status") or {}
+        rows.append([p["metadata"]["name"], p["spec"].get("mode", ""), st.get("phase") or "-",
+                     st.get("progress") or "-", st.get("currentRevision") or "-"])
+    return table(rows)
+
+
+def render_policy(policy: dict[str, Any], proxynodes: list[dict[str, Any]], now: datetime) -> str:
+    name = policy["metadata"]["name"]
+    st = policy.get("status") or {}
+    counts = st.get("nodes") or {}
+    lines = [
+        f"ProxyPolicy {name}: mode {policy['spec'].get('mode')}  phase {st.get('phase') or 'Pending'}"
+        f"  revision {st.get('currentRevision') or '-'}",
+        "progress " + bar(int(counts.get("updated", 0)), int(counts.get("selected", 0))),
+    ]
+    lines += ["  " + condition_line(c) for c in st.get("conditions") or [] if c.get("status") == "True"]
+    owned = [n for n in proxynodes if (n.get("spec") or {}).get("policy") == name]
+    if owned:
+        rows = [["NODE", "PHASE", "MODE", "TARGET", "SINCE", "LEFTOVERS", "LAST ERROR"]]
+        for node in sorted(owned, key=lambda n: n["metadata"]["name"]):
+            spec, nst = node.get("spec") or {}, node.get("status") or {}
+            mig = spec.get("migration") or {}
+            error = mig.get("message") if mig.get("phase") in ("Failed", "RollingBack", "RolledBack") else ""
+            rows.append([
+                node["metadata"]["name"], mig.get("phase", "Pending"), nst.get("observedMode") or "?",
+                spec.get("mode") or "baseline", age(mig.get("phaseSince"), now),
+                ",".join(nst.get("leftovers") or []) or "-", (error or "")[:80],
+            ])
+        lines += ["", table(rows)]
+    for failure in st.get("failed") or []:
+        lines.append(f"  failed {failure.get('name')}: {failure.get('reason')}: {failure.get('message', '')}")
+    return "\n".join(lines)
+
+
+def snapshot(api: kubernetes.client.CustomObjectsApi, policy: str | None) -> tuple[str, str | None]:
+    now = datetime.now(UTC)
+    if policy is None:
+        items = api.list_cluster_custom_object(API_GROUP, API_VERSION, "proxypolicies")["items"]
+        return render_policies(items) if items else "no ProxyPolicies", None
+    body = api.get_cluster_custom_object(API_GROUP, API_VERSION, "proxypolicies", policy)
+    nodes = api.list_cluster_custom_object(API_GROUP, API_VERSION, "proxynodes")["items"]
+    return render_policy(body, nodes, now), (body.get("status") or {}).get("phase")
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="proxyshift status", description="Show a policy's rollout.")
+    parser.add_argument("policy", nargs="?", help="ProxyPolicy name (default: list all)")
+    parser.add_argument("--kubeconfig")
+    parser.add_argument("-w", "--watch", action="store_true", help="redraw every second")
+    parser.add_argument("--until-done", action="store_true",
+                        help="with --watch: exit when the policy is Ready (0) or Degraded (1)")
+    parser.add_argument("--interval", type=float, default=1.0)
+    parser.add_argument("--timeout", type=float, default=0, help="with --until-done: give up after N s")
+    args = parser.parse_args(list(argv))
+    api = load_api(args.kubeconfig)
+    started = time.monotonic()
+    while True:
+        try:
+            text, phase = snapshot(api, args.policy)
+        except ApiException as exc:
+            if exc.status == 404:
+                print(f"ProxyPolicy {args.policy!r} not found", file=sys.stderr)
+                return 1
+            raise
+        if args.watch and sys.stdout.isatty():
+            sys.stdout.write("\x1b[H\x1b[2J")
+        print(text + ("\n" if args.watch else ""), flush=True)
+        if not args.watch:
+            return 0
+        if args.until_done and phase in TERMINAL_PHASES:
+            return 0 if phase == "Ready" else 1
+        if args.timeout and time.monotonic() - started > args.timeout:
+            print(f"timed out after {args.timeout:g}s in phase {phase}", file=sys.stderr)
+            return 2
+        time.sleep(args.interval)
