@@ -10,7 +10,7 @@ import re
 from datetime import timedelta
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 API_GROUP = "proxyshift.io"
@@ -40,8 +40,18 @@ def _check_duration(text: str) -> str:
 Duration = Annotated[
     str,
     AfterValidator(_check_duration),
-    Field(json_schema_extra={"pattern": DURATION_PATTERN}),
+    # The bound keeps the API server's CEL cost estimate finite for rules that read durations.
+    Field(max_length=32, json_schema_extra={"pattern": DURATION_PATTERN}),
 ]
+
+# Bounds of a label selector, as Kubernetes' own validation allows (qualified name: 253 prefix + / + 63).
+MAX_SELECTOR_EXPRESSIONS = 32
+MAX_SELECTOR_VALUES = 64
+_VALUES_RULE = (
+    "self.operator in ['In', 'NotIn'] ? (has(self.values) && size(self.values) > 0) : "
+    "(!has(self.values) || size(self.values) == 0)"
+)
+_VALUES_MESSAGE = "values must be non-empty for In and NotIn, and empty for Exists and DoesNotExist"
 
 
 class KubeModel(BaseModel):
@@ -62,14 +72,28 @@ class KubeModel(BaseModel):
 class LabelSelectorRequirement(KubeModel):
     """One expression of a label selector, as in Kubernetes' LabelSelector."""
 
-    key: str = Field(description="The label key the selector applies to.")
+    model_config = KubeModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [{"rule": _VALUES_RULE, "message": _VALUES_MESSAGE, "fieldPath": ".values"}]
+        }
+    }
+
+    key: str = Field(max_length=317, description="The label key the selector applies to.")
     operator: Literal["In", "NotIn", "Exists", "DoesNotExist"] = Field(
         description="How the key relates to the values: In, NotIn, Exists or DoesNotExist."
     )
-    values: list[str] | None = Field(
+    values: list[Annotated[str, Field(max_length=63)]] | None = Field(
         default=None,
+        max_length=MAX_SELECTOR_VALUES,
         description="Values for In and NotIn (must be non-empty); empty for Exists and DoesNotExist.",
     )
+
+    @model_validator(mode="after")
+    def _values_match_operator(self) -> LabelSelectorRequirement:
+        wants_values = self.operator in ("In", "NotIn")
+        if wants_values != bool(self.values):
+            raise ValueError(_VALUES_MESSAGE)
+        return self
 
 
 class LabelSelector(KubeModel):
@@ -79,7 +103,9 @@ class LabelSelector(KubeModel):
         default=None, description="Labels a node must carry, all of them (ANDed)."
     )
     match_expressions: list[LabelSelectorRequirement] | None = Field(
-        default=None, description="Label expressions a node must satisfy, all of them (ANDed)."
+        default=None,
+        max_length=MAX_SELECTOR_EXPRESSIONS,
+        description="Label expressions a node must satisfy, all of them (ANDed)."
     )
 
     def matches(self, labels: dict[str, str]) -> bool:
