@@ -1,0 +1,360 @@
+"""The node half of the local cluster's network: bridge, node and endpoint namespaces, node simulators.
+
+Layout (docs/architecture.md, "Local cluster contracts"):
+
+- bridge `psbr0` in the root namespace, 198.18.0.1/16 (the apiserver advertises it);
+- node i: namespace `ps-node-<i>`, veth `psn<i>` <-> `eth0`, 198.18.0.<10+i>/16;
+- endpoint n: namespace `ps-ep-<n>`, veth `pse<n>` <-> `eth0`, 198.18.1.<n>/16.
+
+No namespace gets a default route. A node does need *some* route to the
+Service CIDR, because a locally generated packet is routed before the OUTPUT
+hook where kube-proxy DNATs it (with no route, connect() fails with
+ENETUNREACH and kube-proxy never sees the packet). That route points into a
+veth pair that lives entirely inside the node (`svcsink0` <-> `svcsink1`;
+the kernel here has no dummy driver), so a ClusterIP packet that no rule
+rewrites dies inside the node instead of reaching the bridge.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from proxyshift.commands import CommandError, run
+from proxyshift.localcluster import paths
+
+NODE_PREFIX = "ps-node-"
+ENDPOINT_PREFIX = "ps-ep-"
+NODE_VETH_PREFIX = "psn"
+ENDPOINT_VETH_PREFIX = "pse"
+SINK_LINK = "svcsink0"
+SINK_PEER = "svcsink1"
+NODE_SYSCTLS = ("net.ipv4.ip_forward=1",)
+MAX_NODES = 200  # 198.18.0.11 .. 198.18.0.210
+MAX_ENDPOINTS = 254  # 198.18.1.1 .. 198.18.1.254
+SIMULATOR_START_TIMEOUT = 90.0
+CREATED_PATHS_FILE = "created-host-paths.txt"
+DEFAULT_KUBELET_VERSION = "v1.37.2"
+
+
+def node_name(index: int) -> str:
+    return f"{NODE_PREFIX}{index}"
+
+
+def node_ip(index: int) -> str:
+    if not 1 <= index <= MAX_NODES:
+        raise ValueError(f"node index {index} outside 1..{MAX_NODES}")
+    return f"198.18.0.{10 + index}"
+
+
+def node_index(name: str) -> int:
+    if not name.startswith(NODE_PREFIX):
+        raise ValueError(f"{name!r} is not a local-cluster node name")
+    return int(name[len(NODE_PREFIX):])
+
+
+def endpoint_name(n: int) -> str:
+    return f"{ENDPOINT_PREFIX}{n}"
+
+
+def endpoint_ip(n: int) -> str:
+    if not 1 <= n <= MAX_ENDPOINTS:
+        raise ValueError(f"endpoint index {n} outside 1..{MAX_ENDPOINTS}")
+    return f"198.18.1.{n}"
+
+
+@dataclass(frozen=True)
+class ClusterAccess:
+    """What the node half needs from the control plane half's `cluster_info`."""
+
+    kubeconfig: Path
+    bin_dir: Path
+    api_url: str
+
+    @property
+    def api_host_port(self) -> tuple[str, int]:
+        rest = self.api_url.split("://", 1)[-1].split("/", 1)[0]
+        host, _, port = rest.rpartition(":")
+        return (host, int(port)) if host else (rest, 443)
+
+
+def cluster_access(cluster_info: Any) -> ClusterAccess:
+    """Read kubeconfig, bin dir and API URL from a mapping or an object with those attributes.
+
+    Takes controlplane.ClusterInfo or a dict: `kubeconfig`, `bin_dir`, and the API
+    URL the nodes use: `node_api_url`, else `api_url`, else https://198.18.0.1:6443
+    (the address the apiserver advertises).
+    """
+
+    def get(*names: str) -> Any:
+        for name in names:
+            value = cluster_info.get(name) if isinstance(cluster_info, Mapping) else getattr(
+                cluster_info, name, None)
+            if value:
+                return value
+        return None
+
+    kubeconfig = get("kubeconfig", "admin_kubeconfig", "kubeconfig_path")
+    bin_dir = get("bin_dir", "bindir")
+    if not kubeconfig or not bin_dir:
+        raise ValueError(f"cluster_info needs a kubeconfig and a bin_dir, got {cluster_info!r}")
+    api_url = get("node_api_url", "api_url") or \
+        f"https://{paths.BRIDGE_ADDRESS}:{paths.APISERVER_PORT}"
+    return ClusterAccess(Path(kubeconfig), Path(bin_dir), str(api_url))
+
+
+# --- namespaces and links -------------------------------------------------
+
+def _links() -> set[str]:
+    out = run(["ip", "-o", "link", "show"]).stdout
+    return {line.split(":", 2)[1].strip().split("@", 1)[0] for line in out.splitlines() if ":" in line}
+
+
+def list_namespaces(prefix: str = "ps-") -> list[str]:
+    out = run(["ip", "netns", "list"]).stdout
+    return sorted(line.split()[0] for line in out.splitlines() if line.split() and
+                  line.split()[0].startswith(prefix))
+
+
+def ensure_bridge() -> None:
+    """Create psbr0 with 198.18.0.1/16 in the root namespace (idempotent)."""
+    name = paths.BRIDGE_NAME
+    if name not in _links():
+        run(["ip", "link", "add", name, "type", "bridge"])
+    address = f"{paths.BRIDGE_ADDRESS}/{paths.BRIDGE_PREFIX}"
+    if address not in run(["ip", "-o", "-4", "addr", "show", "dev", name]).stdout:
+        run(["ip", "addr", "add", address, "dev", name])
+    run(["ip", "link", "set", name, "up"])
+
+
+def _ensure_netns(netns: str, veth: str, address: str) -> None:
+    """Namespace + veth into the bridge + address, with lo up and no default route (idempotent)."""
+    if netns not in list_namespaces(netns):
+        run(["ip", "netns", "add", netns])
+    if veth not in _links():
+        run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", netns])
+    run(["ip", "link", "set", veth, "master", paths.BRIDGE_NAME, "up"])
+    cidr = f"{address}/{paths.BRIDGE_PREFIX}"
+    if cidr not in run(["ip", "-o", "-4", "addr", "show", "dev", "eth0"], netns=netns).stdout:
+        run(["ip", "addr", "add", cidr, "dev", "eth0"], netns=netns)
+    run(["ip", "link", "set", "eth0", "up"], netns=netns)
+    run(["ip", "link", "set", "lo", "up"], netns=netns)
+
+
+def create_node_netns(index: int) -> str:
+    """The network side of node `index`: namespace, veth, address, service sink route, sysctls."""
+    netns, ip = node_name(index), node_ip(index)
+    _ensure_netns(netns, f"{NODE_VETH_PREFIX}{index}", ip)
+    links = run(["ip", "-o", "link", "show"], netns=netns).stdout
+    if f" {SINK_LINK}@" not in links:
+        run(["ip", "link", "add", SINK_LINK, "type", "veth", "peer", "name", SINK_PEER], netns=netns)
+    for link in (SINK_LINK, SINK_PEER):
+        run(["ip", "link", "set", link, "up"], netns=netns)
+    run(["ip", "route", "replace", paths.SERVICE_CIDR, "dev", SINK_LINK, "src", ip], netns=netns)
+    run(["sysctl", "-q", "-w", *NODE_SYSCTLS], netns=netns)
+    return netns
+
+
+def create_endpoint_netns(n: int) -> str:
+    netns = endpoint_name(n)
+    _ensure_netns(netns, f"{ENDPOINT_VETH_PREFIX}{n}", endpoint_ip(n))
+    return netns
+
+
+# --- nodes ------------------------------------------------------------------
+
+def _node_plan(pools: Mapping[str, int]) -> list[tuple[int, str]]:
+    plan: list[tuple[int, str]] = []
+    for pool, count in pools.items():
+        if count < 0:
+            raise ValueError(f"pool {pool!r}: negative node count")
+        plan.extend((len(plan) + 1, pool) for _ in range(count))
+    if len(plan) > MAX_NODES:
+        raise ValueError(f"{len(plan)} nodes requested, at most {MAX_NODES}")
+    return plan
+
+
+def node_dir(state_dir: Path, node: str) -> Path:
+    return paths.StateLayout(Path(state_dir)).nodes / node
+
+
+def simulator_argv(access: ClusterAccess, state_dir: Path, node: str, pool: str,
+                   kubelet_version: str = DEFAULT_KUBELET_VERSION) -> list[str]:
+    return [sys.executable, "-m", "proxyshift.localcluster.nodesim", "--node", node, "--pool", pool,
+            "--node-ip", node_ip(node_index(node)), "--kubeconfig", str(access.kubeconfig),
+            "--bin-dir", str(access.bin_dir), "--state-dir", str(state_dir), "--api-url", access.api_url,
+            "--kubelet-version", kubelet_version]
+
+
+def create_nodes(state_dir: Path, cluster_info: Any, pools: dict[str, int], *,
+                 kubelet_version: str = DEFAULT_KUBELET_VERSION) -> list[str]:
+    """Make the nodes of `pools` (e.g. {"blue": 2, "green": 1}) and return their names.
+
+    For each node: namespace and veth, the Node object and its Lease (created
+    here so the scheduler sees the node when this returns), and a detached
+    simulator process recorded in state.json. Waits until every simulator has
+    reported the node once. Idempotent: an existing namespace or object is kept.
+    """
+    from proxyshift.localcluster import nodesim, state  # nodesim pulls in the kubernetes client
+
+    state_dir = Path(state_dir)
+    access = cluster_access(cluster_info)
+    plan = _node_plan(pools)
+    layout = paths.StateLayout(state_dir)
+    state.record_path(state_dir, layout.nodes)
+    layout.nodes.mkdir(parents=True, exist_ok=True)
+    ensure_bridge()
+    api = nodesim.api_client(access.kubeconfig)
+    names = []
+    started = []
+    for index, pool in plan:
+        name = node_name(index)
+        names.append(name)
+        create_node_netns(index)
+        nodesim.ensure_node(api, nodesim.node_manifest(name, node_ip(index), pool, kubelet_version))
+        nodesim.renew_lease(api, name)
+        ready_file = node_dir(state_dir, name) / nodesim.READY_FILE
+        ready_file.unlink(missing_ok=True)
+        proc_name = f"nodesim-{name}"
+        if any(r["name"] == proc_name and r["alive"] for r in state.running(state_dir)):
+            continue
+        node_dir(state_dir, name).mkdir(parents=True, exist_ok=True)
+        proc = state.spawn(state_dir, proc_name, simulator_argv(access, state_dir, name, pool, kubelet_version))
+        started.append((name, proc, ready_file))
+    deadline = time.monotonic() + SIMULATOR_START_TIMEOUT
+    for name, proc, ready_file in started:
+        while not ready_file.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(f"node simulator for {name} exited {proc.returncode}; see "
+                                   f"{layout.log('nodesim-' + name)}: {_tail(layout.log('nodesim-' + name))}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"node simulator for {name} did not report within "
+                                   f"{SIMULATOR_START_TIMEOUT:g}s; see {layout.log('nodesim-' + name)}")
+            time.sleep(0.1)
+    return names
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    try:
+        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+# --- teardown ---------------------------------------------------------------
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _simulator_pids(state_dir: Path) -> list[int]:
+    """Running simulators and listeners of this package (by pid file, confirmed by cmdline)."""
+    pids = []
+    for pid_file in paths.StateLayout(Path(state_dir)).pids.glob("*.pid"):
+        with contextlib.suppress(ValueError, OSError):
+            pid = int(pid_file.read_text().strip())
+            cmd = _cmdline(pid)
+            if "proxyshift.localcluster.nodesim" in cmd or "proxyshift.localcluster.listener" in cmd:
+                pids.append(pid)
+    return pids
+
+
+def _namespace_pids(netns: str) -> list[int]:
+    try:
+        out = run(["ip", "netns", "pids", netns], check=False).stdout
+    except CommandError:
+        return []
+    return [int(p) for p in out.split() if p.isdigit()]
+
+
+def _kill_all(pids: list[int], grace: float) -> None:
+    pids = [p for p in set(pids) if p != os.getpid()]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                # Simulators and containers lead their own process groups: take their helpers too.
+                if os.getpgid(pid) == pid:
+                    os.killpg(pid, sig)
+                else:
+                    os.kill(pid, sig)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            for pid in pids:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+            if not any(Path(f"/proc/{pid}").exists() and _state_of(pid) not in ("Z", "X") for pid in pids):
+                return
+            time.sleep(0.05)
+
+
+def _state_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
+
+
+def _remove_created_host_paths(state_dir: Path) -> None:
+    """Remove mount points the containers had to create on the host, if still empty."""
+    record = paths.StateLayout(Path(state_dir)).nodes / CREATED_PATHS_FILE
+    try:
+        created = [Path(line) for line in record.read_text().splitlines() if line.startswith("/")]
+    except OSError:
+        return
+    for path in sorted(set(created), key=lambda p: len(p.parts), reverse=True):
+        with contextlib.suppress(OSError):
+            if path.is_dir() and not path.is_symlink():
+                path.rmdir()
+            elif path.is_file() and path.stat().st_size == 0:
+                path.unlink()
+
+
+def remove_all(state_dir: Path) -> None:
+    """Remove everything the node half made (idempotent, and safe on a half-made cluster).
+
+    Simulators and listeners first (so nothing restarts a container), then every
+    process inside a ps-* namespace, then the namespaces (which takes their
+    veths along), stray veths, the bridge, host mount points and nodes/.
+    """
+    state_dir = Path(state_dir)
+    _kill_all(_simulator_pids(state_dir), grace=3.0)
+    namespaces = list_namespaces()
+    _kill_all([pid for ns in namespaces for pid in _namespace_pids(ns)], grace=5.0)
+    for netns in namespaces:
+        run(["ip", "netns", "del", netns], check=False)
+    for link in _links():
+        if link.startswith((NODE_VETH_PREFIX, ENDPOINT_VETH_PREFIX)) and link[3:].isdigit():
+            run(["ip", "link", "del", link], check=False)
+    if paths.BRIDGE_NAME in _links():
+        run(["ip", "link", "del", paths.BRIDGE_NAME], check=False)
+    _remove_created_host_paths(state_dir)
+    shutil.rmtree(paths.StateLayout(state_dir).nodes, ignore_errors=True)
+
+
+def status(state_dir: Path) -> dict[str, Any]:
+    """The node half for `localcluster status`: namespaces, bridge ports, simulators."""
+    sims = {}
+    for pid_file in sorted(paths.StateLayout(Path(state_dir)).pids.glob("nodesim-*.pid")):
+        with contextlib.suppress(ValueError, OSError):
+            pid = int(pid_file.read_text().strip())
+            sims[pid_file.stem.removeprefix("nodesim-")] = {
+                "pid": pid, "alive": "proxyshift.localcluster.nodesim" in _cmdline(pid)}
+    links = _links()
+    return {
+        "namespaces": list_namespaces(),
+        "bridge": paths.BRIDGE_NAME in links,
+        "veths": sorted(link for link in links if link.startswith((NODE_VETH_PREFIX, ENDPOINT_VETH_PREFIX))
+                        and link[3:].isdigit()),
+        "simulators": sims,
+    }
