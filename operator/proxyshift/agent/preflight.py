@@ -1,0 +1,303 @@
+"""Can this node run kube-proxy in a given mode? Kernel, modules and tools, with fixes.
+
+kube-proxy exits when its mode cannot be used (no fallback), so a node that
+fails preflight is not touched. Every root (/proc, /sys, /lib/modules) and the
+tool versions are parameters: the unit tests run against fixture trees and
+canned versions, never against the host they run on.
+
+A module counts as present when it is loaded (/proc/modules, /sys/module/<m>)
+or built in (modules.builtin of the running release; /proc/net/ip_vs also
+proves ip_vs). A module that is only installed is reported missing with the
+modprobe to run, because a kube-proxy container cannot always load it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from proxyshift.agent.flush.base import Runner
+from proxyshift.agent.ownership import MODES, Mode
+from proxyshift.commands import CommandError, run
+
+NFTABLES_MIN_KERNEL = (5, 13)
+NFTABLES_MIN_NFT = (1, 0, 1)
+IPVS_MIN_IPSET = (6, 0)
+DEFAULT_IPVS_SCHEDULER = "rr"
+IPVS_SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "dh", "sh", "sed", "nq", "mh", "fo", "ovf", "twos")
+
+# What the status lists under "modules": the ones any mode cares about.
+RELEVANT_MODULES = ("ip_vs", *(f"ip_vs_{s}" for s in IPVS_SCHEDULERS), "nf_conntrack", "nf_tables",
+                    "nft_chain_nat", "nf_nat", "ip_tables", "iptable_nat", "ip6_tables", "ip6table_nat",
+                    "ip_set", "xt_set", "br_netfilter")
+
+ModuleState = Literal["present", "loadable", "absent", "unknown"]
+
+_VERSION = re.compile(r"v?(\d+(?:\.\d+)+)")
+
+
+def parse_version(text: str | None) -> tuple[int, ...] | None:
+    """First dotted version in a tool's --version text ("nftables v1.0.6 (...)" -> (1, 0, 6))."""
+    if not text:
+        return None
+    m = _VERSION.search(text)
+    return tuple(int(p) for p in m.group(1).split(".")) if m else None
+
+
+def parse_kernel_release(release: str) -> tuple[int, ...] | None:
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", release)
+    return tuple(int(g) for g in m.groups(default="0")) if m else None
+
+
+def _fmt(version: tuple[int, ...] | None) -> str | None:
+    return ".".join(map(str, version)) if version else None
+
+
+@dataclass(frozen=True)
+class ToolVersions:
+    """Versions of the tools on the node; each None when the tool is missing."""
+
+    nft: str | None = None
+    iptables: str | None = None
+    iptables_backend: str | None = None      # "nf_tables" or "legacy"
+    ipset: str | None = None
+    ipvsadm: str | None = None
+    nft_usable: bool | None = None           # `nft list tables` worked (nf_tables in the kernel)
+    iptables_nat: bool | None = None         # `iptables -t nat -S` worked (nat support)
+
+    def as_status(self) -> dict[str, str]:
+        """The ProxyNode status `tools` map (only what is known)."""
+        out = {"nft": self.nft, "iptables": self.iptables, "iptablesBackend": self.iptables_backend,
+               "ipset": self.ipset, "ipvsadm": self.ipvsadm}
+        return {k: v for k, v in out.items() if v}
+
+
+def _version_of(runner: Runner, argv: list[str]) -> str | None:
+    try:
+        res = runner(argv, timeout=10, check=False)
+    except CommandError:
+        return None
+    return (res.stdout + res.stderr).strip() or None
+
+
+def _works(runner: Runner, argv: list[str]) -> bool | None:
+    try:
+        return runner(argv, timeout=15, check=False).returncode == 0
+    except CommandError:
+        return None
+
+
+def detect_tools(runner: Runner = run) -> ToolVersions:
+    """Ask the node's tools for their versions; read-only commands only."""
+    nft_text = _version_of(runner, ["nft", "--version"])
+    ipt_text = _version_of(runner, ["iptables", "--version"])
+    backend = None
+    if ipt_text:
+        backend = "nf_tables" if "nf_tables" in ipt_text else "legacy" if "legacy" in ipt_text else None
+    return ToolVersions(
+        nft=_fmt(parse_version(nft_text)),
+        iptables=_fmt(parse_version(ipt_text)),
+        iptables_backend=backend,
+        ipset=_fmt(parse_version(_version_of(runner, ["ipset", "--version"]))),
+        ipvsadm=_fmt(parse_version(_version_of(runner, ["ipvsadm", "--version"]))),
+        nft_usable=_works(runner, ["nft", "list", "tables"]) if nft_text else None,
+        iptables_nat=_works(runner, ["iptables", "-w", "5", "-t", "nat", "-S", "POSTROUTING"]) if ipt_text else None,
+    )
+
+
+@dataclass(frozen=True)
+class Missing:
+    what: str
+    why: str
+    fix: str
+
+
+@dataclass
+class PreflightReport:
+    mode: Mode
+    scheduler: str | None
+    kernel_release: str | None
+    modules: dict[str, ModuleState]
+    tools: ToolVersions
+    missing: list[Missing] = field(default_factory=list)
+    loaded: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing
+
+    def present_modules(self) -> list[str]:
+        return sorted(m for m, s in self.modules.items() if s == "present")
+
+    def message(self) -> str:
+        target = self.mode + (f" (scheduler {self.scheduler})" if self.mode == "ipvs" else "")
+        if self.ok:
+            loaded = f"; loaded {', '.join(self.loaded)}" if self.loaded else ""
+            return f"preflight for {target} passed on kernel {self.kernel_release}{loaded}"
+        items = "; ".join(f"{m.what}: {m.why} (fix: {m.fix})" for m in self.missing)
+        return f"preflight for {target} failed on kernel {self.kernel_release}: {items}"
+
+    def details(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "scheduler": self.scheduler,
+            "kernelRelease": self.kernel_release,
+            "missing": [asdict(m) for m in self.missing],
+            "missingModules": [m.what.removeprefix("kernel module ") for m in self.missing
+                               if m.what.startswith("kernel module ")],
+            "modulesPresent": self.present_modules(),
+            "loaded": list(self.loaded),
+            "tools": self.tools.as_status(),
+        }
+
+
+@dataclass
+class KernelView:
+    """What the /proc, /sys and /lib/modules trees say about modules."""
+
+    proc_root: Path
+    sys_root: Path
+    modules_root: Path
+    release: str | None = None
+    _loaded: set[str] = field(default_factory=set)
+    _builtin: set[str] | None = None
+    _installed: set[str] = field(default_factory=set)
+
+    @staticmethod
+    def _norm(name: str) -> str:
+        return name.replace("-", "_")
+
+    @staticmethod
+    def _ko_name(path: str) -> str:
+        base = path.strip().rsplit("/", 1)[-1]
+        return KernelView._norm(base.split(".ko", 1)[0])
+
+    def read(self) -> KernelView:
+        osrelease = self.proc_root / "sys" / "kernel" / "osrelease"
+        self.release = osrelease.read_text().strip() if osrelease.exists() else None
+        self._loaded = set()
+        proc_modules = self.proc_root / "modules"
+        if proc_modules.exists():
+            self._loaded |= {self._norm(line.split()[0]) for line in proc_modules.read_text().splitlines()
+                             if line.strip()}
+        sys_modules = self.sys_root / "module"
+        if sys_modules.is_dir():
+            self._loaded |= {self._norm(p.name) for p in sys_modules.iterdir()}
+        if (self.proc_root / "net" / "ip_vs").exists():
+            self._loaded.add("ip_vs")
+        self._builtin = None
+        self._installed = set()
+        if self.release:
+            release_dir = self.modules_root / self.release
+            builtin = release_dir / "modules.builtin"
+            if builtin.exists():
+                self._builtin = {self._ko_name(line) for line in builtin.read_text().splitlines() if line.strip()}
+            dep = release_dir / "modules.dep"
+            if dep.exists():
+                self._installed = {self._ko_name(line.split(":", 1)[0]) for line in dep.read_text().splitlines()
+                                   if ":" in line}
+        return self
+
+    def state(self, module: str) -> ModuleState:
+        name = self._norm(module)
+        if name in self._loaded or (self._builtin is not None and name in self._builtin):
+            return "present"
+        if name in self._installed:
+            return "loadable"
+        return "absent" if self._builtin is not None else "unknown"
+
+
+def _module_missing(view: KernelView, module: str, why: str) -> Missing:
+    state = view.state(module)
+    if state == "loadable":
+        return Missing(f"kernel module {module}", f"{why}; installed but not loaded",
+                       f"modprobe {module} on the node, or set spec.preflight.loadModules")
+    if state == "unknown":
+        return Missing(f"kernel module {module}",
+                       f"{why}; not loaded, and modules.builtin of {view.release} is not readable to prove "
+                       "it is built in",
+                       f"modprobe {module} on the node (or set spec.preflight.loadModules), and mount "
+                       "/lib/modules read-only into the agent")
+    return Missing(f"kernel module {module}", f"{why}; kernel {view.release} has neither it loaded, built in "
+                   "nor installed", f"use a kernel built with {module} (or install its modules package)")
+
+
+def required_modules(mode: Mode, scheduler: str | None, extra_modules: Iterable[str]) -> list[tuple[str, str]]:
+    mods: list[tuple[str, str]] = []
+    if mode == "ipvs":
+        sched = scheduler or DEFAULT_IPVS_SCHEDULER
+        mods += [("ip_vs", "ipvs mode programs IPVS virtual servers"),
+                 (f"ip_vs_{sched}", f"the IPVS scheduler {sched!r} is its own module"),
+                 ("nf_conntrack", "ipvs mode relies on connection tracking")]
+    mods += [(m, "listed in spec.preflight.extraModules") for m in extra_modules]
+    return mods
+
+
+def _check_tools(mode: Mode, release_v: tuple[int, ...] | None, release: str | None,
+                 tools: ToolVersions) -> list[Missing]:
+    missing: list[Missing] = []
+    if mode == "nftables":
+        if release_v is None or release_v[:2] < NFTABLES_MIN_KERNEL:
+            missing.append(Missing("kernel >= 5.13", f"kube-proxy's nftables mode needs kernel 5.13 or newer; this "
+                                   f"node runs {release or 'an unknown kernel'}",
+                                   "upgrade the node's kernel, or keep this pool on iptables"))
+        nft_v = parse_version(tools.nft)
+        if nft_v is None:
+            missing.append(Missing("nft binary", "nftables mode is checked and debugged with nft",
+                                   "install the nftables package (nft >= 1.0.1)"))
+        elif nft_v < NFTABLES_MIN_NFT:
+            missing.append(Missing("nft >= 1.0.1", f"nft {tools.nft} is older than kube-proxy supports",
+                                   "upgrade the nftables package to 1.0.1 or newer"))
+        if tools.nft_usable is False:
+            missing.append(Missing("nf_tables", "`nft list tables` fails: the kernel has no usable nf_tables",
+                                   "load nf_tables (modprobe nf_tables) or use a kernel with CONFIG_NF_TABLES"))
+    if mode in ("iptables", "ipvs"):
+        if tools.iptables is None:
+            missing.append(Missing("iptables binary", f"{mode} mode programs rules with iptables-restore",
+                                   "install the iptables package"))
+        elif tools.iptables_nat is False:
+            missing.append(Missing("iptables nat table", "`iptables -t nat -S` fails: no NAT support",
+                                   "load iptable_nat (legacy) or nft_chain_nat (nf_tables backend)"))
+    if mode == "ipvs":
+        ipset_v = parse_version(tools.ipset)
+        if ipset_v is None:
+            missing.append(Missing("ipset binary", "ipvs mode keeps service addresses in ipsets",
+                                   "install the ipset package"))
+        elif ipset_v < IPVS_MIN_IPSET:
+            missing.append(Missing("ipset >= 6.0", f"ipset {tools.ipset} is older than kube-proxy accepts",
+                                   "upgrade the ipset package"))
+    return missing
+
+
+def check(mode: str, scheduler: str | None = None, *, proc_root: str | Path = "/proc",
+          sys_root: str | Path = "/sys", modules_root: str | Path = "/lib/modules", load_modules: bool = False,
+          extra_modules: Iterable[str] = (), tools: ToolVersions | None = None,
+          runner: Runner = run) -> PreflightReport:
+    """Preflight of `mode` on this node. `tools` defaults to asking the real tools."""
+    if mode not in MODES:
+        raise ValueError(f"unknown kube-proxy mode {mode!r}; expected one of {list(MODES)}")
+    if scheduler and scheduler not in IPVS_SCHEDULERS:
+        raise ValueError(f"unknown IPVS scheduler {scheduler!r}; expected one of {list(IPVS_SCHEDULERS)}")
+    view = KernelView(Path(proc_root), Path(sys_root), Path(modules_root)).read()
+    tools = tools if tools is not None else detect_tools(runner)
+    needed = required_modules(mode, scheduler, list(extra_modules))  # type: ignore[arg-type]
+    loaded: list[str] = []
+    if load_modules:
+        for module, _ in needed:
+            if view.state(module) in ("loadable", "unknown"):
+                try:
+                    runner(["modprobe", "--", module], timeout=30)
+                    loaded.append(module)
+                except CommandError:
+                    pass  # reported below as still missing
+        if loaded:
+            view.read()
+    missing = [_module_missing(view, m, why) for m, why in needed if view.state(m) != "present"]
+    missing += _check_tools(mode, parse_kernel_release(view.release or ""), view.release, tools)  # type: ignore[arg-type]
+    modules = {m: view.state(m) for m in dict.fromkeys([*RELEVANT_MODULES, *(m for m, _ in needed)])}
+    return PreflightReport(mode=mode, scheduler=(scheduler or DEFAULT_IPVS_SCHEDULER) if mode == "ipvs" else None,
+                           kernel_release=view.release, modules=modules, tools=tools, missing=missing,
+                           loaded=loaded)

@@ -1,0 +1,112 @@
+"""Preflight against fixture kernels (tests/fixtures/proc, sys) with canned tool versions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from proxyshift.agent.preflight import ToolVersions, check, detect_tools, parse_kernel_release, parse_version
+from proxyshift.commands import Result, ToolMissingError
+
+pytestmark = pytest.mark.unit
+
+FIX = Path(__file__).resolve().parents[1] / "fixtures"
+GOOD_TOOLS = ToolVersions(nft="1.0.9", iptables="1.8.10", iptables_backend="nf_tables", ipset="7.19",
+                          nft_usable=True, iptables_nat=True)
+
+
+def kernel(name: str, mode: str, scheduler: str | None = None, **kw):
+    kw.setdefault("tools", GOOD_TOOLS)
+    return check(mode, scheduler, proc_root=FIX / "proc" / name, sys_root=FIX / "sys" / name,
+                 modules_root=FIX / "sys" / name / "lib-modules", **kw)
+
+
+def test_builtin_ipvs_passes_for_every_scheduler_seen_through_sys_and_modules_builtin():
+    for sched in ("rr", "mh", "sh"):
+        report = kernel("ipvs-builtin", "ipvs", sched)
+        assert report.ok, report.message()
+    assert "ip_vs" in report.present_modules() and "ip_vs_mh" in report.present_modules()
+
+
+def test_kernel_without_ipvs_refuses_ipvs_listing_every_module_and_accepts_nftables():
+    report = kernel("no-ipvs", "ipvs")
+    assert not report.ok
+    assert report.details()["missingModules"] == ["ip_vs", "ip_vs_rr"]
+    assert "use a kernel built with ip_vs" in report.message()
+    assert kernel("no-ipvs", "nftables").ok
+
+
+def test_ip_vs_without_ip_vs_mh_says_how_to_load_it():
+    assert kernel("ipvs-no-mh", "ipvs", "rr").ok
+    report = kernel("ipvs-no-mh", "ipvs", "mh")
+    assert [m.what for m in report.missing] == ["kernel module ip_vs_mh"]
+    assert "modprobe ip_vs_mh" in report.missing[0].fix and "loadModules" in report.missing[0].fix
+
+
+def test_load_modules_modprobes_and_reports_what_it_loaded():
+    calls = []
+
+    def runner(argv, **_):
+        calls.append(list(argv))
+        return Result(list(argv), 0, "", "")
+
+    report = kernel("ipvs-no-mh", "ipvs", "mh", load_modules=True, runner=runner)
+    assert ["modprobe", "--", "ip_vs_mh"] in calls
+    assert report.loaded == ["ip_vs_mh"]
+    # The fixture tree does not change, so the module is still honestly reported missing.
+    assert not report.ok
+
+
+def test_old_kernel_refuses_nftables_but_not_iptables_or_ipvs():
+    report = kernel("old-5.4", "nftables")
+    assert [m.what for m in report.missing] == ["kernel >= 5.13"]
+    assert "5.4.0-150-generic" in report.message()
+    assert kernel("old-5.4", "iptables").ok
+    assert kernel("old-5.4", "ipvs", "wrr").ok
+
+
+def test_tool_requirements():
+    old_nft = ToolVersions(nft="0.9.8", iptables="1.8.7", iptables_backend="legacy", ipset="7.1",
+                           nft_usable=True, iptables_nat=True)
+    assert [m.what for m in kernel("no-ipvs", "nftables", tools=old_nft).missing] == ["nft >= 1.0.1"]
+    none = ToolVersions()
+    assert {m.what for m in kernel("ipvs-builtin", "ipvs", tools=none).missing} == {"iptables binary", "ipset binary"}
+    assert [m.what for m in kernel("no-ipvs", "nftables", tools=none).missing] == ["nft binary"]
+    no_nat = ToolVersions(iptables="1.8.9", iptables_nat=False)
+    assert [m.what for m in kernel("no-ipvs", "iptables", tools=no_nat).missing] == ["iptables nat table"]
+
+
+def test_extra_modules_and_bad_input():
+    report = kernel("no-ipvs", "nftables", extra_modules=["br_netfilter"])
+    assert [m.what for m in report.missing] == ["kernel module br_netfilter"]
+    with pytest.raises(ValueError, match="unknown kube-proxy mode"):
+        kernel("no-ipvs", "userspace")
+    with pytest.raises(ValueError, match="scheduler"):
+        kernel("no-ipvs", "ipvs", "fastest")
+
+
+def test_version_parsing():
+    assert parse_version("nftables v1.0.6 (Lester Gooch #5)") == (1, 0, 6)
+    assert parse_version("iptables v1.8.9 (nf_tables)") == (1, 8, 9)
+    assert parse_version("ipset v7.17, protocol version: 7") == (7, 17)
+    assert parse_version("garbage") is None
+    assert parse_kernel_release("6.18.44-fc-v669") == (6, 18, 44)
+    assert parse_kernel_release("5.4.0-150-generic") == (5, 4, 0)
+    assert parse_kernel_release("6.1-rc1") == (6, 1, 0)
+
+
+def test_detect_tools_with_a_fake_runner_and_missing_tools():
+    outputs = {"nft": "nftables v1.0.6 (Lester Gooch #5)", "iptables": "iptables v1.8.9 (legacy)",
+               "ipset": "ipset v7.17, protocol version: 7"}
+
+    def runner(argv, **_):
+        if argv[0] not in outputs:
+            raise ToolMissingError(argv, "not found")
+        return Result(list(argv), 0, outputs[argv[0]] if argv[1] == "--version" else "", "")
+
+    tools = detect_tools(runner)
+    assert tools == ToolVersions(nft="1.0.6", iptables="1.8.9", iptables_backend="legacy", ipset="7.17",
+                                 ipvsadm=None, nft_usable=True, iptables_nat=True)
+    assert tools.as_status() == {"nft": "1.0.6", "iptables": "1.8.9", "iptablesBackend": "legacy",
+                                 "ipset": "7.17"}
