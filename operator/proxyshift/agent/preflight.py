@@ -165,6 +165,7 @@ class KernelView:
     _loaded: set[str] = field(default_factory=set)
     _builtin: set[str] | None = None
     _installed: set[str] = field(default_factory=set)
+    modules_supported: bool = True
 
     @staticmethod
     def _norm(name: str) -> str:
@@ -180,6 +181,8 @@ class KernelView:
         self.release = osrelease.read_text().strip() if osrelease.exists() else None
         self._loaded = set()
         proc_modules = self.proc_root / "modules"
+        # No /proc/modules: a kernel without CONFIG_MODULES. What is not built in can never be loaded.
+        self.modules_supported = proc_modules.exists()
         if proc_modules.exists():
             self._loaded |= {self._norm(line.split()[0]) for line in proc_modules.read_text().splitlines()
                              if line.strip()}
@@ -207,7 +210,7 @@ class KernelView:
             return "present"
         if name in self._installed:
             return "loadable"
-        return "absent" if self._builtin is not None else "unknown"
+        return "absent" if self._builtin is not None or not self.modules_supported else "unknown"
 
 
 def _module_missing(view: KernelView, module: str, why: str) -> Missing:
@@ -221,6 +224,9 @@ def _module_missing(view: KernelView, module: str, why: str) -> Missing:
                        "it is built in",
                        f"modprobe {module} on the node (or set spec.preflight.loadModules), and mount "
                        "/lib/modules read-only into the agent")
+    if not view.modules_supported:
+        return Missing(f"kernel module {module}", f"{why}; kernel {view.release} is not built with it and cannot "
+                       "load modules (no /proc/modules)", f"use a kernel built with {module}")
     return Missing(f"kernel module {module}", f"{why}; kernel {view.release} has neither it loaded, built in "
                    "nor installed", f"use a kernel built with {module} (or install its modules package)")
 
