@@ -1,0 +1,148 @@
+"""kube-proxy /metrics parsing: recorded texts, dual-stack, hostile and malformed input."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxyshift.planner.metrics import MetricsError, histogram_quantile, parse_kube_proxy_metrics
+
+pytestmark = pytest.mark.unit
+
+FIX = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
+BOUNDS = [0.001 * 2**i for i in range(15)]
+
+
+def hist_text(counts_by_family: dict[str, list[int]], *, name="kubeproxy_sync_proxy_rules_duration_seconds"):
+    lines = [f"# TYPE {name} histogram"]
+    for fam, cum in counts_by_family.items():
+        for bound, c in zip([*BOUNDS, math.inf], cum, strict=True):
+            le = "+Inf" if math.isinf(bound) else f"{bound:g}"
+            lines.append(f'{name}_bucket{{ip_family="{fam}",le="{le}"}} {c}')
+        lines.append(f'{name}_sum{{ip_family="{fam}"}} 1.0')
+        lines.append(f'{name}_count{{ip_family="{fam}"}} {cum[-1]}')
+    return "\n".join(lines) + "\n"
+
+
+def base(extra: str = "") -> str:
+    return ("# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds 1.7e+09\n" + extra)
+
+
+@pytest.mark.parametrize("fixture", sorted(p.name for p in FIX.glob("*.txt")))
+def test_recorded_metrics_parse(fixture):
+    facts = parse_kube_proxy_metrics((FIX / fixture).read_text())
+    assert facts.process_start_time and facts.process_start_time > 1.6e9
+    assert facts.last_sync_timestamp and facts.last_sync_timestamp >= facts.process_start_time
+    assert facts.sync_count and facts.sync_count > 0
+    assert facts.sync_failures == 0
+    assert facts.sync_duration_p99_seconds is not None and 0 < facts.sync_duration_p99_seconds < 16.384
+
+
+def test_dual_stack_takes_the_facts_that_hold_for_both_families():
+    cum4 = [0] * 5 + [4] * 10 + [4]
+    cum6 = [0] * 5 + [2] * 10 + [2]
+    text = base(hist_text({"IPv4": cum4, "IPv6": cum6}) + (
+        "# TYPE kubeproxy_sync_proxy_rules_last_timestamp_seconds gauge\n"
+        'kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family="IPv4"} 1.70000002e+09\n'
+        'kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family="IPv6"} 1.70000001e+09\n'
+        "# TYPE kubeproxy_sync_proxy_rules_iptables_restore_failures_total counter\n"
+        'kubeproxy_sync_proxy_rules_iptables_restore_failures_total{ip_family="IPv4"} 1\n'
+        'kubeproxy_sync_proxy_rules_iptables_restore_failures_total{ip_family="IPv6"} 2\n'
+    ))
+    facts = parse_kube_proxy_metrics(text)
+    assert facts.sync_count == 2
+    assert facts.last_sync_timestamp == 1.70000001e9
+    assert facts.sync_failures == 3
+    assert 0.016 < facts.sync_duration_p99_seconds <= 0.032
+
+
+def test_unlabelled_metrics_of_older_kube_proxy_and_nftables_failures():
+    text = base(
+        "# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram\n"
+        'kubeproxy_sync_proxy_rules_duration_seconds_bucket{le="0.5"} 3\n'
+        'kubeproxy_sync_proxy_rules_duration_seconds_bucket{le="+Inf"} 3\n'
+        "kubeproxy_sync_proxy_rules_duration_seconds_sum 0.9\n"
+        "kubeproxy_sync_proxy_rules_duration_seconds_count 3\n"
+        "# TYPE kubeproxy_sync_proxy_rules_nftables_sync_failures_total counter\n"
+        "kubeproxy_sync_proxy_rules_nftables_sync_failures_total 4\n"
+    )
+    facts = parse_kube_proxy_metrics(text)
+    assert facts.sync_count == 3 and facts.sync_failures == 4
+    assert facts.last_sync_timestamp is None
+
+
+def test_p99_above_the_largest_bucket_is_infinite():
+    cum = [0] * 15 + [5]
+    facts = parse_kube_proxy_metrics(base(hist_text({"IPv4": cum})))
+    assert math.isinf(facts.sync_duration_p99_seconds)
+
+
+def test_no_syncs_yet_means_no_p99_and_zero_count():
+    facts = parse_kube_proxy_metrics(base(hist_text({"IPv4": [0] * 16})))
+    assert facts.sync_count == 0 and facts.sync_duration_p99_seconds is None
+
+
+@pytest.mark.parametrize("text, message", [
+    (base("# TYPE kubeproxy_sync_proxy_rules_last_timestamp_seconds gauge\n"
+          "kubeproxy_sync_proxy_rules_last_timestamp_seconds NaN\n"), "NaN"),
+    (base("# TYPE kubeproxy_sync_proxy_rules_iptables_restore_failures_total counter\n"
+          "kubeproxy_sync_proxy_rules_iptables_restore_failures_total -1\n"), "negative"),
+    (base("# TYPE kubeproxy_sync_proxy_rules_iptables_restore_failures_total counter\n"
+          "kubeproxy_sync_proxy_rules_iptables_restore_failures_total 1e300\n"), "implausibly large"),
+    ("process_start_time_seconds +Inf\n", "infinite"),
+    ("process_start_time_seconds 9e99\n", "implausibly large"),
+    ("kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family=IPv4} 1\n", "Prometheus text format"),
+    ("this is { not metrics\n", "Prometheus text format"),
+    ("# TYPE go_goroutines gauge\ngo_goroutines 12\n", "no kube-proxy metrics"),
+    (base(hist_text({"IPv4": [0] * 5 + [4] * 5 + [3] * 5 + [4]})), "not cumulative"),
+])
+def test_malformed_or_impossible_input_is_a_clear_error(text, message):
+    with pytest.raises(MetricsError, match=message):
+        parse_kube_proxy_metrics(text)
+
+
+def test_count_that_disagrees_with_the_inf_bucket_is_refused():
+    text = base(hist_text({"IPv4": [1] * 16}).replace('_count{ip_family="IPv4"} 1', '_count{ip_family="IPv4"} 9'))
+    with pytest.raises(MetricsError, match="differs from _count"):
+        parse_kube_proxy_metrics(text)
+
+
+def test_huge_text_is_refused_before_parsing():
+    with pytest.raises(MetricsError, match="limit"):
+        parse_kube_proxy_metrics("x" * 100, max_bytes=10)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=1000), min_size=15, max_size=15),
+       st.integers(min_value=0, max_value=1000), st.floats(min_value=0.01, max_value=0.999))
+def test_quantile_lies_inside_the_bucket_holding_the_rank(increments, inf_extra, q):
+    cum, total = [], 0
+    for inc in increments:
+        total += inc
+        cum.append(total)
+    points = [*zip(BOUNDS, map(float, cum), strict=True), (math.inf, float(total + inf_extra))]
+    value = histogram_quantile(q, points)
+    grand = total + inf_extra
+    if grand == 0:
+        assert value is None
+        return
+    rank = q * grand
+    holding = next(b for b, c in points if c >= rank)
+    if math.isinf(holding):
+        assert math.isinf(value)
+    else:
+        idx = BOUNDS.index(holding)
+        lower = BOUNDS[idx - 1] if idx else 0.0
+        assert lower - 1e-12 <= value <= holding + 1e-12
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=400))
+def test_arbitrary_text_never_crashes_with_anything_but_metrics_error(text):
+    with contextlib.suppress(MetricsError):
+        parse_kube_proxy_metrics(text)
