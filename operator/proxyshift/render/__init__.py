@@ -1,0 +1,43 @@
+"""Revision rendering: kube-proxy ConfigMaps/DaemonSets per policy config, their hashes and JSON patches. No I/O."""
+
+from proxyshift.render.affinity import (
+    affinity_patch_pair,
+    baseline_affinity_patch,
+    undo_baseline_affinity_patch,
+    without_revision_affinity,
+)
+from proxyshift.render.diff import diff, needs_recreate
+from proxyshift.render.kubeproxyconfig import config_hash, render_config
+from proxyshift.render.names import (
+    ANNOTATION_CONFIG_HASH,
+    LABEL_MANAGED_BY,
+    LABEL_POLICY,
+    LABEL_REVISION,
+    MANAGED_BY,
+    policy_label_value,
+    revision_name,
+    revision_object_names,
+)
+from proxyshift.render.revision import RenderedRevision, render_revision, revision_labels
+
+__all__ = [
+    "ANNOTATION_CONFIG_HASH",
+    "LABEL_MANAGED_BY",
+    "LABEL_POLICY",
+    "LABEL_REVISION",
+    "MANAGED_BY",
+    "RenderedRevision",
+    "affinity_patch_pair",
+    "baseline_affinity_patch",
+    "config_hash",
+    "diff",
+    "needs_recreate",
+    "policy_label_value",
+    "render_config",
+    "render_revision",
+    "revision_labels",
+    "revision_name",
+    "revision_object_names",
+    "undo_baseline_affinity_patch",
+    "without_revision_affinity",
+]

@@ -1,0 +1,79 @@
+"""The KubeProxyConfiguration a revision runs, and its hash.
+
+The rendered config is the baseline's config with the policy's mode and mode
+settings laid on top; every field of the baseline that proxyshift does not
+model is kept. The hash covers exactly what kube-proxy reads from the file,
+in a canonical form (sorted keys, no whitespace), so dict ordering never
+matters and any value kube-proxy would see differently gives a new hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import yaml
+
+from proxyshift.api.kubeproxy import (
+    KPIPTablesConfiguration,
+    KPIPVSConfiguration,
+    KPNFTablesConfiguration,
+    KubeProxyConfiguration,
+)
+from proxyshift.api.policy import IPVSSettings, ProxyPolicySpec
+from proxyshift.render.names import HASH_LENGTH
+
+CONFIG_KEY = "config.conf"
+
+
+def find_config_key(configmap: dict[str, Any]) -> str:
+    """The data key holding the KubeProxyConfiguration (kubeadm: config.conf)."""
+    data = configmap.get("data") or {}
+    if CONFIG_KEY in data:
+        return CONFIG_KEY
+    for key, text in sorted(data.items()):
+        try:
+            parsed = yaml.safe_load(text)
+        except yaml.YAMLError:
+            continue
+        if isinstance(parsed, dict) and parsed.get("kind") == "KubeProxyConfiguration":
+            return key
+    name = (configmap.get("metadata") or {}).get("name", "?")
+    raise ValueError(f"ConfigMap {name} holds no KubeProxyConfiguration (looked for {CONFIG_KEY})")
+
+
+def baseline_config(configmap: dict[str, Any]) -> KubeProxyConfiguration:
+    return KubeProxyConfiguration.from_yaml(configmap["data"][find_config_key(configmap)])
+
+
+def _overlay(target: Any, settings: Any) -> None:
+    # Only what the policy says is applied; a setting it leaves out keeps the baseline's value.
+    for name, value in settings.model_dump(exclude_none=True).items():
+        setattr(target, name, value)
+
+
+def render_config(spec: ProxyPolicySpec, baseline: KubeProxyConfiguration) -> KubeProxyConfiguration:
+    """Baseline config + the policy's mode and mode settings. The baseline is not modified."""
+    config = baseline.model_copy(deep=True)
+    config.mode = spec.mode
+    if spec.mode == "ipvs":
+        config.ipvs = config.ipvs or KPIPVSConfiguration()
+        # The scheduler is always written (default rr): an empty baseline scheduler means
+        # "kube-proxy's default", which may change between releases; the revision pins it.
+        _overlay(config.ipvs, spec.ipvs or IPVSSettings())
+    elif spec.mode == "iptables" and spec.iptables is not None:
+        config.iptables = config.iptables or KPIPTablesConfiguration()
+        _overlay(config.iptables, spec.iptables)
+    elif spec.mode == "nftables" and spec.nftables is not None:
+        config.nftables = config.nftables or KPNFTablesConfiguration()
+        _overlay(config.nftables, spec.nftables)
+    return config
+
+
+def canonical_json(config: KubeProxyConfiguration) -> str:
+    return json.dumps(config.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def config_hash(config: KubeProxyConfiguration) -> str:
+    return hashlib.sha256(canonical_json(config).encode()).hexdigest()[:HASH_LENGTH]
