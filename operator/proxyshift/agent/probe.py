@@ -1,0 +1,156 @@
+"""Probe of the node's kube-proxy from its own endpoints, and TCP connects to services.
+
+Every read is bounded in time (a deadline for the whole answer, not just per
+socket operation, so a server trickling one byte a second cannot hold the
+agent) and in size (a server answering gigabytes cannot exhaust its memory).
+"""
+
+from __future__ import annotations
+
+import http.client
+import ipaddress
+import socket
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from proxyshift.api.proxynode import KubeProxyFacts
+from proxyshift.planner.metrics import MetricsError, parse_kube_proxy_metrics
+
+DEFAULT_METRICS_ADDRESS = "127.0.0.1:10249"
+DEFAULT_HEALTH_ADDRESS = "127.0.0.1:10256"
+DEFAULT_TIMEOUT = 3.0
+DEFAULT_MAX_BYTES = 8 * 1024 * 1024
+_CHUNK = 64 * 1024
+
+
+def split_address(address: str, *, default_port: int | None = None) -> tuple[str, int]:
+    """"host:port" / "[v6]:port" -> (host, port); a wildcard bind address means loopback."""
+    text = address.strip()
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest.removeprefix(":")
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    else:
+        host, port_text = text, ""
+    if not port_text:
+        if default_port is None:
+            raise ValueError(f"{address!r} has no port")
+        port_text = str(default_port)
+    port = int(port_text)
+    if not 0 < port < 65536:
+        raise ValueError(f"{address!r}: port out of range")
+    host = host or "0.0.0.0"
+    if host in ("0.0.0.0", "::"):
+        # kube-proxy binds the wildcard; from the node itself the loopback reaches it.
+        host = "127.0.0.1" if host == "0.0.0.0" else "::1"
+    return host, port
+
+
+@dataclass(frozen=True)
+class HttpAnswer:
+    url: str
+    status: int | None = None
+    body: str = ""
+    error: str | None = None
+
+
+def http_get(address: str, path: str, *, timeout: float = DEFAULT_TIMEOUT,
+             max_bytes: int = DEFAULT_MAX_BYTES) -> HttpAnswer:
+    host, port = split_address(address)
+    shown = f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{port}{path}"
+    deadline = time.monotonic() + timeout
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET", path, headers={"Accept": "text/plain", "User-Agent": "proxyshift-agent"})
+        resp = conn.getresponse()
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return HttpAnswer(url, resp.status, error=f"GET {url}: no complete answer within {timeout:g}s")
+            if conn.sock is not None:
+                conn.sock.settimeout(left)
+            chunk = resp.read1(_CHUNK) if hasattr(resp, "read1") else resp.read(_CHUNK)
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > max_bytes:
+                return HttpAnswer(url, resp.status, error=f"GET {url}: answer larger than {max_bytes} bytes")
+            chunks.append(chunk)
+        return HttpAnswer(url, resp.status, b"".join(chunks).decode("utf-8", errors="replace"))
+    except (OSError, http.client.HTTPException) as exc:
+        return HttpAnswer(url, error=f"GET {url}: {exc.__class__.__name__}: {exc}")
+    finally:
+        conn.close()
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    proxy_mode: HttpAnswer
+    metrics: HttpAnswer
+    healthz: HttpAnswer
+
+
+def probe(metrics_address: str = DEFAULT_METRICS_ADDRESS, health_address: str = DEFAULT_HEALTH_ADDRESS, *,
+          timeout: float = DEFAULT_TIMEOUT, max_bytes: int = DEFAULT_MAX_BYTES) -> ProbeResult:
+    """Raw answers of /proxyMode, /metrics and /healthz (each independently bounded)."""
+    return ProbeResult(
+        proxy_mode=http_get(metrics_address, "/proxyMode", timeout=timeout, max_bytes=4096),
+        metrics=http_get(metrics_address, "/metrics", timeout=timeout, max_bytes=max_bytes),
+        healthz=http_get(health_address, "/healthz", timeout=timeout, max_bytes=64 * 1024),
+    )
+
+
+def facts_from_probe(result: ProbeResult, now: datetime | None = None) -> KubeProxyFacts:
+    """KubeProxyFacts for the status; `error` says what could not be read."""
+    errors: list[str] = []
+    facts = KubeProxyFacts()
+    if result.metrics.error:
+        errors.append(result.metrics.error)
+    elif result.metrics.status != 200:
+        errors.append(f"GET {result.metrics.url}: HTTP {result.metrics.status}")
+    else:
+        try:
+            facts = parse_kube_proxy_metrics(result.metrics.body)
+        except MetricsError as exc:
+            errors.append(f"{result.metrics.url}: {exc}")
+    mode = None
+    if result.proxy_mode.error:
+        errors.append(result.proxy_mode.error)
+    elif result.proxy_mode.status == 200:
+        mode = result.proxy_mode.body.strip()[:32] or None
+    else:
+        errors.append(f"GET {result.proxy_mode.url}: HTTP {result.proxy_mode.status}")
+    when = (now or datetime.now(UTC)).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return facts.model_copy(update={
+        "proxy_mode": mode,
+        # /healthz answers 503 with a body when unhealthy: that is a status, not a probe error.
+        "healthz_status": result.healthz.status,
+        "error": "; ".join(errors)[:1024] or None,
+        "probed_at": when,
+    })
+
+
+def tcp_connect(targets: Iterable[str], *, timeout: float = 2.0) -> dict[str, bool | str]:
+    """target "ip:port" -> True, or why the connect failed. Each target has its own timeout."""
+    results: dict[str, bool | str] = {}
+    for target in targets:
+        try:
+            host, port = split_address(target)
+            ipaddress.ip_address(host)  # only literal ClusterIPs: no DNS from the agent
+        except ValueError as exc:
+            results[target] = f"invalid target: {exc}"
+            continue
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                results[target] = True
+        except TimeoutError:
+            results[target] = f"timed out after {timeout:g}s"
+        except OSError as exc:
+            results[target] = exc.strerror or str(exc)
+    return results

@@ -1,0 +1,146 @@
+"""The kube-proxy probe against local HTTP servers: real answers, errors, hostile servers."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from proxyshift.agent.probe import facts_from_probe, http_get, probe, split_address, tcp_connect
+
+pytestmark = pytest.mark.unit
+
+METRICS = (Path(__file__).resolve().parents[1] / "fixtures" / "metrics" / "placeholder-nftables-v1.37.txt").read_text()
+
+
+class Handler(BaseHTTPRequestHandler):
+    routes: dict = {}
+
+    def log_message(self, *args):  # keep pytest output clean
+        pass
+
+    def do_GET(self):
+        route = self.routes.get(self.path)
+        if route is None:
+            self.send_error(404)
+            return
+        status, body = route
+        if callable(body):
+            body(self)
+            return
+        data = body.encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def _huge(handler):
+    handler.send_response(200)
+    handler.end_headers()
+    block = b"# " + b"x" * 65534 + b"\n"
+    try:
+        for _ in range(2000):  # 128 MiB if nobody stops reading
+            handler.wfile.write(block)
+    except OSError:
+        pass
+
+
+def _trickle(handler):
+    handler.send_response(200)
+    handler.end_headers()
+    try:
+        for _ in range(50):
+            handler.wfile.write(b"#")
+            handler.wfile.flush()
+            time.sleep(0.1)
+    except OSError:
+        pass
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, dict]]:
+    routes: dict = {}
+    handler = type("H", (Handler,), {"routes": routes})
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    srv.daemon_threads = True
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{srv.server_address[1]}", routes
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_probe_of_a_healthy_kube_proxy(server):
+    addr, routes = server
+    routes.update({"/proxyMode": (200, "nftables"), "/metrics": (200, METRICS), "/healthz": (200, "{}")})
+    facts = facts_from_probe(probe(addr, addr))
+    assert facts.error is None
+    assert facts.proxy_mode == "nftables" and facts.healthz_status == 200
+    assert facts.sync_count == 12 and facts.sync_failures == 0 and facts.probed_at.endswith("Z")
+
+
+def test_unhealthy_healthz_is_a_status_not_an_error(server):
+    addr, routes = server
+    routes.update({"/proxyMode": (200, "iptables\n"), "/metrics": (200, METRICS), "/healthz": (503, "{}")})
+    facts = facts_from_probe(probe(addr, addr))
+    assert facts.healthz_status == 503 and facts.error is None and facts.proxy_mode == "iptables"
+
+
+def test_nothing_listening_is_reported_as_an_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    facts = facts_from_probe(probe(f"127.0.0.1:{port}", f"127.0.0.1:{port}", timeout=1))
+    assert facts.proxy_mode is None and facts.healthz_status is None
+    assert "ConnectionRefused" in facts.error
+
+
+def test_garbage_metrics_are_an_error_in_the_facts(server):
+    addr, routes = server
+    routes.update({"/proxyMode": (200, "ipvs"), "/metrics": (200, "not { metrics"), "/healthz": (200, "")})
+    facts = facts_from_probe(probe(addr, addr))
+    assert facts.proxy_mode == "ipvs" and "Prometheus text format" in facts.error
+
+
+def test_a_huge_answer_is_cut_off_at_the_cap(server):
+    addr, routes = server
+    routes["/metrics"] = (200, _huge)
+    answer = http_get(addr, "/metrics", max_bytes=1024 * 1024, timeout=5)
+    assert answer.error and "larger than" in answer.error and answer.body == ""
+
+
+def test_a_trickling_server_cannot_hold_the_probe(server):
+    addr, routes = server
+    routes["/metrics"] = (200, _trickle)
+    started = time.monotonic()
+    answer = http_get(addr, "/metrics", timeout=1.0)
+    assert time.monotonic() - started < 2.5
+    assert answer.error and ("within" in answer.error or "timed out" in answer.error)
+
+
+def test_split_address():
+    assert split_address("0.0.0.0:10256") == ("127.0.0.1", 10256)
+    assert split_address("[::]:10256") == ("::1", 10256)
+    assert split_address("[2001:2::1]:443") == ("2001:2::1", 443)
+    assert split_address("198.19.0.1", default_port=443) == ("198.19.0.1", 443)
+    with pytest.raises(ValueError):
+        split_address("198.19.0.1:99999")
+
+
+def test_tcp_connect(server):
+    addr, _ = server
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    results = tcp_connect([addr, closed, "kubernetes.default:443"], timeout=1)
+    assert results[addr] is True
+    assert isinstance(results[closed], str) and "refused" in results[closed].lower()
+    assert results["kubernetes.default:443"].startswith("invalid target")
