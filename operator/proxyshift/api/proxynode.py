@@ -49,6 +49,19 @@ class NodeMigration(KubeModel):
     message: str | None = Field(default=None, description="Details of the last failure or wait.")
     started_at: str | None = Field(default=None, description="When the migration of this node started.")
     finished_at: str | None = Field(default=None, description="When the node reached Done or RolledBack.")
+    to_mode: str | None = Field(default=None, description="kube-proxy mode of the revision the node is moving to.")
+    generation: int | None = Field(
+        default=None, description="The policy's metadata.generation when this attempt started."
+    )
+    retry_token: str | None = Field(
+        default=None, description="The policy's proxyshift.io/retry annotation when this attempt started."
+    )
+    rollback_step: str | None = Field(
+        default=None, description="Step of a rollback: Label, Pod, Cleanup, Gate or Uncordon."
+    )
+    reverted_at: str | None = Field(
+        default=None, description="When the revision label was moved back to fromRevision (RFC 3339)."
+    )
 
 
 class ProxyNodeSpec(KubeModel):

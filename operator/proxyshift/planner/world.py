@@ -17,6 +17,12 @@ from proxyshift.api.proxynode import NodeMigration, Operation, ProxyNode
 
 REVISION_LABEL = "proxyshift.io/revision"
 RETRY_ANNOTATION = "proxyshift.io/retry"
+BASELINE_DAEMONSET = "kube-proxy"
+
+
+def daemonset_for(revision: str | None) -> str:
+    """Name of the kube-proxy DaemonSet a node with this revision label runs (None: the baseline)."""
+    return BASELINE_DAEMONSET if revision is None else f"kube-proxy-{revision}"
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,18 @@ class RevisionView:
 
 
 @dataclass(frozen=True)
+class RevisionTarget:
+    """The revision a policy's current spec renders to, computed by the operator with proxyshift.render.
+
+    The planner never renders: it only compares names, so the hash rules live in one place.
+    """
+
+    name: str  # "<policy>-<hash>", the label value
+    mode: str
+    scheduler: str | None = None
+
+
+@dataclass(frozen=True)
 class World:
     """Everything the planner may look at, read at one instant."""
 
@@ -70,6 +88,11 @@ class World:
     revisions: dict[str, RevisionView]
     kube_proxy_pods: dict[str, list[KubeProxyPodView]]  # node name -> pods on it
     baseline_mode: str = "iptables"
+    # policy name -> the revision its current spec renders to. A live policy missing here gets no new
+    # starts (the operator could not render it); in-flight nodes still finish.
+    current_revisions: dict[str, RevisionTarget] = field(default_factory=dict)
+    # "namespace/name" -> ClusterIP of the Services named in gate.probeServices.
+    service_ips: dict[str, str] = field(default_factory=dict)
 
 
 # ---- actions: each is one idempotent API step the operator performs ----

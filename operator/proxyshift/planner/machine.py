@@ -1,0 +1,614 @@
+"""The per-node state machine: one node's migration, one transition per call.
+
+    Pending -> Preflight -> [Cordon] -> Switch -> Gate -> [Cleanup -> Verify] -> [Uncordon] -> Done
+    Preflight failure            -> Failed (nothing on the node was touched)
+    Switch/Gate/Cleanup/Verify failure -> RollingBack -> RolledBack (or Failed if the old kube-proxy
+                                          does not pass the gate either)
+
+Everything the machine needs to resume is in ProxyNode.spec.migration, so a restarted operator
+continues where the old one stopped. Each transition writes its intent first (SetMigration) and
+then acts (label, cordon, ...): the operator performs actions in order and stops at the first
+error, so after a crash the recorded phase always tells which idempotent act to repeat.
+
+Operation ids are deterministic, "<toRevision|baseline>.<attempt>.<step>.<n>", so an operator that
+re-issues a step sends the same id and the agent (which runs each id once) does not repeat it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from proxyshift.api.common import parse_duration
+from proxyshift.api.policy import ProxyPolicySpec
+from proxyshift.api.proxynode import NodeMigration, Operation, OperationStatus, ProxyNode
+from proxyshift.planner.gate import GateVerdict, evaluate_gate
+from proxyshift.planner.timeutil import fmt, parse, remaining, seconds_since
+from proxyshift.planner.world import (
+    Action,
+    Cordon,
+    Drain,
+    Event,
+    KubeProxyPodView,
+    NodeView,
+    SetMigration,
+    SetRevisionLabel,
+    Uncordon,
+    daemonset_for,
+)
+
+IN_FLIGHT = frozenset({"Preflight", "Cordon", "Switch", "Gate", "Cleanup", "Verify", "Uncordon", "RollingBack"})
+TERMINAL = frozenset({"Done", "Failed", "RolledBack"})
+FAILED = frozenset({"Failed", "RolledBack"})
+# Before the label moves nothing on the node has changed, so these phases can be abandoned for free.
+UNTOUCHED = frozenset({"Preflight"})
+ALL_MODES = ("iptables", "ipvs", "nftables")
+
+POLL_SECONDS = 2.0  # how soon to look again while waiting for the agent or a pod
+PROBE_INTERVAL_SECONDS = 3.0  # gap between two gate probes of the same node
+CRASHLOOP_RESTARTS = 3  # a new kube-proxy pod restarting this often is not going to come up
+MESSAGE_LIMIT = 400  # agent messages are copied into API objects: keep them bounded
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a node should end up: a revision (None: the baseline kube-proxy) and its mode."""
+
+    revision: str | None
+    mode: str
+    scheduler: str | None = None
+
+
+@dataclass(frozen=True)
+class NodeInput:
+    """One node as the machine sees it, plus the owning policy's settings."""
+
+    policy: str
+    spec: ProxyPolicySpec
+    node: NodeView
+    proxynode: ProxyNode
+    pods: Sequence[KubeProxyPodView]
+    now: datetime
+    service_ips: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def migration(self) -> NodeMigration | None:
+        return self.proxynode.spec.migration
+
+
+@dataclass
+class Step:
+    """The machine's answer for one node: actions, the phase they lead to, when to look again."""
+
+    actions: list[Action]
+    phase: str
+    message: str = ""
+    requeue_after: float | None = None
+
+
+def clip(text: str | None) -> str:
+    text = text or ""
+    return text if len(text) <= MESSAGE_LIMIT else text[: MESSAGE_LIMIT - 3] + "..."
+
+
+def op_prefix(m: NodeMigration, step: str) -> str:
+    return f"{m.to_revision or 'baseline'}.{m.attempt or 0}.{step}."
+
+
+def op_id(m: NodeMigration, step: str, n: int) -> str:
+    return f"{op_prefix(m, step)}{n}"
+
+
+def is_in_flight(m: NodeMigration | None) -> bool:
+    return m is not None and m.phase in IN_FLIGHT
+
+
+# ---- building blocks ----
+
+
+def _timeout(inp: NodeInput) -> timedelta:
+    return parse_duration(inp.spec.gate.timeout)
+
+
+def _result(inp: NodeInput, operation: Operation | None) -> OperationStatus | None:
+    """The agent's report on `operation`, if the agent's last operation is that one."""
+    last = inp.proxynode.status.last_operation
+    if operation is None or last is None or last.id != operation.id:
+        return None
+    return last
+
+
+def _write(
+    inp: NodeInput,
+    m: NodeMigration,
+    operation: Operation | None,
+    *,
+    revision: str | None,
+    mode: str | None,
+    scheduler: str | None = None,
+) -> SetMigration:
+    return SetMigration(
+        node=inp.node.name,
+        policy=inp.policy,
+        revision=revision,
+        mode=mode,
+        scheduler=scheduler,
+        migration=m,
+        operation=operation,
+    )
+
+
+def _forward_write(inp: NodeInput, m: NodeMigration, operation: Operation | None) -> SetMigration:
+    return _write(inp, m, operation, revision=m.to_revision, mode=m.to_mode, scheduler=inp.proxynode.spec.scheduler)
+
+
+def _event(inp: NodeInput, reason: str, message: str, warning: bool = False) -> Event:
+    return Event(
+        policy=inp.policy, node=inp.node.name, type="Warning" if warning else "Normal", reason=reason,
+        message=clip(message),
+    )
+
+
+def _enter(inp: NodeInput, m: NodeMigration, phase: str, **changes: Any) -> NodeMigration:
+    return m.model_copy(update={"phase": phase, "phase_since": fmt(inp.now), **changes})
+
+
+def _wait(phase: str, message: str, after: float = POLL_SECONDS) -> Step:
+    return Step([], phase, message, after)
+
+
+def _pods(inp: NodeInput, revision: str | None) -> list[KubeProxyPodView]:
+    ds = daemonset_for(revision)
+    return [p for p in inp.pods if p.daemonset == ds]
+
+
+def _pod_swap(inp: NodeInput, old: str | None, new: str | None) -> tuple[bool, str, KubeProxyPodView | None]:
+    """(done, what we wait for, the new pod): old revision's pod gone, new one Running and Ready."""
+    old_pods = _pods(inp, old) if daemonset_for(old) != daemonset_for(new) else []
+    new_pods = [p for p in _pods(inp, new) if not p.deleting]
+    pod = new_pods[0] if new_pods else None
+    if old_pods:
+        return False, f"waiting for the old kube-proxy pod {old_pods[0].name} to go away", pod
+    if pod is None:
+        return False, f"waiting for a {daemonset_for(new)} pod on the node", None
+    if not (pod.running and pod.ready):
+        return False, f"waiting for kube-proxy pod {pod.name} to be Running and Ready", pod
+    return True, "", pod
+
+
+def _modes_to_remove(inp: NodeInput, keep: str, left: str | None) -> list[str]:
+    """Modes whose leftovers to flush: the one the node left plus any the agent found, never `keep`."""
+    modes = set(inp.proxynode.status.leftovers or [])
+    if left:
+        modes.add(left)
+    return [mode for mode in ALL_MODES if mode in modes and mode != keep]
+
+
+def _probe_params(inp: NodeInput) -> tuple[dict[str, Any], list[str]]:
+    services, unresolved = [], []
+    for ref in inp.spec.gate.probe_services or []:
+        ip = inp.service_ips.get(f"{ref.namespace}/{ref.name}")
+        if ip:
+            services.append(f"{ip}:{ref.port}")
+        else:
+            unresolved.append(f"{ref.namespace}/{ref.name}")
+    return {"services": services}, unresolved
+
+
+def _connects(details: Mapping[str, Any], expected: list[str]) -> dict[str, bool | str]:
+    """The agent's connect results ({target: true|"ok"|error} or [{target, ok, error}]), per expected target."""
+    raw = details.get("connects")
+    found: dict[str, bool | str] = {}
+    if isinstance(raw, Mapping):
+        for key, value in raw.items():
+            found[str(key)] = value if isinstance(value, bool | str) else bool(value)
+    elif isinstance(raw, list):
+        for item in raw:
+            if isinstance(item, Mapping) and "target" in item:
+                found[str(item["target"])] = True if item.get("ok") else str(item.get("error") or "failed")
+    return {target: found.get(target, "not probed") for target in expected}
+
+
+# ---- entry point: start a node ----
+
+
+def _preflight_op(inp: NodeInput, m: NodeMigration, scheduler: str | None) -> Operation:
+    return Operation(
+        id=op_id(m, "Preflight", 0),
+        type="Preflight",
+        params={
+            "mode": m.to_mode,
+            "scheduler": scheduler,
+            "loadModules": inp.spec.preflight.load_modules,
+            "extraModules": list(inp.spec.preflight.extra_modules or []),
+        },
+    )
+
+
+def start(
+    inp: NodeInput,
+    target: Target,
+    *,
+    from_mode: str,
+    generation: int | None,
+    retry_token: str | None,
+) -> Step:
+    """Pending -> Preflight: record the migration and ask the agent to check the node."""
+    prev = inp.migration
+    attempt = ((prev.attempt or 0) if prev else 0) + 1  # monotonic per node: op ids never repeat
+    m = NodeMigration(
+        phase="Preflight",
+        phase_since=fmt(inp.now),
+        from_revision=inp.node.revision,
+        from_mode=from_mode,
+        to_revision=target.revision,
+        to_mode=target.mode,
+        attempt=attempt,
+        started_at=fmt(inp.now),
+        generation=generation,
+        retry_token=retry_token,
+    )
+    op = _preflight_op(inp, m, target.scheduler)
+    where = target.revision or "the baseline kube-proxy"
+    return Step(
+        [
+            _write(inp, m, op, revision=target.revision, mode=target.mode, scheduler=target.scheduler),
+            _event(inp, "MigrationStarted", f"attempt {attempt}: {from_mode} -> {target.mode} ({where}); preflight"),
+        ],
+        "Preflight",
+        "preflight requested",
+        POLL_SECONDS,
+    )
+
+
+def abandon(inp: NodeInput, reason: str, message: str) -> Step:
+    """Drop a migration that has not touched the node (Preflight) back to Pending."""
+    m = inp.migration
+    assert m is not None and m.phase in UNTOUCHED
+    pending = _enter(inp, m, "Pending", reason=reason, message=clip(message))
+    return Step(
+        [
+            _write(inp, pending, None, revision=inp.node.revision, mode=m.from_mode),
+            _event(inp, reason, message),
+        ],
+        "Pending",
+        message,
+    )
+
+
+# ---- one transition of an in-flight node ----
+
+
+def step(inp: NodeInput) -> Step:
+    m = inp.migration
+    if m is None or m.phase not in IN_FLIGHT:
+        return Step([], m.phase if m else "Pending")
+    handler = {
+        "Preflight": _preflight,
+        "Cordon": _cordon,
+        "Switch": _switch,
+        "Gate": _gate,
+        "Cleanup": _cleanup,
+        "Verify": _gate,
+        "Uncordon": _uncordon,
+        "RollingBack": _rolling_back,
+    }[m.phase]
+    return handler(inp, m)
+
+
+def _preflight(inp: NodeInput, m: NodeMigration) -> Step:
+    op = inp.proxynode.spec.operation
+    if op is None or not op.id.startswith(op_prefix(m, "Preflight")):
+        # The start was recorded without its operation (or it was overwritten): ask again, same id.
+        redo = _preflight_op(inp, m, inp.proxynode.spec.scheduler)
+        return Step([_forward_write(inp, m, redo)], "Preflight", "preflight re-requested", POLL_SECONDS)
+    res = _result(inp, op)
+    if res is not None and res.state == "Succeeded":
+        if inp.spec.rollout.cordon:
+            return _enter_cordon(inp, m)
+        return _enter_switch(inp, m, f"preflight passed: {clip(res.message)}")
+    if res is not None and res.state == "Failed":
+        return _fail(inp, m, "PreflightFailed", f"preflight failed, node untouched: {res.message}")
+    left = remaining(m.phase_since, _timeout(inp), inp.now)
+    if left <= 0:
+        return _fail(inp, m, "PreflightTimeout",
+                     f"the agent did not report preflight {op.id} within {inp.spec.gate.timeout}; node untouched")
+    state = res.state if res else "not started"
+    return _wait("Preflight", f"waiting for the agent's preflight ({state})", min(POLL_SECONDS, left))
+
+
+def _fail(inp: NodeInput, m: NodeMigration, reason: str, message: str) -> Step:
+    failed = _enter(inp, m, "Failed", reason=reason, message=clip(message), finished_at=fmt(inp.now))
+    return Step(
+        [
+            _write(inp, failed, None, revision=inp.node.revision, mode=m.from_mode),
+            _event(inp, reason, message, warning=True),
+        ],
+        "Failed",
+        message,
+    )
+
+
+def _enter_cordon(inp: NodeInput, m: NodeMigration) -> Step:
+    # A node someone else cordoned stays theirs: we neither cordon nor uncordon it.
+    ours = not inp.node.unschedulable
+    nxt = _enter(inp, m, "Cordon", cordoned_by_us=ours)
+    actions: list[Action] = [_forward_write(inp, nxt, None)]
+    if ours:
+        actions += [Cordon(node=inp.node.name, reason="Cordoned"), _event(inp, "Cordoned", "cordoned for the switch")]
+    return Step(actions, "Cordon", "cordoning", POLL_SECONDS)
+
+
+def _cordon(inp: NodeInput, m: NodeMigration) -> Step:
+    if m.cordoned_by_us and not inp.node.unschedulable:
+        return Step([Cordon(node=inp.node.name, reason="Cordoned")], "Cordon", "cordoning", POLL_SECONDS)
+    actions: list[Action] = []
+    if inp.spec.rollout.drain:
+        # The operator's Drain raises while PodDisruptionBudgets block evictions, which stops the
+        # action list here: the switch is only recorded after the drain went through.
+        actions.append(Drain(node=inp.node.name, reason="Drained"))
+    nxt = _enter_switch(inp, m, "node cordoned" + (" and drained" if inp.spec.rollout.drain else ""))
+    return Step(actions + nxt.actions, nxt.phase, nxt.message, nxt.requeue_after)
+
+
+def _enter_switch(inp: NodeInput, m: NodeMigration, why: str) -> Step:
+    nxt = _enter(inp, m, "Switch", switched_at=fmt(inp.now))
+    return Step(
+        [
+            _forward_write(inp, nxt, None),
+            SetRevisionLabel(node=inp.node.name, revision=m.to_revision, reason="Switching"),
+            _event(inp, "Switching", f"{why}; moving the node to {daemonset_for(m.to_revision)}"),
+        ],
+        "Switch",
+        "switching",
+        POLL_SECONDS,
+    )
+
+
+def _switch(inp: NodeInput, m: NodeMigration) -> Step:
+    if inp.node.revision != m.to_revision:
+        return Step([SetRevisionLabel(node=inp.node.name, revision=m.to_revision, reason="Switching")],
+                    "Switch", "moving the revision label", POLL_SECONDS)
+    done, waiting, pod = _pod_swap(inp, m.from_revision, m.to_revision)
+    if done:
+        return _enter_probe(inp, m, "Gate", "the new kube-proxy pod is Ready")
+    if pod is not None and not pod.ready and pod.restarts >= CRASHLOOP_RESTARTS:
+        return _start_rollback(inp, m, "KubeProxyCrashLooping",
+                               f"the new kube-proxy pod {pod.name} restarted {pod.restarts} times without "
+                               "becoming Ready (kube-proxy exits when its mode cannot run)")
+    left = remaining(m.phase_since, _timeout(inp), inp.now)
+    if left <= 0:
+        return _start_rollback(inp, m, "SwitchTimeout", f"{waiting} for longer than {inp.spec.gate.timeout}")
+    return _wait("Switch", waiting, min(POLL_SECONDS, left))
+
+
+def _probe_op(inp: NodeInput, m: NodeMigration, step_name: str, n: int) -> Operation:
+    params, _ = _probe_params(inp)
+    return Operation(id=op_id(m, step_name, n), type="Probe", params=params)
+
+
+def _enter_probe(inp: NodeInput, m: NodeMigration, phase: str, why: str) -> Step:
+    nxt = _enter(inp, m, phase, message=None)
+    return Step(
+        [_forward_write(inp, nxt, _probe_op(inp, nxt, phase, 0)), _event(inp, phase, f"{why}; probing kube-proxy")],
+        phase,
+        "probing",
+        POLL_SECONDS,
+    )
+
+
+def _probe_round(
+    inp: NodeInput, m: NodeMigration, step_name: str, target_mode: str, since: str | None
+) -> tuple[GateVerdict | None, Operation | None, float | None]:
+    """Evaluate the current probe round: (verdict or None while the probe runs, next op to issue, wait)."""
+    op = inp.proxynode.spec.operation
+    prefix = op_prefix(m, step_name)
+    if op is None or not op.id.startswith(prefix):
+        return None, _probe_op(inp, m, step_name, 0), None
+    res = _result(inp, op)
+    if res is None or res.state == "Running":
+        return None, None, POLL_SECONDS
+    n = int(op.id.rsplit(".", 1)[1])
+    _, unresolved = _probe_params(inp)
+    switched = parse(since) or inp.now
+    if unresolved:
+        verdict = GateVerdict("wait", "ServiceNotFound", "no ClusterIP known for " + ", ".join(unresolved))
+    elif res.state == "Failed":
+        verdict = GateVerdict("wait", "ProbeFailed", f"the agent's probe failed: {clip(res.message)}")
+    else:
+        expected = list(op.params.get("services") or [])
+        connects = _connects(res.details, expected) if inp.spec.gate.probe_services else None
+        verdict = evaluate_gate(inp.proxynode.status.kube_proxy, inp.spec.gate, target_mode, switched, inp.now,
+                                connects)
+    if verdict.result != "wait":
+        return verdict, None, None
+    since_last = seconds_since(res.finished_at, inp.now)
+    if since_last is not None and since_last < PROBE_INTERVAL_SECONDS:
+        return verdict, None, PROBE_INTERVAL_SECONDS - since_last
+    return verdict, _probe_op(inp, m, step_name, n + 1), None
+
+
+def _gate(inp: NodeInput, m: NodeMigration) -> Step:
+    phase = m.phase
+    verdict, next_op, wait = _probe_round(inp, m, phase, m.to_mode or "", m.switched_at)
+    if verdict is not None and verdict.result == "fail":
+        return _start_rollback(inp, m, f"{phase}{verdict.reason}" if phase == "Verify" else verdict.reason,
+                               f"{phase.lower()}: {verdict.message}")
+    if verdict is not None and verdict.passed:
+        return _after_gate(inp, m, verdict)
+    left = remaining(m.phase_since, _timeout(inp), inp.now)
+    waiting = verdict.message if verdict else "waiting for the agent's probe"
+    if left <= 0:
+        reason = "GateTimeout" if phase == "Gate" else "VerifyTimeout"
+        return _start_rollback(inp, m, reason, f"not proven within {inp.spec.gate.timeout}: {waiting}")
+    actions: list[Action] = []
+    if next_op is not None:
+        note = m.model_copy(update={"message": clip(waiting)}) if verdict else m
+        actions.append(_forward_write(inp, note, next_op))
+    return Step(actions, phase, waiting, min(wait or POLL_SECONDS, left))
+
+
+def _after_gate(inp: NodeInput, m: NodeMigration, verdict: GateVerdict) -> Step:
+    if m.phase == "Gate":
+        remove = _modes_to_remove(inp, m.to_mode or "", m.from_mode if m.from_mode != m.to_mode else None)
+        if inp.spec.cleanup.stale_rules and remove:
+            nxt = _enter(inp, m, "Cleanup", message=None)
+            op = Operation(id=op_id(nxt, "Cleanup", 0), type="Cleanup",
+                           params={"removeModes": remove, "targetMode": m.to_mode})
+            return Step(
+                [_forward_write(inp, nxt, op),
+                 _event(inp, "GatePassed", f"{verdict.message}; cleaning up {', '.join(remove)} leftovers")],
+                "Cleanup", "cleanup requested", POLL_SECONDS,
+            )
+    return _finish_forward(inp, m, verdict.message)
+
+
+def _finish_forward(inp: NodeInput, m: NodeMigration, why: str) -> Step:
+    if m.cordoned_by_us:
+        nxt = _enter(inp, m, "Uncordon", message=None)
+        return Step(
+            [_forward_write(inp, nxt, None), Uncordon(node=inp.node.name, reason="Uncordoned")],
+            "Uncordon", why, POLL_SECONDS,
+        )
+    return _done(inp, m, why)
+
+
+def _done(inp: NodeInput, m: NodeMigration, why: str) -> Step:
+    nxt = _enter(inp, m, "Done", message=None, reason=None, finished_at=fmt(inp.now))
+    return Step(
+        [_forward_write(inp, nxt, None), _event(inp, "Migrated", f"now running {m.to_mode}: {why}")], "Done", why
+    )
+
+
+def _cleanup(inp: NodeInput, m: NodeMigration) -> Step:
+    op = inp.proxynode.spec.operation
+    if op is None or not op.id.startswith(op_prefix(m, "Cleanup")):
+        return _after_gate(inp, m.model_copy(update={"phase": "Gate"}), GateVerdict("pass", "GatePassed", "resumed"))
+    res = _result(inp, op)
+    if res is not None and res.state == "Succeeded":
+        return _enter_probe(inp, m, "Verify", f"cleanup done: {clip(res.message)}")
+    if res is not None and res.state == "Failed":
+        return _start_rollback(inp, m, "CleanupFailed", f"cleanup of stale rules failed: {res.message}")
+    left = remaining(m.phase_since, _timeout(inp), inp.now)
+    if left <= 0:
+        return _start_rollback(inp, m, "CleanupTimeout",
+                               f"the agent did not finish cleanup {op.id} within {inp.spec.gate.timeout}")
+    return _wait("Cleanup", "waiting for the agent's cleanup", min(POLL_SECONDS, left))
+
+
+def _uncordon(inp: NodeInput, m: NodeMigration) -> Step:
+    if m.cordoned_by_us and inp.node.unschedulable:
+        return Step([Uncordon(node=inp.node.name, reason="Uncordoned")], "Uncordon", "uncordoning", POLL_SECONDS)
+    return _done(inp, m, "uncordoned")
+
+
+# ---- rollback ----
+
+
+def _rollback_write(inp: NodeInput, m: NodeMigration, operation: Operation | None) -> SetMigration:
+    return _write(inp, m, operation, revision=m.from_revision, mode=m.from_mode)
+
+
+def _start_rollback(inp: NodeInput, m: NodeMigration, reason: str, message: str) -> Step:
+    nxt = _enter(inp, m, "RollingBack", rollback_step="Label", reason=reason, message=clip(message))
+    # Keep the agent's current operation in the spec: clearing it mid-run would not stop it, and the
+    # Label step waits for it to finish before it moves the label.
+    return Step(
+        [_rollback_write(inp, nxt, inp.proxynode.spec.operation),
+         _event(inp, reason, f"rolling back to {m.from_mode}: {message}", warning=True)],
+        "RollingBack", message, 0.0,
+    )
+
+
+def _agent_busy(inp: NodeInput, m: NodeMigration) -> OperationStatus | None:
+    """An operation of this attempt the agent is still running (e.g. a cleanup that timed out)."""
+    last = inp.proxynode.status.last_operation
+    attempt_prefix = f"{m.to_revision or 'baseline'}.{m.attempt or 0}."
+    if last is not None and last.state == "Running" and last.id.startswith(attempt_prefix):
+        return last
+    return None
+
+
+def _rolling_back(inp: NodeInput, m: NodeMigration) -> Step:
+    sub = m.rollback_step or "Label"
+    if sub == "Label":
+        busy = _agent_busy(inp, m)
+        if busy is not None:
+            # Moving kube-proxy while the agent rewrites the same kernel tables would race it.
+            return _wait("RollingBack", f"waiting for the agent to finish {busy.type} {busy.id} before rolling back")
+        nxt = m.model_copy(update={"rollback_step": "Pod", "reverted_at": fmt(inp.now), "phase_since": fmt(inp.now)})
+        actions: list[Action] = [_rollback_write(inp, nxt, None)]
+        if inp.node.revision != m.from_revision:
+            actions.append(SetRevisionLabel(node=inp.node.name, revision=m.from_revision, reason="RollingBack"))
+        return Step(actions, "RollingBack", "moving the node back", POLL_SECONDS)
+    if sub == "Pod":
+        if inp.node.revision != m.from_revision:
+            return Step([SetRevisionLabel(node=inp.node.name, revision=m.from_revision, reason="RollingBack")],
+                        "RollingBack", "moving the revision label back", POLL_SECONDS)
+        done, waiting, _ = _pod_swap(inp, m.to_revision, m.from_revision)
+        if not done:
+            # No timeout: there is nowhere safer to go than the revision the node came from.
+            return _wait("RollingBack", waiting)
+        remove = _modes_to_remove(inp, m.from_mode or "", m.to_mode if m.to_mode != m.from_mode else None)
+        if inp.spec.cleanup.stale_rules and remove:
+            nxt = m.model_copy(update={"rollback_step": "Cleanup", "phase_since": fmt(inp.now)})
+            op = Operation(id=op_id(nxt, "RollbackCleanup", 0), type="Cleanup",
+                           params={"removeModes": remove, "targetMode": m.from_mode})
+            return Step([_rollback_write(inp, nxt, op)], "RollingBack", "cleaning up the target mode", POLL_SECONDS)
+        return _enter_rollback_gate(inp, m)
+    if sub == "Cleanup":
+        op = inp.proxynode.spec.operation
+        res = _result(inp, op)
+        finished = res is not None and res.state in ("Succeeded", "Failed")
+        if not finished and remaining(m.phase_since, _timeout(inp), inp.now) > 0:
+            return _wait("RollingBack", "waiting for the agent's cleanup of the target mode")
+        if _agent_busy(inp, m) is not None:
+            return _wait("RollingBack", "waiting for the agent to finish the cleanup")
+        # A failed cleanup leaves stale rules of a mode nobody runs: worth a note, not worth stopping.
+        note = None if res is not None and res.state == "Succeeded" else clip(
+            f"cleanup of {m.to_mode} leftovers did not succeed: {res.message if res else 'no answer'}")
+        return _enter_rollback_gate(inp, m, note)
+    if sub == "Gate":
+        verdict, next_op, wait = _probe_round(inp, m, "RollbackGate", m.from_mode or "", m.reverted_at)
+        if verdict is not None and verdict.passed:
+            if m.cordoned_by_us:
+                nxt = m.model_copy(update={"rollback_step": "Uncordon", "phase_since": fmt(inp.now)})
+                return Step([_rollback_write(inp, nxt, None), Uncordon(node=inp.node.name, reason="Uncordoned")],
+                            "RollingBack", "uncordoning", POLL_SECONDS)
+            return _rolled_back(inp, m)
+        left = remaining(m.phase_since, _timeout(inp), inp.now)
+        waiting = verdict.message if verdict else "waiting for the agent's probe"
+        if (verdict is not None and verdict.result == "fail") or left <= 0:
+            why = waiting if left > 0 else f"not proven within {inp.spec.gate.timeout}: {waiting}"
+            failed = _enter(inp, m, "Failed", reason="RollbackGateFailed", finished_at=fmt(inp.now),
+                            message=clip(f"rolled back after {m.reason}, but the old kube-proxy does not pass "
+                                         f"the gate either ({why}); left cordoned if we cordoned it"))
+            return Step([_rollback_write(inp, failed, None),
+                         _event(inp, "RollbackGateFailed", failed.message or "", warning=True)], "Failed", why)
+        actions: list[Action] = [_rollback_write(inp, m, next_op)] if next_op is not None else []
+        return Step(actions, "RollingBack", waiting, min(wait or POLL_SECONDS, left))
+    if sub == "Uncordon":
+        if m.cordoned_by_us and inp.node.unschedulable:
+            return Step([Uncordon(node=inp.node.name, reason="Uncordoned")], "RollingBack", "uncordoning",
+                        POLL_SECONDS)
+        return _rolled_back(inp, m)
+    return Step([], "RollingBack", f"unknown rollback step {sub!r}")
+
+
+def _enter_rollback_gate(inp: NodeInput, m: NodeMigration, note: str | None = None) -> Step:
+    nxt = m.model_copy(update={"rollback_step": "Gate", "phase_since": fmt(inp.now)})
+    if note:
+        nxt = nxt.model_copy(update={"message": clip(f"{m.message}; {note}")})
+    return Step([_rollback_write(inp, nxt, _probe_op(inp, nxt, "RollbackGate", 0))], "RollingBack",
+                "probing the old kube-proxy", POLL_SECONDS)
+
+
+def _rolled_back(inp: NodeInput, m: NodeMigration) -> Step:
+    nxt = _enter(inp, m, "RolledBack", rollback_step=None, finished_at=fmt(inp.now))
+    return Step(
+        [_rollback_write(inp, nxt, None),
+         _event(inp, "RolledBack", f"back on {m.from_mode} after {m.reason}: {m.message}", warning=True)],
+        "RolledBack", m.message or "",
+    )

@@ -1,0 +1,383 @@
+"""plan(world, policy) -> Plan: the rollout rules of one policy, pure.
+
+Per call the planner (1) steps every node the policy has in flight one transition, (2) decides
+whether and which new nodes may start (ownership, maxUnavailable, stages, pauses, halts), (3) keeps
+the policy's revisions (EnsureRevision / DeleteRevision), handles deletion, and (4) writes the
+status. The operator performs the actions in order, stopping at the first error, and calls again.
+docs/planner.md states the rules in prose.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from proxyshift.api.common import parse_duration
+from proxyshift.api.policy import NodeFailure, NodeProgress, ProxyPolicy
+from proxyshift.api.proxynode import ProxyNode
+from proxyshift.planner import machine
+from proxyshift.planner.machine import FAILED, NodeInput, Target, is_in_flight
+from proxyshift.planner.ordering import node_key
+from proxyshift.planner.ownership import Ownership, compute_ownership, is_deleting, revision_policy
+from proxyshift.planner.status import Summary, build_status, transitions
+from proxyshift.planner.timeutil import fmt, parse, utc
+from proxyshift.planner.world import (
+    RETRY_ANNOTATION,
+    Action,
+    DeleteRevision,
+    EnsureProxyNode,
+    EnsureRevision,
+    Event,
+    Plan,
+    RecordStatus,
+    RemoveFinalizer,
+    SetMigration,
+    World,
+)
+
+ENSURE_BATCH = 50  # ProxyNodes created per call: keeps one plan's action list short on a new fleet
+RELEASE = "release"  # a node the policy lets go of (left alone, ProxyNode spec cleared)
+
+
+def resolve_max_unavailable(value: int | str, total: int) -> int:
+    """An int, or a percent of `total` rounded down; never below 1 so a rollout can always move."""
+    if isinstance(value, int):
+        return max(1, value)
+    percent = int(str(value).rstrip("%"))
+    return max(1, math.floor(percent * total / 100))
+
+
+def stage_targets(policy: ProxyPolicy, total: int) -> list[int]:
+    """Cumulative node counts each stage must reach. Percent rounds up so 1% of 10 nodes is 1 node."""
+    stages = policy.spec.rollout.stages or []
+    targets = []
+    for stage in stages:
+        if stage.nodes is not None:
+            targets.append(min(stage.nodes, total))
+        else:
+            targets.append(min(total, math.ceil((stage.percent or 100) * total / 100)))
+    return targets
+
+
+@dataclass
+class _Node:
+    name: str
+    target: Target | str | None  # Target, RELEASE, or None when the current revision is not known yet
+    proxynode: ProxyNode | None
+    kind: str = "pending"  # inflight | updated | failed | halting | pending | release
+    forward: bool = True  # moving to the current revision (as opposed to back to the baseline)
+
+
+@dataclass
+class _Ctx:
+    world: World
+    policy: ProxyPolicy
+    ownership: dict[str, Ownership]
+    actions: list[Action] = field(default_factory=list)
+    requeue: list[float] = field(default_factory=list)
+
+    @property
+    def now(self) -> datetime:
+        return utc(self.world.now)
+
+    @property
+    def name(self) -> str:
+        return self.policy.name
+
+    def event(self, reason: str, message: str, warning: bool = False) -> None:
+        self.actions.append(Event(policy=self.name, node=None, type="Warning" if warning else "Normal",
+                                  reason=reason, message=message))
+
+    def wake(self, seconds: float | None) -> None:
+        if seconds is not None:
+            self.requeue.append(max(0.0, seconds))
+
+
+def _mode_of(world: World, revision: str | None) -> str:
+    if revision is None:
+        return world.baseline_mode
+    view = world.revisions.get(revision)
+    return view.mode if view is not None else "unknown"
+
+
+def _node_input(ctx: _Ctx, name: str, pn: ProxyNode) -> NodeInput:
+    w = ctx.world
+    return NodeInput(policy=ctx.name, spec=ctx.policy.spec, node=w.nodes[name], proxynode=pn,
+                     pods=tuple(w.kube_proxy_pods.get(name, ())), now=ctx.now, service_ips=w.service_ips)
+
+
+def _release(ctx: _Ctx, name: str, pn: ProxyNode) -> None:
+    node = ctx.world.nodes.get(name)
+    label = node.revision if node is not None else None
+    ctx.actions.append(SetMigration(node=name, policy=None, revision=label, mode=_mode_of(ctx.world, label),
+                                    scheduler=None, migration=None, operation=None, reason="Released"))
+
+
+def _classify(ctx: _Ctx, deleting: bool, current: Target | None) -> list[_Node]:
+    policy, world = ctx.policy, ctx.world
+    gen = policy.metadata.get("generation")
+    token = (policy.metadata.get("annotations") or {}).get(RETRY_ANNOTATION)
+    orphan = deleting and policy.spec.deletion_policy == "Orphan"
+    result = []
+    for name, own in ctx.ownership.items():
+        if own.owner != ctx.name:
+            continue
+        node = world.nodes[name]
+        pn = world.proxynodes.get(name)
+        entry = _Node(name, None, pn)
+        if not deleting and ctx.name in own.selected_by:
+            entry.target = current
+        elif orphan or revision_policy(world, node.revision) != ctx.name:
+            entry.target, entry.forward = RELEASE, False
+        else:
+            entry.target, entry.forward = Target(None, world.baseline_mode), False
+        m = pn.spec.migration if pn is not None else None
+        target = entry.target
+        if is_in_flight(m):
+            entry.kind = "inflight"
+        elif target is RELEASE or target is None:
+            entry.kind = "release" if target is RELEASE else "pending"
+        elif isinstance(target, Target) and node.revision == target.revision:
+            entry.kind = "updated" if entry.forward else "release"
+        elif (m is not None and m.phase in FAILED and isinstance(target, Target)
+              and m.to_revision == target.revision):
+            halting = m.generation == gen and m.retry_token == token
+            entry.kind = "halting" if halting else "failed"
+        result.append(entry)
+    result.sort(key=lambda e: (node_key(e.name), e.name))
+    return result
+
+
+def _stage(ctx: _Ctx, current: Target | None, total: int, updated: int) -> tuple[int | None, str | None, int, str]:
+    """(stage index, stage start, how many more forward nodes may be in flight, why not more)."""
+    stages = ctx.policy.spec.rollout.stages
+    if not stages or current is None:
+        return None, None, 1 << 30, ""
+    status = ctx.policy.status
+    if status.current_revision == current.revision and status.stage is not None:
+        index, started = min(status.stage, len(stages) - 1), status.stage_started_at or fmt(ctx.now)
+    else:
+        index, started = 0, fmt(ctx.now)  # a new revision is a new rollout: canary again
+    targets = stage_targets(ctx.policy, total)
+
+    def opens_in(i: int) -> float:
+        pause = stages[i - 1].pause if i > 0 else None
+        if not pause:
+            return 0.0
+        start = parse(started) or ctx.now
+        return (start + parse_duration(pause) - ctx.now).total_seconds()
+
+    while index < len(stages) - 1 and updated >= targets[index] and opens_in(index) <= 0:
+        ctx.event("StageCompleted", f"stage {index + 1} of {len(stages)} done: {updated}/{total} nodes updated")
+        index, started = index + 1, fmt(ctx.now)
+    wait = opens_in(index)
+    if wait > 0:
+        ctx.wake(wait)
+        return index, started, 0, f"pausing {stages[index - 1].pause} after stage {index} (for {wait:.0f}s more)"
+    return index, started, targets[index], ""
+
+
+def _between_nodes(ctx: _Ctx, nodes: list[_Node]) -> str:
+    pause = ctx.policy.spec.rollout.pause_between_nodes
+    if not pause:
+        return ""
+    finished = [parse(e.proxynode.spec.migration.finished_at) for e in nodes
+                if e.proxynode is not None and e.proxynode.spec.migration is not None
+                and e.proxynode.spec.migration.phase == "Done"]
+    last = max((f for f in finished if f is not None), default=None)
+    if last is None:
+        return ""
+    wait = (last + parse_duration(pause) - ctx.now).total_seconds()
+    if wait > 0:
+        ctx.wake(wait)
+        return f"pauseBetweenNodes: next node in {wait:.0f}s"
+    return ""
+
+
+def _revisions_in_use(world: World) -> set[str]:
+    used = {n.revision for n in world.nodes.values() if n.revision is not None}
+    for pn in world.proxynodes.values():
+        m = pn.spec.migration
+        if is_in_flight(m):
+            assert m is not None
+            used.update(r for r in (m.from_revision, m.to_revision, pn.spec.revision) if r)
+    return used
+
+
+def plan(world: World, policy_name: str) -> Plan:
+    policy = world.policies.get(policy_name)
+    if policy is None:
+        return Plan([])
+    ctx = _Ctx(world, policy, compute_ownership(world))
+    deleting = is_deleting(policy)
+    rendered = world.current_revisions.get(policy_name)
+    current = Target(rendered.name, rendered.mode, rendered.scheduler) if rendered and not deleting else None
+    nodes = _classify(ctx, deleting, current)
+    gen = policy.metadata.get("generation")
+    token = (policy.metadata.get("annotations") or {}).get(RETRY_ANNOTATION)
+
+    # 1. in-flight nodes: one transition each (abandon an untouched preflight whose target moved on).
+    progress: list[NodeProgress] = []
+    rolling_back = 0
+    for e in nodes:
+        if e.kind != "inflight" or e.proxynode is None:
+            continue
+        inp = _node_input(ctx, e.name, e.proxynode)
+        m = e.proxynode.spec.migration
+        assert m is not None
+        moved_on = e.target is RELEASE or (isinstance(e.target, Target) and e.target.revision != m.to_revision)
+        if m.phase in machine.UNTOUCHED and moved_on:
+            result = machine.abandon(inp, "Superseded", "the target changed before the switch; starting over")
+        else:
+            result = machine.step(inp)
+        ctx.actions += result.actions
+        ctx.wake(result.requeue_after)
+        rolling_back += m.phase == "RollingBack"
+        progress.append(NodeProgress(name=e.name, phase=m.phase, since=m.phase_since or fmt(ctx.now),
+                                     revision=m.to_revision, message=result.message))
+
+    # 2. the revision of the current spec must exist before any node can move to it.
+    revision_missing = False
+    if current is not None and current.revision not in world.revisions:
+        revision_missing = True
+        ctx.actions.append(EnsureRevision(policy=policy_name, revision=current.revision, reason="RevisionCreated",
+                                          message=f"kube-proxy {current.mode} revision {current.revision}"))
+        ctx.wake(machine.POLL_SECONDS)
+
+    forward = [e for e in nodes if e.forward and e.target is not RELEASE]
+    selected = len(forward)
+    updated = sum(e.kind == "updated" for e in forward)
+    in_flight = sum(e.kind == "inflight" for e in nodes)
+    inflight_forward = sum(e.kind == "inflight" for e in forward)
+    halting = [e for e in nodes if e.kind == "halting"]
+    eligible = [e for e in nodes if e.kind in ("pending", "failed") and isinstance(e.target, Target)]
+
+    # 3. may new nodes start, and how many?
+    stage, stage_started, stage_room, waiting = _stage(ctx, current, selected, updated)
+    blocked = ""
+    if halting or rolling_back:
+        blocked = "halted by a failed node"
+    elif policy.spec.rollout.paused and not deleting:
+        blocked = "paused"  # a deletion is a later decision than the pause, so it is not held by it
+    elif waiting:
+        blocked = waiting
+    else:
+        blocked = _between_nodes(ctx, nodes)
+    base = len([e for e in nodes if e.target is not RELEASE])
+    capacity = resolve_max_unavailable(policy.spec.rollout.max_unavailable, base) - in_flight
+    stage_room -= updated + inflight_forward
+    started: list[str] = []
+    ensure = 0
+    if not blocked:
+        for e in eligible:
+            if capacity <= 0:
+                break
+            target = e.target
+            assert isinstance(target, Target)
+            if e.forward and (revision_missing or stage_room <= 0):
+                continue
+            node = world.nodes[e.name]
+            if not node.ready:
+                continue  # its agent could not answer; it keeps its place in the order
+            if e.proxynode is None:
+                if ensure < ENSURE_BATCH:
+                    ctx.actions.append(EnsureProxyNode(node=e.name, policy=policy_name, reason="ProxyNodeCreated"))
+                    ensure += 1
+                continue
+            inp = _node_input(ctx, e.name, e.proxynode)
+            result = machine.start(inp, target, from_mode=_mode_of(world, node.revision), generation=gen,
+                                   retry_token=token)
+            ctx.actions += result.actions
+            ctx.wake(result.requeue_after)
+            capacity -= 1
+            stage_room -= e.forward
+            started.append(e.name)
+            progress.append(NodeProgress(name=e.name, phase="Preflight", since=fmt(ctx.now),
+                                         revision=target.revision, message="preflight requested"))
+    if ensure:
+        ctx.wake(machine.POLL_SECONDS)
+
+    # 4. let go of nodes that are no longer ours (they keep their label).
+    for e in nodes:
+        if e.kind == "release" and e.proxynode is not None and e.proxynode.spec.policy == policy_name:
+            _release(ctx, e.name, e.proxynode)
+    for name, pn in world.proxynodes.items():
+        own = ctx.ownership.get(name)  # None: the Node is gone, its ProxyNode goes with it
+        if (pn.spec.policy == policy_name and own is not None and own.owner is None
+                and not is_in_flight(pn.spec.migration)):
+            _release(ctx, name, pn)
+
+    # 5. revisions nobody uses any more; deletion.
+    in_use = _revisions_in_use(world)
+    if current is not None:
+        in_use.add(current.revision)
+    mine = sorted(r.name for r in world.revisions.values() if r.policy == policy_name)
+    orphan = deleting and policy.spec.deletion_policy == "Orphan"
+    if not orphan:
+        for rev in mine:
+            if rev not in in_use:
+                ctx.actions.append(DeleteRevision(revision=rev, reason="RevisionDeleted",
+                                                  message=f"no node runs {rev} any more"))
+    if deleting:
+        still_mine = [e for e in nodes if e.kind != "release"]
+        if orphan and not any(e.kind == "inflight" for e in nodes):
+            for e in still_mine:
+                if e.proxynode is not None and e.proxynode.spec.policy == policy_name:
+                    _release(ctx, e.name, e.proxynode)
+            ctx.actions.append(RemoveFinalizer(policy=policy_name, reason="Orphaned",
+                                               message="nodes and revisions left as they are"))
+        elif not orphan and not still_mine and not mine:
+            ctx.actions.append(RemoveFinalizer(policy=policy_name, reason="Reverted",
+                                               message="every node is back on the baseline kube-proxy"))
+        elif not orphan and not still_mine:
+            ctx.wake(machine.POLL_SECONDS)  # waiting for the DeleteRevisions to land
+
+    # 6. status.
+    failures = [
+        NodeFailure(name=e.name, phase=m.phase, reason=m.reason or m.phase, message=m.message or "",
+                    at=m.finished_at or m.phase_since or fmt(ctx.now))
+        for e in nodes if e.kind in ("halting", "failed") and e.proxynode is not None
+        and (m := e.proxynode.spec.migration) is not None
+    ]
+    halting_names = {e.name for e in halting}
+    conflicting = [name for name, own in ctx.ownership.items()
+                   if not deleting and policy_name in own.selected_by and own.owner not in (None, policy_name)]
+    conflicting.sort(key=lambda n: (node_key(n), n))
+    summary = Summary(
+        generation=gen,
+        revision=current.revision if current else policy.status.current_revision,
+        mode=current.mode if current else world.baseline_mode,
+        deleting=deleting,
+        paused=policy.spec.rollout.paused,
+        selected=selected,
+        updated=updated,
+        pending=max(0, selected - updated - inflight_forward - sum(e.kind in ("halting", "failed") for e in forward)),
+        in_flight=sorted(progress, key=lambda p: (node_key(p.name), p.name)),
+        failures=failures,
+        halting=[f for f in failures if f.name in halting_names],
+        rolling_back=rolling_back,
+        conflicting=conflicting,
+        conflict_owners={n: ctx.ownership[n].owner or "" for n in conflicting[:20]},
+        stage=stage,
+        stage_started_at=stage_started,
+        retry_token=token,
+        waiting=blocked,
+        revision_missing=revision_missing,
+    )
+    status = build_status(policy, summary, ctx.now)
+    for reason, message, warning in transitions(policy.status, status):
+        ctx.event(reason, message, warning)
+    if status.model_dump() != policy.status.model_dump():
+        ctx.actions.append(RecordStatus(policy=policy_name, status=status))
+
+    outstanding = in_flight or started or (eligible and not halting) or revision_missing
+    requeue = min(ctx.requeue) if ctx.requeue else (machine.POLL_SECONDS if outstanding and not blocked else None)
+    if blocked == "paused" and not in_flight:
+        requeue = None  # nothing moves until the spec changes, which wakes the operator anyway
+    return Plan(
+        actions=ctx.actions,
+        requeue_after_seconds=requeue,
+        details={"started": started, "blocked": blocked, "phase": status.phase, "capacity": capacity,
+                 "stage": stage},
+    )

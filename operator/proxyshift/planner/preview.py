@@ -1,0 +1,98 @@
+"""`proxyshift plan`: which nodes each stage will take, in order, and which will fail preflight.
+
+The prediction reads the inventory the agents already reported in ProxyNode.status (modules,
+kernel, tool versions); the real preflight on the node stays the authority.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from proxyshift.api.policy import ProxyPolicy
+from proxyshift.api.proxynode import ProxyNode
+from proxyshift.planner.ordering import node_key
+from proxyshift.planner.ownership import compute_ownership
+from proxyshift.planner.planner import stage_targets
+from proxyshift.planner.world import World
+
+NFTABLES_MIN_KERNEL = (5, 13)
+NFT_MIN_VERSION = (1, 0, 1)
+
+
+@dataclass(frozen=True)
+class PreviewStage:
+    stage: int  # 1-based, as a person counts
+    target: int  # cumulative number of updated nodes at the end of the stage
+    pause: str | None
+    nodes: list[str]  # in the order they will be migrated
+    preflight_failures: dict[str, list[str]] = field(default_factory=dict)  # node -> problems
+
+
+def _version(text: str | None, parts: int) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    match = re.search(r"(\d+(?:\.\d+)*)", text)
+    if not match:
+        return None
+    numbers = [int(x) for x in match.group(1).split(".")][:parts]
+    return tuple(numbers + [0] * (parts - len(numbers)))
+
+
+def predict_preflight(pn: ProxyNode | None, policy: ProxyPolicy) -> list[str]:
+    """Problems the node's preflight will report, judging from the inventory its agent published."""
+    if pn is None or (pn.status.heartbeat is None and not pn.status.kernel_release):
+        return ["no inventory yet: the node's agent has not reported"]
+    mode = policy.spec.mode
+    have = set(pn.status.modules)
+    tools = pn.status.tools
+    problems = []
+    needed: list[str] = []
+    if mode == "ipvs":
+        needed = ["ip_vs", f"ip_vs_{policy.spec.scheduler}", "nf_conntrack"]
+        if "ipset" not in tools:
+            problems.append("ipset not found (ipvs mode needs it)")
+    elif mode == "nftables":
+        kernel = _version(pn.status.kernel_release, 2)
+        if kernel is None or kernel < NFTABLES_MIN_KERNEL:
+            problems.append(f"kernel {pn.status.kernel_release or 'unknown'} is older than 5.13 (nftables needs it)")
+        nft = _version(tools.get("nft"), 3)
+        if nft is None or nft < NFT_MIN_VERSION:
+            problems.append(f"nft {tools.get('nft') or 'not found'}: nftables mode needs nft >= 1.0.1")
+    elif "iptables" not in tools:
+        problems.append("iptables not found")
+    needed += list(policy.spec.preflight.extra_modules or [])
+    missing = [m for m in needed if m not in have]
+    if missing:
+        verb = "will be loaded (loadModules)" if policy.spec.preflight.load_modules else "missing"
+        if not policy.spec.preflight.load_modules:
+            problems.append(f"kernel modules {verb}: {', '.join(missing)}")
+    return problems
+
+
+def preview(world: World, policy_name: str) -> list[PreviewStage]:
+    policy = world.policies[policy_name]
+    ownership = compute_ownership(world)
+    rendered = world.current_revisions.get(policy_name)
+    names = sorted(
+        (n for n, own in ownership.items() if own.owner == policy_name and policy_name in own.selected_by),
+        key=lambda n: (node_key(n), n),
+    )
+    total = len(names)
+    todo = [n for n in names if rendered is None or world.nodes[n].revision != rendered.name]
+    done = total - len(todo)
+    stages = policy.spec.rollout.stages
+    targets = stage_targets(policy, total) if stages else [total]
+    pauses = [s.pause for s in stages] if stages else [None]
+    result, taken = [], 0
+    for index, (target, pause) in enumerate(zip(targets, pauses, strict=True)):
+        count = max(0, target - done - taken)
+        batch = todo[taken : taken + count]
+        taken += len(batch)
+        failures = {}
+        for name in batch:
+            problems = predict_preflight(world.proxynodes.get(name), policy)
+            if problems:
+                failures[name] = problems
+        result.append(PreviewStage(index + 1, target, pause, batch, failures))
+    return result

@@ -1,0 +1,182 @@
+"""The ProxyPolicy status: counts, bounded node lists and conditions per the Kubernetes API conventions.
+
+The status must stay small at any fleet size (an object is capped at 1.5 MiB by etcd and a status
+that grows with the fleet makes every watch event expensive), so the node lists are capped and
+every message copied from a node is clipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from proxyshift.api.common import Condition
+from proxyshift.api.policy import NodeCounts, NodeFailure, NodeProgress, ProxyPolicy, ProxyPolicyStatus
+from proxyshift.planner.timeutil import fmt
+
+LIST_LIMIT = 20  # entries in inFlight, failed and conflictingNodes
+NODE_MESSAGE_LIMIT = 120
+CONDITION_MESSAGE_LIMIT = 400
+NAMES_IN_MESSAGE = 5
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Paused", "Conflict")
+
+
+def clip(text: str | None, limit: int) -> str:
+    text = text or ""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def name_list(names: list[str], total: int | None = None) -> str:
+    total = len(names) if total is None else total
+    shown = ", ".join(names[:NAMES_IN_MESSAGE])
+    return shown + (f" and {total - NAMES_IN_MESSAGE} more" if total > NAMES_IN_MESSAGE else "")
+
+
+@dataclass
+class Summary:
+    """What the planner found and decided for one policy, the input of the status."""
+
+    generation: int | None
+    revision: str | None
+    mode: str
+    deleting: bool
+    paused: bool
+    selected: int = 0
+    updated: int = 0
+    pending: int = 0
+    in_flight: list[NodeProgress] = field(default_factory=list)  # every in-flight node, in node order
+    failures: list[NodeFailure] = field(default_factory=list)  # every failed / rolled-back node
+    halting: list[NodeFailure] = field(default_factory=list)  # the failures that stop new starts
+    rolling_back: int = 0
+    conflicting: list[str] = field(default_factory=list)  # in node order
+    conflict_owners: dict[str, str] = field(default_factory=dict)
+    stage: int | None = None
+    stage_started_at: str | None = None
+    retry_token: str | None = None
+    waiting: str = ""  # why no new node starts right now, for the Progressing message
+    revision_missing: bool = False
+
+
+def set_condition(
+    old: list[Condition], type_: str, status: bool, reason: str, message: str, now: datetime,
+    generation: int | None,
+) -> Condition:
+    """A condition whose lastTransitionTime moves only when its status changes."""
+    value = "True" if status else "False"
+    previous = next((c for c in old if c.type == type_), None)
+    since = previous.last_transition_time if previous is not None and previous.status == value else fmt(now)
+    return Condition(
+        type=type_, status=value, reason=reason, message=clip(message, CONDITION_MESSAGE_LIMIT),
+        last_transition_time=since, observed_generation=generation,
+    )
+
+
+def _phase(s: Summary) -> str:
+    if s.deleting:
+        return "Deleting"
+    if s.revision_missing:
+        return "Pending"
+    if s.halting or s.rolling_back:
+        return "Degraded"
+    if s.selected == 0 and s.conflicting:
+        return "Conflict"
+    if s.updated == s.selected and not s.in_flight:
+        return "Ready"
+    if s.paused:
+        return "Paused"
+    return "Progressing"
+
+
+def build_status(policy: ProxyPolicy, s: Summary, now: datetime) -> ProxyPolicyStatus:
+    old = policy.status.conditions
+    gen = s.generation
+    complete = s.updated == s.selected and not s.in_flight and not s.deleting and not s.revision_missing
+    halted = bool(s.halting) or s.rolling_back > 0
+
+    if complete:
+        ready = set_condition(old, "Ready", True, "NoNodesSelected" if s.selected == 0 else "RolloutComplete",
+                              f"all {s.selected} selected nodes run {s.mode} ({s.revision})", now, gen)
+    else:
+        reason = ("Deleting" if s.deleting else "RevisionPending" if s.revision_missing
+                  else "RolloutHalted" if halted else "RolloutInProgress")
+        ready = set_condition(old, "Ready", False, reason, f"{s.updated}/{s.selected} nodes run {s.revision}",
+                              now, gen)
+
+    if complete:
+        progressing = set_condition(old, "Progressing", False, "RolloutComplete", "nothing left to migrate", now, gen)
+    elif halted:
+        progressing = set_condition(old, "Progressing", bool(s.in_flight), "RolloutHalted",
+                                    "no new node starts until the failure is dealt with", now, gen)
+    elif s.paused and not s.deleting and not s.in_flight:
+        progressing = set_condition(old, "Progressing", False, "RolloutPaused",
+                                    "spec.rollout.paused is true", now, gen)
+    else:
+        reason = "Deleting" if s.deleting else "NodesMigrating"
+        message = f"{len(s.in_flight)} in flight, {s.pending} pending" + (f"; {s.waiting}" if s.waiting else "")
+        progressing = set_condition(old, "Progressing", True, reason, message, now, gen)
+
+    if halted:
+        names = [f.name for f in s.halting]
+        any_failed = any(f.phase == "Failed" for f in s.halting)
+        reason = "NodeFailed" if any_failed else "NodeRolledBack" if s.halting else "NodeRollingBack"
+        first = s.halting[0] if s.halting else None
+        detail = f" ({first.name}: {first.reason}: {first.message})" if first else ""
+        message = (f"rollout halted: {name_list(names)} failed{detail}; " if names else
+                   f"rollout halted: {s.rolling_back} node(s) rolling back; ")
+        message += "edit the spec or set a new value on the proxyshift.io/retry annotation to retry"
+        degraded = set_condition(old, "Degraded", True, reason, message, now, gen)
+    else:
+        degraded = set_condition(old, "Degraded", False, "AsExpected", "no failed nodes", now, gen)
+
+    paused = set_condition(old, "Paused", s.paused, "RolloutPaused" if s.paused else "NotPaused",
+                           "spec.rollout.paused is true: nodes in flight finish, no new node starts"
+                           if s.paused else "", now, gen)
+
+    if s.conflicting:
+        owners = sorted(set(s.conflict_owners.values()))
+        conflict = set_condition(
+            old, "Conflict", True, "NodesOwnedByOlderPolicy",
+            f"{len(s.conflicting)} selected nodes belong to older policies ({', '.join(owners[:NAMES_IN_MESSAGE])}) "
+            f"and are left to them: {name_list(s.conflicting)}", now, gen)
+    else:
+        conflict = set_condition(old, "Conflict", False, "NoConflict", "", now, gen)
+
+    failures = sorted(s.failures, key=lambda f: f.at, reverse=True)[:LIST_LIMIT]
+    return ProxyPolicyStatus(
+        observed_generation=gen,
+        phase=_phase(s),
+        current_revision=s.revision,
+        progress=f"{s.updated}/{s.selected}",
+        stage=s.stage,
+        stage_started_at=s.stage_started_at,
+        nodes=NodeCounts(
+            selected=s.selected, updated=s.updated, in_flight=len(s.in_flight), pending=s.pending,
+            failed=len(s.failures), conflicting=len(s.conflicting),
+        ),
+        in_flight=[p.model_copy(update={"message": clip(p.message, NODE_MESSAGE_LIMIT)})
+                   for p in s.in_flight[:LIST_LIMIT]],
+        failed=[f.model_copy(update={"message": clip(f.message, NODE_MESSAGE_LIMIT)}) for f in failures],
+        conflicting_nodes=s.conflicting[:LIST_LIMIT],
+        retry_token=s.retry_token,
+        conditions=[ready, progressing, degraded, paused, conflict],
+    )
+
+
+# (type, status) -> is it a warning; other transitions are not worth an Event.
+_EVENTFUL = {
+    ("Ready", "True"): False, ("Degraded", "True"): True, ("Degraded", "False"): False,
+    ("Conflict", "True"): True, ("Paused", "True"): False, ("Paused", "False"): False,
+}
+
+
+def transitions(old: ProxyPolicyStatus, new: ProxyPolicyStatus) -> list[tuple[str, str, bool]]:
+    """(reason, message, warning) for each condition whose status changed in a way a person cares about."""
+    before = {c.type: c.status for c in old.conditions}
+    changed = []
+    for c in new.conditions:
+        key = (c.type, c.status)
+        prev = before.get(c.type)
+        if key not in _EVENTFUL or prev == c.status or (prev is None and c.status == "False"):
+            continue
+        changed.append((c.reason, c.message, _EVENTFUL[key]))
+    return changed

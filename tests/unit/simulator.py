@@ -1,0 +1,357 @@
+"""A pure scenario simulator for the planner: a fake cluster that applies Plan actions.
+
+It plays the API server (labels, cordons, ProxyNode specs, revisions, status), the DaemonSet
+controller and kubelet (kube-proxy pods follow the node's revision label with a delay), and the
+node agent (runs each operation id once, probes a fake kube-proxy). Faults are per node and mode.
+After every step it checks the safety invariants and records violations instead of raising, so a
+property test can report them all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from proxyshift.api.policy import ProxyPolicy
+from proxyshift.api.proxynode import KubeProxyFacts, OperationStatus, ProxyNode, ProxyNodeSpec, ProxyNodeStatus
+from proxyshift.planner.machine import IN_FLIGHT, is_in_flight
+from proxyshift.planner.ownership import compute_ownership, is_deleting
+from proxyshift.planner.planner import plan, resolve_max_unavailable
+from proxyshift.planner.timeutil import fmt
+from proxyshift.planner.world import (
+    BASELINE_DAEMONSET,
+    Action,
+    Cordon,
+    DeleteRevision,
+    Drain,
+    EnsureProxyNode,
+    EnsureRevision,
+    Event,
+    KubeProxyPodView,
+    NodeView,
+    Plan,
+    RecordStatus,
+    RemoveFinalizer,
+    RevisionTarget,
+    RevisionView,
+    SetMigration,
+    SetRevisionLabel,
+    Uncordon,
+    World,
+    daemonset_for,
+)
+
+T0 = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
+
+
+def make_policy(
+    name: str,
+    mode: str = "nftables",
+    selector: dict[str, Any] | None = None,
+    *,
+    created: str = "2026-11-30T10:00:00Z",
+    generation: int = 1,
+    rollout: dict[str, Any] | None = None,
+    gate: dict[str, Any] | None = None,
+    extra_spec: dict[str, Any] | None = None,
+    annotations: dict[str, str] | None = None,
+) -> ProxyPolicy:
+    spec: dict[str, Any] = {
+        "nodeSelector": selector if selector is not None else {"matchLabels": {"pool": "blue"}},
+        "mode": mode,
+        "rollout": rollout or {},
+        "gate": {"timeout": "2m", **(gate or {})},
+        **(extra_spec or {}),
+    }
+    metadata: dict[str, Any] = {"name": name, "creationTimestamp": created, "generation": generation}
+    if annotations:
+        metadata["annotations"] = annotations
+    return ProxyPolicy.model_validate({"metadata": metadata, "spec": spec})
+
+
+@dataclass
+class Faults:
+    preflight_fail: set[str] = field(default_factory=set)  # nodes
+    crash: set[tuple[str, str]] = field(default_factory=set)  # (node, mode): kube-proxy never gets Ready
+    wrong_mode: set[tuple[str, str]] = field(default_factory=set)  # (node, mode): reports another mode
+    sync_failures: set[tuple[str, str]] = field(default_factory=set)
+    cleanup_fail: set[str] = field(default_factory=set)
+    agent_dead: set[str] = field(default_factory=set)
+    no_connect: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Sim:
+    nodes: dict[str, NodeView]
+    policies: dict[str, ProxyPolicy]
+    baseline_mode: str = "iptables"
+    now: datetime = T0
+    faults: Faults = field(default_factory=Faults)
+    proxynodes: dict[str, ProxyNode] = field(default_factory=dict)
+    revisions: dict[str, RevisionView] = field(default_factory=dict)
+    pods: dict[str, list[KubeProxyPodView]] = field(default_factory=dict)
+    service_ips: dict[str, str] = field(default_factory=dict)
+    violations: list[str] = field(default_factory=list)
+    log: list[tuple[datetime, str, Action]] = field(default_factory=list)
+    finalized: set[str] = field(default_factory=set)
+    create_proxynodes: bool = True
+    _pod_seq: int = 0
+    _agent_seen: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, node_labels: dict[str, dict[str, str]], policies: Iterable[ProxyPolicy], **kw: Any) -> Sim:
+        sim = cls(nodes={n: NodeView(n, dict(labels)) for n, labels in node_labels.items()},
+                  policies={p.name: p for p in policies}, **kw)
+        for name in sim.nodes:
+            if sim.create_proxynodes:
+                sim.proxynodes[name] = sim._new_proxynode(name)
+            sim.pods[name] = [sim._new_pod(name, BASELINE_DAEMONSET, ready=True)]
+        return sim
+
+    # ---- the cluster's parts ----
+
+    def _new_proxynode(self, name: str) -> ProxyNode:
+        return ProxyNode(
+            metadata={"name": name},
+            spec=ProxyNodeSpec(),
+            status=ProxyNodeStatus(kernel_release="6.8.0", modules=["nf_conntrack", "nf_tables"],
+                                   tools={"nft": "1.0.9", "iptables": "1.8.10"}, heartbeat=fmt(self.now)),
+        )
+
+    def _new_pod(self, node: str, ds: str, ready: bool = False) -> KubeProxyPodView:
+        self._pod_seq += 1
+        return KubeProxyPodView(node=node, name=f"{ds}-{self._pod_seq}", daemonset=ds, ready=ready, running=True,
+                                deleting=False, started_at=self.now)
+
+    def render(self, policy: ProxyPolicy) -> RevisionTarget:
+        body = json.dumps({"mode": policy.spec.mode, "ipvs": policy.spec.ipvs and policy.spec.ipvs.to_k8s()},
+                          sort_keys=True)
+        digest = hashlib.sha256(body.encode()).hexdigest()[:8]
+        return RevisionTarget(f"{policy.name}-{digest}", policy.spec.mode, policy.spec.scheduler)
+
+    def mode_of_ds(self, ds: str) -> str:
+        if ds == BASELINE_DAEMONSET:
+            return self.baseline_mode
+        for rev in self.revisions.values():
+            if daemonset_for(rev.name) == ds:
+                return rev.mode
+        return "unknown"
+
+    def world(self) -> World:
+        live = {n: p.model_copy(deep=True) for n, p in self.policies.items() if n not in self.finalized}
+        return World(
+            now=self.now,
+            policies=live,
+            nodes={n: replace(v, labels=dict(v.labels)) for n, v in self.nodes.items()},
+            proxynodes={n: p.model_copy(deep=True) for n, p in self.proxynodes.items()},
+            revisions=dict(self.revisions),
+            kube_proxy_pods={n: list(p) for n, p in self.pods.items()},
+            baseline_mode=self.baseline_mode,
+            current_revisions={n: self.render(p) for n, p in live.items() if not is_deleting(p)},
+            service_ips=dict(self.service_ips),
+        )
+
+    # ---- applying actions ----
+
+    def apply(self, policy: str, action: Action, world: World) -> None:
+        self.log.append((self.now, policy, action))
+        self._check_action(policy, action, world)
+        if isinstance(action, EnsureRevision):
+            target = self.render(self.policies[action.policy])
+            assert target.name == action.revision
+            self.revisions.setdefault(action.revision, RevisionView(action.revision, action.policy, target.mode,
+                                                                   action.revision.rsplit("-", 1)[1]))
+        elif isinstance(action, DeleteRevision):
+            users = [n for n, v in self.nodes.items() if v.revision == action.revision]
+            if users:
+                self.violations.append(f"DeleteRevision {action.revision} while nodes {users} use it")
+            self.revisions.pop(action.revision, None)
+        elif isinstance(action, EnsureProxyNode):
+            pn = self.proxynodes.setdefault(action.node, self._new_proxynode(action.node))
+            pn.spec.policy = action.policy
+        elif isinstance(action, SetMigration):
+            pn = self.proxynodes.setdefault(action.node, self._new_proxynode(action.node))
+            pn.spec = ProxyNodeSpec(policy=action.policy, revision=action.revision, mode=action.mode,
+                                    scheduler=action.scheduler, migration=action.migration,
+                                    operation=action.operation)
+        elif isinstance(action, SetRevisionLabel):
+            if action.revision is not None and action.revision not in self.revisions:
+                self.violations.append(f"{action.node} labelled with missing revision {action.revision}")
+            labels = dict(self.nodes[action.node].labels)
+            labels.pop("proxyshift.io/revision", None)
+            if action.revision is not None:
+                labels["proxyshift.io/revision"] = action.revision
+            self.nodes[action.node] = replace(self.nodes[action.node], labels=labels)
+        elif isinstance(action, Cordon):
+            self.nodes[action.node] = replace(self.nodes[action.node], unschedulable=True)
+        elif isinstance(action, Uncordon):
+            self.nodes[action.node] = replace(self.nodes[action.node], unschedulable=False)
+        elif isinstance(action, RecordStatus):
+            self.policies[action.policy] = self.policies[action.policy].model_copy(update={"status": action.status})
+        elif isinstance(action, RemoveFinalizer):
+            self.finalized.add(action.policy)
+        elif isinstance(action, Drain | Event):
+            pass
+        else:  # pragma: no cover
+            raise AssertionError(f"unknown action {action!r}")
+
+    def _check_action(self, policy: str, action: Action, world: World) -> None:
+        node = getattr(action, "node", None)
+        if node is None or isinstance(action, Event):
+            return
+        own = compute_ownership(world).get(node)
+        owner = own.owner if own else None
+        pn = world.proxynodes.get(node)
+        releasing = isinstance(action, SetMigration) and action.policy is None and pn is not None \
+            and pn.spec.policy == policy
+        if owner != policy and not releasing:
+            self.violations.append(f"{policy} acted on {node} owned by {owner}: {type(action).__name__}")
+        p = world.policies[policy]
+        if isinstance(action, SetMigration) and action.migration is not None and action.migration.phase == "Preflight":
+            before = pn.spec.migration if pn is not None else None
+            starting = before is None or before.phase not in IN_FLIGHT
+            if starting and p.spec.rollout.paused and not is_deleting(p):
+                self.violations.append(f"{policy} started {node} while paused")
+
+    # ---- the fake kubelet / DaemonSet controller and agent ----
+
+    def tick(self, seconds: float = 1.0) -> None:
+        self.now += timedelta(seconds=seconds)
+        for name, view in self.nodes.items():
+            self._kubelet(name, view)
+            if name not in self.faults.agent_dead and name in self.proxynodes:
+                self._agent(name)
+        self.check_pods()
+
+    def _kubelet(self, name: str, view: NodeView) -> None:
+        want = daemonset_for(view.revision)
+        exists = want == BASELINE_DAEMONSET or view.revision in self.revisions
+        pods = []
+        for pod in self.pods.get(name, []):
+            if pod.daemonset != want or not (want == BASELINE_DAEMONSET or pod.daemonset in self._ds_names()):
+                if not pod.deleting:
+                    pods.append(replace(pod, deleting=True, ready=False))
+                continue  # a deleting pod goes away on the next tick
+            mode = self.mode_of_ds(pod.daemonset)
+            if (name, mode) in self.faults.crash:
+                pods.append(replace(pod, ready=False, restarts=pod.restarts + 1))
+            else:
+                pods.append(replace(pod, ready=True))
+        if exists and not any(p.daemonset == want for p in pods):
+            pods.append(self._new_pod(name, want))
+        self.pods[name] = pods
+
+    def _ds_names(self) -> set[str]:
+        return {daemonset_for(r) for r in self.revisions}
+
+    def _facts(self, name: str) -> KubeProxyFacts:
+        ready = [p for p in self.pods.get(name, []) if p.ready and not p.deleting]
+        if not ready:
+            return KubeProxyFacts(error="connection refused", probed_at=fmt(self.now))
+        pod = ready[0]
+        mode = self.mode_of_ds(pod.daemonset)
+        start = pod.started_at.timestamp() if pod.started_at else 0.0
+        age = (self.now - pod.started_at).total_seconds() if pod.started_at else 0.0
+        shown = "iptables" if mode != "iptables" and (name, mode) in self.faults.wrong_mode else mode
+        return KubeProxyFacts(
+            proxy_mode=shown, healthz_status=200, process_start_time=start, last_sync_timestamp=start + 0.5,
+            sync_count=1 + int(age), sync_duration_p99_seconds=0.05,
+            sync_failures=3 if (name, mode) in self.faults.sync_failures else 0, probed_at=fmt(self.now),
+        )
+
+    def _agent(self, name: str) -> None:
+        pn = self.proxynodes[name]
+        pn.status.heartbeat = fmt(self.now)
+        op = pn.spec.operation
+        if op is None:
+            return
+        last = pn.status.last_operation
+        if last is None or last.id != op.id:
+            # First sight: recorded as Running, the result comes on the next tick.
+            pn.status.last_operation = OperationStatus(id=op.id, type=op.type, state="Running",
+                                                       started_at=fmt(self.now))
+            return
+        if last.state != "Running":
+            return
+        state, message, details = "Succeeded", "ok", {}
+        if op.type == "Preflight" and name in self.faults.preflight_fail:
+            state, message = "Failed", f"kernel module ip_vs_{op.params.get('scheduler') or 'rr'} missing"
+        elif op.type == "Cleanup" and name in self.faults.cleanup_fail:
+            state, message = "Failed", "iptables-restore: exit status 1"
+        elif op.type == "Probe":
+            pn.status.kube_proxy = self._facts(name)
+            ok = name not in self.faults.no_connect
+            details = {"connects": {s: (True if ok else "connection refused") for s in op.params.get("services", [])}}
+        pn.status.last_operation = last.model_copy(update={"state": state, "message": message, "details": details,
+                                                           "finished_at": fmt(self.now)})
+
+    # ---- driving ----
+
+    def check_pods(self) -> None:
+        """After the DaemonSet controller ran: every node has a pod of the DaemonSet its label names."""
+        for name, view in self.nodes.items():
+            want = daemonset_for(view.revision)
+            if not any(p.daemonset == want and not p.deleting for p in self.pods.get(name, [])):
+                self.violations.append(f"{self.now}: no {want} pod on {name}")
+
+    def check_invariants(self) -> None:
+        for name, view in self.nodes.items():
+            if view.revision is not None and view.revision not in self.revisions:
+                self.violations.append(f"{self.now}: {name} labelled with missing revision {view.revision}")
+        world = self.world()
+        ownership = compute_ownership(world)
+        for pname, p in world.policies.items():
+            owned = [n for n, o in ownership.items() if o.owner == pname]
+            flying = [n for n in owned if is_in_flight(world.proxynodes[n].spec.migration)
+                      if n in world.proxynodes]
+            limit = resolve_max_unavailable(p.spec.rollout.max_unavailable, len(owned))
+            if len(flying) > limit:
+                self.violations.append(f"{self.now}: {pname} has {len(flying)} nodes in flight > {limit}: {flying}")
+
+    def step(self, policies: Iterable[str] | None = None) -> dict[str, Plan]:
+        plans = {}
+        for name in sorted(policies or self.policies):
+            if name in self.finalized or name not in self.policies:
+                continue
+            world = self.world()
+            result = plan(world, name)
+            plans[name] = result
+            for action in result.actions:
+                self.apply(name, action, world)
+        self.check_invariants()
+        return plans
+
+    def run(self, max_steps: int = 400, tick: float = 1.0, until: Any = None) -> int:
+        """Plan, apply, tick, until every live policy is Ready with nothing in flight (or `until()`)."""
+        for i in range(max_steps):
+            self.step()
+            if until is not None and until():
+                return i
+            if until is None and self.settled():
+                return i
+            self.tick(tick)
+        return max_steps
+
+    def settled(self) -> bool:
+        for name, p in self.policies.items():
+            if name in self.finalized:
+                continue
+            if is_deleting(p) or p.status.phase not in ("Ready", "Degraded"):
+                return False
+            if any(is_in_flight(pn.spec.migration) for pn in self.proxynodes.values() if pn.spec.policy == name):
+                return False
+        return True
+
+    def phase(self, node: str) -> str | None:
+        m = self.proxynodes[node].spec.migration
+        return m.phase if m else None
+
+    def events(self, reason: str | None = None) -> list[Event]:
+        return [a for _, _, a in self.log if isinstance(a, Event) and (reason is None or a.reason == reason)]
+
+    def actions(self, kind: type) -> list[Any]:
+        return [a for _, _, a in self.log if isinstance(a, kind)]
