@@ -1,0 +1,181 @@
+"""Which kube-proxy modes have objects on this node right now, and which of them are leftovers.
+
+Read-only: iptables-save per family/backend, `nft -j list tables`, `ipvsadm -Sn`
+(only when the kernel has IPVS), `ip -j addr show dev kube-ipvs0`, `ipset save`.
+A chain used by both iptables and ipvs mode (KUBE-SERVICES, ...) is counted
+for the mode that runs or that left other traces, and is never a leftover
+while kube-proxy runs in one of the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from proxyshift.agent.flush.base import Runner
+from proxyshift.agent.flush.iptables import IptablesTool, available_tools
+from proxyshift.agent.flush.ipvs import (
+    IpsetState,
+    VirtualServer,
+    parse_ip_addr_json,
+    parse_ipset_save,
+    parse_ipvsadm_save,
+    select_owned,
+)
+from proxyshift.agent.flush.nftables import parse_tables
+from proxyshift.agent.iptables_save import parse
+from proxyshift.agent.ownership import IPVS_DUMMY_INTERFACE, MODES, NFT_TABLES, Mode, iptables_chain_modes
+from proxyshift.api.proxynode import ModeObjects
+from proxyshift.commands import CommandError, ToolMissingError, run
+
+
+@dataclass
+class ChainInventory:
+    """kube-proxy chains found by one iptables family/backend: (table, chain, modes)."""
+
+    label: str
+    chains: list[tuple[str, str, frozenset[Mode]]] = field(default_factory=list)
+
+
+@dataclass
+class Inventory:
+    iptables: list[ChainInventory] = field(default_factory=list)
+    nft_tables: list[tuple[str, str]] = field(default_factory=list)
+    ipvs_available: bool = False
+    virtual_servers: list[VirtualServer] = field(default_factory=list)
+    kube_virtual_servers: list[VirtualServer] = field(default_factory=list)
+    dummy_interface: bool = False
+    ipsets: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def _evidence(self) -> set[Mode]:
+        """Modes with at least one object no other mode uses."""
+        found: set[Mode] = {m for inv in self.iptables for _, _, modes in inv.chains if len(modes) == 1
+                            for m in modes}
+        if self.kube_virtual_servers or self.dummy_interface or self.ipsets:
+            found.add("ipvs")
+        if self.nft_tables:
+            found.add("nftables")
+        return found
+
+    def _attributed(self, modes: frozenset[Mode], observed: str | None) -> set[Mode]:
+        # A chain iptables and ipvs share (KUBE-SERVICES, ...) belongs to the mode that
+        # runs, or to the mode whose own objects are here too; failing both, to iptables,
+        # the mode every cluster starts in. Never to a mode with no other trace on the node.
+        evidence = self._evidence()
+        hits = set(modes & evidence)
+        if observed in modes:
+            hits.add(observed)  # type: ignore[arg-type]
+        if not hits:
+            hits = {"iptables"} if "iptables" in modes else set(modes)
+        return hits
+
+    def count(self, mode: Mode, *, observed: str | None = None, stale_only: bool = False) -> int:
+        """Objects of `mode`; stale_only: leave out the chains the observed mode uses too."""
+        n = sum(1 for inv in self.iptables for _, _, modes in inv.chains
+                if mode in self._attributed(modes, observed) and not (stale_only and observed in modes))
+        if mode == "nftables":
+            n += len(self.nft_tables)
+        if mode == "ipvs":
+            n += len(self.kube_virtual_servers) + int(self.dummy_interface) + len(self.ipsets)
+        return n
+
+    def summary(self, mode: Mode, observed: str | None = None) -> str:
+        parts: list[str] = []
+        for inv in self.iptables:
+            per_table: dict[str, int] = {}
+            for table, _, modes in inv.chains:
+                if mode in self._attributed(modes, observed):
+                    per_table[table] = per_table.get(table, 0) + 1
+            if per_table:
+                parts.append(f"{inv.label}: " + ", ".join(f"{t} {n} chains" for t, n in sorted(per_table.items())))
+        if mode == "nftables" and self.nft_tables:
+            parts.append("tables " + ", ".join(f"{f} {n}" for f, n in self.nft_tables))
+        if mode == "ipvs":
+            if self.kube_virtual_servers:
+                parts.append(f"{len(self.kube_virtual_servers)} virtual servers")
+            if self.dummy_interface:
+                parts.append(IPVS_DUMMY_INTERFACE)
+            if self.ipsets:
+                parts.append(f"{len(self.ipsets)} ipsets")
+        return "; ".join(parts)[:512]
+
+
+def _iptables(inv: Inventory, runner: Runner, tools: list[IptablesTool]) -> None:
+    for tool in tools:
+        try:
+            dump = parse(runner([tool.save], timeout=120).stdout)
+        except (CommandError, ValueError) as exc:
+            inv.errors.append(f"{tool.label}: {exc}")
+            continue
+        found = ChainInventory(tool.label)
+        for table in dump.tables.values():
+            for chain in table.user_defined():
+                modes = iptables_chain_modes(table.name, chain)
+                if modes:
+                    found.chains.append((table.name, chain, modes))
+        if found.chains:
+            inv.iptables.append(found)
+
+
+def _nft(inv: Inventory, runner: Runner) -> None:
+    try:
+        tables = set(parse_tables(runner(["nft", "-j", "list", "tables"], timeout=30).stdout))
+        inv.nft_tables = [t for t in NFT_TABLES if t in tables]
+    except ToolMissingError:
+        pass  # no nft: nftables mode cannot have run here
+    except (CommandError, ValueError) as exc:
+        inv.errors.append(f"nft: {exc}")
+
+
+def _ipvs(inv: Inventory, runner: Runner, proc_root: Path) -> None:
+    dummy_addrs: set[str] = set()
+    try:
+        out = runner(["ip", "-j", "addr", "show", "dev", IPVS_DUMMY_INTERFACE], timeout=10)
+        inv.dummy_interface = True
+        dummy_addrs = set(parse_ip_addr_json(out.stdout))
+    except CommandError as exc:
+        if "does not exist" not in (exc.stderr or str(exc)):
+            inv.errors.append(f"ip: {exc}")
+    ipsets = IpsetState()
+    try:
+        ipsets = parse_ipset_save(runner(["ipset", "save"], timeout=60).stdout)
+        inv.ipsets = ipsets.names
+    except ToolMissingError:
+        pass
+    except CommandError as exc:
+        inv.errors.append(f"ipset: {exc}")
+    # Without /proc/net/ip_vs there is no IPVS, and ipvsadm would only try to load it.
+    inv.ipvs_available = (proc_root / "net" / "ip_vs").exists()
+    if inv.ipvs_available:
+        try:
+            inv.virtual_servers = parse_ipvsadm_save(runner(["ipvsadm", "-Sn"], timeout=60).stdout)
+            local = set(parse_ip_addr_json(runner(["ip", "-j", "addr", "show"], timeout=10).stdout))
+            inv.kube_virtual_servers = select_owned(inv.virtual_servers, dummy_addrs, ipsets, local - dummy_addrs)
+        except (CommandError, ValueError) as exc:
+            inv.errors.append(f"ipvsadm: {exc}")
+
+
+def take_inventory(*, runner: Runner = run, iptables_tools: list[IptablesTool] | None = None,
+                   proc_root: Path = Path("/proc")) -> Inventory:
+    inv = Inventory()
+    _iptables(inv, runner, iptables_tools if iptables_tools is not None else available_tools())
+    _nft(inv, runner)
+    _ipvs(inv, runner, proc_root)
+    return inv
+
+
+def mode_objects(inv: Inventory, observed_mode: str | None = None) -> list[ModeObjects]:
+    """The status `objects` list: every mode with at least one object here."""
+    return [ModeObjects(mode=m, count=inv.count(m, observed=observed_mode), summary=inv.summary(m, observed_mode))
+            for m in MODES if inv.count(m, observed=observed_mode)]
+
+
+def leftovers(inv: Inventory, observed_mode: str | None) -> list[Mode]:
+    """Modes other than kube-proxy's own that still have objects it does not use.
+
+    Unknown observed mode (kube-proxy not answering): nothing can be called stale.
+    """
+    if observed_mode not in MODES:
+        return []
+    return [m for m in MODES if m != observed_mode and inv.count(m, observed=observed_mode, stale_only=True) > 0]

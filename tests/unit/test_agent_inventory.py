@@ -1,0 +1,68 @@
+"""Inventory and leftovers from recorded tool output (no host tools)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from proxyshift.agent.flush.iptables import IptablesTool
+from proxyshift.agent.inventory import leftovers, mode_objects, take_inventory
+from proxyshift.commands import CommandError, Result
+
+pytestmark = pytest.mark.unit
+
+FIX = Path(__file__).resolve().parents[1] / "fixtures"
+SAVE = (FIX / "iptables" / "iptables-mode-20-services-with-user-rules.save.txt").read_text()
+NFT = (FIX / "nft" / "list-tables.json").read_text()
+
+
+def fake(outputs: dict[str, str]):
+    def runner(argv, **_):
+        key = " ".join(argv)
+        for prefix, out in outputs.items():
+            if key.startswith(prefix):
+                if out == "!missing-device":
+                    raise CommandError(list(argv), 'exited 1: Device "kube-ipvs0" does not exist.',
+                                       stderr='Device "kube-ipvs0" does not exist.')
+                return Result(list(argv), 0, out, "")
+        return Result(list(argv), 0, "", "")
+    return runner
+
+
+def test_iptables_node_after_a_switch_to_nftables(tmp_path):
+    runner = fake({"iptables-nft-save": SAVE, "nft -j list tables": NFT, "ip -j addr show dev": "!missing-device"})
+    inv = take_inventory(runner=runner, iptables_tools=[IptablesTool("ipv4", "nft")], proc_root=tmp_path)
+    assert not inv.errors
+    assert inv.nft_tables == [("ip", "kube-proxy")]
+    by_mode = {o.mode: o for o in mode_objects(inv, "nftables")}
+    assert by_mode["iptables"].count > 50 and "nat" in by_mode["iptables"].summary
+    # The chains ipvs shares with iptables are not evidence that ipvs ever ran here.
+    assert "ipvs" not in by_mode
+    assert by_mode["nftables"].count == 1
+    assert leftovers(inv, "nftables") == ["iptables"]
+    # Seen from iptables mode, shared chains are not ipvs leftovers; the nft table is.
+    assert leftovers(inv, "iptables") == ["nftables"]
+    assert leftovers(inv, None) == []
+
+
+def test_clean_node_has_no_objects(tmp_path):
+    inv = take_inventory(runner=fake({"ip -j addr show dev": "!missing-device"}),
+                         iptables_tools=[IptablesTool("ipv4", "nft")], proc_root=tmp_path)
+    assert mode_objects(inv) == [] and leftovers(inv, "iptables") == []
+
+
+def test_ipvs_node_shared_chains_count_for_ipvs_and_iptables_leftovers_are_only_its_own(tmp_path):
+    save = """*nat
+:KUBE-SERVICES - [0:0]
+:KUBE-NODE-PORT - [0:0]
+:KUBE-SVC-AAAAAAAAAAAAAAAA - [0:0]
+COMMIT
+"""
+    runner = fake({"iptables-nft-save": save, "ip -j addr show dev": "!missing-device",
+                   "ipset save": "create KUBE-CLUSTER-IP hash:ip,port family inet\n"})
+    inv = take_inventory(runner=runner, iptables_tools=[IptablesTool("ipv4", "nft")], proc_root=tmp_path)
+    by_mode = {o.mode: o.count for o in mode_objects(inv, "ipvs")}
+    assert by_mode == {"iptables": 2, "ipvs": 3}
+    assert leftovers(inv, "ipvs") == ["iptables"]
+    assert leftovers(inv, "iptables") == ["ipvs"]
