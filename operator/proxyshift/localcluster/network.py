@@ -118,10 +118,12 @@ def _links() -> set[str]:
     return {line.split(":", 2)[1].strip().split("@", 1)[0] for line in out.splitlines() if ":" in line}
 
 
-def list_namespaces(prefix: str = "ps-") -> list[str]:
+def list_namespaces(prefixes: tuple[str, ...] = (NODE_PREFIX, ENDPOINT_PREFIX)) -> list[str]:
+    """Our namespaces. Only node and endpoint prefixes: other ps-* namespaces (the dataplane
+    tests' ps-test-*) belong to someone else and may be in use."""
     out = run(["ip", "netns", "list"]).stdout
     return sorted(line.split()[0] for line in out.splitlines() if line.split() and
-                  line.split()[0].startswith(prefix))
+                  line.split()[0].startswith(prefixes))
 
 
 def ensure_bridge() -> None:
@@ -137,7 +139,7 @@ def ensure_bridge() -> None:
 
 def _ensure_netns(netns: str, veth: str, address: str) -> None:
     """Namespace + veth into the bridge + address, with lo up and no default route (idempotent)."""
-    if netns not in list_namespaces(netns):
+    if netns not in list_namespaces((netns,)):
         run(["ip", "netns", "add", netns])
     if veth not in _links():
         run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", netns])
@@ -324,7 +326,7 @@ def remove_all(state_dir: Path) -> None:
     """Remove everything the node half made (idempotent, and safe on a half-made cluster).
 
     Simulators and listeners first (so nothing restarts a container), then every
-    process inside a ps-* namespace, then the namespaces (which takes their
+    process inside a ps-node-*/ps-ep-* namespace, then the namespaces (which takes their
     veths along), stray veths, the bridge, host mount points and nodes/.
     """
     state_dir = Path(state_dir)

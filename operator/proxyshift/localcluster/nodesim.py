@@ -1001,7 +1001,17 @@ class Simulator:
             try:
                 if time.monotonic() - last_status >= NODE_STATUS_SECONDS:
                     manifest["status"] = node_status(self.cfg.node_ip, self.cfg.node, self.cfg.kubelet_version)
-                    self.node_uid = ensure_node(self.kube, manifest)["metadata"]["uid"]
+                    if self.node_uid is None:
+                        self.node_uid = ensure_node(self.kube, manifest)["metadata"]["uid"]
+                    else:
+                        try:
+                            self.kube.strategic_patch(f"/api/v1/nodes/{self.cfg.node}/status",
+                                                      {"status": manifest["status"]})
+                        except KubeError as exc:
+                            if exc.status == 404:  # someone deleted the Node: register again
+                                self.node_uid = None
+                                continue
+                            raise
                     last_status = time.monotonic()
                 renew_lease(self.kube, self.cfg.node, self.node_uid)
                 ready = self.cfg.node_dir / READY_FILE

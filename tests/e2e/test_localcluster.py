@@ -1,0 +1,269 @@
+"""Issue 3's "Show" list on the local cluster: real control plane, three network-namespace nodes,
+the baseline kube-proxy DaemonSet placed by the real scheduler and run by the node simulator.
+
+Order matters inside this module: the nftables test switches the baseline and
+switches it back; the `down` test is moved to the very end of the session by
+tests/conftest.py (marker `localcluster_down`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from proxyshift.localcluster import network
+
+pytestmark = pytest.mark.e2e
+
+NODES = ["ps-node-1", "ps-node-2", "ps-node-3"]
+POOLS = {"ps-node-1": "blue", "ps-node-2": "blue", "ps-node-3": "green"}
+PROXY_MODE_URL = "http://127.0.0.1:10249/proxyMode"
+DS_PATH = "/apis/apps/v1/namespaces/kube-system/daemonsets/kube-proxy"
+CM_PATH = "/api/v1/namespaces/kube-system/configmaps/kube-proxy"
+
+
+def kube_proxy_pods(kube: Any) -> dict[str, dict[str, Any]]:
+    """node -> the live (not terminating) kube-proxy pod on it."""
+    pods = kube.get("/api/v1/namespaces/kube-system/pods", labelSelector="k8s-app=kube-proxy")["items"]
+    return {p["spec"]["nodeName"]: p for p in pods
+            if p["spec"].get("nodeName") and not p["metadata"].get("deletionTimestamp")}
+
+
+def is_ready(pod: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions") or [])
+
+
+def container_pid(cluster: Any, pod: dict[str, Any], container: str = "kube-proxy") -> int | None:
+    """The pid the node simulator recorded for a container (None when it is not running)."""
+    meta = pod["metadata"]
+    pid_file = (network.node_dir(cluster.state_dir, pod["spec"]["nodeName"]) / "pids" /
+                f"{meta['namespace']}_{meta['name']}_{container}.pid")
+    try:
+        pid = int(pid_file.read_text())
+    except (OSError, ValueError):
+        return None
+    return pid if alive(pid) else None
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def proxy_modes(node_http_get: Any) -> dict[str, str]:
+    modes = {}
+    for node in NODES:
+        try:
+            status, body = node_http_get(node, PROXY_MODE_URL)
+            modes[node] = body.strip() if status == 200 else f"HTTP {status}"
+        except OSError as exc:
+            modes[node] = f"{type(exc).__name__}"
+    return modes
+
+
+def set_mode(kube: Any, cluster: Any, mode: str) -> None:
+    """Switch the baseline ConfigMap's mode and `kubectl rollout restart` the DaemonSet."""
+    config = yaml.safe_load(kube.get(CM_PATH)["data"]["config.conf"])
+    config["mode"] = mode
+    kube.merge_patch(CM_PATH, {"data": {"config.conf": yaml.safe_dump(config, sort_keys=False)}})
+    cluster.kubectl("-n", "kube-system", "rollout", "restart", "daemonset/kube-proxy")
+    cluster.kubectl("-n", "kube-system", "rollout", "status", "daemonset/kube-proxy", "--timeout=180s",
+                    timeout=200)
+
+
+def assert_connections_from_every_node(tcp_probe: Any, service: Any, count: int = 20) -> None:
+    for node in NODES:
+        result = tcp_probe(node, service.cluster_ip, service.port, count)
+        assert result.failed == 0, f"{node} -> {service.cluster_ip}:{service.port}: {result}"
+        # kube-proxy spreads connections at random: 20 tries all on one of two endpoints is ~2e-6.
+        assert set(result.served_by) == set(service.endpoints), f"{node}: {result.served_by}"
+
+
+def test_three_nodes_ready_in_their_pools(cluster: Any, kube: Any) -> None:
+    nodes = {n["metadata"]["name"]: n for n in kube.get("/api/v1/nodes")["items"]}
+    assert set(NODES) <= set(nodes)
+    for name in NODES:
+        node = nodes[name]
+        assert node["metadata"]["labels"]["pool"] == POOLS[name]
+        assert node["metadata"]["labels"]["kubernetes.io/os"] == "linux"
+        ready = {c["type"]: c["status"] for c in node["status"]["conditions"]}["Ready"]
+        assert ready == "True", f"{name} is not Ready"
+        ip = network.node_ip(network.node_index(name))
+        assert {"type": "InternalIP", "address": ip} in node["status"]["addresses"]
+        lease = kube.get(f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{name}")
+        assert lease["spec"]["holderIdentity"] == name
+
+
+def test_baseline_kube_proxy_ready_on_every_node(cluster: Any, kube: Any, wait_for: Any) -> None:
+    def all_ready() -> bool:
+        status = kube.get(DS_PATH)["status"]
+        return status.get("desiredNumberScheduled") == 3 and status.get("numberReady") == 3
+
+    wait_for(all_ready, 120, "the kube-proxy DaemonSet Ready on 3 nodes")
+    pods = kube_proxy_pods(kube)
+    assert sorted(pods) == NODES
+    for node, pod in pods.items():
+        assert is_ready(pod) and pod["status"]["phase"] == "Running"
+        assert pod["status"]["podIP"] == network.node_ip(network.node_index(node))
+        # Placed by the real scheduler: the DaemonSet controller leaves nodeName empty and
+        # the scheduler's binding sets it and the PodScheduled condition.
+        assert pod["spec"]["schedulerName"] == "default-scheduler"
+        scheduled = [c for c in pod["status"]["conditions"] if c["type"] == "PodScheduled"]
+        assert scheduled and scheduled[0]["status"] == "True"
+        events = kube.get("/apis/events.k8s.io/v1/namespaces/kube-system/events",
+                          fieldSelector=f"regarding.name={pod['metadata']['name']}")["items"]
+        assert any(e.get("reason") == "Scheduled" and e.get("reportingController") == "default-scheduler"
+                   for e in events), f"no Scheduled event from default-scheduler for {pod['metadata']['name']}"
+        # ... and run by the simulator, as the real binary inside that node's namespace.
+        pid = container_pid(cluster, pod)
+        assert pid is not None
+        assert Path(f"/proc/{pid}/exe").resolve().name == "kube-proxy"
+        assert os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat(f"/run/netns/{node}").st_ino
+
+
+def test_proxy_mode_is_iptables_on_every_node(node_http_get: Any, wait_for: Any) -> None:
+    wait_for(lambda: set(proxy_modes(node_http_get).values()) == {"iptables"}, 60,
+             "/proxyMode to answer iptables on every node")
+
+
+def test_clusterip_connections_from_every_node(test_service: Any, tcp_probe: Any, wait_for: Any) -> None:
+    # kube-proxy programs a new Service within its sync period; wait for the first success.
+    wait_for(lambda: all(tcp_probe(n, test_service.cluster_ip, test_service.port, 1).ok for n in NODES), 60,
+             f"{test_service.cluster_ip} reachable from every node")
+    assert_connections_from_every_node(tcp_probe, test_service)
+
+
+def test_nftables_after_configmap_switch_and_rollout_restart(
+        cluster: Any, kube: Any, test_service: Any, tcp_probe: Any, node_http_get: Any, node_exec: Any,
+        continuous_prober: Any, wait_for: Any) -> None:
+    before = {n: p["metadata"]["uid"] for n, p in kube_proxy_pods(kube).items()}
+    # Connections keep going from one node through the switch (a plain restart is not a safe
+    # migration: the count of failures here is what proxyshift exists to avoid).
+    prober = continuous_prober("ps-node-2", test_service.cluster_ip, test_service.port, interval=0.1)
+    try:
+        set_mode(kube, cluster, "nftables")
+        after = kube_proxy_pods(kube)
+        assert all(after[n]["metadata"]["uid"] != before[n] for n in NODES), "rollout restart replaced no pod"
+        wait_for(lambda: set(proxy_modes(node_http_get).values()) == {"nftables"}, 90,
+                 "/proxyMode to answer nftables on every node")
+        wait_for(lambda: all(tcp_probe(n, test_service.cluster_ip, test_service.port, 1).ok for n in NODES), 60,
+                 "the ClusterIP reachable again in nftables mode")
+        assert_connections_from_every_node(tcp_probe, test_service)
+        for node in NODES:
+            table = node_exec(node, ["nft", "list", "table", "ip", "kube-proxy"]).stdout
+            assert test_service.cluster_ip in table, f"{node}: ClusterIP not in nft table kube-proxy"
+        result = prober.stop()
+        print(f"\nconnections during the unmanaged iptables->nftables restart: {result.ok} ok, "
+              f"{result.failed} failed {dict(result.errors)}")
+        assert result.ok > 0
+    finally:
+        set_mode(kube, cluster, "iptables")
+    wait_for(lambda: set(proxy_modes(node_http_get).values()) == {"iptables"}, 90,
+             "/proxyMode back to iptables on every node")
+
+
+def test_deleted_pod_is_stopped_on_its_node(cluster: Any, kube: Any, wait_for: Any) -> None:
+    pod = kube_proxy_pods(kube)["ps-node-3"]
+    pid = container_pid(cluster, pod)
+    assert pid is not None and alive(pid)
+    meta = pod["metadata"]
+    kube.delete(f"/api/v1/namespaces/kube-system/pods/{meta['name']}")  # default grace: the simulator finalises
+    wait_for(lambda: not alive(pid), 30, f"kube-proxy pid {pid} to stop after its pod was deleted")
+    wait_for(lambda: kube.get_or_none(f"/api/v1/namespaces/kube-system/pods/{meta['name']}") is None, 30,
+             "the deleted pod to be finalised")
+    # The DaemonSet replaces it, and the simulator runs the replacement.
+    replacement = wait_for(lambda: (p := kube_proxy_pods(kube).get("ps-node-3")) and is_ready(p) and p, 60,
+                           "a Ready replacement kube-proxy pod on ps-node-3")
+    assert replacement["metadata"]["uid"] != meta["uid"]
+    new_pid = container_pid(cluster, replacement)
+    assert new_pid is not None and new_pid != pid
+
+
+def test_crashed_kube_proxy_is_restarted(cluster: Any, kube: Any, node_http_get: Any, wait_for: Any) -> None:
+    pod = kube_proxy_pods(kube)["ps-node-1"]
+    restarts = pod["status"]["containerStatuses"][0]["restartCount"]
+    pid = container_pid(cluster, pod)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+
+    def restarted() -> dict[str, Any] | None:
+        current = kube.get(f"/api/v1/namespaces/kube-system/pods/{pod['metadata']['name']}")
+        status = current["status"]["containerStatuses"][0]
+        return current if status["restartCount"] == restarts + 1 and status["ready"] else None
+
+    current = wait_for(restarted, 60, "kube-proxy restarted (restartCount + 1, Ready)")
+    status = current["status"]["containerStatuses"][0]
+    assert status["lastState"]["terminated"]["exitCode"] == 137
+    assert "running" in status["state"]
+    new_pid = container_pid(cluster, current)
+    assert new_pid is not None and new_pid != pid
+    wait_for(lambda: node_http_get("ps-node-1", PROXY_MODE_URL)[1].strip() == "iptables", 30,
+             "the restarted kube-proxy to answer /proxyMode")
+
+
+def test_unknown_image_stays_pending_with_a_reason(cluster: Any, kube: Any, wait_for: Any) -> None:
+    name = "ps-unknown-image"
+    kube.post("/api/v1/namespaces/default/pods", {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+        "spec": {"nodeName": "ps-node-2", "containers": [{"name": "c", "image": "docker.io/library/busybox:1"}]}})
+    try:
+        def reason() -> str | None:
+            pod = kube.get(f"/api/v1/namespaces/default/pods/{name}")
+            statuses = pod["status"].get("containerStatuses") or []
+            waiting = statuses[0]["state"].get("waiting", {}) if statuses else {}
+            return waiting.get("reason") if pod["status"].get("phase") == "Pending" else None
+
+        assert wait_for(reason, 30, "an ImageNotSupported reason") == "ImageNotSupported"
+    finally:
+        kube.delete(f"/api/v1/namespaces/default/pods/{name}")
+    wait_for(lambda: kube.get_or_none(f"/api/v1/namespaces/default/pods/{name}") is None, 30,
+             "the unsupported pod to be finalised")
+
+
+def test_simulator_restart_adopts_nothing_and_reruns_pods(cluster: Any, kube: Any, wait_for: Any) -> None:
+    """A killed simulator leaves its containers; the next one clears them and runs the pods again."""
+    pod = kube_proxy_pods(kube)["ps-node-2"]
+    old_pid = container_pid(cluster, pod)
+    from proxyshift.localcluster import state
+
+    record = next(r for r in state.running(cluster.state_dir) if r["name"] == "nodesim-ps-node-2")
+    os.kill(record["pid"], signal.SIGKILL)
+    info = nodesim_cluster_info(cluster)
+    network.create_nodes(cluster.state_dir, info, {"blue": 2, "green": 1})
+    wait_for(lambda: old_pid is None or not alive(old_pid), 30, "the orphaned kube-proxy to be killed")
+    wait_for(lambda: (p := kube_proxy_pods(kube).get("ps-node-2")) and container_pid(cluster, p) and is_ready(p),
+             60, "kube-proxy running again on ps-node-2")
+
+
+def nodesim_cluster_info(cluster: Any) -> Any:
+    from proxyshift.localcluster import controlplane
+
+    info = controlplane.load_info(cluster.state_dir)
+    assert info is not None
+    return info
+
+
+@pytest.mark.localcluster_down
+def test_down_leaves_nothing_behind(cluster: Any, host_snapshot: Any) -> None:
+    """Runs last in the session (tests/conftest.py moves it): `down`, then compare with the host before `up`."""
+    if cluster.external:
+        pytest.skip("an external cluster is not ours to take down")
+    assert cluster.before is not None
+    result = cluster.down()
+    assert result.returncode == 0, result.stderr
+    after = host_snapshot(cluster.bin_dir)
+    assert after["namespaces"] == cluster.before["namespaces"]
+    assert after["interfaces"] == cluster.before["interfaces"]
+    assert after["processes"] == [], after["processes"]
+    assert after["mounts"] == []
+    assert not cluster.state_dir.exists()
+    leftovers = [p for p in after["host_paths"] if p not in cluster.before["host_paths"]]
+    assert leftovers == []
