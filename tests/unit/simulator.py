@@ -306,8 +306,7 @@ class Sim:
         ownership = compute_ownership(world)
         for pname, p in world.policies.items():
             owned = [n for n, o in ownership.items() if o.owner == pname]
-            flying = [n for n in owned if is_in_flight(world.proxynodes[n].spec.migration)
-                      if n in world.proxynodes]
+            flying = [n for n in owned if n in world.proxynodes and is_in_flight(world.proxynodes[n].spec.migration)]
             limit = resolve_max_unavailable(p.spec.rollout.max_unavailable, len(owned))
             if len(flying) > limit:
                 self.violations.append(f"{self.now}: {pname} has {len(flying)} nodes in flight > {limit}: {flying}")

@@ -1,0 +1,246 @@
+"""The per-node state machine, one transition at a time."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from simulator import T0, make_policy
+
+from proxyshift.api.proxynode import (
+    KubeProxyFacts,
+    NodeMigration,
+    Operation,
+    OperationStatus,
+    ProxyNode,
+    ProxyNodeSpec,
+    ProxyNodeStatus,
+)
+from proxyshift.planner import machine
+from proxyshift.planner.machine import NodeInput, Target
+from proxyshift.planner.timeutil import fmt
+from proxyshift.planner.world import (
+    Cordon,
+    Drain,
+    KubeProxyPodView,
+    NodeView,
+    SetMigration,
+    SetRevisionLabel,
+    Uncordon,
+)
+
+pytestmark = pytest.mark.unit
+
+REV = "blue-0123abcd"
+
+
+def pod(ds: str, ready: bool = True, deleting: bool = False, restarts: int = 0) -> KubeProxyPodView:
+    return KubeProxyPodView(node="n1", name=f"{ds}-x", daemonset=ds, ready=ready, running=True, deleting=deleting,
+                            restarts=restarts)
+
+
+def mig(phase: str, **kw: Any) -> NodeMigration:
+    base = {"phase": phase, "phase_since": fmt(T0), "from_revision": None, "from_mode": "iptables",
+            "to_revision": REV, "to_mode": "nftables", "attempt": 1, "switched_at": fmt(T0)}
+    base.update(kw)
+    return NodeMigration(**base)
+
+
+def inp(
+    m: NodeMigration | None = None, *, label: str | None = None, pods: list[KubeProxyPodView] | None = None,
+    op: Operation | None = None, last: OperationStatus | None = None, facts: KubeProxyFacts | None = None,
+    unschedulable: bool = False, now_plus: float = 1.0, leftovers: list[str] | None = None, **policy_kw: Any,
+) -> NodeInput:
+    labels = {"pool": "blue"} | ({"proxyshift.io/revision": label} if label else {})
+    pn = ProxyNode(metadata={"name": "n1"},
+                   spec=ProxyNodeSpec(policy="blue", revision=REV, mode="nftables", migration=m, operation=op),
+                   status=ProxyNodeStatus(last_operation=last, kube_proxy=facts, leftovers=leftovers or []))
+    return NodeInput(policy="blue", spec=make_policy("blue", **policy_kw).spec,
+                     node=NodeView("n1", labels, unschedulable=unschedulable), proxynode=pn,
+                     pods=pods if pods is not None else [pod("kube-proxy")], now=T0 + timedelta(seconds=now_plus))
+
+
+def done(op: Operation, state: str = "Succeeded", message: str = "ok", **details: Any) -> OperationStatus:
+    return OperationStatus(id=op.id, type=op.type, state=state, message=message, details=details,
+                           finished_at=fmt(T0))
+
+
+def writes(step: machine.Step) -> list[SetMigration]:
+    return [a for a in step.actions if isinstance(a, SetMigration)]
+
+
+def test_start_records_migration_and_deterministic_preflight() -> None:
+    step = machine.start(inp(), Target(REV, "nftables"), from_mode="iptables", generation=3, retry_token="a")
+    (w,) = writes(step)
+    assert w.migration is not None and w.operation is not None
+    assert w.migration.phase == "Preflight" and w.migration.attempt == 1 and w.migration.generation == 3
+    assert w.operation.id == f"{REV}.1.Preflight.0" and w.operation.params["mode"] == "nftables"
+    again = machine.start(inp(), Target(REV, "nftables"), from_mode="iptables", generation=3, retry_token="a")
+    assert writes(again)[0].operation == w.operation  # a restarted operator asks for the same id
+
+
+def test_attempts_never_repeat_an_operation_id() -> None:
+    failed = mig("Failed", attempt=4)
+    step = machine.start(inp(failed), Target(REV, "nftables"), from_mode="iptables", generation=1, retry_token=None)
+    assert writes(step)[0].operation.id == f"{REV}.5.Preflight.0"
+
+
+def test_preflight_waits_then_switches_intent_first() -> None:
+    m = mig("Preflight")
+    op = Operation(id=f"{REV}.1.Preflight.0", type="Preflight")
+    assert machine.step(inp(m, op=op)).actions == []
+    step = machine.step(inp(m, op=op, last=done(op)))
+    assert step.phase == "Switch"
+    kinds = [type(a) for a in step.actions]
+    # The record goes first: after a crash between the two, the phase says "re-label".
+    assert kinds.index(SetMigration) < kinds.index(SetRevisionLabel)
+    label = next(a for a in step.actions if isinstance(a, SetRevisionLabel))
+    assert label.revision == REV
+
+
+def test_preflight_failure_touches_nothing() -> None:
+    m = mig("Preflight")
+    op = Operation(id=f"{REV}.1.Preflight.0", type="Preflight")
+    step = machine.step(inp(m, op=op, last=done(op, "Failed", "ip_vs_mh missing")))
+    assert step.phase == "Failed"
+    assert not any(isinstance(a, SetRevisionLabel | Cordon) for a in step.actions)
+    assert writes(step)[0].migration.reason == "PreflightFailed"
+    assert "ip_vs_mh missing" in writes(step)[0].migration.message
+
+
+def test_preflight_timeout_when_agent_silent() -> None:
+    m = mig("Preflight")
+    op = Operation(id=f"{REV}.1.Preflight.0", type="Preflight")
+    step = machine.step(inp(m, op=op, now_plus=121))
+    assert step.phase == "Failed" and writes(step)[0].migration.reason == "PreflightTimeout"
+
+
+def test_cordon_only_when_schedulable_and_drain_before_switch() -> None:
+    m = mig("Preflight")
+    op = Operation(id=f"{REV}.1.Preflight.0", type="Preflight")
+    step = machine.step(inp(m, op=op, last=done(op), rollout={"cordon": True, "drain": True}))
+    assert step.phase == "Cordon" and any(isinstance(a, Cordon) for a in step.actions)
+    assert writes(step)[0].migration.cordoned_by_us is True
+    theirs = machine.step(inp(m, op=op, last=done(op), unschedulable=True, rollout={"cordon": True}))
+    assert not any(isinstance(a, Cordon) for a in theirs.actions)
+    assert writes(theirs)[0].migration.cordoned_by_us is False
+    cordoned = mig("Cordon", cordoned_by_us=True)
+    step = machine.step(inp(cordoned, unschedulable=True, rollout={"cordon": True, "drain": True}))
+    kinds = [type(a) for a in step.actions]
+    assert kinds[0] is Drain and SetRevisionLabel in kinds and step.phase == "Switch"
+
+
+def test_switch_waits_for_old_pod_gone_and_new_pod_ready() -> None:
+    m = mig("Switch")
+    both = [pod("kube-proxy", deleting=True), pod(f"kube-proxy-{REV}", ready=False)]
+    assert machine.step(inp(m, label=REV, pods=both)).phase == "Switch"
+    assert machine.step(inp(m, label=REV, pods=[pod(f"kube-proxy-{REV}", ready=False)])).phase == "Switch"
+    step = machine.step(inp(m, label=REV, pods=[pod(f"kube-proxy-{REV}")]))
+    assert step.phase == "Gate" and writes(step)[0].operation.id == f"{REV}.1.Gate.0"
+
+
+def test_switch_relabels_after_crash_between_record_and_label() -> None:
+    step = machine.step(inp(mig("Switch"), label=None))
+    assert step.actions == [SetRevisionLabel(node="n1", revision=REV, reason="Switching")]
+
+
+def test_crashlooping_new_pod_rolls_back() -> None:
+    step = machine.step(inp(mig("Switch"), label=REV, pods=[pod(f"kube-proxy-{REV}", ready=False, restarts=3)]))
+    assert step.phase == "RollingBack" and writes(step)[0].migration.reason == "KubeProxyCrashLooping"
+
+
+def test_switch_timeout_rolls_back() -> None:
+    step = machine.step(inp(mig("Switch"), label=REV, pods=[pod(f"kube-proxy-{REV}", ready=False)], now_plus=121))
+    assert step.phase == "RollingBack" and writes(step)[0].migration.reason == "SwitchTimeout"
+
+
+def _good_facts() -> KubeProxyFacts:
+    t = T0.timestamp()
+    return KubeProxyFacts(proxy_mode="nftables", healthz_status=200, process_start_time=t + 1,
+                          last_sync_timestamp=t + 2, sync_count=2, sync_failures=0, sync_duration_p99_seconds=0.1)
+
+
+def test_gate_pass_leads_to_cleanup_of_the_mode_left() -> None:
+    m = mig("Gate")
+    op = Operation(id=f"{REV}.1.Gate.0", type="Probe")
+    step = machine.step(inp(m, label=REV, pods=[pod(f"kube-proxy-{REV}")], op=op, last=done(op), facts=_good_facts(),
+                            leftovers=["ipvs"]))
+    assert step.phase == "Cleanup"
+    cleanup = writes(step)[0].operation
+    assert cleanup.type == "Cleanup" and cleanup.params == {"removeModes": ["iptables", "ipvs"],
+                                                            "targetMode": "nftables"}
+
+
+def test_no_cleanup_when_mode_unchanged() -> None:
+    m = mig("Gate", from_mode="nftables", from_revision="blue-old")
+    op = Operation(id=f"{REV}.1.Gate.0", type="Probe")
+    step = machine.step(inp(m, label=REV, op=op, last=done(op), facts=_good_facts()))
+    assert step.phase == "Done"
+
+
+def test_gate_wait_probes_again_with_next_id() -> None:
+    m = mig("Gate")
+    op = Operation(id=f"{REV}.1.Gate.0", type="Probe")
+    syncing = _good_facts().model_copy(update={"sync_count": 0})
+    step = machine.step(inp(m, label=REV, op=op, last=done(op), facts=syncing, now_plus=5))
+    assert step.phase == "Gate" and writes(step)[0].operation.id == f"{REV}.1.Gate.1"
+    assert "rule syncs" in step.message
+    timed_out = machine.step(inp(m, label=REV, op=op, last=done(op), facts=syncing, now_plus=121))
+    assert timed_out.phase == "RollingBack" and writes(timed_out)[0].migration.reason == "GateTimeout"
+
+
+def test_gate_fail_rolls_back_with_reason() -> None:
+    m = mig("Gate")
+    op = Operation(id=f"{REV}.1.Gate.0", type="Probe")
+    wrong = _good_facts().model_copy(update={"proxy_mode": "iptables"})
+    step = machine.step(inp(m, label=REV, op=op, last=done(op), facts=wrong))
+    assert step.phase == "RollingBack" and writes(step)[0].migration.reason == "WrongMode"
+    assert writes(step)[0].revision is None  # the spec now points back at where the node came from
+
+
+def test_rollback_waits_for_running_agent_operation_before_moving_label() -> None:
+    op = Operation(id=f"{REV}.1.Cleanup.0", type="Cleanup")
+    running = OperationStatus(id=op.id, type="Cleanup", state="Running")
+    m = mig("RollingBack", rollback_step="Label", reason="CleanupTimeout")
+    step = machine.step(inp(m, label=REV, op=op, last=running))
+    assert step.actions == [] and "finish" in step.message
+    step = machine.step(inp(m, label=REV, op=op, last=done(op)))
+    label = [a for a in step.actions if isinstance(a, SetRevisionLabel)]
+    assert label == [SetRevisionLabel(node="n1", revision=None, reason="RollingBack")]
+
+
+def test_rollback_to_a_previous_revision_and_uncordon_only_ours() -> None:
+    m = mig("RollingBack", rollback_step="Pod", from_revision="blue-old", from_mode="iptables",
+            cordoned_by_us=True, reverted_at=fmt(T0))
+    old_ds = "kube-proxy-blue-old"
+    assert machine.step(inp(m, label="blue-old", pods=[pod(old_ds, ready=False)])).phase == "RollingBack"
+    step = machine.step(inp(m, label="blue-old", pods=[pod(old_ds)]))
+    assert writes(step)[0].operation.type == "Cleanup"
+    assert writes(step)[0].operation.params == {"removeModes": ["nftables"], "targetMode": "iptables"}
+    gate = mig("RollingBack", rollback_step="Gate", from_revision="blue-old", cordoned_by_us=True,
+               reverted_at=fmt(T0))
+    op = Operation(id=f"{REV}.1.RollbackGate.0", type="Probe")
+    facts = _good_facts().model_copy(update={"proxy_mode": "iptables"})
+    step = machine.step(inp(gate, label="blue-old", op=op, last=done(op), facts=facts, unschedulable=True))
+    assert any(isinstance(a, Uncordon) for a in step.actions)
+    not_ours = gate.model_copy(update={"cordoned_by_us": False})
+    step = machine.step(inp(not_ours, label="blue-old", op=op, last=done(op), facts=facts, unschedulable=True))
+    assert step.phase == "RolledBack" and not any(isinstance(a, Uncordon) for a in step.actions)
+
+
+def test_uncordon_phase_only_uncordons_what_we_cordoned() -> None:
+    step = machine.step(inp(mig("Uncordon", cordoned_by_us=True), label=REV, unschedulable=True))
+    assert step.actions == [Uncordon(node="n1", reason="Uncordoned")]
+    step = machine.step(inp(mig("Uncordon", cordoned_by_us=False), label=REV, unschedulable=True))
+    assert step.phase == "Done" and not any(isinstance(a, Uncordon) for a in step.actions)
+
+
+def test_probe_services_resolved_to_cluster_ips() -> None:
+    m = mig("Gate")
+    gate = {"probeServices": [{"namespace": "default", "name": "web", "port": 80}]}
+    base = inp(m, label=REV, gate=gate)
+    unresolved = machine.step(base)
+    assert writes(unresolved)[0].operation.params == {"services": []}
+    resolved = NodeInput(**{**base.__dict__, "service_ips": {"default/web": "198.19.0.10"}})
+    assert writes(machine.step(resolved))[0].operation.params == {"services": ["198.19.0.10:80"]}

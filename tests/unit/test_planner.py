@@ -1,0 +1,351 @@
+"""Rollout rules of the planner, driven through the scenario simulator."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from datetime import timedelta
+
+import pytest
+from simulator import Faults, Sim, make_policy
+
+from proxyshift.api.policy import ProxyPolicy
+from proxyshift.planner.planner import plan, resolve_max_unavailable, stage_targets
+from proxyshift.planner.preview import preview
+from proxyshift.planner.world import (
+    DeleteRevision,
+    EnsureRevision,
+    Event,
+    NodeView,
+    RecordStatus,
+    RemoveFinalizer,
+    SetMigration,
+    SetRevisionLabel,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def blue(n: int, prefix: str = "node-") -> dict[str, dict[str, str]]:
+    return {f"{prefix}{i}": {"pool": "blue"} for i in range(1, n + 1)}
+
+
+def edit(sim: Sim, name: str, **spec_changes: object) -> None:
+    """A user edit: new spec, generation + 1."""
+    p = sim.policies[name]
+    spec = p.spec.to_k8s() | spec_changes
+    meta = dict(p.metadata, generation=int(p.metadata.get("generation", 1)) + 1)
+    sim.policies[name] = ProxyPolicy.model_validate({"metadata": meta, "spec": spec, "status": p.status.to_k8s()})
+
+
+def annotate(sim: Sim, name: str, key: str, value: str) -> None:
+    p = sim.policies[name]
+    meta = dict(p.metadata, annotations={**(p.metadata.get("annotations") or {}), key: value})
+    sim.policies[name] = p.model_copy(update={"metadata": meta})
+
+
+def delete(sim: Sim, name: str) -> None:
+    p = sim.policies[name]
+    sim.policies[name] = p.model_copy(update={"metadata": dict(p.metadata, deletionTimestamp="2026-11-30T13:00:00Z")})
+
+
+def starts(sim: Sim) -> list[str]:
+    """Nodes in the order their migrations were started."""
+    return [a.node for _, _, a in sim.log
+            if isinstance(a, SetMigration) and a.migration is not None and a.migration.phase == "Preflight"
+            and a.operation is not None and a.operation.id.endswith("Preflight.0")]
+
+
+def condition(sim: Sim, policy: str, type_: str) -> tuple[str, str, str]:
+    c = next(c for c in sim.policies[policy].status.conditions if c.type == type_)
+    return c.status, c.reason, c.message
+
+
+def test_rollout_converges_in_natural_name_order() -> None:
+    sim = Sim.build(blue(11), [make_policy("p")])
+    sim.run()
+    assert sim.violations == []
+    rev = sim.render(sim.policies["p"]).name
+    assert all(v.revision == rev for v in sim.nodes.values())
+    assert starts(sim) == [f"node-{i}" for i in range(1, 12)]
+    st = sim.policies["p"].status
+    assert (st.phase, st.progress, st.observed_generation, st.current_revision) == ("Ready", "11/11", 1, rev)
+    assert condition(sim, "p", "Ready")[:2] == ("True", "RolloutComplete")
+    assert condition(sim, "p", "Progressing")[0] == "False"
+    assert st.in_flight == [] and st.failed == []
+
+
+def test_revision_is_ensured_before_any_node_moves() -> None:
+    sim = Sim.build(blue(2), [make_policy("p")])
+    first = plan(sim.world(), "p")
+    assert isinstance(first.actions[0], EnsureRevision)
+    assert not any(isinstance(a, SetMigration) for a in first.actions)
+
+
+@pytest.mark.parametrize(("value", "total", "expected"), [(1, 10, 1), (3, 10, 3), ("25%", 10, 2), ("1%", 10, 1),
+                                                          ("100%", 7, 7), ("50%", 0, 1)])
+def test_max_unavailable_resolution(value: int | str, total: int, expected: int) -> None:
+    assert resolve_max_unavailable(value, total) == expected
+
+
+def test_max_unavailable_percent_runs_nodes_in_parallel() -> None:
+    sim = Sim.build(blue(8), [make_policy("p", rollout={"maxUnavailable": "50%"})])
+    peak = 0
+    for _ in range(200):
+        sim.step()
+        flying = sum(1 for pn in sim.proxynodes.values() if pn.spec.migration is not None
+                     and pn.spec.migration.phase not in ("Done", "Failed", "RolledBack", "Pending"))
+        peak = max(peak, flying)
+        if sim.settled():
+            break
+        sim.tick()
+    assert peak == 4 and sim.violations == []
+
+
+def test_stages_pause_between_them() -> None:
+    rollout = {"stages": [{"nodes": 1, "pause": "10m"}, {"percent": 50, "pause": "5m"}, {"percent": 100}]}
+    sim = Sim.build(blue(6), [make_policy("p", rollout=rollout)])
+    assert stage_targets(sim.policies["p"], 6) == [1, 3, 6]
+    sim.run(until=lambda: sim.policies["p"].status.stage == 1)
+    done_at = sim.now
+    st = sim.policies["p"].status
+    assert st.progress == "1/6" and st.stage == 1
+    # Nothing new starts during the 10m pause.
+    sim.run(max_steps=590, until=lambda: len(starts(sim)) > 1)
+    assert len(starts(sim)) == 1 or sim.now >= done_at + timedelta(minutes=10)
+    sim.run(max_steps=2000, until=lambda: len(starts(sim)) > 1)
+    assert sim.now >= done_at + timedelta(minutes=10)
+    sim.run(max_steps=3000, tick=5)
+    assert sim.policies["p"].status.phase == "Ready" and sim.policies["p"].status.stage == 2
+    assert [e.reason for e in sim.events() if e.node is None].count("StageCompleted") == 2
+    assert sim.violations == []
+
+
+def test_pause_between_nodes() -> None:
+    sim = Sim.build(blue(2), [make_policy("p", rollout={"pauseBetweenNodes": "1m"})])
+    sim.run(until=lambda: sim.phase("node-1") == "Done")
+    finished = sim.now
+    sim.run(max_steps=1000, until=lambda: sim.phase("node-2") is not None)
+    assert sim.now >= finished + timedelta(minutes=1)
+
+
+def test_paused_lets_in_flight_finish_and_starts_nothing() -> None:
+    sim = Sim.build(blue(3), [make_policy("p")])
+    sim.run(until=lambda: sim.phase("node-1") == "Gate")
+    edit(sim, "p", rollout={"paused": True})
+    sim.run(max_steps=100)
+    assert sim.phase("node-1") == "Done" and sim.phase("node-2") is None
+    assert sim.policies["p"].status.phase == "Paused"
+    assert condition(sim, "p", "Paused")[:2] == ("True", "RolloutPaused")
+    assert plan(sim.world(), "p").requeue_after_seconds is None
+    edit(sim, "p", rollout={"paused": False})
+    sim.run()
+    assert sim.policies["p"].status.phase == "Ready" and sim.violations == []
+
+
+def test_older_policy_wins_and_newer_reports_conflict() -> None:
+    nodes = blue(3) | {"node-9": {"pool": "blue", "zone": "a"}}
+    older = make_policy("old", "nftables", created="2026-11-30T09:00:00Z")
+    newer = make_policy("new", "iptables", {"matchLabels": {"zone": "a"}}, created="2026-11-30T11:00:00Z")
+    sim = Sim.build(nodes, [newer, older])
+    sim.run()
+    assert sim.nodes["node-9"].revision == sim.render(older).name
+    status, reason, message = condition(sim, "new", "Conflict")
+    assert (status, reason) == ("True", "NodesOwnedByOlderPolicy") and "node-9" in message and "old" in message
+    assert sim.policies["new"].status.conflicting_nodes == ["node-9"]
+    assert sim.policies["new"].status.nodes.selected == 0
+    assert condition(sim, "old", "Conflict")[0] == "False"
+    assert sim.violations == []
+
+
+def test_same_timestamp_breaks_ties_by_name() -> None:
+    a = make_policy("a", "nftables")
+    b = make_policy("b", "iptables")
+    sim = Sim.build(blue(1), [b, a])
+    sim.run()
+    assert sim.nodes["node-1"].revision == sim.render(a).name
+
+
+def test_nodes_appearing_and_disappearing_mid_rollout() -> None:
+    sim = Sim.build(blue(3), [make_policy("p")])
+    sim.run(until=lambda: sim.phase("node-1") == "Done")
+    sim.nodes["node-4"] = NodeView("node-4", {"pool": "blue"})
+    sim.proxynodes["node-4"] = sim._new_proxynode("node-4")
+    sim.pods["node-4"] = [sim._new_pod("node-4", "kube-proxy", ready=True)]
+    del sim.nodes["node-3"], sim.proxynodes["node-3"], sim.pods["node-3"]
+    sim.run()
+    st = sim.policies["p"].status
+    assert st.progress == "3/3" and sim.nodes["node-4"].revision is not None and sim.violations == []
+
+
+def test_node_without_proxynode_gets_one_first() -> None:
+    sim = Sim.build(blue(2), [make_policy("p")], create_proxynodes=False)
+    sim.run()
+    assert sim.policies["p"].status.progress == "2/2" and sim.violations == []
+
+
+def test_spec_change_mid_rollout_moves_everyone_to_the_new_revision() -> None:
+    sim = Sim.build(blue(4), [make_policy("p", "nftables")])
+    old = sim.render(sim.policies["p"]).name
+    sim.run(until=lambda: sim.phase("node-2") == "Gate")
+    edit(sim, "p", mode="ipvs")
+    new = sim.render(sim.policies["p"]).name
+    world = sim.world()
+    first = plan(world, "p")
+    assert any(isinstance(a, EnsureRevision) and a.revision == new for a in first.actions)
+    sim.run(max_steps=800)
+    assert all(v.revision == new for v in sim.nodes.values())
+    assert any(isinstance(a, DeleteRevision) and a.revision == old for a in sim.actions(DeleteRevision))
+    assert old not in sim.revisions and sim.violations == []
+    # node-2 was mid-gate: it finished on the old revision, then moved again.
+    node2 = [a.revision for a in sim.actions(SetRevisionLabel) if a.node == "node-2"]
+    assert node2 == [old, new]
+
+
+def test_failure_halts_until_retry_annotation() -> None:
+    faults = Faults(sync_failures={("node-2", "nftables")})
+    sim = Sim.build(blue(4), [make_policy("p")], faults=faults)
+    sim.run()
+    sim.step()
+    st = sim.policies["p"].status
+    assert st.phase == "Degraded" and [f.name for f in st.failed] == ["node-2"]
+    assert st.failed[0].phase == "RolledBack" and st.failed[0].reason == "SyncFailures"
+    assert sim.phase("node-3") is None  # halted: nothing after the failure started
+    assert sim.nodes["node-2"].revision is None  # back on the baseline
+    status, reason, message = condition(sim, "p", "Degraded")
+    assert (status, reason) == ("True", "NodeRolledBack") and "proxyshift.io/retry" in message
+    assert any(e.reason == "SyncFailures" and e.type == "Warning" for e in sim.events())
+    # Stays halted.
+    for _ in range(30):
+        sim.step()
+        sim.tick(10)
+    assert sim.phase("node-3") is None
+    sim.faults.sync_failures.clear()
+    annotate(sim, "p", "proxyshift.io/retry", "1")
+    sim.run()
+    sim.step()
+    assert sim.policies["p"].status.phase == "Ready" and sim.policies["p"].status.retry_token == "1"
+    assert condition(sim, "p", "Degraded")[0] == "False" and sim.violations == []
+
+
+def test_spec_generation_change_also_retries() -> None:
+    sim = Sim.build(blue(2), [make_policy("p")], faults=Faults(preflight_fail={"node-1"}))
+    sim.run()
+    sim.step()
+    assert sim.policies["p"].status.phase == "Degraded" and sim.nodes["node-1"].revision is None
+    sim.faults.preflight_fail.clear()
+    edit(sim, "p", gate={"timeout": "3m"})  # same revision, new generation
+    sim.run()
+    assert sim.policies["p"].status.phase == "Ready"
+
+
+def test_condition_transition_time_kept_while_status_unchanged() -> None:
+    sim = Sim.build(blue(2), [make_policy("p")])
+    sim.run()
+    before = {c.type: c.last_transition_time for c in sim.policies["p"].status.conditions}
+    sim.tick(300)
+    result = plan(sim.world(), "p")
+    assert not any(isinstance(a, RecordStatus) for a in result.actions)  # nothing changed: no write
+    assert {c.type: c.last_transition_time for c in sim.policies["p"].status.conditions} == before
+
+
+def test_delete_with_revert_returns_every_node_to_baseline() -> None:
+    sim = Sim.build(blue(3), [make_policy("p")])
+    sim.run()
+    rev = sim.render(sim.policies["p"]).name
+    delete(sim, "p")
+    sim.run(max_steps=600, until=lambda: "p" in sim.finalized)
+    assert "p" in sim.finalized
+    assert all(v.revision is None for v in sim.nodes.values())
+    assert [a.revision for a in sim.actions(DeleteRevision)] == [rev] and sim.revisions == {}
+    assert all(pn.spec.policy is None for pn in sim.proxynodes.values())
+    assert sim.violations == []
+
+
+def test_delete_mid_rollout_lets_in_flight_finish_then_reverts() -> None:
+    sim = Sim.build(blue(3), [make_policy("p", rollout={"paused": False})])
+    sim.run(until=lambda: sim.phase("node-2") == "Switch")
+    delete(sim, "p")
+    sim.run(max_steps=600, until=lambda: "p" in sim.finalized)
+    assert "p" in sim.finalized and all(v.revision is None for v in sim.nodes.values())
+    assert sim.violations == []
+
+
+def test_delete_with_orphan_leaves_labels_and_revisions() -> None:
+    sim = Sim.build(blue(2), [make_policy("p", extra_spec={"deletionPolicy": "Orphan"})])
+    sim.run()
+    rev = sim.render(sim.policies["p"]).name
+    delete(sim, "p")
+    sim.step()
+    assert "p" in sim.finalized
+    assert all(v.revision == rev for v in sim.nodes.values()) and rev in sim.revisions
+    assert all(pn.spec.policy is None for pn in sim.proxynodes.values())
+    assert not sim.actions(DeleteRevision)
+
+
+def test_node_leaving_the_pool_goes_back_to_baseline() -> None:
+    sim = Sim.build(blue(2), [make_policy("p")])
+    sim.run()
+    sim.nodes["node-2"] = replace(sim.nodes["node-2"], labels={**sim.nodes["node-2"].labels, "pool": "green"})
+    sim.run(until=lambda: sim.proxynodes["node-2"].spec.policy is None)
+    assert sim.nodes["node-2"].revision is None and sim.policies["p"].status.progress == "1/1"
+    assert sim.violations == []
+
+
+def test_operator_crash_between_actions_is_survived() -> None:
+    """Perform only the first k actions of some plans (a crash), then carry on: same end state."""
+    sim = Sim.build(blue(3), [make_policy("p", rollout={"cordon": True})])
+    for i in range(400):
+        world = sim.world()
+        result = plan(world, "p")
+        cut = len(result.actions) if i % 3 else max(0, len(result.actions) // 2)
+        for action in result.actions[:cut]:
+            sim.apply("p", action, world)
+        sim.check_invariants()
+        if sim.settled() and sim.policies["p"].status.phase == "Ready":
+            break
+        sim.tick()
+    assert sim.policies["p"].status.progress == "3/3"
+    assert not any(v.unschedulable for v in sim.nodes.values()) and sim.violations == []
+
+
+def test_every_step_has_an_event() -> None:
+    sim = Sim.build(blue(1), [make_policy("p", rollout={"cordon": True})])
+    sim.run()
+    reasons = [e.reason for e in sim.events() if e.node == "node-1"]
+    assert reasons == ["MigrationStarted", "Cordoned", "Switching", "Gate", "GatePassed", "Verify", "Migrated"]
+    assert any(isinstance(a, Event) and a.node is None and a.reason == "RolloutComplete" for a in sim.events())
+
+
+def test_status_stays_small_at_5000_nodes() -> None:
+    long = "x" * 40
+    nodes = {f"ip-10-0-{i // 250}-{i % 250}.{long}.compute.internal": {"pool": "blue"} for i in range(5000)}
+    sim = Sim.build(nodes, [make_policy("p", rollout={"maxUnavailable": "10%"})])
+    sim.step()
+    sim.tick()
+    result = plan(sim.world(), "p")
+    record = next(a for a in result.actions if isinstance(a, RecordStatus))
+    assert record.status.nodes.selected == 5000 and record.status.nodes.in_flight == 500
+    size = len(json.dumps(record.status.to_k8s()))
+    assert len(record.status.in_flight) == 20 and size < 12 * 1024, size
+
+
+def test_preview_lists_stages_and_predicted_preflight_failures() -> None:
+    rollout = {"stages": [{"nodes": 1, "pause": "10m"}, {"percent": 50}, {"percent": 100}]}
+    sim = Sim.build(blue(6) | {"other": {"pool": "green"}}, [make_policy("p", "ipvs", rollout=rollout)])
+    pn = sim.proxynodes["node-3"]
+    pn.status.modules = ["nf_conntrack", "ip_vs", "ip_vs_rr"]
+    pn.status.tools = {"ipset": "7.19", "iptables": "1.8.10"}
+    stages = preview(sim.world(), "p")
+    assert [(s.stage, s.nodes, s.pause) for s in stages] == [
+        (1, ["node-1"], "10m"), (2, ["node-2", "node-3"], None), (3, ["node-4", "node-5", "node-6"], None)]
+    assert "node-3" not in stages[1].preflight_failures
+    assert "ip_vs" in " ".join(stages[1].preflight_failures["node-2"])
+
+
+def test_nothing_for_unknown_policy_and_finalized_sim() -> None:
+    sim = Sim.build(blue(1), [make_policy("p")])
+    assert plan(sim.world(), "nope").actions == []
+    delete(sim, "p")
+    sim.step()
+    assert any(isinstance(a, RemoveFinalizer) for a in sim.actions(RemoveFinalizer))
