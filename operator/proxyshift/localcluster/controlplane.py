@@ -52,6 +52,7 @@ CONTROLLERS = (
 )
 CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
 START_TIMEOUT_SECONDS = 120.0
+APISERVER_STOP_GRACE_SECONDS = 2.0
 PROXY_VARIABLES = ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")
 
 
@@ -96,7 +97,7 @@ def _say(message: str) -> None:
 
 # ---------------------------------------------------------------- addresses
 
-def _can_bind(address: str, port: int) -> bool:
+def can_bind(address: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -121,7 +122,7 @@ def _apiserver_bind_address() -> str:
         ensure_bridge: Callable[[], Any] | None = getattr(network, "ensure_bridge", None)
         if ensure_bridge is not None:
             ensure_bridge()
-    if _can_bind(paths.BRIDGE_ADDRESS, 0):
+    if can_bind(paths.BRIDGE_ADDRESS, 0):
         return paths.BRIDGE_ADDRESS
     _say(f"bridge address {paths.BRIDGE_ADDRESS} is not on this host: binding the API to 127.0.0.1 "
          "(nodes in network namespaces will not reach it)")
@@ -132,7 +133,7 @@ def _check_ports_free(api_address: str) -> None:
     wanted = [("127.0.0.1", paths.ETCD_CLIENT_PORT), ("127.0.0.1", paths.ETCD_PEER_PORT),
               (api_address, paths.APISERVER_PORT), ("127.0.0.1", CONTROLLER_MANAGER_PORT),
               ("127.0.0.1", SCHEDULER_PORT)]
-    busy = [f"{a}:{p}" for a, p in wanted if not _can_bind(a, p)]
+    busy = [f"{a}:{p}" for a, p in wanted if not can_bind(a, p)]
     if busy:
         raise ControlPlaneError(f"ports in use: {', '.join(busy)} (another local cluster? "
                                 "`localcluster down`, or stop what holds them)")
@@ -330,7 +331,10 @@ def up_controlplane(state_dir: Path | None = None, *, bin_dir: Path | None = Non
     state.spawn(state_dir, "etcd", _etcd_argv(bin_dir, layout), env=env)
     _wait("etcd /health", lambda: '"health":"true"' in http_get(f"{ETCD_URL}/health")[1], state_dir, "etcd")
 
-    state.spawn(state_dir, "kube-apiserver", _apiserver_argv(bin_dir, files, bind_address), env=env)
+    # The apiserver lingers ~10 s after SIGTERM once it stopped listening; its
+    # data is thrown away by `down`, so a short grace before SIGKILL is enough.
+    state.spawn(state_dir, "kube-apiserver", _apiserver_argv(bin_dir, files, bind_address), env=env,
+                stop_grace=APISERVER_STOP_GRACE_SECONDS)
     context = admin_ssl_context(layout.pki)
     _wait("kube-apiserver /readyz", lambda: http_get(f"{api_url}/readyz", context)[0] == 200,
           state_dir, "kube-apiserver")

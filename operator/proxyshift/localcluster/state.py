@@ -82,23 +82,25 @@ def start_ticks(pid: int) -> int | None:
     return int(fields[19])  # field 22 of proc(5); fields[0] is field 3
 
 
-def record_process(state_dir: Path, name: str, pid: int, argv: Sequence[str], log: Path | None = None) -> None:
+def record_process(state_dir: Path, name: str, pid: int, argv: Sequence[str], log: Path | None = None,
+                   stop_grace: float = STOP_GRACE_SECONDS) -> None:
     ticks = start_ticks(pid)
     with locked_state(state_dir) as state:
         state["processes"] = [p for p in state["processes"] if p["name"] != name]
         state["processes"].append({"name": name, "pid": pid, "start_ticks": ticks, "argv": list(argv),
-                                   "log": str(log) if log else None})
+                                   "log": str(log) if log else None, "stop_grace": stop_grace})
     pid_file = StateLayout(state_dir).pid(name)
     pid_file.parent.mkdir(parents=True, exist_ok=True)
     pid_file.write_text(f"{pid}\n")
 
 
 def spawn(state_dir: Path, name: str, argv: Sequence[str], *, env: dict[str, str] | None = None,
-          cwd: Path | None = None) -> subprocess.Popen[bytes]:
+          cwd: Path | None = None, stop_grace: float = STOP_GRACE_SECONDS) -> subprocess.Popen[bytes]:
     """Start a long-running daemon, logging to logs/<name>.log, and record it at once.
 
     It gets its own session so it outlives the `localcluster up` command that
-    started it and so `down` can signal its whole process group.
+    started it and so `down` can signal its whole process group. `stop_grace` is
+    how long `down` waits after SIGTERM before SIGKILL.
     """
     layout = StateLayout(state_dir)
     record_path(state_dir, layout.logs)
@@ -108,7 +110,7 @@ def spawn(state_dir: Path, name: str, argv: Sequence[str], *, env: dict[str, str
     with log_path.open("ab") as log:
         proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=log,  # noqa: S603
                                 stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
-    record_process(state_dir, name, proc.pid, argv, log_path)
+    record_process(state_dir, name, proc.pid, argv, log_path, stop_grace)
     return proc
 
 
@@ -135,7 +137,9 @@ def _signal(record: dict[str, Any], sig: signal.Signals) -> None:
             os.kill(pid, sig)
 
 
-def stop_process(record: dict[str, Any], grace: float = STOP_GRACE_SECONDS) -> None:
+def stop_process(record: dict[str, Any], grace: float | None = None) -> None:
+    if grace is None:
+        grace = float(record.get("stop_grace", STOP_GRACE_SECONDS))
     if not is_alive(record):
         _reap(record["pid"])
         return
