@@ -25,6 +25,7 @@ IPVSScheduler = Literal["rr", "wrr", "lc", "wlc", "lblc", "lblcr", "dh", "sh", "
 # it needs no CEL string extensions and costs the API server one bounded regex match.
 PERCENT_PATTERN = "^(100|[1-9][0-9]?)%$"
 PERCENT_RE = re.compile(PERCENT_PATTERN)
+MAX_UNAVAILABLE_MESSAGE = "maxUnavailable must be at least 1, or a percentage from 1% to 100%"
 MAX_STAGES = 10
 MAX_EXTRA_MODULES = 32
 MAX_EXCLUDE_CIDRS = 64
@@ -117,12 +118,9 @@ class Stage(KubeModel):
 
 
 def _check_max_unavailable(value: int | str) -> int | str:
-    if isinstance(value, int):
-        if value < 1:
-            raise ValueError("maxUnavailable must be at least 1 (or a percentage from 1% to 100%)")
-        return value
-    if not PERCENT_RE.match(value):
-        raise ValueError("maxUnavailable must be at least 1, or a percentage from 1% to 100%")
+    # One message for both branches: it is the CEL rule's, what the API server tells the user.
+    if (value < 1) if isinstance(value, int) else not PERCENT_RE.match(value):
+        raise ValueError(MAX_UNAVAILABLE_MESSAGE)
     return value
 
 
@@ -135,7 +133,7 @@ class RolloutSettings(KubeModel):
                 cel(
                     "type(self.maxUnavailable) == int ? self.maxUnavailable >= 1 : "
                     f"self.maxUnavailable.matches('{PERCENT_PATTERN}')",
-                    "maxUnavailable must be at least 1, or a percentage from 1% to 100%",
+                    MAX_UNAVAILABLE_MESSAGE,
                     ".maxUnavailable",
                 ),
                 cel(
