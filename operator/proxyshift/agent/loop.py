@@ -1,0 +1,402 @@
+"""The node agent: `proxyshift agent --node $NODE_NAME`.
+
+It watches only its own ProxyNode (field selector metadata.name=<node>), runs
+the operation in spec.operation at most once per id, and writes what it finds
+(operation results, kube-proxy facts, inventory, leftovers, heartbeat) to the
+status subresource with JSON merge patches.
+
+Once per id: before running an operation the agent records it as Running in
+the status. A restarted agent that finds its own operation still Running did
+not finish it; for a Cleanup it does not run the flush again blindly but looks
+at the node and reports (Succeeded if nothing of the removed modes is left,
+Failed with what is left otherwise), so the operator decides on a new id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+from proxyshift.agent import flush as flush_mod
+from proxyshift.agent import inventory as inventory_mod
+from proxyshift.agent import preflight as preflight_mod
+from proxyshift.agent import probe as probe_mod
+from proxyshift.agent.ownership import MODES
+from proxyshift.api.common import API_GROUP, API_VERSION
+from proxyshift.api.proxynode import KubeProxyFacts, Operation, OperationStatus, ProxyNodeSpec
+
+log = logging.getLogger("proxyshift.agent")
+
+PLURAL = "proxynodes"
+# JSON has no infinity and the API server refuses it: a p99 "above the largest bucket"
+# is written as this many seconds, which fails any sensible gate bound.
+P99_ABOVE_BUCKETS = 1e9
+MESSAGE_LIMIT = 4000
+
+
+def now_rfc3339(clock: Callable[[], float] = time.time) -> str:
+    return datetime.fromtimestamp(clock(), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class ProxyNodeAPI(Protocol):
+    """The three calls the agent makes; the real one is KubeProxyNodeAPI, tests use a fake."""
+
+    def get(self, name: str) -> dict[str, Any] | None: ...
+
+    def watch(self, name: str, resource_version: str | None, timeout: int) -> Iterator[tuple[str, dict]]: ...
+
+    def patch_status(self, name: str, status: dict[str, Any]) -> dict[str, Any]: ...
+
+
+class KubeProxyNodeAPI:
+    """ProxyNodes through the kubernetes client: in-cluster config, or KUBECONFIG."""
+
+    def __init__(self) -> None:
+        from kubernetes import client, config
+
+        if os.environ.get("KUBERNETES_SERVICE_HOST") and Path(
+                "/var/run/secrets/kubernetes.io/serviceaccount/token").exists():
+            config.load_incluster_config()
+        else:
+            config.load_kube_config()
+        self._api = client.CustomObjectsApi()
+
+    def get(self, name: str) -> dict[str, Any] | None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            return self._api.get_cluster_custom_object(API_GROUP, API_VERSION, PLURAL, name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def watch(self, name: str, resource_version: str | None, timeout: int) -> Iterator[tuple[str, dict]]:
+        from kubernetes import watch
+
+        kwargs: dict[str, Any] = {"field_selector": f"metadata.name={name}", "timeout_seconds": timeout,
+                                  "_request_timeout": timeout + 10}
+        if resource_version:
+            kwargs["resource_version"] = resource_version
+        for event in watch.Watch().stream(self._api.list_cluster_custom_object, API_GROUP, API_VERSION, PLURAL,
+                                          **kwargs):
+            yield event["type"], event["object"]
+
+    def patch_status(self, name: str, status: dict[str, Any]) -> dict[str, Any]:
+        return self._api.patch_cluster_custom_object_status(
+            API_GROUP, API_VERSION, PLURAL, name, {"status": status},
+            _content_type="application/merge-patch+json",
+        )
+
+
+def facts_patch(facts: KubeProxyFacts) -> dict[str, Any]:
+    """Every field, with nulls: a merge patch must clear an old error or an old p99."""
+    data = facts.model_dump(by_alias=True, mode="python")
+    p99 = data.get("syncDurationP99Seconds")
+    if isinstance(p99, float) and math.isinf(p99):
+        data["syncDurationP99Seconds"] = P99_ABOVE_BUCKETS
+    return data
+
+
+def operation_patch(op: OperationStatus) -> dict[str, Any]:
+    """The whole lastOperation with nulls, so nothing of the previous operation survives the merge."""
+    data = op.model_dump(by_alias=True, mode="json")
+    data["message"] = data.get("message", "")[:MESSAGE_LIMIT]
+    if not data.get("details"):
+        data["details"] = None
+    return data
+
+
+@dataclass
+class AgentConfig:
+    node: str
+    metrics_address: str = probe_mod.DEFAULT_METRICS_ADDRESS
+    health_address: str = probe_mod.DEFAULT_HEALTH_ADDRESS
+    probe_interval: float = 15.0
+    status_interval: float = 60.0
+    inventory_interval: float = 120.0
+    watch_timeout: int = 30
+    proc_root: Path = Path("/proc")
+    sys_root: Path = Path("/sys")
+    modules_root: Path = Path("/lib/modules")
+
+
+@dataclass
+class Agent:
+    cfg: AgentConfig
+    api: ProxyNodeAPI
+    clock: Callable[[], float] = time.time
+    # Seams for tests; the defaults touch the real node.
+    probe_fn: Callable[[], KubeProxyFacts] | None = None
+    inventory_fn: Callable[[], inventory_mod.Inventory] | None = None
+    flush_fn: Callable[[list[str], str | None], flush_mod.FlushReport] | None = None
+    preflight_fn: Callable[..., preflight_mod.PreflightReport] | None = None
+    connect_fn: Callable[[list[str]], dict[str, bool | str]] = probe_mod.tcp_connect
+    facts: KubeProxyFacts | None = None
+    inventory: inventory_mod.Inventory | None = None
+    _started: set[str] = field(default_factory=set)
+    _last_probe: float = -math.inf
+    _last_status: float = -math.inf
+    _last_inventory: float = -math.inf
+    _node_facts: dict[str, Any] | None = None
+
+    # ---- node facts ----
+
+    def _probe(self) -> KubeProxyFacts:
+        if self.probe_fn is not None:
+            return self.probe_fn()
+        return probe_mod.facts_from_probe(probe_mod.probe(self.cfg.metrics_address, self.cfg.health_address))
+
+    def _inventory(self) -> inventory_mod.Inventory:
+        if self.inventory_fn is not None:
+            return self.inventory_fn()
+        return inventory_mod.take_inventory(proc_root=self.cfg.proc_root)
+
+    def _flush(self, remove: list[str], target: str | None) -> flush_mod.FlushReport:
+        if self.flush_fn is not None:
+            return self.flush_fn(remove, target)
+        return flush_mod.flush(remove, target, proc_root=self.cfg.proc_root)
+
+    def _preflight(self, mode: str, **kw: Any) -> preflight_mod.PreflightReport:
+        fn = self.preflight_fn or preflight_mod.check
+        return fn(mode, kw.pop("scheduler", None), proc_root=self.cfg.proc_root, sys_root=self.cfg.sys_root,
+                  modules_root=self.cfg.modules_root, **kw)
+
+    def node_facts(self) -> dict[str, Any]:
+        """Kernel release, modules and tool versions: they only change with a reboot, read once."""
+        if self._node_facts is None:
+            report = self._preflight("iptables")
+            self._node_facts = {"kernelRelease": report.kernel_release, "modules": report.present_modules(),
+                                "tools": report.tools.as_status()}
+        return self._node_facts
+
+    def observe(self, *, inventory: bool) -> dict[str, Any]:
+        """Fresh probe (and inventory when asked or due): the status fields they fill."""
+        self.facts = self._probe()
+        self._last_probe = self.clock()
+        if inventory or self.inventory is None:
+            self.inventory = self._inventory()
+            self._last_inventory = self.clock()
+        mode = self.facts.proxy_mode if self.facts.proxy_mode in MODES else None
+        return {
+            "observedMode": mode,
+            "kubeProxy": facts_patch(self.facts),
+            "objects": [o.to_k8s() for o in inventory_mod.mode_objects(self.inventory, mode)],
+            "leftovers": inventory_mod.leftovers(self.inventory, mode),
+        }
+
+    def write(self, status: dict[str, Any]) -> None:
+        from proxyshift import __version__
+
+        status = {**status, "heartbeat": now_rfc3339(self.clock), "agentVersion": __version__}
+        self.api.patch_status(self.cfg.node, status)
+        self._last_status = self.clock()
+
+    # ---- operations ----
+
+    def handle(self, obj: dict[str, Any]) -> None:
+        """React to the current ProxyNode: run its operation if it is new."""
+        spec = ProxyNodeSpec.model_validate(obj.get("spec") or {})
+        op = spec.operation
+        if op is None or op.id in self._started:
+            return
+        last = (obj.get("status") or {}).get("lastOperation") or {}
+        if last.get("id") == op.id:
+            if last.get("state") == "Running":
+                self._started.add(op.id)
+                self._recover(op, last)
+            return  # already reported by us (before a restart or just now)
+        self._started.add(op.id)
+        started = now_rfc3339(self.clock)
+        self.write({"lastOperation": operation_patch(OperationStatus(
+            id=op.id, type=op.type, state="Running", message=f"{op.type} started", started_at=started))})
+        result, extra = self._execute(op, started)
+        self.write({**extra, "lastOperation": operation_patch(result)})
+
+    def _execute(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
+        try:
+            if op.type == "Preflight":
+                return self._run_preflight(op, started)
+            if op.type == "Cleanup":
+                return self._run_cleanup(op, started)
+            return self._run_probe(op, started)
+        except Exception as exc:  # an operation must always end in a report, never a dead agent
+            log.exception("operation %s failed", op.id)
+            return self._done(op, started, False, f"{op.type} failed: {exc.__class__.__name__}: {exc}"), {}
+
+    def _done(self, op: Operation, started: str, ok: bool, message: str,
+              details: dict[str, Any] | None = None) -> OperationStatus:
+        return OperationStatus(id=op.id, type=op.type, state="Succeeded" if ok else "Failed", message=message,
+                               started_at=started, finished_at=now_rfc3339(self.clock), details=details or {})
+
+    def _run_preflight(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
+        p = op.params
+        mode = str(p.get("mode") or "")
+        report = self._preflight(mode, scheduler=p.get("scheduler") or None,
+                                 load_modules=bool(p.get("loadModules")),
+                                 extra_modules=list(p.get("extraModules") or []))
+        self._node_facts = None if report.loaded else self._node_facts
+        extra = {"kernelRelease": report.kernel_release, "modules": report.present_modules(),
+                 "tools": report.tools.as_status()}
+        return self._done(op, started, report.ok, report.message(), report.details()), extra
+
+    def _cleanup_args(self, op: Operation) -> tuple[list[str], str | None]:
+        remove = [str(m) for m in op.params.get("removeModes") or []]
+        target = op.params.get("targetMode")
+        flush_mod.validate_modes(remove, target)
+        return remove, (str(target) if target else None)
+
+    def _run_cleanup(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
+        remove, target = self._cleanup_args(op)
+        report = self._flush(remove, target)
+        extra = self.observe(inventory=True)
+        return self._done(op, started, report.ok, report.message(), report.details()), extra
+
+    def _run_probe(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
+        extra = self.observe(inventory=False)
+        services = [str(s) for s in op.params.get("services") or []]
+        connects = self.connect_fn(services) if services else {}
+        facts = self.facts or KubeProxyFacts()
+        parts = [f"kube-proxy mode {facts.proxy_mode or 'unknown'}", f"healthz {facts.healthz_status}"]
+        if facts.error:
+            parts.append(f"error: {facts.error}")
+        if services:
+            ok = sum(1 for v in connects.values() if v is True)
+            parts.append(f"{ok}/{len(services)} service connects ok")
+        details = {"connects": connects} if services else {}
+        return self._done(op, started, True, "; ".join(parts), details), extra
+
+    def _recover(self, op: Operation, last: dict[str, Any]) -> None:
+        """Our own operation is still Running in the status: a previous agent died during it."""
+        started = last.get("startedAt") or now_rfc3339(self.clock)
+        if op.type != "Cleanup":
+            # Preflight and Probe change nothing on the node: simply run them now.
+            result, extra = self._execute(op, started)
+            self.write({**extra, "lastOperation": operation_patch(result)})
+            return
+        try:
+            remove, target = self._cleanup_args(op)
+        except ValueError as exc:
+            self.write({"lastOperation": operation_patch(self._done(op, started, False, str(exc)))})
+            return
+        extra = self.observe(inventory=True)
+        assert self.inventory is not None
+        left = {m: self.inventory.count(m, observed=target, stale_only=True)  # type: ignore[arg-type]
+                for m in remove if m in MODES and m != target}
+        left = {m: n for m, n in left.items() if n}
+        if not left:
+            result = self._done(op, started, True, "the agent restarted during this cleanup; the node now has no "
+                                "objects of " + ", ".join(remove) + " left, so it completed",
+                                {"recovered": True, "remaining": {}})
+        else:
+            what = ", ".join(f"{n} {m} objects" for m, n in left.items())
+            result = self._done(op, started, False, "the agent restarted during this cleanup and did not re-run it; "
+                                f"still on the node: {what}; request the cleanup again with a new operation id",
+                                {"recovered": True, "remaining": left})
+        self.write({**extra, "lastOperation": operation_patch(result)})
+
+    # ---- the loop ----
+
+    def tick(self) -> None:
+        """Periodic work: probe, and write status when due or when something meaningful changed."""
+        now = self.clock()
+        if now - self._last_probe < self.cfg.probe_interval and now - self._last_status < self.cfg.status_interval:
+            return
+        before = self.facts
+        status = self.observe(inventory=now - self._last_inventory >= self.cfg.inventory_interval)
+        if now - self._last_status >= self.cfg.status_interval or _meaningful_change(before, self.facts):
+            self.write({**self.node_facts(), **status})
+
+    def run(self, stop: threading.Event) -> None:
+        events: queue.Queue[dict[str, Any]] = queue.Queue()
+        watcher = threading.Thread(target=self._watch_loop, args=(events, stop), daemon=True, name="watch")
+        watcher.start()
+        while not stop.is_set():
+            try:
+                obj = events.get(timeout=1.0)
+            except queue.Empty:
+                obj = None
+            try:
+                if obj is not None:
+                    self.handle(obj)
+                self.tick()
+            except Exception:  # the API server being away must not kill the agent
+                log.exception("agent step failed; retrying")
+                stop.wait(5)
+
+    def _watch_loop(self, events: queue.Queue[dict[str, Any]], stop: threading.Event) -> None:
+        backoff = 1.0
+        while not stop.is_set():
+            try:
+                obj = self.api.get(self.cfg.node)
+                if obj is None:
+                    log.info("ProxyNode %s does not exist yet; waiting for the operator", self.cfg.node)
+                    stop.wait(10)
+                    continue
+                events.put(obj)
+                rv = (obj.get("metadata") or {}).get("resourceVersion")
+                for kind, item in self.api.watch(self.cfg.node, rv, self.cfg.watch_timeout):
+                    if stop.is_set():
+                        return
+                    if kind in ("ADDED", "MODIFIED"):
+                        events.put(item)
+                backoff = 1.0
+            except Exception as exc:  # includes 410 Gone: start again from a fresh GET
+                log.warning("watching ProxyNode %s: %s", self.cfg.node, exc)
+                stop.wait(backoff)
+                backoff = min(backoff * 2, 30.0)
+
+
+def _meaningful_change(before: KubeProxyFacts | None, after: KubeProxyFacts | None) -> bool:
+    """Worth a status write before the heartbeat is due: a new mode, process, health or error."""
+    def key(f: KubeProxyFacts | None) -> tuple[Any, ...]:
+        return (None,) if f is None else (f.proxy_mode, f.process_start_time, f.healthz_status, bool(f.error))
+    return key(before) != key(after)
+
+
+def parse_args(argv: Sequence[str]) -> AgentConfig:
+    p = argparse.ArgumentParser(prog="proxyshift agent", description="the proxyshift node agent")
+    p.add_argument("--node", default=os.environ.get("NODE_NAME"), help="this node's name (default $NODE_NAME)")
+    p.add_argument("--metrics-address", default=probe_mod.DEFAULT_METRICS_ADDRESS,
+                   help="kube-proxy's metricsBindAddress (/metrics, /proxyMode)")
+    p.add_argument("--health-address", default=probe_mod.DEFAULT_HEALTH_ADDRESS,
+                   help="kube-proxy's healthzBindAddress (/healthz)")
+    p.add_argument("--probe-interval", type=float, default=15.0, help="seconds between probes of kube-proxy")
+    p.add_argument("--status-interval", type=float, default=60.0, help="seconds between heartbeats")
+    p.add_argument("--inventory-interval", type=float, default=120.0, help="seconds between inventories")
+    p.add_argument("--proc-root", default="/proc")
+    p.add_argument("--sys-root", default="/sys")
+    p.add_argument("--modules-root", default="/lib/modules")
+    args = p.parse_args(list(argv))
+    if not args.node:
+        p.error("--node (or NODE_NAME) is required")
+    return AgentConfig(node=args.node, metrics_address=args.metrics_address, health_address=args.health_address,
+                       probe_interval=args.probe_interval, status_interval=args.status_interval,
+                       inventory_interval=args.inventory_interval, proc_root=Path(args.proc_root),
+                       sys_root=Path(args.sys_root), modules_root=Path(args.modules_root))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    agent = Agent(cfg, KubeProxyNodeAPI())
+    stop = threading.Event()
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    log.info("agent for node %s: kube-proxy metrics %s, health %s", cfg.node, cfg.metrics_address,
+             cfg.health_address)
+    agent.run(stop)
+    return 0

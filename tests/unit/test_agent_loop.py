@@ -1,0 +1,205 @@
+"""The agent loop against a fake ProxyNode API that applies real JSON merge patches."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import pytest
+
+from proxyshift.agent.flush.base import FlushReport, FlushStep
+from proxyshift.agent.inventory import ChainInventory, Inventory
+from proxyshift.agent.loop import P99_ABOVE_BUCKETS, Agent, AgentConfig, parse_args
+from proxyshift.agent.preflight import Missing, PreflightReport, ToolVersions
+from proxyshift.api.proxynode import KubeProxyFacts, ProxyNode
+
+pytestmark = pytest.mark.unit
+
+
+def merge(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch, as the API server applies it."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge(out.get(key), value)
+    return out
+
+
+class FakeAPI:
+    def __init__(self, obj: dict[str, Any]):
+        self.obj = obj
+        self.patches: list[dict[str, Any]] = []
+
+    def get(self, name):
+        return copy.deepcopy(self.obj)
+
+    def watch(self, name, rv, timeout):
+        return iter(())
+
+    def patch_status(self, name, status):
+        self.patches.append(copy.deepcopy(status))
+        self.obj = merge(self.obj, {"status": status})
+        return self.obj
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1_800_000_000.0
+
+    def __call__(self):
+        return self.t
+
+
+def node_obj(op: dict | None = None, status: dict | None = None) -> dict[str, Any]:
+    return {"apiVersion": "proxyshift.io/v1alpha1", "kind": "ProxyNode",
+            "metadata": {"name": "n1", "resourceVersion": "1"},
+            "spec": {"mode": "nftables", **({"operation": op} if op else {})}, "status": status or {}}
+
+
+FACTS = KubeProxyFacts(proxy_mode="nftables", healthz_status=200, process_start_time=1.7e9,
+                       last_sync_timestamp=1.7e9 + 5, sync_count=4, sync_duration_p99_seconds=0.2, sync_failures=0)
+IPT_LEFT = Inventory(iptables=[ChainInventory("iptables (ipv4, nft backend)",
+                                              [("nat", "KUBE-SVC-AAAAAAAAAAAAAAAA", frozenset({"iptables"}))])],
+                     nft_tables=[("ip", "kube-proxy")])
+CLEAN = Inventory(nft_tables=[("ip", "kube-proxy")])
+
+
+def make_agent(api, *, inventory=CLEAN, facts=FACTS, flush_calls=None, preflight=None):
+    calls = flush_calls if flush_calls is not None else []
+
+    def flush_fn(remove, target):
+        calls.append((remove, target))
+        report = FlushReport(sorted(remove), target)
+        report.steps.append(FlushStep("iptables (ipv4, nft backend)", removed={"chains": 3}))
+        return report
+
+    def preflight_fn(mode, scheduler=None, **kw):
+        if preflight is not None:
+            return preflight(mode, scheduler, **kw)
+        return PreflightReport(mode=mode, scheduler=scheduler, kernel_release="6.1.0",
+                               modules={"nf_conntrack": "present"},
+                               tools=ToolVersions(nft="1.0.9", iptables="1.8.9", iptables_backend="nf_tables"))
+
+    return Agent(AgentConfig(node="n1"), api, clock=Clock(), probe_fn=lambda: facts,
+                 inventory_fn=lambda: inventory, flush_fn=flush_fn, preflight_fn=preflight_fn,
+                 connect_fn=lambda targets: {t: (True if t.endswith(":443") else "connection refused")
+                                             for t in targets})
+
+
+def test_cleanup_runs_once_and_records_running_before_the_flush():
+    api = FakeAPI(node_obj({"id": "m1.Cleanup.0", "type": "Cleanup",
+                            "params": {"removeModes": ["iptables"], "targetMode": "nftables"}}))
+    calls: list = []
+    agent = make_agent(api, flush_calls=calls)
+    agent.handle(api.get("n1"))
+    agent.handle(api.get("n1"))          # the watch delivers our own status write back
+    assert calls == [(["iptables"], "nftables")]
+    assert api.patches[0]["lastOperation"]["state"] == "Running"
+    node = ProxyNode.model_validate(api.obj)
+    last = node.status.last_operation
+    assert last.state == "Succeeded" and last.id == "m1.Cleanup.0"
+    assert last.details["steps"][0]["removed"] == {"chains": 3}
+    assert node.status.observed_mode == "nftables" and node.status.leftovers == []
+    assert node.status.heartbeat and node.status.kube_proxy.sync_count == 4
+
+
+def test_a_restarted_agent_does_not_rerun_a_cleanup_and_reports_what_is_left():
+    op = {"id": "m1.Cleanup.0", "type": "Cleanup", "params": {"removeModes": ["iptables"], "targetMode": "nftables"}}
+    api = FakeAPI(node_obj(op, {"lastOperation": {"id": "m1.Cleanup.0", "type": "Cleanup", "state": "Running",
+                                                  "startedAt": "2027-01-15T08:00:00Z"}}))
+    calls: list = []
+    make_agent(api, inventory=IPT_LEFT, flush_calls=calls).handle(api.get("n1"))
+    assert calls == []
+    last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last.state == "Failed" and "did not re-run" in last.message and "1 iptables objects" in last.message
+    assert last.details == {"recovered": True, "remaining": {"iptables": 1}}
+
+
+def test_a_restarted_agent_reports_success_when_the_cleanup_had_completed():
+    op = {"id": "m1.Cleanup.0", "type": "Cleanup", "params": {"removeModes": ["iptables"], "targetMode": "nftables"}}
+    api = FakeAPI(node_obj(op, {"lastOperation": {"id": "m1.Cleanup.0", "type": "Cleanup", "state": "Running"}}))
+    calls: list = []
+    make_agent(api, inventory=CLEAN, flush_calls=calls).handle(api.get("n1"))
+    last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert calls == [] and last.state == "Succeeded" and last.details["recovered"] is True
+
+
+def test_finished_operations_are_not_run_again_after_a_restart():
+    op = {"id": "m1.Cleanup.0", "type": "Cleanup", "params": {"removeModes": ["iptables"], "targetMode": "nftables"}}
+    api = FakeAPI(node_obj(op, {"lastOperation": {"id": "m1.Cleanup.0", "type": "Cleanup", "state": "Succeeded"}}))
+    calls: list = []
+    make_agent(api, flush_calls=calls).handle(api.get("n1"))
+    assert calls == [] and api.patches == []
+
+
+def test_failed_preflight_is_reported_with_what_is_missing():
+    def refuse(mode, scheduler, **kw):
+        assert kw["load_modules"] is True and kw["extra_modules"] == ["br_netfilter"]
+        return PreflightReport(mode=mode, scheduler=scheduler, kernel_release="6.8.0", modules={},
+                               tools=ToolVersions(),
+                               missing=[Missing("kernel module ip_vs", "needed", "modprobe ip_vs")])
+
+    api = FakeAPI(node_obj({"id": "m2.Preflight.0", "type": "Preflight",
+                            "params": {"mode": "ipvs", "scheduler": "mh", "loadModules": True,
+                                       "extraModules": ["br_netfilter"]}}))
+    make_agent(api, preflight=refuse).handle(api.get("n1"))
+    last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last.state == "Failed" and "kernel module ip_vs" in last.message
+    assert last.details["missing"][0]["fix"] == "modprobe ip_vs"
+
+
+def test_probe_reports_connects_in_the_shape_the_planner_reads():
+    api = FakeAPI(node_obj({"id": "m3.Gate.0", "type": "Probe",
+                            "params": {"services": ["198.19.0.1:443", "198.19.0.10:53"]}}))
+    make_agent(api).handle(api.get("n1"))
+    last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last.state == "Succeeded"
+    assert last.details == {"connects": {"198.19.0.1:443": True, "198.19.0.10:53": "connection refused"}}
+    assert "1/2 service connects ok" in last.message
+
+
+def test_a_new_operation_replaces_every_detail_of_the_previous_one():
+    api = FakeAPI(node_obj({"id": "a", "type": "Probe", "params": {"services": ["198.19.0.1:443"]}}))
+    agent = make_agent(api)
+    agent.handle(api.get("n1"))
+    api.obj["spec"]["operation"] = {"id": "b", "type": "Probe", "params": {}}
+    agent.handle(api.get("n1"))
+    last = api.obj["status"]["lastOperation"]
+    assert last["id"] == "b" and "details" not in last
+
+
+def test_heartbeat_clears_an_old_error_and_writes_an_infinite_p99_as_a_finite_number():
+    api = FakeAPI(node_obj(status={"kubeProxy": {"error": "connection refused", "proxyMode": None}}))
+    slow = FACTS.model_copy(update={"sync_duration_p99_seconds": math.inf})
+    agent = make_agent(api, facts=slow)
+    agent.tick()
+    kp = api.obj["status"]["kubeProxy"]
+    assert "error" not in kp and kp["syncDurationP99Seconds"] == P99_ABOVE_BUCKETS
+    assert api.obj["status"]["kernelRelease"] == "6.1.0" and api.obj["status"]["tools"]["nft"] == "1.0.9"
+    writes = len(api.patches)
+    agent.tick()                                  # nothing due, nothing changed
+    assert len(api.patches) == writes
+    agent.clock.t += 61                           # heartbeat due
+    agent.tick()
+    assert len(api.patches) == writes + 1
+
+
+def test_unknown_modes_in_a_cleanup_fail_the_operation_not_the_agent():
+    api = FakeAPI(node_obj({"id": "x", "type": "Cleanup", "params": {"removeModes": ["userspace"]}}))
+    make_agent(api).handle(api.get("n1"))
+    last = api.obj["status"]["lastOperation"]
+    assert last["state"] == "Failed" and "unknown kube-proxy mode" in last["message"]
+
+
+def test_cli_arguments(monkeypatch):
+    monkeypatch.setenv("NODE_NAME", "ps-node-1")
+    cfg = parse_args(["--metrics-address", "127.0.0.1:10249", "--probe-interval", "5"])
+    assert cfg.node == "ps-node-1" and cfg.probe_interval == 5
+    monkeypatch.delenv("NODE_NAME")
+    with pytest.raises(SystemExit):
+        parse_args([])
