@@ -2,43 +2,15 @@
 
 from __future__ import annotations
 
-import functools
-import os
-import secrets
-import shutil
 from collections.abc import Iterator
 
 import pytest
-
-from proxyshift.commands import run
-
-
-def _need_root() -> None:
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("dataplane tests need root and iproute2")
-
-
-class Netns:
-    """One throwaway namespace; `run` executes a command inside it."""
-
-    def __init__(self) -> None:
-        self.name = f"ps-test-{secrets.token_hex(4)}"
-        run(["ip", "netns", "add", self.name])
-        self.run = functools.partial(run, netns=self.name)
-
-    def delete(self) -> None:
-        run(["ip", "netns", "del", self.name], check=False)
-
-    def restore(self, text: str, *, v6: bool = False) -> None:
-        self.run(["ip6tables-restore" if v6 else "iptables-restore", "--noflush"], input=text, timeout=300)
-
-    def save(self, *, v6: bool = False) -> str:
-        return self.run(["ip6tables-save" if v6 else "iptables-save"], timeout=120).stdout
+from ps_netns import Netns, need_root
 
 
 @pytest.fixture
 def netns() -> Iterator[Netns]:
-    _need_root()
+    need_root()
     ns = Netns()
     try:
         yield ns
@@ -49,7 +21,7 @@ def netns() -> Iterator[Netns]:
 @pytest.fixture
 def netns_factory() -> Iterator:
     """Several namespaces (e.g. a reference one holding only the user's rules)."""
-    _need_root()
+    need_root()
     made: list[Netns] = []
 
     def make() -> Netns:
