@@ -203,3 +203,53 @@ def test_cli_arguments(monkeypatch):
     monkeypatch.delenv("NODE_NAME")
     with pytest.raises(SystemExit):
         parse_args([])
+
+
+def test_the_real_client_sends_a_merge_patch_to_the_status_subresource_and_a_field_selector():
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kubernetes import client
+
+    from proxyshift.agent.loop import KubeProxyNodeAPI
+
+    seen: list[tuple[str, str, str | None, bytes]] = []
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _answer(self, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_PATCH(self):
+            payload = self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append(("PATCH", self.path, self.headers.get("Content-Type"), payload))
+            self._answer(node_obj())
+
+        def do_GET(self):
+            seen.append(("GET", self.path, None, b""))
+            self._answer(node_obj())
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        conf = client.Configuration()
+        conf.host = f"http://127.0.0.1:{srv.server_address[1]}"
+        api = KubeProxyNodeAPI(client.ApiClient(conf))
+        api.get("n1")
+        api.patch_status("n1", {"heartbeat": "2027-01-01T00:00:00Z", "kubeProxy": {"error": None}})
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert seen[0][:2] == ("GET", "/apis/proxyshift.io/v1alpha1/proxynodes/n1")
+    method, path, ctype, payload = seen[1]
+    assert (method, path, ctype) == ("PATCH", "/apis/proxyshift.io/v1alpha1/proxynodes/n1/status",
+                                     "application/merge-patch+json")
+    assert json.loads(payload) == {"status": {"heartbeat": "2027-01-01T00:00:00Z", "kubeProxy": {"error": None}}}

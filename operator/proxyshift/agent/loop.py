@@ -62,15 +62,16 @@ class ProxyNodeAPI(Protocol):
 class KubeProxyNodeAPI:
     """ProxyNodes through the kubernetes client: in-cluster config, or KUBECONFIG."""
 
-    def __init__(self) -> None:
+    def __init__(self, api_client: Any = None) -> None:
         from kubernetes import client, config
 
-        if os.environ.get("KUBERNETES_SERVICE_HOST") and Path(
-                "/var/run/secrets/kubernetes.io/serviceaccount/token").exists():
-            config.load_incluster_config()
-        else:
-            config.load_kube_config()
-        self._api = client.CustomObjectsApi()
+        if api_client is None:
+            if os.environ.get("KUBERNETES_SERVICE_HOST") and Path(
+                    "/var/run/secrets/kubernetes.io/serviceaccount/token").exists():
+                config.load_incluster_config()
+            else:
+                config.load_kube_config()
+        self._api = client.CustomObjectsApi(api_client)
 
     def get(self, name: str) -> dict[str, Any] | None:
         from kubernetes.client.exceptions import ApiException

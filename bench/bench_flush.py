@@ -1,0 +1,134 @@
+"""Time to flush kube-proxy's iptables-mode rules for 1k/5k/10k Services, three ways.
+
+    sudo python bench/bench_flush.py [--sizes 1000,5000,10000] [--runs 3] [--kube-proxy PATH]
+
+Each run loads a fresh network namespace with kubelet's chains, a user's own
+rules and kube-proxy's iptables-mode rules (tests/dataplane/kp_rules.py), then
+times one of:
+
+  agent       proxyshift's surgical flush (one iptables-save, one
+              iptables-restore --noflush, one verifying iptables-save)
+  kube-proxy  `kube-proxy --cleanup` (the real binary)
+  grep        `iptables-save | grep -v KUBE | iptables-restore`, as three
+              argument-list processes joined by pipes (no shell)
+
+and checks whether every non-kube-proxy line (the user's and kubelet's)
+survived, against a reference namespace that never had kube-proxy's rules.
+Prints a table of medians. Needs root; IPv4, nf_tables backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "tests" / "dataplane")]
+
+from kp_rules import iptables_mode_rules, kubelet_rules, user_rules  # noqa: E402
+from ps_netns import Netns  # noqa: E402
+
+from proxyshift.agent.flush import flush  # noqa: E402
+from proxyshift.agent.flush.iptables import IptablesTool  # noqa: E402
+
+DEFAULT_KUBE_PROXY = Path.home() / ".cache" / "proxyshift" / "warm" / "kube-proxy"
+
+
+def body(text: str) -> list[str]:
+    return [line for line in text.splitlines() if not line.startswith("#")]
+
+
+def load(ns: Netns, rules: str | None) -> None:
+    before, after = user_rules()
+    ns.restore(kubelet_rules())
+    ns.restore(before)
+    if rules:
+        ns.restore(rules)
+    ns.restore(after)
+
+
+def by_agent(ns: Netns, _: Path) -> None:
+    report = flush(["iptables", "ipvs"], "nftables", runner=ns.run, iptables_tools=[IptablesTool("ipv4", "nft")])
+    if not report.ok:
+        raise RuntimeError(report.message())
+
+
+def by_kube_proxy(ns: Netns, kube_proxy: Path) -> None:
+    subprocess.run(["ip", "netns", "exec", ns.name, str(kube_proxy), "--cleanup"], check=True,
+                   capture_output=True, timeout=600)
+
+
+def by_grep(ns: Netns, _: Path) -> None:
+    prefix = ["ip", "netns", "exec", ns.name]
+    save = subprocess.Popen([*prefix, "iptables-nft-save"], stdout=subprocess.PIPE)
+    grep = subprocess.Popen(["grep", "-v", "KUBE"], stdin=save.stdout, stdout=subprocess.PIPE)
+    assert save.stdout is not None
+    save.stdout.close()  # grep owns the pipe now: save gets SIGPIPE if grep dies
+    restore = subprocess.Popen([*prefix, "iptables-nft-restore"], stdin=grep.stdout)
+    assert grep.stdout is not None
+    grep.stdout.close()
+    if restore.wait(timeout=600) or save.wait(timeout=60) or grep.wait(timeout=60) not in (0, 1):
+        raise RuntimeError("iptables-save | grep -v KUBE | iptables-restore failed")
+
+
+METHODS: dict[str, Callable[[Netns, Path], None]] = {"agent": by_agent, "kube-proxy": by_kube_proxy,
+                                                     "grep": by_grep}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="1000,5000,10000")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--kube-proxy", type=Path, default=DEFAULT_KUBE_PROXY)
+    args = p.parse_args(argv)
+    if os.geteuid() != 0:
+        print("needs root (network namespaces, iptables)", file=sys.stderr)
+        return 2
+    methods = dict(METHODS)
+    if not args.kube_proxy.exists():
+        print(f"no kube-proxy binary at {args.kube_proxy}: skipping that column", file=sys.stderr)
+        methods.pop("kube-proxy")
+    ref = Netns()
+    try:
+        load(ref, None)
+        expected = body(ref.save())
+    finally:
+        ref.delete()
+
+    rows = []
+    for size in [int(s) for s in args.sizes.split(",")]:
+        rules = iptables_mode_rules(size)
+        lines = rules.count("\n-A ") + rules.count("\n:")
+        for name, method in methods.items():
+            times, intact = [], True
+            for _ in range(args.runs):
+                ns = Netns()
+                try:
+                    load(ns, rules)
+                    start = time.perf_counter()
+                    method(ns, args.kube_proxy)
+                    times.append(time.perf_counter() - start)
+                    after = body(ns.save())
+                    intact = intact and after == expected
+                finally:
+                    ns.delete()
+            rows.append((size, lines, name, statistics.median(times), "yes" if intact else "NO"))
+            print(f"  {size} services, {name}: {statistics.median(times):.3f}s", file=sys.stderr)
+
+    version = subprocess.run(["iptables", "--version"], capture_output=True, text=True).stdout.strip()
+    print(f"\nmedian of {args.runs} runs; {version}; {os.cpu_count()} CPUs\n")
+    print("| services | kube-proxy lines | method | median seconds | user + kubelet rules intact |")
+    print("|---:|---:|---|---:|---|")
+    for size, lines, name, median, intact in rows:
+        print(f"| {size} | {lines} | {name} | {median:.3f} | {intact} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
