@@ -39,7 +39,6 @@ _KIND_DOC = (
     "Kind is a string value representing the REST resource this object represents. "
     "Servers may infer this from the endpoint the client submits requests to. In CamelCase."
 )
-_METADATA_DOC = "Standard object metadata: name, labels, annotations, finalizers."
 
 # JSON-schema keywords a structural schema may carry (everything else pydantic emits is dropped).
 _KEPT_KEYWORDS = {
@@ -222,8 +221,9 @@ def openapi_schema(model: type[BaseModel], *, spec_required: bool) -> dict[str, 
         "properties": {
             "apiVersion": {"type": "string", "description": _API_VERSION_DOC},
             "kind": {"type": "string", "description": _KIND_DOC},
-            # Kubernetes validates metadata itself; a CRD may not model it beyond the type.
-            "metadata": {"type": "object", "description": _METADATA_DOC},
+            # Kubernetes validates metadata itself and refuses a CRD that says more than its type
+            # (even a description), so this is the one property without one.
+            "metadata": {"type": "object"},
             "spec": structural(props["spec"], defs, path=".spec", in_status=False),
             "status": structural(props["status"], defs, path=".status", in_status=True),
         },
