@@ -358,6 +358,11 @@ class ProxyPolicyStatus(KubeModel):
     retry_token: str | None = Field(default=None, description="Last proxyshift.io/retry value acted on.")
     conditions: list[Condition] = Field(default_factory=list, description="Ready, Progressing, Degraded, "
                                         "Paused and Conflict.")
+    kopf: dict[str, Any] | None = Field(
+        default=None,
+        description="The operator framework's own bookkeeping (handler progress, last handled spec).",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
 
 
 class ProxyPolicy(KubeModel):

@@ -19,6 +19,10 @@ from proxyshift.render import revision as render
 log = logging.getLogger(__name__)
 
 
+def _annotation_path(key: str) -> str:
+    return "/metadata/annotations/" + key.replace("~", "~0").replace("/", "~1")
+
+
 class StepBlocked(Exception):
     """The action cannot complete yet (e.g. a PodDisruptionBudget refuses an eviction); retry later."""
 
@@ -57,40 +61,30 @@ class Executor:
         self.api.apply_daemonset(rendered.daemonset)
 
     def ensure_baseline_affinity(self, ds: dict[str, Any]) -> None:
-        """Keep the baseline DaemonSet off nodes that carry a revision label; record how to undo it."""
-        patch = render.baseline_affinity_patch(ds)
-        if patch is None:
+        """Keep the baseline DaemonSet off nodes that carry a revision label, once; record the exact undo."""
+        pair = render.affinity_patch_pair(ds)
+        if pair is None:
             return
-        original = ds.get("spec", {}).get("template", {}).get("spec", {}).get("affinity")
-        record = jsonpatch.JsonPatch(
-            [
-                *patch.patch,
-                {
-                    "op": "add",
-                    "path": "/metadata/annotations/" + BASELINE_PATCH_ANNOTATION.replace("/", "~1"),
-                    "value": json.dumps({"affinity": original}, sort_keys=True),
-                },
-            ]
-        )
-        if not ds.get("metadata", {}).get("annotations"):
-            record.patch.insert(0, {"op": "add", "path": "/metadata/annotations", "value": {}})
-        self.api.json_patch_daemonset(CONFIG.baseline_daemonset, record)
+        forward, undo = pair
+        ops = list(forward.patch)
+        if not (ds.get("metadata") or {}).get("annotations"):
+            ops.append({"op": "add", "path": "/metadata/annotations", "value": {}})
+        ops.append({"op": "add", "path": _annotation_path(BASELINE_PATCH_ANNOTATION),
+                    "value": json.dumps(undo.patch, sort_keys=True)})
+        self.api.json_patch_daemonset(CONFIG.baseline_daemonset, jsonpatch.JsonPatch(ops))
 
     def undo_baseline_affinity(self) -> None:
+        """Return the baseline DaemonSet to exactly what it was before proxyshift touched it."""
         ds = self.api.read_daemonset(CONFIG.baseline_daemonset)
         if ds is None:
             return
-        recorded = (ds.get("metadata", {}).get("annotations") or {}).get(BASELINE_PATCH_ANNOTATION)
-        if recorded is None:
-            return
-        original = json.loads(recorded)["affinity"]
-        ops: list[dict[str, Any]] = []
-        if original is None:
-            ops.append({"op": "remove", "path": "/spec/template/spec/affinity"})
-        else:
-            ops.append({"op": "replace", "path": "/spec/template/spec/affinity", "value": original})
-        ops.append({"op": "remove", "path": "/metadata/annotations/" + BASELINE_PATCH_ANNOTATION.replace("/", "~1")})
-        self.api.json_patch_daemonset(CONFIG.baseline_daemonset, jsonpatch.JsonPatch(ops))
+        recorded = ((ds.get("metadata") or {}).get("annotations") or {}).get(BASELINE_PATCH_ANNOTATION)
+        undo = render.undo_baseline_affinity_patch(ds)
+        ops = list(undo.patch) if undo is not None else []
+        if recorded is not None:
+            ops.append({"op": "remove", "path": _annotation_path(BASELINE_PATCH_ANNOTATION)})
+        if ops:
+            self.api.json_patch_daemonset(CONFIG.baseline_daemonset, jsonpatch.JsonPatch(ops))
 
     def _do_DeleteRevision(self, action: w.DeleteRevision, _: dict[str, ProxyPolicy]) -> None:
         cm_name, ds_name = render.revision_object_names(action.revision)

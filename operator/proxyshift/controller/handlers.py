@@ -26,9 +26,17 @@ from proxyshift.controller import metrics
 from proxyshift.controller.executor import Executor, StepBlocked
 from proxyshift.controller.kube import ClusterAPI, describe_api_error
 from proxyshift.controller.settings import CONFIG
-from proxyshift.controller.snapshot import build_world, kube_proxy_pod_view, node_view, revision_view
+from proxyshift.controller.snapshot import (
+    build_world,
+    current_revisions,
+    first,
+    kube_proxy_pod_view,
+    node_view,
+    revision_view,
+)
 from proxyshift.planner import planner
 from proxyshift.planner import world as w
+from proxyshift.render import LABEL_MANAGED_BY, MANAGED_BY
 
 log = logging.getLogger("proxyshift.operator")
 GROUP, VERSION = "proxyshift.io", "v1alpha1"
@@ -102,7 +110,7 @@ def kube_proxy_pod_index(body: kopf.Body, **_: Any) -> dict[str, w.KubeProxyPodV
     return {view.node: view}
 
 
-@kopf.index("apps", "v1", "daemonsets", labels={"app.kubernetes.io/managed-by": "proxyshift"})
+@kopf.index("apps", "v1", "daemonsets", labels={LABEL_MANAGED_BY: MANAGED_BY})
 def revision_index(body: kopf.Body, **_: Any) -> dict[str, w.RevisionView]:
     view = revision_view(body)
     return {view.name: view} if view else {}
@@ -120,16 +128,31 @@ def policy_index(name: str, body: kopf.Body, logger: kopf.Logger, **_: Any) -> d
     return {name: policy}
 
 
-@kopf.index("", "v1", "configmaps", when=lambda name, namespace, **_: (
-    namespace == CONFIG.kube_proxy_namespace and name == CONFIG.baseline_configmap))
-def baseline_index(body: kopf.Body, **_: Any) -> dict[str, str]:
-    text = (body.get("data") or {}).get("config.conf", "")
+def _is_baseline(name: str, namespace: str, **_: Any) -> bool:
+    return namespace == CONFIG.kube_proxy_namespace and name in (CONFIG.baseline_configmap,
+                                                                 CONFIG.baseline_daemonset)
+
+
+@kopf.index("", "v1", "configmaps", when=_is_baseline)
+def baseline_configmap_index(name: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+    wake()
+    return {"body": {"metadata": {"name": name, "namespace": CONFIG.kube_proxy_namespace},
+                     "data": dict(body.get("data") or {})}}
+
+
+@kopf.index("apps", "v1", "daemonsets", when=_is_baseline)
+def baseline_daemonset_index(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+    wake()
+    return {"body": {k: body.get(k) for k in ("apiVersion", "kind", "metadata", "spec")}}
+
+
+def baseline_mode(configmap: dict[str, Any] | None) -> str:
+    text = ((configmap or {}).get("data") or {}).get("config.conf", "")
     try:
-        mode = KubeProxyConfiguration.from_yaml(text).mode or "iptables"
+        # kube-proxy's default mode on Linux is iptables when mode is empty.
+        return KubeProxyConfiguration.from_yaml(text).mode or "iptables"
     except ValueError:
-        mode = "iptables"
-    # kube-proxy's default mode on Linux is iptables when mode is empty.
-    return {"mode": mode or "iptables"}
+        return "iptables"
 
 
 # ---- the rollout loop ----
@@ -137,16 +160,26 @@ def baseline_index(body: kopf.Body, **_: Any) -> dict[str, str]:
 
 async def step(name: str, indexes: dict[str, Any]) -> w.Plan:
     """One level-triggered step: snapshot, plan, perform."""
+    baseline_cm = first(indexes["baseline_configmap_index"].get("body"))
+    baseline_ds = first(indexes["baseline_daemonset_index"].get("body"))
+    policies = {k: v for k, store in indexes["policy_index"].items() if (v := first(store)) is not None}
+    targets, render_errors = current_revisions(policies, baseline_cm, baseline_ds)
+    if name in render_errors:
+        log.warning("policy %s: %s", name, render_errors[name])
+    executor: Executor = _state["executor"]
+    policy = policies.get(name)
+    service_ips = await asyncio.to_thread(executor.api.service_ips, policy) if policy else {}
     world = build_world(
         policies=indexes["policy_index"],
         nodes=indexes["node_index"],
         proxynodes=indexes["proxynode_index"],
         revisions=indexes["revision_index"],
         pods=indexes["kube_proxy_pod_index"],
-        baseline_mode=next(iter(indexes["baseline_index"].get("mode", ["iptables"]))),
+        baseline_mode=baseline_mode(baseline_cm),
+        current_revisions=targets,
+        service_ips=service_ips,
     )
     plan = planner.plan(world, name)
-    executor: Executor = _state["executor"]
     for action in plan.actions:
         await asyncio.to_thread(executor.perform, action, world.policies)
     return plan
@@ -154,7 +187,7 @@ async def step(name: str, indexes: dict[str, Any]) -> w.Plan:
 
 def _indexes(kwargs: dict[str, Any]) -> dict[str, Any]:
     names = ("policy_index", "node_index", "proxynode_index", "revision_index", "kube_proxy_pod_index",
-             "baseline_index")
+             "baseline_configmap_index", "baseline_daemonset_index")
     return {n: kwargs[n] for n in names}
 
 

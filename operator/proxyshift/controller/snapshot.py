@@ -8,10 +8,14 @@ from typing import Any
 
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.api.proxynode import ProxyNode
-from proxyshift.planner.world import KubeProxyPodView, NodeView, RevisionView, World
-
-POLICY_LABEL = "proxyshift.io/policy"
-REVISION_NAME_LABEL = "proxyshift.io/revision"
+from proxyshift.planner.world import KubeProxyPodView, NodeView, RevisionTarget, RevisionView, World
+from proxyshift.render import (
+    ANNOTATION_CONFIG_HASH,
+    ANNOTATION_MODE,
+    ANNOTATION_POLICY,
+    LABEL_REVISION,
+    render_revision,
+)
 
 
 def parse_time(value: str | None) -> datetime | None:
@@ -53,15 +57,32 @@ def kube_proxy_pod_view(body: Mapping[str, Any]) -> KubeProxyPodView | None:
 def revision_view(body: Mapping[str, Any]) -> RevisionView | None:
     labels = body.get("metadata", {}).get("labels") or {}
     annotations = body.get("metadata", {}).get("annotations") or {}
-    name = labels.get(REVISION_NAME_LABEL)
+    name = labels.get(LABEL_REVISION)
     if not name:
         return None
     return RevisionView(
         name=name,
-        policy=labels.get(POLICY_LABEL, ""),
-        mode=annotations.get("proxyshift.io/mode", ""),
-        config_hash=annotations.get("proxyshift.io/config-hash", name.rsplit("-", 1)[-1]),
+        policy=annotations.get(ANNOTATION_POLICY, ""),
+        mode=annotations.get(ANNOTATION_MODE, ""),
+        config_hash=annotations.get(ANNOTATION_CONFIG_HASH, ""),
     )
+
+
+def current_revisions(policies: Mapping[str, ProxyPolicy], baseline_configmap: Mapping[str, Any] | None,
+                      baseline_daemonset: Mapping[str, Any] | None) -> tuple[dict[str, RevisionTarget], dict[str, str]]:
+    """Render each policy's revision name on top of the baseline; errors per policy, for its status."""
+    targets: dict[str, RevisionTarget] = {}
+    errors: dict[str, str] = {}
+    if baseline_configmap is None or baseline_daemonset is None:
+        return targets, {name: "the baseline kube-proxy ConfigMap or DaemonSet was not found" for name in policies}
+    for name, policy in policies.items():
+        try:
+            rendered = render_revision(policy, dict(baseline_configmap), dict(baseline_daemonset))
+        except (ValueError, KeyError) as exc:
+            errors[name] = f"cannot render a revision from the baseline kube-proxy: {exc}"
+            continue
+        targets[name] = RevisionTarget(name=rendered.name, mode=rendered.mode, scheduler=policy.spec.scheduler)
+    return targets, errors
 
 
 def first(store: Iterable[Any] | None) -> Any:

@@ -1,0 +1,120 @@
+"""Install proxyshift into a cluster and run its operator as a local process.
+
+Used by `make demo` and by the e2e suite. The CRDs, RBAC, admission policies
+and the agent DaemonSet come from `crds/` and `config/` exactly as a user
+applies them; the agent pods are run by the node simulator. The operator runs
+as a process on the host (so tests can kill -9 it and start another), logging
+to the cluster's state directory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from proxyshift.commands import run
+from proxyshift.localcluster import paths
+
+AGENT_NAMESPACE = "proxyshift-system"
+AGENT_DAEMONSET = "proxyshift-agent"
+# Applied in this order: CRDs must be established before anything refers to them.
+INSTALL_STEPS: tuple[tuple[str, list[str]], ...] = (
+    ("CRDs", ["-k", "config/crd"]),
+    ("RBAC", ["-k", "config/rbac"]),
+    ("admission policies", ["-k", "config/admission"]),
+    ("agent DaemonSet", ["-k", "config/agent"]),
+)
+
+
+def _say(message: str) -> None:
+    print(f"[proxyshift] {message}", flush=True)
+
+
+def kubectl(bin_dir: Path, kubeconfig: Path, *args: str, timeout: float = 120, check: bool = True,
+            input: str | None = None) -> str:
+    argv = [str(bin_dir / "kubectl"), "--kubeconfig", str(kubeconfig), *args]
+    return run(argv, timeout=timeout, check=check, input=input).stdout
+
+
+def install(bin_dir: Path, kubeconfig: Path, *, agents: bool = True) -> None:
+    """Apply proxyshift's manifests (idempotent) and wait until the agents run on every node."""
+    root = paths.repo_root()
+    for what, target in INSTALL_STEPS:
+        if what == "agent DaemonSet" and not agents:
+            continue
+        _say(f"applying {what}")
+        kubectl(bin_dir, kubeconfig, "apply", "--server-side", "--force-conflicts", "--field-manager=proxyshift-install",
+                *[str(root / t) if t.startswith("config") else t for t in target])
+        if what == "CRDs":
+            kubectl(bin_dir, kubeconfig, "wait", "--for=condition=Established", "--timeout=60s",
+                    "crd/proxypolicies.proxyshift.io", "crd/proxynodes.proxyshift.io")
+    if agents:
+        _say("waiting for the agent DaemonSet to be ready on every node")
+        kubectl(bin_dir, kubeconfig, "-n", AGENT_NAMESPACE, "rollout", "status",
+                f"daemonset/{AGENT_DAEMONSET}", "--timeout=180s", timeout=200)
+
+
+@dataclass
+class OperatorProcess:
+    """`proxyshift operator` as a child process; kill it (-9 included) and start another at will."""
+
+    kubeconfig: Path
+    log_path: Path
+    metrics_port: int = 18080
+    health_port: int = 18081
+    extra_env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> OperatorProcess:
+        if self.running:
+            return self
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "proxyshift.cli", "operator", "--standalone",
+                "--kubeconfig", str(self.kubeconfig), "--metrics-port", str(self.metrics_port),
+                "--liveness", f"http://127.0.0.1:{self.health_port}/healthz"]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,  # noqa: S603
+                                         start_new_session=True)
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.proc = None
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+
+    def wait_healthy(self, timeout: float = 60) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        url = f"http://127.0.0.1:{self.health_port}/healthz"
+        while time.monotonic() < deadline:
+            if not self.running:
+                raise RuntimeError(f"operator exited; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"operator not healthy after {timeout:g}s; see {self.log_path}")
