@@ -48,8 +48,8 @@ def install(bin_dir: Path, kubeconfig: Path, *, agents: bool = True) -> None:
         if what == "agent DaemonSet" and not agents:
             continue
         _say(f"applying {what}")
-        kubectl(bin_dir, kubeconfig, "apply", "--server-side", "--force-conflicts", "--field-manager=proxyshift-install",
-                *[str(root / t) if t.startswith("config") else t for t in target])
+        kubectl(bin_dir, kubeconfig, "apply", "--server-side", "--force-conflicts",
+                "--field-manager=proxyshift-install", *[str(root / t) if t.startswith("config") else t for t in target])
         if what == "CRDs":
             kubectl(bin_dir, kubeconfig, "wait", "--for=condition=Established", "--timeout=60s",
                     "crd/proxypolicies.proxyshift.io", "crd/proxynodes.proxyshift.io")
