@@ -10,6 +10,8 @@ from proxyshift.render.diff import diff, needs_recreate
 from proxyshift.render.kubeproxyconfig import config_hash, render_config
 from proxyshift.render.names import (
     ANNOTATION_CONFIG_HASH,
+    ANNOTATION_MODE,
+    ANNOTATION_POLICY,
     LABEL_MANAGED_BY,
     LABEL_POLICY,
     LABEL_REVISION,
@@ -22,6 +24,8 @@ from proxyshift.render.revision import RenderedRevision, render_revision, revisi
 
 __all__ = [
     "ANNOTATION_CONFIG_HASH",
+    "ANNOTATION_MODE",
+    "ANNOTATION_POLICY",
     "LABEL_MANAGED_BY",
     "LABEL_POLICY",
     "LABEL_REVISION",

@@ -19,6 +19,9 @@ LABEL_REVISION = "proxyshift.io/revision"
 LABEL_MANAGED_BY = "proxyshift.io/managed-by"
 MANAGED_BY = "proxyshift"
 ANNOTATION_CONFIG_HASH = "proxyshift.io/config-hash"
+# The policy label value may be shortened to fit 63 characters; the annotation keeps the full name.
+ANNOTATION_POLICY = "proxyshift.io/policy"
+ANNOTATION_MODE = "proxyshift.io/mode"
 
 OBJECT_PREFIX = "kube-proxy-"
 MAX_LABEL_VALUE = 63

@@ -26,6 +26,8 @@ from proxyshift.render.affinity import without_revision_affinity
 from proxyshift.render.kubeproxyconfig import baseline_config, config_hash, find_config_key, render_config
 from proxyshift.render.names import (
     ANNOTATION_CONFIG_HASH,
+    ANNOTATION_MODE,
+    ANNOTATION_POLICY,
     LABEL_MANAGED_BY,
     LABEL_POLICY,
     LABEL_REVISION,
@@ -160,11 +162,15 @@ def render_revision(
     config_dict = config.to_dict()
     config_yaml = yaml.safe_dump(config_dict, sort_keys=True, default_flow_style=False, allow_unicode=True)
     baseline_cm_name = (baseline_configmap.get("metadata") or {}).get("name", "kube-proxy")
+    configmap = render_configmap(baseline_configmap, cm_name, labels, hash_, config_yaml)
+    daemonset = render_daemonset(baseline_daemonset, baseline_cm_name, ds_name, cm_name, labels, hash_)
+    for obj in (configmap, daemonset):
+        obj["metadata"]["annotations"].update({ANNOTATION_POLICY: policy_name, ANNOTATION_MODE: policy.spec.mode})
     return RenderedRevision(
         name=revision,
         hash=hash_,
         mode=policy.spec.mode,
-        configmap=render_configmap(baseline_configmap, cm_name, labels, hash_, config_yaml),
-        daemonset=render_daemonset(baseline_daemonset, baseline_cm_name, ds_name, cm_name, labels, hash_),
+        configmap=configmap,
+        daemonset=daemonset,
         config=config_dict,
     )
