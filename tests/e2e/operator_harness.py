@@ -1,0 +1,182 @@
+"""A small driver for the operator e2e tests: apply policies, read status, look inside nodes."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from proxyshift.localcluster.install import OperatorProcess
+
+GROUP, VERSION = "proxyshift.io", "v1alpha1"
+REVISION_LABEL = "proxyshift.io/revision"
+
+# kube-proxy's iptables-mode chains (DESIGN.md "Kernel facts"); none may stay on a node that left iptables.
+IPTABLES_MODE_CHAINS = ("KUBE-SERVICES", "KUBE-NODEPORTS", "KUBE-POSTROUTING", "KUBE-MARK-MASQ",
+                        "KUBE-PROXY-CANARY", "KUBE-FORWARD", "KUBE-EXTERNAL-SERVICES", "KUBE-PROXY-FIREWALL")
+
+
+def policy(name: str, mode: str, *, pool: str | None = "blue", **spec: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "ProxyPolicy",
+        "metadata": {"name": name},
+        "spec": {"nodeSelector": {"matchLabels": {"pool": pool}} if pool else {}, "mode": mode,
+                 "gate": {"timeout": "90s", "minSyncs": 1}, **spec},
+    }
+    return body
+
+
+@dataclass
+class Harness:
+    api_client: client.ApiClient
+    operator: OperatorProcess
+    node_exec: Callable[..., Any]
+    node_http_get: Callable[..., tuple[int, str]]
+    wait_for: Callable[..., Any]
+    created: list[str] = field(default_factory=list)
+
+    @property
+    def custom(self) -> client.CustomObjectsApi:
+        return client.CustomObjectsApi(self.api_client)
+
+    @property
+    def core(self) -> client.CoreV1Api:
+        return client.CoreV1Api(self.api_client)
+
+    # ---- policies ----
+
+    def apply(self, body: dict[str, Any]) -> dict[str, Any]:
+        name = body["metadata"]["name"]
+        if name not in self.created:
+            self.created.append(name)
+        try:
+            return self.custom.create_cluster_custom_object(GROUP, VERSION, "proxypolicies", copy.deepcopy(body))
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+        return self.patch(name, {"spec": body["spec"]})
+
+    def patch(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self.custom.patch_cluster_custom_object(GROUP, VERSION, "proxypolicies", name, body)
+
+    def get(self, name: str) -> dict[str, Any] | None:
+        try:
+            return self.custom.get_cluster_custom_object(GROUP, VERSION, "proxypolicies", name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def delete(self, name: str, *, wait: float = 0) -> None:
+        try:
+            self.custom.delete_cluster_custom_object(GROUP, VERSION, "proxypolicies", name)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+        if wait:
+            self.wait_for(lambda: self.get(name) is None, wait, f"ProxyPolicy {name} to be gone")
+
+    def condition(self, name: str, type_: str) -> dict[str, Any] | None:
+        body = self.get(name) or {}
+        for cond in (body.get("status") or {}).get("conditions") or []:
+            if cond.get("type") == type_:
+                return cond
+        return None
+
+    def wait_condition(self, name: str, type_: str, timeout: float, status: str = "True") -> dict[str, Any]:
+        def check() -> dict[str, Any] | None:
+            cond = self.condition(name, type_)
+            body = self.get(name) or {}
+            fresh = (body.get("status") or {}).get("observedGeneration") == body.get("metadata", {}).get("generation")
+            return cond if cond and cond.get("status") == status and fresh else None
+
+        try:
+            return self.wait_for(check, timeout, f"{name} condition {type_}={status}", interval=1.0)
+        except BaseException:
+            print(self.describe(name))
+            raise
+
+    def describe(self, name: str) -> str:
+        body = self.get(name)
+        nodes = self.proxynodes()
+        return json.dumps({"policy": (body or {}).get("status"),
+                           "proxynodes": {n: {"spec": v.get("spec"), "status": {k: v.get("status", {}).get(k)
+                                          for k in ("observedMode", "lastOperation", "leftovers")}}
+                                          for n, v in nodes.items()}}, indent=1, default=str)[:20000]
+
+    # ---- nodes ----
+
+    def proxynodes(self) -> dict[str, dict[str, Any]]:
+        items = self.custom.list_cluster_custom_object(GROUP, VERSION, "proxynodes")["items"]
+        return {i["metadata"]["name"]: i for i in items}
+
+    def node_labels(self, node: str) -> dict[str, str]:
+        return dict(self.core.read_node(node).metadata.labels or {})
+
+    def unschedulable(self, node: str) -> bool:
+        return bool(self.core.read_node(node).spec.unschedulable)
+
+    def proxy_mode(self, node: str) -> str:
+        status, body = self.node_http_get(node, "http://127.0.0.1:10249/proxyMode")
+        assert status == 200, f"/proxyMode on {node} answered {status}"
+        return body.strip()
+
+    def iptables_chains(self, node: str) -> set[str]:
+        chains: set[str] = set()
+        for tool in ("iptables-save", "ip6tables-save"):
+            out = self.node_exec(node, [tool]).stdout
+            chains |= {line[1:].split()[0] for line in out.splitlines() if line.startswith(":")}
+        return chains
+
+    def nft_tables(self, node: str) -> set[str]:
+        out = self.node_exec(node, ["nft", "-j", "list", "tables"]).stdout
+        return {f"{t['table']['family']} {t['table']['name']}" for t in json.loads(out)["nftables"]
+                if "table" in t}
+
+    def kube_proxy_running(self, node: str) -> bool:
+        pods = self.core.list_namespaced_pod("kube-system", label_selector="k8s-app=kube-proxy",
+                                             field_selector=f"spec.nodeName={node}").items
+        return any(p.status.phase == "Running" and not p.metadata.deletion_timestamp for p in pods)
+
+    def migration_windows(self, nodes: list[str]) -> list[tuple[str, float, float]]:
+        """(node, start, end) of each node's last migration, from the ProxyNode records."""
+        windows = []
+        for name, pn in self.proxynodes().items():
+            if name not in nodes:
+                continue
+            m = (pn.get("spec") or {}).get("migration") or {}
+            if m.get("startedAt") and m.get("finishedAt"):
+                windows.append((name, _ts(m["startedAt"]), _ts(m["finishedAt"])))
+        return sorted(windows, key=lambda w: w[1])
+
+    def cleanup(self) -> None:
+        for name in reversed(self.created):
+            self.delete(name)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and any(self.get(n) for n in self.created):
+            time.sleep(1)
+        self.created.clear()
+
+
+def _ts(text: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    with open(path) as fh:
+        return yaml.safe_load(fh)
+
+
+def fail_with(h: Harness, name: str, message: str) -> None:
+    pytest.fail(f"{message}\n{h.describe(name)}")
