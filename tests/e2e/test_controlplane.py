@@ -1,8 +1,10 @@
 """The control-plane half of the local cluster, on its own: build, up, serve, down.
 
-Brings up a private control plane in a temporary state dir (no nodes), so it
-needs no network namespaces; it is skipped when another local cluster holds
-the ports, or when the e2e run targets an external cluster.
+Brings up a private control plane in a temporary state dir (no nodes) and
+checks at module teardown that `down` left no process, file or port. If the
+session's local cluster already holds the fixed ports, the serving checks run
+on that cluster instead (see the `cp` fixture). Skipped for an external cluster:
+it tests the local binaries.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -36,15 +39,16 @@ def _port_busy(port: int) -> bool:
     return not all(controlplane.can_bind(address, port) for address in addresses)
 
 
-def _processes_using(bin_dir: Path) -> set[int]:
+def _processes_mentioning(state_dir: Path) -> set[int]:
+    """Processes whose command line names the state dir (other users of the binaries may run meanwhile)."""
     pids = set()
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
-                exe = os.readlink(proc / "exe")
+                cmdline = (proc / "cmdline").read_bytes()
             except OSError:
                 continue
-            if exe.startswith(str(bin_dir)):
+            if str(state_dir).encode() in cmdline:
                 pids.add(int(proc.name))
     return pids
 
@@ -56,31 +60,58 @@ def bin_dir() -> Path:
     return build.build()
 
 
+@dataclass
+class ControlPlane:
+    info: controlplane.ClusterInfo
+    private: bool  # started by this module (so its `down` is checked here)
+    node: str  # a Node pods may name in spec.nodeName
+
+
 @pytest.fixture(scope="module")
-def cluster(bin_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[controlplane.ClusterInfo]:
-    busy = [p for p in PORTS if _port_busy(p)]
-    if busy:
-        pytest.skip(f"another cluster holds ports {busy}")
+def cp(bin_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+       request: pytest.FixtureRequest) -> Iterator[ControlPlane]:
+    """A private control plane in a temporary state dir, or the session's cluster if it already runs.
+
+    Private is the point (this module checks `down`), but the session cluster
+    holds the same fixed ports; when it is up first, the checks that do not
+    tear anything down run on it instead and the `down` check is left to
+    tests/e2e/test_localcluster.py.
+    """
+    if any(_port_busy(p) for p in PORTS):
+        request.getfixturevalue("cluster")
+        info = controlplane.load_info(paths.default_state_dir())
+        if info is None:
+            pytest.fail(f"ports {PORTS} are held, but not by the local cluster in {paths.default_state_dir()}")
+        yield ControlPlane(info=info, private=False, node="ps-node-1")
+        return
     state_dir = tmp_path_factory.mktemp("cp") / "cluster"
-    before = _processes_using(bin_dir)
     started = time.monotonic()
     try:
         info = controlplane.up_controlplane(state_dir, bin_dir=bin_dir)
         print(f"\ncontrol plane up in {time.monotonic() - started:.1f}s")
-        yield info
+        # No kubernetes.io/os label: the baseline DaemonSet must not target it.
+        client.CoreV1Api(config.new_client_from_config(str(info.kubeconfig))).create_node(
+            {"metadata": {"name": "cp-test-node"}})
+        yield ControlPlane(info=info, private=True, node="cp-test-node")
     finally:
         recorded = [r["pid"] for r in state.read_state(state_dir)["processes"]]
         controlplane.down(state_dir)
     # down leaves nothing: no process it started, no file, no port.
-    assert _processes_using(bin_dir) - before == set()
-    assert not any(Path(f"/proc/{pid}").exists() for pid in recorded)
+    assert _processes_mentioning(state_dir) == set()
+    assert [(pid, state.start_ticks(pid), Path(f"/proc/{pid}/stat").read_text()[:80]) for pid in recorded
+            if Path(f"/proc/{pid}").exists()] == []
     assert not state_dir.exists()
     assert not [p for p in PORTS if _port_busy(p)]
 
 
 @pytest.fixture(scope="module")
-def api(cluster: controlplane.ClusterInfo) -> client.ApiClient:
-    return config.new_client_from_config(str(cluster.kubeconfig))
+def cluster_info(cp: ControlPlane) -> controlplane.ClusterInfo:
+    return cp.info
+
+
+@pytest.fixture(scope="module")
+def api(cluster_info: controlplane.ClusterInfo) -> client.ApiClient:
+    return config.new_client_from_config(str(cluster_info.kubeconfig))
 
 
 def test_binaries_are_version_stamped(bin_dir: Path) -> None:
@@ -90,11 +121,11 @@ def test_binaries_are_version_stamped(bin_dir: Path) -> None:
     assert "3.7.0" in run([str(bin_dir / "etcd"), "--version"]).stdout
 
 
-def test_readyz(cluster: controlplane.ClusterInfo) -> None:
-    status, body = controlplane.http_get(f"{cluster.api_url}/readyz",
-                                         controlplane.admin_ssl_context(cluster.pki_dir))
+def test_readyz(cluster_info: controlplane.ClusterInfo, api: client.ApiClient) -> None:
+    status, body = controlplane.http_get(f"{cluster_info.api_url}/readyz",
+                                         controlplane.admin_ssl_context(cluster_info.pki_dir))
     assert (status, body.strip()) == (200, "ok")
-    version = client.VersionApi(config.new_client_from_config(str(cluster.kubeconfig))).get_code()
+    version = client.VersionApi(api).get_code()
     assert version.git_version == "v1.37.2"
 
 
@@ -117,21 +148,26 @@ def test_validating_admission_policy_is_served_and_enforced(api: client.ApiClien
     })
     core = client.CoreV1Api(api)
     deadline = time.monotonic() + 30
-    while True:  # the policy reaches the admission plugin through an informer
-        try:
-            core.create_namespaced_config_map("default", {"metadata": {"name": "forbidden"}})
-        except ApiException as exc:
-            assert exc.status in (400, 403, 422), exc
-            assert "no-forbidden-configmaps" in exc.body
-            break
-        core.delete_namespaced_config_map("forbidden", "default")
-        assert time.monotonic() < deadline, "ValidatingAdmissionPolicy never took effect"
-        time.sleep(0.5)
+    try:
+        while True:  # the policy reaches the admission plugin through an informer
+            try:
+                core.create_namespaced_config_map("default", {"metadata": {"name": "forbidden"}})
+            except ApiException as exc:
+                assert exc.status in (400, 403, 422), exc
+                assert "no-forbidden-configmaps" in exc.body
+                break
+            core.delete_namespaced_config_map("forbidden", "default")
+            assert time.monotonic() < deadline, "ValidatingAdmissionPolicy never took effect"
+            time.sleep(0.5)
+    finally:
+        admission.delete_validating_admission_policy_binding("no-forbidden-configmaps")
+        admission.delete_validating_admission_policy("no-forbidden-configmaps")
 
 
-def test_baseline_objects(cluster: controlplane.ClusterInfo, api: client.ApiClient) -> None:
-    baseline.install(cluster.kubeconfig, cluster.bin_dir / "kubectl", env=controlplane.daemon_env())
-    baseline.install(cluster.kubeconfig, cluster.bin_dir / "kubectl", env=controlplane.daemon_env())  # idempotent
+def test_baseline_objects(cp: ControlPlane, api: client.ApiClient) -> None:
+    if cp.private:  # `localcluster up` installs it; the bare control plane does not
+        for _ in range(2):  # the second apply proves it idempotent
+            baseline.install(cp.info.kubeconfig, cp.info.bin_dir / "kubectl", env=controlplane.daemon_env())
     core, apps, rbac = client.CoreV1Api(api), client.AppsV1Api(api), client.RbacAuthorizationV1Api(api)
     cm = core.read_namespaced_config_map("kube-proxy", "kube-system")
     assert "mode: iptables" in cm.data["config.conf"]
@@ -148,12 +184,11 @@ def _claims(token: str) -> dict:
     return json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
 
 
-def test_pod_bound_token(api: client.ApiClient) -> None:
+def test_pod_bound_token(cp: ControlPlane, api: client.ApiClient) -> None:
     core = client.CoreV1Api(api)
-    core.create_node({"metadata": {"name": "cp-test-node", "labels": {"kubernetes.io/os": "linux"}}})
     pod = core.create_namespaced_pod("default", {
         "metadata": {"name": "token-holder"},
-        "spec": {"nodeName": "cp-test-node", "containers": [{"name": "c", "image": "example.invalid/none"}]},
+        "spec": {"nodeName": cp.node, "containers": [{"name": "c", "image": "example.invalid/none"}]},
     })
     # The ServiceAccount admission plugin projected a token volume into the pod.
     assert any(v.projected for v in pod.spec.volumes)
@@ -165,11 +200,11 @@ def test_pod_bound_token(api: client.ApiClient) -> None:
     token = request.status.token
     claims = _claims(token)["kubernetes.io"]
     assert claims["pod"]["name"] == "token-holder"
-    assert claims["node"]["name"] == "cp-test-node"
+    assert claims["node"]["name"] == cp.node
     review = client.AuthenticationV1Api(api).create_token_review({"spec": {"token": token}})
     assert review.status.authenticated
     assert review.status.user.username == "system:serviceaccount:default:default"
-    assert review.status.user.extra["authentication.kubernetes.io/node-name"] == ["cp-test-node"]
+    assert review.status.user.extra["authentication.kubernetes.io/node-name"] == [cp.node]
     # Deleting the pod invalidates the bound token.
     core.delete_namespaced_pod("token-holder", "default", grace_period_seconds=0)
     deadline = time.monotonic() + 20

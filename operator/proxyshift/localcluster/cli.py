@@ -64,8 +64,13 @@ def create_nodes(state_dir: Path, info: controlplane.ClusterInfo, pools: dict[st
 def up(state_dir: Path, pools: dict[str, int]) -> dict[str, Any]:
     started = time.monotonic()
     bin_dir = build.build()
+    existing = controlplane.load_info(state_dir)
+    was_running = existing is not None and controlplane.is_ready(existing)
     info = controlplane.up_controlplane(state_dir, bin_dir=bin_dir)
-    baseline.install(info.kubeconfig, info.bin_dir / "kubectl", env=controlplane.daemon_env())
+    if not was_running:
+        # Only on a fresh control plane: re-applying on a running cluster would
+        # undo what a test or the operator changed in the baseline since.
+        baseline.install(info.kubeconfig, info.bin_dir / "kubectl", env=controlplane.daemon_env())
     nodes = create_nodes(state_dir, info, pools)
     return {"kubeconfig": str(info.kubeconfig), "api_url": info.api_url, "nodes": nodes,
             "seconds": round(time.monotonic() - started, 1)}

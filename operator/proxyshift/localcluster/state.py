@@ -119,11 +119,28 @@ def is_alive(record: dict[str, Any]) -> bool:
     return ticks is not None and (record.get("start_ticks") is None or ticks == record["start_ticks"])
 
 
-def _reap(pid: int) -> None:
-    # Only our own children can be reaped; for the others (started by an earlier
-    # `up` command) init does it.
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)
+def _reap(pid: int, wait: float = 0.0) -> None:
+    """Collect our own dead child so it leaves /proc; others' are init's job.
+
+    `wait`: a killed multi-threaded process shows as a zombie while its other
+    threads are still exiting, and cannot be collected until they have.
+    """
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            done, _status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if done or time.monotonic() >= deadline or not _is_zombie(pid):
+            return
+        time.sleep(0.02)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _signal(record: dict[str, Any], sig: signal.Signals) -> None:
@@ -140,22 +157,32 @@ def _signal(record: dict[str, Any], sig: signal.Signals) -> None:
 def stop_process(record: dict[str, Any], grace: float | None = None) -> None:
     if grace is None:
         grace = float(record.get("stop_grace", STOP_GRACE_SECONDS))
-    if not is_alive(record):
-        _reap(record["pid"])
+    if _stopped(record):
         return
     _signal(record, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        _reap(record["pid"])
-        if not is_alive(record):
-            return
-        time.sleep(0.1)
+    if _wait_stopped(record, grace):
+        return
     _signal(record, signal.SIGKILL)
-    for _ in range(50):
-        _reap(record["pid"])
-        if not is_alive(record):
-            return
-        time.sleep(0.1)
+    _wait_stopped(record, 5.0)
+
+
+def _stopped(record: dict[str, Any]) -> bool:
+    # Reap after the check too: a child of ours that died is a zombie until
+    # waited for, and a zombie still shows in /proc.
+    _reap(record["pid"])
+    if is_alive(record):
+        return False
+    _reap(record["pid"], wait=5.0)
+    return True
+
+
+def _wait_stopped(record: dict[str, Any], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not _stopped(record):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _pid_file_records(state_dir: Path, known: set[int]) -> list[dict[str, Any]]:
