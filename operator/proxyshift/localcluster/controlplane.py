@@ -371,13 +371,20 @@ def down(state_dir: Path | None = None) -> list[str]:
     and the pid files recorded. Returns the names of the processes it stopped.
     """
     state_dir = state_dir or paths.default_state_dir()
+    node_error: Exception | None = None
     with contextlib.suppress(ImportError):
         network = importlib.import_module("proxyshift.localcluster.network")
         remove_all: Callable[[Path], Any] | None = getattr(network, "remove_all", None)
         if remove_all is not None:
-            remove_all(state_dir)
+            try:
+                remove_all(state_dir)
+            except Exception as exc:  # the control plane must go even if the nodes did not
+                node_error = exc
     stopped = state.stop_all(state_dir)
     state.remove_paths(state_dir)
+    if node_error is not None:
+        raise ControlPlaneError(f"control plane removed, but removing the nodes failed: {node_error}") \
+            from node_error
     return stopped
 
 
