@@ -10,6 +10,7 @@ changed pin builds into a fresh folder and never mixes versions.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -181,6 +182,20 @@ def build(*, force: bool = False, module_dir: Path | None = None) -> Path:
     if is_complete(bin_dir) and not force:
         return bin_dir
     bin_dir.mkdir(parents=True, exist_ok=True)
+    # Two builds of one pin (two terminals, parallel test sessions) would write
+    # the same temporary files; the second waits and then finds the stamp.
+    with (bin_dir.parent / ".build.lock").open("a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(f"another build of these pins is running; waiting for it ({bin_dir})")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if is_complete(bin_dir) and not force:
+                return bin_dir
+        return _build_locked(module_dir, pins, flags, bin_dir)
+
+
+def _build_locked(module_dir: Path, pins: Pins, flags: str, bin_dir: Path) -> Path:
     (bin_dir / STAMP_NAME).unlink(missing_ok=True)
     log_path = bin_dir.parent / "build.log"
     packages = {**K8S_COMMANDS, "etcd": "./cmd/etcd"}
