@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from proxyshift.commands import CommandError
 from proxyshift.localcluster import build, paths, pki, state
 from proxyshift.localcluster.paths import StateLayout
 
@@ -121,7 +122,10 @@ def _apiserver_bind_address() -> str:
         network = importlib.import_module("proxyshift.localcluster.network")
         ensure_bridge: Callable[[], Any] | None = getattr(network, "ensure_bridge", None)
         if ensure_bridge is not None:
-            ensure_bridge()
+            try:
+                ensure_bridge()
+            except CommandError as exc:  # e.g. not root: a node-less control plane still works
+                _say(f"cannot create the bridge ({exc})")
     if can_bind(paths.BRIDGE_ADDRESS, 0):
         return paths.BRIDGE_ADDRESS
     _say(f"bridge address {paths.BRIDGE_ADDRESS} is not on this host: binding the API to 127.0.0.1 "
