@@ -82,7 +82,9 @@ def _print_status(report: dict[str, Any]) -> None:
     if report["info"]:
         print(f"kubeconfig: {report['info']['kubeconfig']}  api: {report['info']['api_url']}")
     for proc in report["processes"]:
-        print(f"  {'up  ' if proc['alive'] else 'DOWN'} {proc['name']:<28} pid {proc['pid']:<8} {proc['log'] or ''}")
+        rss = f"{proc['rss_mib']:>7.1f} MiB" if proc.get("rss_mib") is not None else " " * 11
+        print(f"  {'up  ' if proc['alive'] else 'DOWN'} {proc['name']:<28} pid {proc['pid']:<8} {rss}  "
+              f"{proc['log'] or ''}")
     missing = [p["path"] for p in report["paths"] if not p["exists"]]
     print(f"files: {len(report['paths'])} recorded, {len(missing)} missing")
     if "nodes" in report:
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             print(info.kubeconfig)
     except (UsageError, build.BuildError, controlplane.ControlPlaneError, CommandError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        if args.command == "up":
+        if args.command == "up" and state_dir.exists():
             print(f"(state kept for inspection: logs in {state_dir}/logs; `localcluster down` removes it)",
                   file=sys.stderr)
         return 1

@@ -399,7 +399,8 @@ def status(state_dir: Path | None = None) -> dict[str, Any]:
     recorded = state.read_state(state_dir)
     report: dict[str, Any] = {
         "state_dir": str(state_dir),
-        "processes": [{"name": r["name"], "pid": r["pid"], "alive": r["alive"], "log": r.get("log")}
+        "processes": [{"name": r["name"], "pid": r["pid"], "alive": r["alive"], "log": r.get("log"),
+                       "rss_mib": state.rss_mib(r["pid"]) if r["alive"] else None}
                       for r in state.running(state_dir)],
         "paths": [{"path": p, "exists": Path(p).exists()} for p in recorded["paths"]],
         "info": info.to_json() if info else None,

@@ -232,3 +232,14 @@ def remove_paths(state_dir: Path) -> None:
 def running(state_dir: Path) -> list[dict[str, Any]]:
     """Recorded processes, each with an `alive` flag."""
     return [{**record, "alive": is_alive(record)} for record in read_state(state_dir)["processes"]]
+
+
+def rss_mib(pid: int) -> float | None:
+    """Resident memory of a process in MiB (for `status` and the docs' memory figure)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
