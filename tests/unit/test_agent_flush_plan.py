@@ -246,3 +246,23 @@ def test_user_chains_and_rules_never_appear_in_the_restore_text(data):
         assert rule.split(" ", 2)[2] not in restore
     for chain in chains:
         assert f" {chain}\n" not in restore and f":{chain} " not in restore
+
+
+REAL = (FIX / "iptables" / "kube-proxy-v1.37.2-iptables-30-services.save.txt").read_text()
+
+
+def test_plan_on_real_kube_proxy_rules_removes_every_kube_proxy_chain_but_kubelets():
+    dump = parse(REAL)
+    before = {(t.name, c) for t in dump.tables.values() for c in t.user_defined()}
+    doomed = {(p.table, c) for p in plan_flush(dump, ALL, "nftables") for c in p.delete_chains}
+    assert before - doomed == {("filter", "KUBE-FIREWALL")}
+    assert sum(1 for _, c in doomed if c.startswith("KUBE-SVC-")) == 30
+
+
+def test_plan_on_real_kube_proxy_rules_for_ipvs_keeps_exactly_the_shared_chains():
+    dump = parse(REAL)
+    before = {(t.name, c) for t in dump.tables.values() for c in t.user_defined()}
+    doomed = {(p.table, c) for p in plan_flush(dump, frozenset({"iptables"}), "ipvs") for c in p.delete_chains}
+    assert before - doomed == {("filter", "KUBE-FIREWALL"), ("nat", "KUBE-SERVICES"), ("nat", "KUBE-POSTROUTING"),
+                               ("nat", "KUBE-MARK-MASQ"), ("filter", "KUBE-FORWARD"),
+                               ("filter", "KUBE-PROXY-FIREWALL")}

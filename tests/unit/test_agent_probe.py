@@ -15,7 +15,7 @@ from proxyshift.agent.probe import facts_from_probe, http_get, probe, split_addr
 
 pytestmark = pytest.mark.unit
 
-METRICS = (Path(__file__).resolve().parents[1] / "fixtures" / "metrics" / "placeholder-nftables-v1.37.txt").read_text()
+METRICS = (Path(__file__).resolve().parents[1] / "fixtures" / "metrics" / "kube-proxy-nftables-v1.37.2.txt").read_text()
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -84,7 +84,8 @@ def test_probe_of_a_healthy_kube_proxy(server):
     facts = facts_from_probe(probe(addr, addr))
     assert facts.error is None
     assert facts.proxy_mode == "nftables" and facts.healthz_status == 200
-    assert facts.sync_count == 12 and facts.sync_failures == 0 and facts.probed_at.endswith("Z")
+    assert facts.sync_count == 1 and facts.sync_failures is None and facts.probed_at.endswith("Z")
+    assert facts.process_start_time < facts.last_sync_timestamp
 
 
 def test_unhealthy_healthz_is_a_status_not_an_error(server):

@@ -35,11 +35,13 @@ def base(extra: str = "") -> str:
 
 @pytest.mark.parametrize("fixture", sorted(p.name for p in FIX.glob("*.txt")))
 def test_recorded_metrics_parse(fixture):
+    """Real captures of kube-proxy v1.37.2 (tests/dataplane/capture_kube_proxy.py): dual-stack, first sync."""
     facts = parse_kube_proxy_metrics((FIX / fixture).read_text())
     assert facts.process_start_time and facts.process_start_time > 1.6e9
     assert facts.last_sync_timestamp and facts.last_sync_timestamp >= facts.process_start_time
     assert facts.sync_count and facts.sync_count > 0
-    assert facts.sync_failures == 0
+    # kube-proxy exports its failure counters only once one is counted.
+    assert facts.sync_failures in (None, 0)
     assert facts.sync_duration_p99_seconds is not None and 0 < facts.sync_duration_p99_seconds < 16.384
 
 

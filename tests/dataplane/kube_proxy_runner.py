@@ -1,0 +1,136 @@
+"""Run the real kube-proxy binary inside a test namespace, fed by fake_apiserver.py.
+
+Used by the real-kube-proxy dataplane tests and by capture_kube_proxy.py (which
+records /metrics and rules as fixtures). Processes started here are stopped by
+their own pids.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ps_netns import Netns
+
+HERE = Path(__file__).resolve().parent
+OPERATOR = HERE.parents[1] / "operator"
+API_PORT = 16443
+
+
+def find_kube_proxy() -> Path | None:
+    """$PROXYSHIFT_KUBE_PROXY, else the local cluster's versioned build, else the warm build."""
+    env = os.environ.get("PROXYSHIFT_KUBE_PROXY")
+    candidates = [env] if env else []
+    candidates += sorted(glob.glob(str(Path.home() / ".cache/proxyshift/k8s/*/bin/kube-proxy")))
+    candidates.append(str(Path.home() / ".cache/proxyshift/warm/kube-proxy"))
+    for c in candidates:
+        if c and Path(c).is_file() and os.access(c, os.X_OK):
+            return Path(c)
+    return None
+
+
+CONFIG = """\
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+mode: {mode}
+clientConnection:
+  kubeconfig: {dir}/kubeconfig
+  contentType: application/json
+  acceptContentTypes: application/json
+hostnameOverride: {node}
+bindAddress: {node_ip}
+metricsBindAddress: 127.0.0.1:10249
+healthzBindAddress: 0.0.0.0:10256
+clusterCIDR: 198.18.16.0/20
+conntrack:
+  maxPerCore: 0
+iptables:
+  minSyncPeriod: 0s
+  syncPeriod: 10s
+nftables:
+  minSyncPeriod: 0s
+  syncPeriod: 10s
+"""
+
+KUBECONFIG = """\
+apiVersion: v1
+kind: Config
+clusters:
+- name: fake
+  cluster: {{server: "http://127.0.0.1:{port}"}}
+users:
+- name: kube-proxy
+  user: {{token: fake}}
+contexts:
+- name: fake
+  context: {{cluster: fake, user: kube-proxy}}
+current-context: fake
+"""
+
+PROBE = ("import json,sys; from proxyshift.agent.probe import probe, facts_from_probe; "
+         "r = probe(); f = facts_from_probe(r); "
+         "print(json.dumps({'facts': f.model_dump(mode='json', by_alias=True), 'metrics': r.metrics.body}))")
+
+
+class KubeProxy:
+    """A fake API server and a real kube-proxy in `ns`, stopped by stop()."""
+
+    def __init__(self, ns: Netns, workdir: Path, mode: str, *, services: int = 20, node: str = "ps-node-1",
+                 node_ip: str = "198.18.0.11", binary: Path | None = None) -> None:
+        self.ns, self.dir, self.mode = ns, workdir, mode
+        self.binary = binary or find_kube_proxy()
+        if self.binary is None:
+            raise FileNotFoundError("no kube-proxy binary (set PROXYSHIFT_KUBE_PROXY)")
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "kubeconfig").write_text(KUBECONFIG.format(port=API_PORT))
+        (workdir / "config.yaml").write_text(CONFIG.format(mode=mode, dir=workdir, node=node, node_ip=node_ip))
+        # kube-proxy wants its node IP on an interface; a dummy-less kernel still has lo.
+        ns.run(["ip", "link", "set", "lo", "up"])
+        ns.run(["ip", "addr", "add", f"{node_ip}/32", "dev", "lo"])
+        prefix = ["ip", "netns", "exec", ns.name]
+        self.api_log = open(workdir / "apiserver.log", "w")  # noqa: SIM115 - closed in stop()
+        self.api = subprocess.Popen(
+            [*prefix, sys.executable, str(HERE / "fake_apiserver.py"), "--port", str(API_PORT), "--node", node,
+             "--node-ip", node_ip, "--services", str(services)], stdout=self.api_log, stderr=subprocess.STDOUT)
+        time.sleep(0.5)
+        self.log = open(workdir / "kube-proxy.log", "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([*prefix, str(self.binary), "--config", str(workdir / "config.yaml"),
+                                      "--v=2"], stdout=self.log, stderr=subprocess.STDOUT)
+
+    def probe(self) -> dict[str, Any]:
+        env = {**os.environ, "PYTHONPATH": str(OPERATOR)}
+        out = subprocess.run(["ip", "netns", "exec", self.ns.name, sys.executable, "-c", PROBE],
+                             capture_output=True, text=True, timeout=30, env=env, check=True)
+        return json.loads(out.stdout)
+
+    def wait_synced(self, syncs: int = 1, timeout: float = 90.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        last: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kube-proxy exited {self.proc.returncode}; see {self.dir / 'kube-proxy.log'}")
+            last = self.probe()
+            facts = last["facts"]
+            if (facts.get("syncCount") or 0) >= syncs and facts.get("healthzStatus") == 200:
+                return last
+            time.sleep(1)
+        raise TimeoutError(f"kube-proxy did not sync {syncs} times in {timeout:g}s: {last.get('facts')}; "
+                           f"see {self.dir / 'kube-proxy.log'}")
+
+    def stop(self) -> None:
+        for proc in (self.proc, self.api):
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=10)
+        self.log.close()
+        self.api_log.close()
