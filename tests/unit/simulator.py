@@ -200,17 +200,33 @@ class Sim:
             raise AssertionError(f"unknown action {action!r}")
 
     def _check_action(self, policy: str, action: Action, world: World) -> None:
+        """Rules checked from first principles, not with the planner's own ownership code."""
         node = getattr(action, "node", None)
         if node is None or isinstance(action, Event):
             return
-        own = compute_ownership(world).get(node)
-        owner = own.owner if own else None
-        pn = world.proxynodes.get(node)
-        releasing = isinstance(action, SetMigration) and action.policy is None and pn is not None \
-            and pn.spec.policy == policy
-        if owner != policy and not releasing:
-            self.violations.append(f"{policy} acted on {node} owned by {owner}: {type(action).__name__}")
         p = world.policies[policy]
+        view = world.nodes.get(node)
+        pn = world.proxynodes.get(node)
+        mine_in_flight = pn is not None and pn.spec.policy == policy and is_in_flight(pn.spec.migration)
+        if isinstance(action, SetMigration) and action.policy is None:
+            if pn is None or pn.spec.policy != policy or is_in_flight(pn.spec.migration):
+                self.violations.append(f"{policy} released {node}, which is not its idle node")
+            return
+        if pn is not None and pn.spec.policy not in (None, policy) and is_in_flight(pn.spec.migration):
+            self.violations.append(f"{policy} acted on {node}, in flight for {pn.spec.policy}: {action!r}")
+        if view is None or not view.exists:
+            self.violations.append(f"{policy} acted on missing node {node}")
+            return
+        selected = not is_deleting(p) and p.spec.node_selector.matches(view.labels)
+        label_mine = view.revision is not None and view.revision.startswith(f"{policy}-")
+        if not (selected or mine_in_flight or label_mine):
+            self.violations.append(f"{policy} acted on {node} outside its selector: {type(action).__name__}")
+        key = (str(p.metadata.get("creationTimestamp")), policy)
+        older = [o.name for o in world.policies.values() if not is_deleting(o) and o.name != policy
+                 and (str(o.metadata.get("creationTimestamp")), o.name) < key
+                 and o.spec.node_selector.matches(view.labels)]
+        if older and not mine_in_flight:
+            self.violations.append(f"{policy} acted on {node}, which older policy {older[0]} selects")
         if isinstance(action, SetMigration) and action.migration is not None and action.migration.phase == "Preflight":
             before = pn.spec.migration if pn is not None else None
             starting = before is None or before.phase not in IN_FLIGHT

@@ -1,0 +1,185 @@
+"""Property tests: random fleets, policies, faults and user actions through the simulator.
+
+Safety is checked at every step by the simulator (see Sim._check_action, check_invariants and
+check_pods): never more nodes in flight than maxUnavailable, never an action on a node outside the
+selector or owned by an older policy or in flight for another one, never a start while paused,
+never a label naming a revision that does not exist (so every node always has exactly one
+revision or the baseline, and a kube-proxy DaemonSet whose pod runs there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from simulator import Faults, Sim, make_policy
+
+from proxyshift.api.policy import ProxyPolicy
+from proxyshift.planner.planner import plan
+
+pytestmark = pytest.mark.unit
+
+PROPS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+pools = st.sampled_from(["blue", "green"])
+selectors = st.one_of(
+    st.builds(lambda pool: {"matchLabels": {"pool": pool}}, pools),
+    st.just({}),
+    st.just({"matchExpressions": [{"key": "pool", "operator": "In", "values": ["blue", "green"]}]}),
+)
+max_unavailable = st.one_of(st.integers(1, 3), st.sampled_from(["10%", "34%", "50%", "100%"]))
+stage_lists = st.one_of(
+    st.none(),
+    st.just([{"nodes": 1, "pause": "30s"}, {"percent": 100}]),
+    st.just([{"percent": 25}, {"percent": 60, "pause": "10s"}, {"percent": 100}]),
+)
+
+
+@st.composite
+def policies(draw: st.DrawFn, count: int) -> list[ProxyPolicy]:
+    result = []
+    for i in range(count):
+        rollout = {"maxUnavailable": draw(max_unavailable), "cordon": draw(st.booleans())}
+        stages = draw(stage_lists)
+        if stages:
+            rollout["stages"] = stages
+        result.append(make_policy(
+            f"pol{i}", draw(st.sampled_from(["nftables", "iptables"])), draw(selectors),
+            created=f"2026-11-30T0{draw(st.integers(0, 3))}:00:00Z", rollout=rollout,
+        ))
+    return result
+
+
+@st.composite
+def fleets(draw: st.DrawFn) -> dict[str, dict[str, str]]:
+    n = draw(st.integers(1, 9))
+    return {f"node-{i}": {"pool": draw(pools)} for i in range(1, n + 1)}
+
+
+def faults_for(draw: st.DrawFn, nodes: list[str]) -> Faults:
+    some = st.sets(st.sampled_from(nodes), max_size=2)
+    modes = st.sampled_from(["nftables", "iptables"])
+    return Faults(
+        preflight_fail=draw(some),
+        crash={(n, draw(modes)) for n in draw(some)},
+        wrong_mode={(n, "nftables") for n in draw(some)},
+        sync_failures={(n, draw(modes)) for n in draw(some)},
+        cleanup_fail=draw(some),
+        agent_dead=draw(st.sets(st.sampled_from(nodes), max_size=1)),
+    )
+
+
+def set_paused(sim: Sim, name: str, paused: bool) -> None:
+    p = sim.policies[name]
+    spec = p.spec.to_k8s()
+    spec["rollout"] = {**spec.get("rollout", {}), "paused": paused}
+    meta = dict(p.metadata, generation=int(p.metadata.get("generation", 1)) + 1)
+    sim.policies[name] = ProxyPolicy.model_validate({"metadata": meta, "spec": spec, "status": p.status.to_k8s()})
+
+
+def change_mode(sim: Sim, name: str) -> None:
+    p = sim.policies[name]
+    spec = p.spec.to_k8s()
+    spec["mode"] = "iptables" if spec["mode"] == "nftables" else "nftables"
+    meta = dict(p.metadata, generation=int(p.metadata.get("generation", 1)) + 1)
+    sim.policies[name] = ProxyPolicy.model_validate({"metadata": meta, "spec": spec, "status": p.status.to_k8s()})
+
+
+def user_action(sim: Sim, draw: st.DrawFn) -> None:
+    kind = draw(st.sampled_from(["pause", "resume", "mode", "relabel", "add", "remove", "delete", "retry", "none"]))
+    live = sorted(n for n in sim.policies if n not in sim.finalized)
+    if not live:
+        return
+    target = draw(st.sampled_from(live))
+    if kind == "pause":
+        set_paused(sim, target, True)
+    elif kind == "resume":
+        set_paused(sim, target, False)
+    elif kind == "mode":
+        change_mode(sim, target)
+    elif kind == "relabel" and sim.nodes:
+        node = draw(st.sampled_from(sorted(sim.nodes)))
+        view = sim.nodes[node]
+        sim.nodes[node] = replace(view, labels={**view.labels, "pool": draw(pools)})
+    elif kind == "add":
+        name = f"node-{len(sim.nodes) + 100}"
+        if name not in sim.nodes:
+            from proxyshift.planner.world import NodeView
+
+            sim.nodes[name] = NodeView(name, {"pool": draw(pools)})
+            sim.proxynodes[name] = sim._new_proxynode(name)
+            sim.pods[name] = [sim._new_pod(name, "kube-proxy", ready=True)]
+    elif kind == "remove" and len(sim.nodes) > 1:
+        node = draw(st.sampled_from(sorted(sim.nodes)))
+        for table in (sim.nodes, sim.proxynodes, sim.pods):
+            table.pop(node, None)
+    elif kind == "delete":
+        p = sim.policies[target]
+        sim.policies[target] = p.model_copy(update={"metadata": dict(p.metadata,
+                                                                     deletionTimestamp="2026-11-30T13:00:00Z")})
+    elif kind == "retry":
+        p = sim.policies[target]
+        token = str(draw(st.integers(0, 1000)))
+        meta = dict(p.metadata, annotations={"proxyshift.io/retry": token})
+        sim.policies[target] = p.model_copy(update={"metadata": meta})
+
+
+@PROPS
+@given(data=st.data())
+def test_safety_under_random_faults_and_user_actions(data: st.DataObject) -> None:
+    nodes = data.draw(fleets())
+    pols = data.draw(policies(data.draw(st.integers(1, 3))))
+    sim = Sim.build(nodes, pols, faults=faults_for(data.draw, sorted(nodes)))
+    for i in range(160):
+        if i % 20 == 10:
+            user_action(sim, data.draw)
+        crash = data.draw(st.integers(0, 9)) == 0
+        if crash:  # the operator dies after some of the plan's actions
+            name = data.draw(st.sampled_from(sorted(sim.policies)))
+            if name not in sim.finalized:
+                world = sim.world()
+                actions = plan(world, name).actions
+                for action in actions[: data.draw(st.integers(0, len(actions)))]:
+                    sim.apply(name, action, world)
+                sim.check_invariants()
+        else:
+            sim.step()
+        sim.tick(data.draw(st.sampled_from([1.0, 1.0, 5.0, 30.0])))
+    assert sim.violations == [], sim.violations[:5]
+
+
+@PROPS
+@given(data=st.data())
+def test_rollout_without_faults_converges_to_ready(data: st.DataObject) -> None:
+    nodes = data.draw(fleets())
+    pols = data.draw(policies(data.draw(st.integers(1, 2))))
+    sim = Sim.build(nodes, pols)
+    sim.run(max_steps=1500, tick=2.0)
+    sim.step()
+    assert sim.violations == [], sim.violations[:5]
+    for name, p in sim.policies.items():
+        st_ = p.status
+        assert st_.phase in ("Ready", "Conflict"), (name, st_.phase, st_.progress, st_.in_flight)
+        assert st_.nodes.updated == st_.nodes.selected
+        rev = sim.render(p).name
+        owned = [n for n, pn in sim.proxynodes.items() if pn.spec.policy == name]
+        assert all(sim.nodes[n].revision == rev for n in owned)
+
+
+@PROPS
+@given(data=st.data())
+def test_revert_deletion_always_finishes_on_the_baseline(data: st.DataObject) -> None:
+    nodes = data.draw(fleets())
+    (pol,) = data.draw(policies(1))
+    sim = Sim.build(nodes, [pol])
+    sim.run(max_steps=data.draw(st.integers(0, 60)))
+    p = sim.policies[pol.name]
+    sim.policies[pol.name] = p.model_copy(update={"metadata": dict(p.metadata,
+                                                                   deletionTimestamp="2026-11-30T13:00:00Z")})
+    sim.run(max_steps=1500, tick=2.0, until=lambda: pol.name in sim.finalized)
+    assert pol.name in sim.finalized
+    assert all(v.revision is None for v in sim.nodes.values()) and sim.revisions == {}
+    assert not any(v.unschedulable for v in sim.nodes.values())
+    assert sim.violations == [], sim.violations[:5]
