@@ -179,6 +179,17 @@ def test_baseline_objects(cp: ControlPlane, api: client.ApiClient) -> None:
     rbac.read_namespaced_role_binding("kube-proxy", "kube-system")
 
 
+def test_node_identity_is_held_to_its_own_node(cp: ControlPlane) -> None:
+    if not cp.private:
+        pytest.skip("creates Node objects: only on the private control plane")
+    node_api = config.new_client_from_config(str(controlplane.node_kubeconfig(cp.info, "cp-node-a")))
+    core = client.CoreV1Api(node_api)
+    core.create_node({"metadata": {"name": "cp-node-a"}})  # a kubelet registers itself
+    with pytest.raises(ApiException) as refused:
+        core.create_node({"metadata": {"name": "cp-node-b"}})
+    assert refused.value.status == 403
+
+
 def _claims(token: str) -> dict:
     payload = token.split(".")[1]
     return json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))

@@ -368,6 +368,23 @@ def up_controlplane(state_dir: Path | None = None, *, bin_dir: Path | None = Non
     return info
 
 
+def node_kubeconfig(info: ClusterInfo, node: str) -> Path:
+    """A kubeconfig with the node's own identity (system:node:<node>, group system:nodes).
+
+    For a node simulator that should be held to what a kubelet may do (the Node
+    authorizer and NodeRestriction admission are on). It points at the bridge
+    address, as a kubelet in the node's namespace would. Written to
+    <state>/nodes/<node>/kubelet.kubeconfig, removed by `down` with nodes/.
+    """
+    layout = StateLayout(info.state_dir)
+    state.record_path(info.state_dir, layout.nodes)
+    target = layout.nodes / node / "kubelet.kubeconfig"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    name = f"node-{node}"
+    pki.issue_client_cert(info.pki_dir, name, f"system:node:{node}", ("system:nodes",))
+    return pki.write_kubeconfig(target, info.node_api_url, info.pki_dir, name)
+
+
 def down(state_dir: Path | None = None) -> list[str]:
     """Remove everything the cluster made: nodes (via the node half), processes, files.
 
