@@ -43,21 +43,30 @@ def test_healthy_new_process_passes() -> None:
 
 
 @pytest.mark.parametrize("mode", ["iptables", "nftables"])
-def test_facts_parsed_from_metrics_fixture(mode: str) -> None:
+def test_facts_parsed_from_real_kube_proxy_metrics(mode: str) -> None:
     from proxyshift.planner.metrics import parse_kube_proxy_metrics
 
-    parsed = parse_kube_proxy_metrics((FIXTURES / f"placeholder-{mode}-v1.37.txt").read_text())
+    captures = sorted(FIXTURES.glob(f"kube-proxy-{mode}-*.txt"))
+    assert captures, f"no kube-proxy {mode} /metrics capture in {FIXTURES}"
+    parsed = parse_kube_proxy_metrics(captures[-1].read_text())
     start = parsed.process_start_time
     assert start is not None
     switched = datetime.fromtimestamp(start - 2, tz=UTC)
+    # /proxyMode and /healthz are separate endpoints: the agent adds them to the parsed metrics.
     f = parsed.model_copy(update={"proxy_mode": mode, "healthz_status": 200})
-    now = switched + timedelta(minutes=6)
-    assert evaluate_gate(f, GateSettings(min_syncs=3), mode, switched, now).result == "pass"
+    now = switched + timedelta(minutes=1)
+    verdict = evaluate_gate(f, GateSettings(), mode, switched, now)
+    assert verdict.result == "pass", verdict
     # The same capture judged against a switch after the process started: that is the old process.
     later = datetime.fromtimestamp(start + 60, tz=UTC)
     assert evaluate_gate(f, GateSettings(), mode, later, now).reason == "OldProcess"
-    # The fixture's p99 (about 0.96s) is over a 0.5s bound.
-    assert evaluate_gate(f, GateSettings(max_sync_duration_seconds=0.5), mode, switched, now).reason == "SyncTooSlow"
+    # A fresh kube-proxy has done one sync: a gate asking for three waits.
+    assert evaluate_gate(f, GateSettings(min_syncs=3), mode, switched, now).reason == "NotEnoughSyncs"
+    # Its first full sync took ~0.13s: over a 0.1s bound.
+    tight = GateSettings(max_sync_duration_seconds=0.1)
+    assert evaluate_gate(f, tight, mode, switched, now).reason == "SyncTooSlow"
+    other = "iptables" if mode == "nftables" else "nftables"
+    assert evaluate_gate(f, GateSettings(), other, switched, now).reason == "WrongMode"
 
 
 def test_old_process_waits_even_in_wrong_mode() -> None:

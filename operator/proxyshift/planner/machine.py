@@ -180,6 +180,8 @@ def _pod_swap(inp: NodeInput, old: str | None, new: str | None) -> tuple[bool, s
 
 def _modes_to_remove(inp: NodeInput, keep: str, left: str | None) -> list[str]:
     """Modes whose leftovers to flush: the one the node left plus any the agent found, never `keep`."""
+    if keep not in ALL_MODES:
+        return []  # we do not know what kube-proxy runs there now, so nothing is provably stale
     modes = set(inp.proxynode.status.leftovers or [])
     if left:
         modes.add(left)
