@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "tests" / "dataplane")]
 
-from kp_rules import iptables_mode_rules, kubelet_rules, user_rules  # noqa: E402
+from kp_rules import iptables_mode_rules, kubelet_rules, merge_restore, user_rules  # noqa: E402
 from ps_netns import Netns  # noqa: E402
 
 from proxyshift.agent.flush import flush  # noqa: E402
@@ -45,12 +45,9 @@ def body(text: str) -> list[str]:
 
 
 def load(ns: Netns, rules: str | None) -> None:
+    # One plain restore into the empty namespace (see merge_restore: --noflush loads are quadratic).
     before, after = user_rules()
-    ns.restore(kubelet_rules())
-    ns.restore(before)
-    if rules:
-        ns.restore(rules)
-    ns.restore(after)
+    ns.run(["iptables-nft-restore"], input=merge_restore(kubelet_rules(), before, rules or "", after), timeout=900)
 
 
 def by_agent(ns: Netns, _: Path) -> None:

@@ -266,3 +266,26 @@ def kubelet_rules(*, v6: bool = False) -> str:
         'connections" -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP',
         "COMMIT",
     ]) + "\n"
+
+
+def merge_restore(*texts: str) -> str:
+    """One iptables-restore text equal to loading `texts` one after another with --noflush.
+
+    iptables-nft-restore --noflush is quadratic in the number of chains (4,000
+    Services take 8 s, 10,000 minutes); a plain restore of the merged text into an
+    empty namespace is linear, so big benchmark node states load this way.
+    """
+    tables: dict[str, tuple[dict[str, str], list[str]]] = {}
+    for text in texts:
+        current: tuple[dict[str, str], list[str]] | None = None
+        for line in text.splitlines():
+            if line.startswith("*"):
+                current = tables.setdefault(line[1:], ({}, []))
+            elif line.startswith(":") and current is not None:
+                current[0].setdefault(line[1:].split(" ", 1)[0], line)
+            elif line.startswith("-A ") and current is not None:
+                current[1].append(line)
+    out: list[str] = []
+    for name, (chains, rules) in tables.items():
+        out += [f"*{name}", *chains.values(), *rules, "COMMIT"]
+    return "\n".join(out) + "\n"
