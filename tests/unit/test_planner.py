@@ -349,3 +349,60 @@ def test_nothing_for_unknown_policy_and_finalized_sim() -> None:
     delete(sim, "p")
     sim.step()
     assert any(isinstance(a, RemoveFinalizer) for a in sim.actions(RemoveFinalizer))
+
+
+def test_untouched_preflight_is_abandoned_when_the_spec_changes() -> None:
+    sim = Sim.build(blue(2), [make_policy("p", "nftables")], faults=Faults(agent_dead={"node-1"}))
+    sim.run(until=lambda: sim.phase("node-1") == "Preflight")
+    old = sim.render(sim.policies["p"]).name
+    edit(sim, "p", mode="iptables")
+    sim.faults.agent_dead.clear()
+    sim.run(max_steps=400)
+    reasons = [e.reason for e in sim.events() if e.node == "node-1"]
+    assert "Superseded" in reasons
+    assert not any(a.revision == old for a in sim.actions(SetRevisionLabel))  # never switched to the old one
+    assert sim.policies["p"].status.phase == "Ready"
+
+
+def test_not_ready_nodes_are_skipped_and_keep_their_place() -> None:
+    sim = Sim.build(blue(3), [make_policy("p")])
+    sim.nodes["node-1"] = replace(sim.nodes["node-1"], ready=False)
+    sim.run(max_steps=200, until=lambda: sim.phase("node-3") == "Done")
+    assert sim.phase("node-1") is None and starts(sim) == ["node-2", "node-3"]
+    sim.nodes["node-1"] = replace(sim.nodes["node-1"], ready=True)
+    sim.run()
+    assert sim.policies["p"].status.progress == "3/3"
+
+
+def test_conflict_lists_stay_bounded() -> None:
+    nodes = blue(60)
+    older = make_policy("old", created="2026-11-30T09:00:00Z")
+    newer = make_policy("new", "iptables", {}, created="2026-11-30T11:00:00Z")
+    sim = Sim.build(nodes, [older, newer])
+    sim.step()
+    st = sim.policies["new"].status
+    assert st.nodes.conflicting == 60 and len(st.conflicting_nodes) == 20
+    status, _, message = condition(sim, "new", "Conflict")
+    assert status == "True" and "and 55 more" in message and len(message) <= 400
+
+
+def test_orphan_deletion_waits_for_in_flight_nodes() -> None:
+    sim = Sim.build(blue(2), [make_policy("p", extra_spec={"deletionPolicy": "Orphan"})])
+    sim.run(until=lambda: sim.phase("node-1") == "Gate")
+    delete(sim, "p")
+    sim.step()
+    assert "p" not in sim.finalized
+    sim.run(max_steps=100, until=lambda: "p" in sim.finalized)
+    assert "p" in sim.finalized and sim.phase("node-1") is None  # released after finishing
+    assert sim.nodes["node-1"].revision is not None and sim.nodes["node-2"].revision is None
+    assert sim.violations == []
+
+
+def test_preview_predicts_nftables_kernel_and_nft_problems() -> None:
+    sim = Sim.build(blue(2), [make_policy("p", "nftables")])
+    sim.proxynodes["node-2"].status.kernel_release = "5.4.0-150-generic"
+    sim.proxynodes["node-2"].status.tools = {"nft": "0.9.3", "iptables": "1.8.4"}
+    (stage,) = preview(sim.world(), "p")
+    assert stage.nodes == ["node-1", "node-2"] and list(stage.preflight_failures) == ["node-2"]
+    problems = " ".join(stage.preflight_failures["node-2"])
+    assert "5.13" in problems and "1.0.1" in problems
