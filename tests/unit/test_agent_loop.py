@@ -178,6 +178,9 @@ def test_heartbeat_clears_an_old_error_and_writes_an_infinite_p99_as_a_finite_nu
     slow = FACTS.model_copy(update={"sync_duration_p99_seconds": math.inf})
     agent = make_agent(api, facts=slow)
     agent.tick()
+    assert api.patches == []                      # no ProxyNode seen yet: nothing to write to
+    agent.handle(api.get("n1"))
+    agent.tick()
     kp = api.obj["status"]["kubeProxy"]
     assert "error" not in kp and kp["syncDurationP99Seconds"] == P99_ABOVE_BUCKETS
     assert api.obj["status"]["kernelRelease"] == "6.1.0" and api.obj["status"]["tools"]["nft"] == "1.0.9"

@@ -151,6 +151,8 @@ class Agent:
     _last_status: float = -math.inf
     _last_inventory: float = -math.inf
     _node_facts: dict[str, Any] | None = None
+    # Status writes wait until the ProxyNode exists: the operator creates it, not the agent.
+    node_seen: bool = False
 
     # ---- node facts ----
 
@@ -208,6 +210,7 @@ class Agent:
 
     def handle(self, obj: dict[str, Any]) -> None:
         """React to the current ProxyNode: run its operation if it is new."""
+        self.node_seen = True
         spec = ProxyNodeSpec.model_validate(obj.get("spec") or {})
         op = spec.operation
         if op is None or op.id in self._started:
@@ -312,6 +315,8 @@ class Agent:
     def tick(self) -> None:
         """Periodic work: probe, and write status when due or when something meaningful changed."""
         now = self.clock()
+        if not self.node_seen:
+            return
         if now - self._last_probe < self.cfg.probe_interval and now - self._last_status < self.cfg.status_interval:
             return
         before = self.facts
@@ -376,6 +381,7 @@ def parse_args(argv: Sequence[str]) -> AgentConfig:
     p.add_argument("--probe-interval", type=float, default=15.0, help="seconds between probes of kube-proxy")
     p.add_argument("--status-interval", type=float, default=60.0, help="seconds between heartbeats")
     p.add_argument("--inventory-interval", type=float, default=120.0, help="seconds between inventories")
+    p.add_argument("--watch-timeout", type=int, default=30, help="seconds before a watch is renewed")
     p.add_argument("--proc-root", default="/proc")
     p.add_argument("--sys-root", default="/sys")
     p.add_argument("--modules-root", default="/lib/modules")
@@ -384,7 +390,8 @@ def parse_args(argv: Sequence[str]) -> AgentConfig:
         p.error("--node (or NODE_NAME) is required")
     return AgentConfig(node=args.node, metrics_address=args.metrics_address, health_address=args.health_address,
                        probe_interval=args.probe_interval, status_interval=args.status_interval,
-                       inventory_interval=args.inventory_interval, proc_root=Path(args.proc_root),
+                       inventory_interval=args.inventory_interval, watch_timeout=args.watch_timeout,
+                       proc_root=Path(args.proc_root),
                        sys_root=Path(args.sys_root), modules_root=Path(args.modules_root))
 
 

@@ -1,0 +1,115 @@
+"""A one-ProxyNode API server for running the real agent process in a test namespace.
+
+The spec comes from <state>/spec.json (re-read on every request, so a test can
+change the operation); every status merge patch is applied (RFC 7386) and the
+whole object written to <state>/object.json for the test to read. Watches are
+idle and end after their timeoutSeconds, after which the agent GETs again.
+
+    python fake_proxynode_api.py --port 16444 --state DIR --node ps-node-1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+PREFIX = "/apis/proxyshift.io/v1alpha1/proxynodes"
+
+
+def merge(target: Any, patch: Any) -> Any:
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge(out.get(key), value)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, default=16444)
+    p.add_argument("--state", type=Path, required=True)
+    p.add_argument("--node", default="ps-node-1")
+    args = p.parse_args(argv)
+    lock = threading.Lock()
+    status: dict[str, Any] = {}
+    version = [1]
+
+    def obj() -> dict[str, Any]:
+        spec_file = args.state / "spec.json"
+        spec = json.loads(spec_file.read_text()) if spec_file.exists() else {}
+        if "status" in spec:  # a test may plant a status (e.g. an operation left Running)
+            status.update(spec.pop("status"))
+            spec_file.write_text(json.dumps(spec))
+        return {"apiVersion": "proxyshift.io/v1alpha1", "kind": "ProxyNode",
+                "metadata": {"name": args.node, "resourceVersion": str(version[0])},
+                "spec": spec, "status": status}
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt: str, *a: Any) -> None:
+            sys.stderr.write("fake-proxynode-api: " + fmt % a + "\n")
+
+        def _json(self, code: int, body: dict[str, Any]) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            url = urllib.parse.urlsplit(self.path)
+            query = urllib.parse.parse_qs(url.query)
+            with lock:
+                current = obj()
+            if url.path == f"{PREFIX}/{args.node}":
+                self._json(200, current)
+            elif url.path == PREFIX and query.get("watch") == ["true"]:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                self.wfile.flush()
+                time.sleep(min(float(query.get("timeoutSeconds", ["5"])[0]), 30.0))
+                self.wfile.write(b"0\r\n\r\n")
+            else:
+                self._json(404, {"kind": "Status", "code": 404, "reason": "NotFound", "message": url.path})
+
+        def do_PATCH(self) -> None:
+            url = urllib.parse.urlsplit(self.path)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if url.path != f"{PREFIX}/{args.node}/status" or \
+                    self.headers.get("Content-Type") != "application/merge-patch+json":
+                self._json(415, {"kind": "Status", "code": 415, "message": "merge patch of status only"})
+                return
+            with lock:
+                current = obj()
+                status.clear()
+                status.update(merge(current["status"], body.get("status", {})))
+                version[0] += 1
+                current = obj()
+                tmp = args.state / "object.json.tmp"
+                tmp.write_text(json.dumps(current))
+                tmp.replace(args.state / "object.json")
+            self._json(200, current)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
+    srv.daemon_threads = True
+    srv.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
