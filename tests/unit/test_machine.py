@@ -244,3 +244,21 @@ def test_probe_services_resolved_to_cluster_ips() -> None:
     assert writes(unresolved)[0].operation.params == {"services": []}
     resolved = NodeInput(**{**base.__dict__, "service_ips": {"default/web": "198.19.0.10"}})
     assert writes(machine.step(resolved))[0].operation.params == {"services": ["198.19.0.10:80"]}
+
+
+def test_rollback_does_not_wait_for_a_read_only_probe_or_a_dead_agent() -> None:
+    m = mig("RollingBack", rollback_step="Label", reason="GateTimeout")
+    probe = Operation(id=f"{REV}.1.Gate.7", type="Probe")
+    running_probe = OperationStatus(id=probe.id, type="Probe", state="Running")
+    step = machine.step(inp(m, label=REV, op=probe, last=running_probe))
+    assert SetRevisionLabel(node="n1", revision=None, reason="RollingBack") in step.actions
+    assert writes(step)[0].operation is None  # a restarted agent finds nothing to resume
+
+    cleanup = Operation(id=f"{REV}.1.Cleanup.0", type="Cleanup")
+    running = OperationStatus(id=cleanup.id, type="Cleanup", state="Running")
+    alive = inp(m, label=REV, op=cleanup, last=running)
+    alive.proxynode.status.heartbeat = fmt(T0)
+    assert machine.step(alive).actions == []
+    dead = inp(m, label=REV, op=cleanup, last=running, now_plus=600)
+    dead.proxynode.status.heartbeat = fmt(T0)
+    assert any(isinstance(a, SetRevisionLabel) for a in machine.step(dead).actions)

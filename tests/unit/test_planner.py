@@ -406,3 +406,20 @@ def test_preview_predicts_nftables_kernel_and_nft_problems() -> None:
     assert stage.nodes == ["node-1", "node-2"] and list(stage.preflight_failures) == ["node-2"]
     problems = " ".join(stage.preflight_failures["node-2"])
     assert "5.13" in problems and "1.0.1" in problems
+
+
+def test_finalizer_removal_is_the_last_action_and_no_status_follows() -> None:
+    sim = Sim.build(blue(1), [make_policy("p")])
+    sim.run()
+    delete(sim, "p")
+    for _ in range(300):
+        result = plan(sim.world(), "p")
+        if any(isinstance(a, RemoveFinalizer) for a in result.actions):
+            assert isinstance(result.actions[-1], RemoveFinalizer)
+            assert not any(isinstance(a, RecordStatus) for a in result.actions)
+            return
+        world = sim.world()
+        for action in result.actions:
+            sim.apply("p", action, world)
+        sim.tick()
+    raise AssertionError("the deletion never finished")

@@ -525,12 +525,20 @@ def _start_rollback(inp: NodeInput, m: NodeMigration, reason: str, message: str)
 
 
 def _agent_busy(inp: NodeInput, m: NodeMigration) -> OperationStatus | None:
-    """An operation of this attempt the agent is still running (e.g. a cleanup that timed out)."""
+    """A cleanup of this attempt the agent is still running, while the agent is alive.
+
+    Only a Cleanup rewrites kernel tables; Preflight and Probe read. An agent whose heartbeat is
+    older than the gate timeout is not flushing anything, and the Label step clears
+    spec.operation, so a restarted agent has nothing to resume.
+    """
     last = inp.proxynode.status.last_operation
     attempt_prefix = f"{m.to_revision or 'baseline'}.{m.attempt or 0}."
-    if last is not None and last.state == "Running" and last.id.startswith(attempt_prefix):
-        return last
-    return None
+    if last is None or last.state != "Running" or last.type != "Cleanup" or not last.id.startswith(attempt_prefix):
+        return None
+    silent = seconds_since(inp.proxynode.status.heartbeat, inp.now)
+    if silent is not None and silent > _timeout(inp).total_seconds():
+        return None
+    return last
 
 
 def _rolling_back(inp: NodeInput, m: NodeMigration) -> Step:
@@ -566,8 +574,6 @@ def _rolling_back(inp: NodeInput, m: NodeMigration) -> Step:
         finished = res is not None and res.state in ("Succeeded", "Failed")
         if not finished and remaining(m.phase_since, _timeout(inp), inp.now) > 0:
             return _wait("RollingBack", "waiting for the agent's cleanup of the target mode")
-        if _agent_busy(inp, m) is not None:
-            return _wait("RollingBack", "waiting for the agent to finish the cleanup")
         # A failed cleanup leaves stale rules of a mode nobody runs: worth a note, not worth stopping.
         note = None if res is not None and res.state == "Succeeded" else clip(
             f"cleanup of {m.to_mode} leftovers did not succeed: {res.message if res else 'no answer'}")

@@ -319,17 +319,18 @@ def plan(world: World, policy_name: str) -> Plan:
             if rev not in in_use:
                 ctx.actions.append(DeleteRevision(revision=rev, reason="RevisionDeleted",
                                                   message=f"no node runs {rev} any more"))
+    finalize: RemoveFinalizer | None = None
     if deleting:
         still_mine = [e for e in nodes if e.kind != "release"]
         if orphan and not any(e.kind == "inflight" for e in nodes):
             for e in still_mine:
                 if e.proxynode is not None and e.proxynode.spec.policy == policy_name:
                     _release(ctx, e.name, e.proxynode)
-            ctx.actions.append(RemoveFinalizer(policy=policy_name, reason="Orphaned",
-                                               message="nodes and revisions left as they are"))
+            finalize = RemoveFinalizer(policy=policy_name, reason="Orphaned",
+                                       message="nodes and revisions left as they are")
         elif not orphan and not still_mine and not mine:
-            ctx.actions.append(RemoveFinalizer(policy=policy_name, reason="Reverted",
-                                               message="every node is back on the baseline kube-proxy"))
+            finalize = RemoveFinalizer(policy=policy_name, reason="Reverted",
+                                       message="every node is back on the baseline kube-proxy")
         elif not orphan and not still_mine:
             ctx.wake(machine.POLL_SECONDS)  # waiting for the DeleteRevisions to land
 
@@ -368,7 +369,10 @@ def plan(world: World, policy_name: str) -> Plan:
     status = build_status(policy, summary, ctx.now)
     for reason, message, warning in transitions(policy.status, status):
         ctx.event(reason, message, warning)
-    if status.model_dump() != policy.status.model_dump():
+    if finalize is not None:
+        # The object is gone once the finalizer is: a status write after it could only fail.
+        ctx.actions.append(finalize)
+    elif status.model_dump() != policy.status.model_dump():
         ctx.actions.append(RecordStatus(policy=policy_name, status=status))
 
     outstanding = in_flight or started or (eligible and not halting) or revision_missing
