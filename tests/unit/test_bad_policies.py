@@ -89,6 +89,10 @@ class ApiServerSim:
 
     def default(self, schema: dict[str, Any], value: Any) -> Any:
         if isinstance(value, dict) and schema.get("type") == "object":
+            # Nulls of non-nullable fields are pruned before defaulting: null means unset.
+            for name in [k for k, v in value.items() if v is None and not schema.get("properties", {}).get(
+                    k, {}).get("nullable")]:
+                del value[name]
             for name, sub in schema.get("properties", {}).items():
                 if name not in value and "default" in sub:
                     value[name] = copy.deepcopy(sub["default"])
@@ -266,3 +270,16 @@ def test_max_unavailable_refused_by_both(value: int | str, apiserver: ApiServerS
     with pytest.raises(ValidationError):
         ProxyPolicy.model_validate(manifest)
     assert apiserver.validate(manifest) != []
+
+
+def test_null_means_unset_in_both(apiserver: ApiServerSim) -> None:
+    # Verified on kube-apiserver 1.37: nulls are pruned, then defaults applied, then rules run.
+    manifest = {"spec": {"nodeSelector": {}, "mode": "nftables", "ipvs": None,
+                         "rollout": {"stages": None, "maxUnavailable": None}}}
+    assert apiserver.validate(manifest) == []
+    spec = ProxyPolicy.model_validate(manifest).spec
+    assert spec.ipvs is None and spec.rollout.stages is None and spec.rollout.max_unavailable == 1
+    required_null = {"spec": {"nodeSelector": {}, "mode": None}}
+    assert any("spec.mode: Required value" in e for e in apiserver.validate(required_null))
+    with pytest.raises(ValidationError):
+        ProxyPolicy.model_validate(required_null)

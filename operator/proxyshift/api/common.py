@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import re
 from datetime import timedelta
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 API_GROUP = "proxyshift.io"
@@ -63,6 +63,20 @@ class KubeModel(BaseModel):
         extra="forbid",
         validate_assignment=True,
     )
+
+    # The API server prunes `field: null` (no field is nullable in our CRDs) before defaulting
+    # and validation, so there null means "unset"; the models say the same. Models that must
+    # keep a document's exact shape (KubeProxyConfiguration) turn this off.
+    null_means_unset: ClassVar[bool] = True
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _null_means_default(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None and cls.null_means_unset and info.field_name:
+            field = cls.model_fields[info.field_name]
+            if not field.is_required():
+                return field.get_default(call_default_factory=True)
+        return value
 
     def to_k8s(self) -> dict[str, Any]:
         """Serialise as the API server expects: camelCase, no unset/None fields."""

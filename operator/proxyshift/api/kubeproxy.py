@@ -23,6 +23,8 @@ class _Preserving(KubeModel):
         populate_by_name=True,
         extra="allow",
     )
+    # A baseline's explicit nulls are part of its shape; rendering keeps them.
+    null_means_unset = False
 
 
 class KPIPVSConfiguration(_Preserving):
