@@ -64,6 +64,7 @@ def test_names_labels_and_namespace(baseline: tuple[dict, dict]) -> None:
         # Nothing server-owned is carried over from the baseline object.
         assert not {"uid", "resourceVersion", "creationTimestamp", "generation", "ownerReferences"} & set(meta)
         assert "status" not in obj
+    assert rev.labels == {LABEL_POLICY: "blue", LABEL_REVISION: rev.name, LABEL_MANAGED_BY: "proxyshift"}
 
 
 def test_daemonset_selects_the_revision_and_keeps_the_baseline(baseline: tuple[dict, dict]) -> None:

@@ -53,7 +53,8 @@ class RenderedRevision:
 
     @property
     def labels(self) -> dict[str, str]:
-        return dict(self.daemonset["metadata"]["labels"])
+        """proxyshift's own labels on both objects (policy, revision, managed-by), for selecting them."""
+        return {k: v for k, v in self.daemonset["metadata"]["labels"].items() if k.startswith("proxyshift.io/")}
 
 
 def revision_labels(policy: str, revision: str) -> dict[str, str]:
