@@ -12,6 +12,9 @@ import yaml
 from proxyshift.api.kubeproxy import KubeProxyConfiguration
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.render import (
+    ANNOTATION_CONFIG_HASH,
+    ANNOTATION_MODE,
+    ANNOTATION_POLICY,
     LABEL_MANAGED_BY,
     LABEL_POLICY,
     LABEL_REVISION,
@@ -61,6 +64,9 @@ def test_names_labels_and_namespace(baseline: tuple[dict, dict]) -> None:
         assert meta["labels"][LABEL_POLICY] == "blue"
         assert meta["labels"][LABEL_REVISION] == rev.name
         assert meta["labels"][LABEL_MANAGED_BY] == "proxyshift"
+        # The operator reads revisions back by these (the policy label value may be shortened).
+        assert meta["annotations"] == {ANNOTATION_CONFIG_HASH: rev.hash, ANNOTATION_POLICY: "blue",
+                                       ANNOTATION_MODE: "nftables"}
         # Nothing server-owned is carried over from the baseline object.
         assert not {"uid", "resourceVersion", "creationTimestamp", "generation", "ownerReferences"} & set(meta)
         assert "status" not in obj
@@ -247,5 +253,6 @@ def test_long_policy_renders_valid_objects(baseline: tuple[dict, dict]) -> None:
     name = "a" * 120 + "." + "b" * 120
     rev = render_revision(policy(name), cm, ds)
     for obj in (rev.configmap, rev.daemonset):
+        assert obj["metadata"]["annotations"][ANNOTATION_POLICY] == name
         assert all(is_label_value(v) for v in obj["metadata"]["labels"].values())
         assert len(obj["metadata"]["name"]) <= 63
