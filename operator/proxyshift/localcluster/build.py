@@ -139,7 +139,7 @@ def _say(message: str) -> None:
     print(f"[localcluster build] {message}", file=sys.stderr, flush=True)
 
 
-def _go_build(module_dir: Path, package: str, output: Path, flags: str, log_path: Path) -> None:
+def _go_build(module_dir: Path, package: str, output: Path, flags: str, log_path: Path, name: str) -> None:
     argv = ["go", "build", "-trimpath", "-ldflags", flags, "-o", str(output), package]
     started = time.monotonic()
     with log_path.open("a") as log:
@@ -158,7 +158,7 @@ def _go_build(module_dir: Path, package: str, output: Path, flags: str, log_path
                     elapsed = time.monotonic() - started
                     if elapsed > BUILD_TIMEOUT_SECONDS:
                         raise BuildError(f"go build {package} exceeded {BUILD_TIMEOUT_SECONDS:g}s") from None
-                    _say(f"  still building {output.name} ({elapsed:.0f}s)")
+                    _say(f"  still building {name} ({elapsed:.0f}s)")
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -208,7 +208,7 @@ def _build_locked(module_dir: Path, pins: Pins, flags: str, bin_dir: Path) -> Pa
         # Build to a temporary name, then rename: an interrupted build never
         # leaves a truncated binary that looks complete.
         partial = bin_dir / f".{name}.partial"
-        _go_build(module_dir, package, partial, flags, log_path)
+        _go_build(module_dir, package, partial, flags, log_path, name)
         partial.replace(bin_dir / name)
         _say(f"[{index}/{len(packages)}] {name} done in {time.monotonic() - started:.0f}s")
     (bin_dir / STAMP_NAME).write_text(json.dumps({
