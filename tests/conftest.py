@@ -89,7 +89,7 @@ def cluster() -> Iterator[Cluster]:
     from proxyshift.localcluster import controlplane, paths
 
     state_dir = paths.default_state_dir()
-    before = _host_snapshot(None)
+    before = _host_snapshot(state_dir)
     started = time.monotonic()
     handle = Cluster(kubeconfig=state_dir / "admin.kubeconfig", external=False, state_dir=state_dir,
                      before=before)
@@ -118,11 +118,12 @@ def cluster() -> Iterator[Cluster]:
 
 OUR_MODULES = ("proxyshift.localcluster.nodesim", "proxyshift.localcluster.listener",
                "proxyshift.localcluster.container")
-OUR_BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kube-proxy")
 
 
-def _our_processes(bin_dir: Path | None) -> list[str]:
-    """Live processes the cluster runs: its binaries (by exe path or name) and its Python modules."""
+def _our_processes(state_dir: Path) -> list[str]:
+    """Live processes of the cluster in `state_dir`: daemons whose arguments name the state dir,
+    the node half's Python modules, and containers started for ps-node-* (kube-proxy's
+    --hostname-override). Other engineers' clusters on the same machine use other state dirs."""
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -131,28 +132,24 @@ def _our_processes(bin_dir: Path | None) -> list[str]:
             if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
                 continue
             cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            exe = os.readlink(proc / "exe")
         except OSError:
             continue
-        ours = any(m in cmdline for m in OUR_MODULES) or Path(exe).name in OUR_BINARIES or \
-            (bin_dir is not None and exe.startswith(str(bin_dir)))
-        if ours:
-            found.append(f"{proc.name} {cmdline[:120]}")
+        if str(state_dir) in cmdline or any(m in cmdline for m in OUR_MODULES) or "ps-node-" in cmdline:
+            found.append(f"{proc.name} {cmdline[:160]}")
     return sorted(found)
 
 
-def _host_snapshot(bin_dir: Path | None) -> dict[str, Any]:
-    from proxyshift.localcluster import paths
-
+def _host_snapshot(state_dir: Path) -> dict[str, Any]:
     netns = run(["ip", "netns", "list"]).stdout.split("\n")
     links = run(["ip", "-o", "link", "show"]).stdout.splitlines()
-    state_dir = str(paths.default_state_dir())
     return {
-        "namespaces": sorted(line.split()[0] for line in netns if line.strip()),
-        "interfaces": sorted(line.split(":", 2)[1].strip().split("@")[0] for line in links),
-        "processes": _our_processes(bin_dir),
+        # Only ours: other engineers' tests make ps-test-* namespaces and their own links meanwhile.
+        "namespaces": sorted(n.split()[0] for n in netns if n.startswith(("ps-node-", "ps-ep-"))),
+        "interfaces": sorted(name for name in (line.split(":", 2)[1].strip().split("@")[0] for line in links)
+                             if name == "psbr0" or (name[:3] in ("psn", "pse") and name[3:].isdigit())),
+        "processes": _our_processes(state_dir),
         "mounts": [line for line in Path("/proc/mounts").read_text().splitlines()
-                   if state_dir in line or "/run/netns/ps-" in line],
+                   if str(state_dir) in line or "/run/netns/ps-node-" in line or "/run/netns/ps-ep-" in line],
         # Mount points the containers needed on the host (the simulator notes and `down` removes them).
         "host_paths": [p for p in ("/var/lib/kube-proxy", "/run/secrets/kubernetes.io", "/run/secrets")
                        if Path(p).exists()],
@@ -160,8 +157,8 @@ def _host_snapshot(bin_dir: Path | None) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def host_snapshot() -> Callable[[Path | None], dict[str, Any]]:
-    """host_snapshot(bin_dir) -> namespaces, interfaces, our processes, mounts, host mount points."""
+def host_snapshot() -> Callable[[Path], dict[str, Any]]:
+    """host_snapshot(state_dir) -> our namespaces, interfaces, processes, mounts, host mount points."""
     return _host_snapshot
 
 

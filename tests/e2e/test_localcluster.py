@@ -259,9 +259,10 @@ def test_down_leaves_nothing_behind(cluster: Any, host_snapshot: Any) -> None:
     assert cluster.before is not None
     result = cluster.down()
     assert result.returncode == 0, result.stderr
-    after = host_snapshot(cluster.bin_dir)
-    assert after["namespaces"] == cluster.before["namespaces"]
-    assert after["interfaces"] == cluster.before["interfaces"]
+    after = host_snapshot(cluster.state_dir)
+    print(f"\nbefore up: {cluster.before}\nafter down: {after}")
+    assert after["namespaces"] == cluster.before["namespaces"] == []
+    assert after["interfaces"] == cluster.before["interfaces"] == []
     assert after["processes"] == [], after["processes"]
     assert after["mounts"] == []
     assert not cluster.state_dir.exists()
