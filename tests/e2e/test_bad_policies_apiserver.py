@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +68,14 @@ def custom_objects(kubeconfig: Path) -> Any:
     return client.CustomObjectsApi(api_client)
 
 
-def _dry_run_create(api: Any, body: dict[str, Any]) -> None:
-    api.create_cluster_custom_object(GROUP, VERSION, PLURAL, body, dry_run="All", field_validation="Strict")
+def _dry_run_create(api: Any, body: dict[str, Any]) -> Any:
+    return api.create_cluster_custom_object(GROUP, VERSION, PLURAL, body, dry_run="All", field_validation="Strict")
+
+
+def _unique(body: dict[str, Any]) -> dict[str, Any]:
+    # A policy of that name may really exist (the operator's e2e applies the samples): a dry-run
+    # create would then fail with AlreadyExists before telling anything about validity.
+    return {**body, "metadata": {**body.get("metadata", {}), "name": f"dry-run-{uuid.uuid4().hex[:8]}"}}
 
 
 @pytest.mark.parametrize(("name", "meta", "manifest"), CASES, ids=[c[0] for c in CASES])
@@ -87,8 +94,7 @@ def test_api_server_refuses_with_the_message(name: str, meta: dict[str, str], ma
 def test_empty_node_selector_is_accepted(custom_objects: Any) -> None:
     body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ProxyPolicy", "metadata": {"name": "every-node"},
             "spec": {"nodeSelector": {}, "mode": "nftables"}}
-    created = custom_objects.create_cluster_custom_object(GROUP, VERSION, PLURAL, body, dry_run="All",
-                                                          field_validation="Strict")
+    created = _dry_run_create(custom_objects, _unique(body))
     # The server applied the schema's defaults, so the rules saw the effective values.
     assert created["spec"]["nodeSelector"] == {}
     assert created["spec"]["deletionPolicy"] == "Revert"
@@ -96,4 +102,4 @@ def test_empty_node_selector_is_accepted(custom_objects: Any) -> None:
 
 @pytest.mark.parametrize("sample", sorted((ROOT / "config" / "samples").glob("*.yaml")), ids=lambda p: p.stem)
 def test_samples_are_accepted(sample: Path, custom_objects: Any) -> None:
-    _dry_run_create(custom_objects, yaml.safe_load(sample.read_text(encoding="utf-8")))
+    _dry_run_create(custom_objects, _unique(yaml.safe_load(sample.read_text(encoding="utf-8"))))
