@@ -1,0 +1,115 @@
+"""The node half's pure pieces: $(VAR) expansion, image mapping, fieldRefs, bind specs, node plans."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from proxyshift.localcluster import container, listener, network, nodesim
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("--hostname-override=$(NODE_NAME)", "--hostname-override=ps-node-1"),
+    ("$(NODE_NAME)-$(NODE_NAME)", "ps-node-1-ps-node-1"),
+    ("$$(NODE_NAME)", "$(NODE_NAME)"),  # escaped
+    ("$(MISSING)", "$(MISSING)"),  # unknown stays as written
+    ("$(unterminated", "$(unterminated"),
+    ("cost: $5", "cost: $5"),
+])
+def test_expand_follows_kubernetes_rules(text: str, expected: str) -> None:
+    assert nodesim.expand(text, {"NODE_NAME": "ps-node-1"}) == expected
+
+
+@pytest.mark.parametrize(("image", "kind"), [
+    ("registry.k8s.io/kube-proxy:v1.37.2", "kube-proxy"),
+    ("registry.k8s.io/kube-proxy@sha256:abc", "kube-proxy"),
+    ("registry.k8s.io/kube-proxy", "kube-proxy"),
+    ("ghcr.io/proxyshift/proxyshift:dev", "proxyshift"),
+    ("registry.k8s.io/kube-proxy-amd64:v1.37.2", None),
+    ("docker.io/library/busybox:1", None),
+    ("localhost:5000/kube-proxy:v1", None),
+])
+def test_image_kind(image: str, kind: str | None) -> None:
+    assert nodesim.image_kind(image) == kind
+
+
+def test_field_refs() -> None:
+    pod = {"metadata": {"name": "p", "namespace": "ns", "uid": "u", "labels": {"app": "x"}},
+           "spec": {"nodeName": "ps-node-2"}}
+    assert nodesim.field_value(pod, "spec.nodeName", "198.18.0.12") == "ps-node-2"
+    assert nodesim.field_value(pod, "status.podIP", "198.18.0.12") == "198.18.0.12"
+    assert nodesim.field_value(pod, "status.hostIP", "198.18.0.12") == "198.18.0.12"
+    assert nodesim.field_value(pod, "metadata.labels['app']", "") == "x"
+    assert nodesim.field_value(pod, "spec.serviceAccountName", "") == "default"
+    with pytest.raises(nodesim.PodError):
+        nodesim.field_value(pod, "spec.bogus", "")
+
+
+def test_named_ports_resolve_from_the_container() -> None:
+    spec = {"name": "c", "ports": [{"name": "healthz", "containerPort": 10256}]}
+    assert nodesim.resolve_port("healthz", spec) == 10256
+    assert nodesim.resolve_port(8080, spec) == 8080
+    with pytest.raises(ValueError, match="metrics"):
+        nodesim.resolve_port("metrics", spec)
+
+
+def test_bind_specs() -> None:
+    assert container.parse_bind("/a:/var/lib/kube-proxy") == ("/a", "/var/lib/kube-proxy", False)
+    assert container.parse_bind("/a:/b:ro") == ("/a", "/b", True)
+    for bad in ("/a", "/a:relative", ":/b", "/a:/b:/c:/d"):
+        with pytest.raises(ValueError):
+            container.parse_bind(bad)
+
+
+def test_listener_endpoint_specs() -> None:
+    assert listener.parse_endpoint("ps-ep-1:8080,8081") == ("ps-ep-1", [8080, 8081])
+    with pytest.raises(ValueError):
+        listener.parse_endpoint("ps-ep-1")
+
+
+def test_node_plan_numbers_nodes_in_pool_order() -> None:
+    assert network._node_plan({"blue": 2, "green": 1}) == [(1, "blue"), (2, "blue"), (3, "green")]
+    assert network.node_ip(1) == "198.18.0.11"
+    assert network.endpoint_ip(7) == "198.18.1.7"
+    assert network.node_index("ps-node-12") == 12
+    with pytest.raises(ValueError):
+        network.node_ip(0)
+    with pytest.raises(ValueError):
+        network._node_plan({"x": network.MAX_NODES + 1})
+
+
+def test_cluster_access_prefers_the_node_facing_url() -> None:
+    access = network.cluster_access({"kubeconfig": "/k", "bin_dir": "/b", "api_url": "https://127.0.0.1:6443",
+                                     "node_api_url": "https://198.18.0.1:6443"})
+    assert access.api_url == "https://198.18.0.1:6443"
+    assert access.api_host_port == ("198.18.0.1", 6443)
+    assert access.kubeconfig == Path("/k")
+    with pytest.raises(ValueError):
+        network.cluster_access({"kubeconfig": "/k"})
+
+
+def test_node_manifest_has_what_the_scheduler_and_tests_read() -> None:
+    node = nodesim.node_manifest("ps-node-3", "198.18.0.13", "green", "v1.37.2")
+    labels = node["metadata"]["labels"]
+    assert labels["pool"] == labels["proxyshift-test-pool"] == "green"
+    assert labels["kubernetes.io/hostname"] == "ps-node-3"
+    assert labels["kubernetes.io/os"] == "linux"
+    status = node["status"]
+    assert {"type": "InternalIP", "address": "198.18.0.13"} in status["addresses"]
+    assert [c["status"] for c in status["conditions"] if c["type"] == "Ready"] == ["True"]
+    assert status["nodeInfo"]["kubeletVersion"] == "v1.37.2"
+    assert set(status["allocatable"]) >= {"cpu", "memory", "pods"}
+
+
+def test_volume_files_are_written_in_place(tmp_path: Path) -> None:
+    target = tmp_path / "vol"
+    target.mkdir()
+    nodesim._write_files(target, {"config.conf": (b"mode: iptables\n", 0o644), "sub/x": (b"1", 0o600)})
+    inode = (target / "config.conf").stat().st_ino
+    nodesim._write_files(target, {"config.conf": (b"mode: nftables\n", 0o644)})
+    assert (target / "config.conf").read_text() == "mode: nftables\n"
+    assert (target / "config.conf").stat().st_ino != inode  # replaced by rename: readers never see half a file
+    assert not (target / "sub" / "x").exists()  # keys that left the object leave the volume
