@@ -256,3 +256,13 @@ def test_long_policy_renders_valid_objects(baseline: tuple[dict, dict]) -> None:
         assert obj["metadata"]["annotations"][ANNOTATION_POLICY] == name
         assert all(is_label_value(v) for v in obj["metadata"]["labels"].values())
         assert len(obj["metadata"]["name"]) <= 63
+
+
+def test_projected_config_volume_is_repointed() -> None:
+    cm, ds = load("configmap", "kubeadm"), load("daemonset", "kubeadm")
+    volumes = ds["spec"]["template"]["spec"]["volumes"]
+    volumes[0] = {"name": "kube-proxy", "projected": {"sources": [{"configMap": {"name": "kube-proxy"}},
+                                                                  {"configMap": {"name": "other"}}]}}
+    rev = render_revision(policy(), cm, ds)
+    sources = rev.daemonset["spec"]["template"]["spec"]["volumes"][0]["projected"]["sources"]
+    assert [s["configMap"]["name"] for s in sources] == [rev.configmap["metadata"]["name"], "other"]
