@@ -256,3 +256,35 @@ def test_the_real_client_sends_a_merge_patch_to_the_status_subresource_and_a_fie
     assert (method, path, ctype) == ("PATCH", "/apis/proxyshift.io/v1alpha1/proxynodes/n1/status",
                                      "application/merge-patch+json")
     assert json.loads(payload) == {"status": {"heartbeat": "2027-01-01T00:00:00Z", "kubeProxy": {"error": None}}}
+
+
+class FlakyAPI(FakeAPI):
+    """Refuses the patches whose numbers (1-based) are listed."""
+
+    def __init__(self, obj, fail_on: set[int]):
+        super().__init__(obj)
+        self.fail_on, self.calls = fail_on, 0
+
+    def patch_status(self, name, status):
+        self.calls += 1
+        if self.calls in self.fail_on:
+            raise ConnectionError("API server away")
+        return super().patch_status(name, status)
+
+
+def test_an_unrecorded_start_runs_nothing_and_a_lost_result_is_sent_again():
+    op = {"id": "c1", "type": "Cleanup", "params": {"removeModes": ["iptables"], "targetMode": "nftables"}}
+    api = FlakyAPI(node_obj(op), fail_on={1, 3})
+    calls: list = []
+    agent = make_agent(api, flush_calls=calls)
+    with pytest.raises(ConnectionError):
+        agent.handle(api.get("n1"))          # "Running" not recorded: nothing may run
+    assert calls == []
+    with pytest.raises(ConnectionError):
+        agent.handle(api.get("n1"))          # recorded, flushed, but the result write is lost
+    assert calls == [(["iptables"], "nftables")]
+    assert api.obj["status"]["lastOperation"]["state"] == "Running"
+    agent.handle(api.get("n1"))              # the watch redelivers: not run again
+    agent.tick()                             # the result goes out with the next status write
+    assert calls == [(["iptables"], "nftables")]
+    assert api.obj["status"]["lastOperation"]["state"] == "Succeeded"

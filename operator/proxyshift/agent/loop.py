@@ -153,6 +153,8 @@ class Agent:
     _node_facts: dict[str, Any] | None = None
     # Status writes wait until the ProxyNode exists: the operator creates it, not the agent.
     node_seen: bool = False
+    # An operation result the API server did not take yet: retried before anything else.
+    _unsent: dict[str, Any] | None = None
 
     # ---- node facts ----
 
@@ -221,12 +223,19 @@ class Agent:
                 self._started.add(op.id)
                 self._recover(op, last)
             return  # already reported by us (before a restart or just now)
-        self._started.add(op.id)
         started = now_rfc3339(self.clock)
+        # Recorded before anything is done: if this write fails nothing has run, and the
+        # next event tries again; once it succeeded the id is never run again by us.
         self.write({"lastOperation": operation_patch(OperationStatus(
             id=op.id, type=op.type, state="Running", message=f"{op.type} started", started_at=started))})
+        self._started.add(op.id)
         result, extra = self._execute(op, started)
-        self.write({**extra, "lastOperation": operation_patch(result)})
+        self._send_result({**extra, "lastOperation": operation_patch(result)})
+
+    def _send_result(self, status: dict[str, Any]) -> None:
+        self._unsent = status
+        self.write(status)
+        self._unsent = None
 
     def _execute(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
         try:
@@ -287,12 +296,12 @@ class Agent:
         if op.type != "Cleanup":
             # Preflight and Probe change nothing on the node: simply run them now.
             result, extra = self._execute(op, started)
-            self.write({**extra, "lastOperation": operation_patch(result)})
+            self._send_result({**extra, "lastOperation": operation_patch(result)})
             return
         try:
             remove, target = self._cleanup_args(op)
         except ValueError as exc:
-            self.write({"lastOperation": operation_patch(self._done(op, started, False, str(exc)))})
+            self._send_result({"lastOperation": operation_patch(self._done(op, started, False, str(exc)))})
             return
         extra = self.observe(inventory=True)
         assert self.inventory is not None
@@ -308,7 +317,7 @@ class Agent:
             result = self._done(op, started, False, "the agent restarted during this cleanup and did not re-run it; "
                                 f"still on the node: {what}; request the cleanup again with a new operation id",
                                 {"recovered": True, "remaining": left})
-        self.write({**extra, "lastOperation": operation_patch(result)})
+        self._send_result({**extra, "lastOperation": operation_patch(result)})
 
     # ---- the loop ----
 
@@ -317,6 +326,8 @@ class Agent:
         now = self.clock()
         if not self.node_seen:
             return
+        if self._unsent is not None:
+            self._send_result(self._unsent)
         if now - self._last_probe < self.cfg.probe_interval and now - self._last_status < self.cfg.status_interval:
             return
         before = self.facts
