@@ -96,6 +96,8 @@ def test_three_nodes_ready_in_their_pools(cluster: Any, kube: Any) -> None:
         assert node["metadata"]["labels"]["kubernetes.io/os"] == "linux"
         ready = {c["type"]: c["status"] for c in node["status"]["conditions"]}["Ready"]
         assert ready == "True", f"{name} is not Ready"
+        # The not-ready taint admission puts on new nodes is lifted: ordinary pods schedule here.
+        assert not node["spec"].get("taints"), node["spec"]["taints"]
         ip = network.node_ip(network.node_index(name))
         assert {"type": "InternalIP", "address": ip} in node["status"]["addresses"]
         lease = kube.get(f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{name}")
@@ -249,6 +251,75 @@ def nodesim_cluster_info(cluster: Any) -> Any:
     info = controlplane.load_info(cluster.state_dir)
     assert info is not None
     return info
+
+
+def test_probes_run_inside_the_node(cluster: Any, kube: Any, wait_for: Any) -> None:
+    """readinessProbe gates Ready, a failing livenessProbe restarts the container, both from inside the node."""
+
+    def patch_probes(readiness: dict[str, Any] | None, liveness: dict[str, Any] | None) -> None:
+        kube.strategic_patch(DS_PATH, {"spec": {"template": {"spec": {"containers": [
+            {"name": "kube-proxy", "readinessProbe": readiness, "livenessProbe": liveness}]}}}})
+
+    healthz = {"httpGet": {"path": "/healthz", "port": 10256}, "periodSeconds": 1, "failureThreshold": 1}
+    try:
+        patch_probes(healthz, None)
+        cluster.kubectl("-n", "kube-system", "rollout", "status", "daemonset/kube-proxy", "--timeout=120s",
+                        timeout=150)
+        pods = kube_proxy_pods(kube)
+        assert all(p["spec"]["containers"][0].get("readinessProbe") and is_ready(p) for p in pods.values())
+
+        # Nothing listens on 10999 inside a node: never Ready, and restarted by the liveness probe.
+        nowhere = {"tcpSocket": {"port": 10999}, "periodSeconds": 1, "failureThreshold": 2}
+        old = {p["metadata"]["uid"] for p in pods.values()}
+        patch_probes({**nowhere, "httpGet": None}, nowhere)  # a strategic merge would keep httpGet
+
+        def stuck_pod() -> dict[str, Any] | None:
+            for pod in kube_proxy_pods(kube).values():
+                statuses = pod["status"].get("containerStatuses") or []
+                if pod["metadata"]["uid"] not in old and statuses and statuses[0]["restartCount"] >= 1:
+                    return pod
+            return None
+
+        pod = wait_for(stuck_pod, 60, "a new kube-proxy pod restarted by its failing livenessProbe")
+        assert not is_ready(pod)
+        ready = next(c for c in pod["status"]["conditions"] if c["type"] == "Ready")
+        assert ready["reason"] == "ContainersNotReady"
+    finally:
+        patch_probes(None, None)
+        cluster.kubectl("-n", "kube-system", "rollout", "status", "daemonset/kube-proxy", "--timeout=120s",
+                        timeout=150)
+
+
+def test_proxyshift_image_runs_the_cli_with_env_and_volumes(cluster: Any, kube: Any, wait_for: Any) -> None:
+    name = "ps-cli-version"
+    kube.post("/api/v1/namespaces/default/pods", {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+        "spec": {"restartPolicy": "Never", "nodeSelector": {"pool": "green"}, "containers": [{
+            "name": "cli", "image": "ghcr.io/proxyshift/proxyshift:dev", "command": ["proxyshift"],
+            "args": ["$(FLAG)"],
+            "env": [{"name": "FLAG", "value": "--version"},
+                    {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]}]}})
+    try:
+        def finished() -> dict[str, Any] | None:
+            pod = kube.get(f"/api/v1/namespaces/default/pods/{name}")
+            return pod if pod["status"].get("phase") in ("Succeeded", "Failed") else None
+
+        pod = wait_for(finished, 60, "the proxyshift CLI pod to finish")
+        assert pod["status"]["phase"] == "Succeeded", pod["status"]
+        assert pod["spec"]["nodeName"] == "ps-node-3"  # the only green node: the scheduler placed it
+        terminated = pod["status"]["containerStatuses"][0]["state"]["terminated"]
+        assert terminated["exitCode"] == 0 and terminated["reason"] == "Completed"
+        # The projected service-account volume was materialised even though the CLI ignores it.
+        assert any(v.get("projected") for v in pod["spec"]["volumes"])
+        log = network.node_dir(cluster.state_dir, "ps-node-3") / "logs" / f"{name}_cli.log"
+        from proxyshift import __version__
+
+        assert __version__ in log.read_text()
+    finally:
+        kube.delete(f"/api/v1/namespaces/default/pods/{name}")
+    # A finished pod is finalised on deletion too (nothing runs, the simulator still deletes it).
+    wait_for(lambda: kube.get_or_none(f"/api/v1/namespaces/default/pods/{name}") is None, 30,
+             "the finished pod to be finalised")
 
 
 @pytest.mark.localcluster_down

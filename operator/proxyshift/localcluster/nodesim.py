@@ -60,6 +60,7 @@ VOLUME_REFRESH_SECONDS = 20.0
 BACKOFF_RESET_SECONDS = 600.0
 TICK_SECONDS = 0.5
 CREATED_PATHS_FILE = "created-host-paths.txt"
+NODE_CONDITION_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
 OWN_CONDITIONS = ("PodReadyToStartContainers", "Initialized", "ContainersReady", "Ready")
 
 
@@ -223,6 +224,13 @@ def ensure_node(kube: Kube, manifest: dict[str, Any]) -> dict[str, Any]:
         node = kube.strategic_patch(f"/api/v1/nodes/{name}",
                                     {"metadata": {"labels": manifest["metadata"]["labels"]}})
     kube.strategic_patch(f"/api/v1/nodes/{name}/status", {"status": manifest["status"]})
+    # The TaintNodesByCondition admission plugin gives every new Node a not-ready taint that the
+    # node-lifecycle controller lifts once the node is Ready. That controller is off here (it
+    # would evict simulated nodes), so the simulator lifts it, as it is the one that knows.
+    taints = (node.get("spec") or {}).get("taints") or []
+    kept = [t for t in taints if t.get("key") not in NODE_CONDITION_TAINTS]
+    if kept != taints:
+        node = kube.merge_patch(f"/api/v1/nodes/{name}", {"spec": {"taints": kept or None}})
     return node
 
 
@@ -1027,9 +1035,11 @@ class Simulator:
     def dispatch(self, pod: dict[str, Any]) -> None:
         uid = pod["metadata"]["uid"]
         worker = self.workers.get(uid)
-        if worker is not None:
+        if worker is not None and not worker.finished:
             worker.update(pod)
             return
+        if worker is not None and not pod["metadata"].get("deletionTimestamp"):
+            return  # finalised or failed; only a deletion needs a worker again
         if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed") and \
                 not pod["metadata"].get("deletionTimestamp"):
             return
