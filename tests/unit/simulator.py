@@ -100,7 +100,7 @@ class Sim:
     finalized: set[str] = field(default_factory=set)
     create_proxynodes: bool = True
     _pod_seq: int = 0
-    _agent_seen: dict[str, str] = field(default_factory=dict)
+    _starts: dict[str, int] = field(default_factory=dict)  # per policy, since the last world()
 
     @classmethod
     def build(cls, node_labels: dict[str, dict[str, str]], policies: Iterable[ProxyPolicy], **kw: Any) -> Sim:
@@ -142,6 +142,8 @@ class Sim:
         return "unknown"
 
     def world(self) -> World:
+        """A fresh snapshot; every plan gets its own, so start counting for the capacity check anew."""
+        self._starts.clear()
         live = {n: p.model_copy(deep=True) for n, p in self.policies.items() if n not in self.finalized}
         return World(
             now=self.now,
@@ -232,6 +234,23 @@ class Sim:
             starting = before is None or before.phase not in IN_FLIGHT
             if starting and p.spec.rollout.paused and not is_deleting(p):
                 self.violations.append(f"{policy} started {node} while paused")
+            if starting:
+                self._check_capacity(policy, node, world)
+
+    def _check_capacity(self, policy: str, node: str, world: World) -> None:
+        """A start may only take a free slot: in flight before the plan + started by it < maxUnavailable.
+
+        Checked at the start, not as a standing invariant: with a percentage the limit shrinks when
+        nodes leave the policy, and nodes already in flight cannot be un-started.
+        """
+        key = policy
+        self._starts[key] = self._starts.get(key, 0) + 1
+        owned = [n for n, o in compute_ownership(world).items() if o.owner == policy]
+        flying = sum(1 for n in owned if n in world.proxynodes and is_in_flight(world.proxynodes[n].spec.migration))
+        limit = resolve_max_unavailable(world.policies[policy].spec.rollout.max_unavailable, len(owned))
+        if flying + self._starts[key] > limit:
+            self.violations.append(f"{self.now}: {policy} started {node} with {flying} in flight "
+                                   f"and {self._starts[key] - 1} started, maxUnavailable {limit}")
 
     # ---- the fake kubelet / DaemonSet controller and agent ----
 
@@ -318,14 +337,6 @@ class Sim:
         for name, view in self.nodes.items():
             if view.revision is not None and view.revision not in self.revisions:
                 self.violations.append(f"{self.now}: {name} labelled with missing revision {view.revision}")
-        world = self.world()
-        ownership = compute_ownership(world)
-        for pname, p in world.policies.items():
-            owned = [n for n, o in ownership.items() if o.owner == pname]
-            flying = [n for n in owned if n in world.proxynodes and is_in_flight(world.proxynodes[n].spec.migration)]
-            limit = resolve_max_unavailable(p.spec.rollout.max_unavailable, len(owned))
-            if len(flying) > limit:
-                self.violations.append(f"{self.now}: {pname} has {len(flying)} nodes in flight > {limit}: {flying}")
 
     def step(self, policies: Iterable[str] | None = None) -> dict[str, Plan]:
         plans = {}
