@@ -27,6 +27,12 @@ DS_PATH = "/apis/apps/v1/namespaces/kube-system/daemonsets/kube-proxy"
 CM_PATH = "/api/v1/namespaces/kube-system/configmaps/kube-proxy"
 
 
+@pytest.fixture(autouse=True)
+def _local_cluster_only(cluster: Any) -> None:
+    # Every test here is about the local cluster's own nodes (ps-node-*, their namespaces).
+    cluster.require_local("this local-cluster test")
+
+
 def kube_proxy_pods(kube: Any) -> dict[str, dict[str, Any]]:
     """node -> the live (not terminating) kube-proxy pod on it."""
     pods = kube.get("/api/v1/namespaces/kube-system/pods", labelSelector="k8s-app=kube-proxy")["items"]
@@ -325,8 +331,6 @@ def test_proxyshift_image_runs_the_cli_with_env_and_volumes(cluster: Any, kube: 
 @pytest.mark.localcluster_down
 def test_down_leaves_nothing_behind(cluster: Any, host_snapshot: Any) -> None:
     """Runs last in the session (tests/conftest.py moves it): `down`, then compare with the host before `up`."""
-    if cluster.external:
-        pytest.skip("an external cluster is not ours to take down")
     assert cluster.before is not None
     result = cluster.down()
     assert result.returncode == 0, result.stderr

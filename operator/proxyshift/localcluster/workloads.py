@@ -56,11 +56,21 @@ def _kube(kube: Kube | Path | str) -> Kube:
 
 
 def create_endpoints(state_dir: Path, count: int, *, ports: tuple[int, ...] = (DEFAULT_TARGET_PORT,),
-                     start: int = 1) -> list[Endpoint]:
-    """Endpoint namespaces start..start+count-1 and one listener process for them (recorded in state.json)."""
+                     start: int | None = None) -> list[Endpoint]:
+    """Endpoint namespaces start..start+count-1 and one listener process for them (recorded in state.json).
+
+    Without `start`, numbering continues after the highest existing ps-ep-<n>, so
+    each call adds fresh endpoints.
+    """
     from proxyshift.localcluster import state
 
     state_dir = Path(state_dir)
+    if start is None:
+        taken = [int(n[len(network.ENDPOINT_PREFIX):]) for n in network.list_namespaces((network.ENDPOINT_PREFIX,))
+                 if n[len(network.ENDPOINT_PREFIX):].isdigit()]
+        start = max(taken, default=0) + 1
+    if start + count - 1 > network.MAX_ENDPOINTS:
+        raise ValueError(f"endpoints {start}..{start + count - 1} exceed {network.MAX_ENDPOINTS}")
     network.ensure_bridge()
     endpoints = []
     for n in range(start, start + count):
