@@ -8,6 +8,8 @@ tests/conftest.py (marker `localcluster_down`).
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import signal
 from pathlib import Path
@@ -135,6 +137,21 @@ def test_baseline_kube_proxy_ready_on_every_node(cluster: Any, kube: Any, wait_f
         assert pid is not None
         assert Path(f"/proc/{pid}/exe").resolve().name == "kube-proxy"
         assert os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat(f"/run/netns/{node}").st_ino
+        # Its service-account token came from the TokenRequest API, bound to this pod on this node.
+        claims = token_claims(cluster, pod)["kubernetes.io"]
+        assert claims["pod"] == {"name": pod["metadata"]["name"], "uid": pod["metadata"]["uid"]}
+        assert claims["node"]["name"] == node
+        assert claims["serviceaccount"]["name"] == "kube-proxy"
+
+
+def token_claims(cluster: Any, pod: dict[str, Any]) -> dict[str, Any]:
+    """The claims of the projected token the simulator wrote for a pod (no signature check needed)."""
+    meta = pod["metadata"]
+    pod_dir = (network.node_dir(cluster.state_dir, pod["spec"]["nodeName"]) / "pods" /
+               f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}")
+    (token_file,) = pod_dir.glob("volumes/kube-api-access-*/token")
+    payload = token_file.read_text().split(".")[1]
+    return json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
 
 
 def test_proxy_mode_is_iptables_on_every_node(node_http_get: Any, wait_for: Any) -> None:
