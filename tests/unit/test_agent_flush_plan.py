@@ -55,9 +55,20 @@ def test_plan_for_nftables_names_only_kube_proxy_chains_and_jumps_into_them():
             assert rule.target in plan.delete_chains
     text = render_restore(plans)
     assert "USER" not in text and "KUBE-MYAPP" not in text and "KUBE-FIREWALL" not in text
-    # Declarations (which empty chains) come before any -X in each table.
-    nat = text.split("*nat\n")[1]
-    assert nat.index(":KUBE-SERVICES - [0:0]") < nat.index("-X KUBE-SERVICES")
+    # Unlinking (-D) first, in one block per table; then every declaration (which empties
+    # chains); then every -X; blocks never exceed the batch size.
+    lines = text.splitlines()
+    first_decl = min(i for i, line in enumerate(lines) if line.startswith(":"))
+    assert max(i for i, line in enumerate(lines) if line.startswith("-D ")) < first_decl
+    assert max(i for i, line in enumerate(lines) if line.startswith(":")) < \
+        min(i for i, line in enumerate(lines) if line.startswith("-X "))
+    small = render_restore(plans, batch=7)
+    for block in small.split("COMMIT\n"):
+        assert sum(1 for line in block.splitlines() if line.startswith((":", "-X "))) <= 7
+    def commands(t: str) -> set[str]:
+        return {line for line in t.splitlines() if line[:2] in (":K", "-X", "-D")}
+
+    assert commands(small) == commands(text)
 
 
 def test_plan_is_empty_once_nothing_is_stale():
@@ -266,3 +277,25 @@ def test_plan_on_real_kube_proxy_rules_for_ipvs_keeps_exactly_the_shared_chains(
     assert before - doomed == {("filter", "KUBE-FIREWALL"), ("nat", "KUBE-SERVICES"), ("nat", "KUBE-POSTROUTING"),
                                ("nat", "KUBE-MARK-MASQ"), ("filter", "KUBE-FORWARD"),
                                ("filter", "KUBE-PROXY-FIREWALL")}
+
+
+def test_a_refused_restore_is_planned_again_from_a_fresh_save_once():
+    from proxyshift.agent.flush.iptables import IptablesFlusher
+
+    small = "*nat\n:KUBE-SVC-AAAAAAAAAAAAAAAA - [0:0]\n:MINE - [0:0]\n-A MINE -j ACCEPT\nCOMMIT\n"
+    saves = [SAVE, small, "*nat\n:MINE - [0:0]\n-A MINE -j ACCEPT\nCOMMIT\n"]
+    restores: list[str] = []
+
+    def runner(argv, *, input=None, **_):
+        if argv[0].endswith("-save"):
+            return Result(list(argv), 0, saves.pop(0), "")
+        restores.append(input)
+        if len(restores) == 1:
+            raise CommandError(list(argv), "exited 1: line 9 failed", returncode=1)
+        return Result(list(argv), 0, "", "")
+
+    step = IptablesFlusher(run=runner, tools=[IptablesTool("ipv4", "nft")]).flush_one(
+        IptablesTool("ipv4", "nft"), ALL, "nftables")
+    assert not step.errors
+    assert len(restores) == 2 and "KUBE-SVC-AAAAAAAAAAAAAAAA" in restores[1] and "MINE" not in restores[1]
+    assert step.removed == {"chains": 1}
