@@ -27,19 +27,28 @@ class StepBlocked(Exception):
     """The action cannot complete yet (e.g. a PodDisruptionBudget refuses an eviction); retry later."""
 
 
+@dataclass(frozen=True)
+class Written:
+    """A write the next plan must see: (index, key, resourceVersion the write produced)."""
+
+    index: str
+    key: str
+    resource_version: str
+
+
 @dataclass
 class Executor:
     api: ClusterAPI
     node_uids: dict[str, str] = field(default_factory=dict)
 
-    def perform(self, action: w.Action, policies: dict[str, ProxyPolicy]) -> None:
+    def perform(self, action: w.Action, policies: dict[str, ProxyPolicy]) -> Written | None:
         kind = type(action).__name__
         policy_name = getattr(action, "policy", None) or ""
         metrics.ACTIONS.labels(policy_name or "-", kind).inc()
         handler = getattr(self, f"_do_{kind}", None)
         if handler is None:
             raise NotImplementedError(f"no executor for action {kind}")
-        handler(action, policies)
+        return handler(action, policies)
 
     # ---- revisions ----
 
@@ -93,10 +102,11 @@ class Executor:
 
     # ---- nodes ----
 
-    def _do_EnsureProxyNode(self, action: w.EnsureProxyNode, _: dict[str, ProxyPolicy]) -> None:
-        self.api.ensure_proxynode(action.node, self.node_uids.get(action.node), {"policy": action.policy})
+    def _do_EnsureProxyNode(self, action: w.EnsureProxyNode, _: dict[str, ProxyPolicy]) -> Written:
+        rv = self.api.ensure_proxynode(action.node, self.node_uids.get(action.node), {"policy": action.policy})
+        return Written("proxynode_index", action.node, rv)
 
-    def _do_SetMigration(self, action: w.SetMigration, _: dict[str, ProxyPolicy]) -> None:
+    def _do_SetMigration(self, action: w.SetMigration, _: dict[str, ProxyPolicy]) -> Written:
         spec: dict[str, Any] = {
             "policy": action.policy,
             "revision": action.revision,
@@ -105,28 +115,28 @@ class Executor:
             "migration": action.migration.to_k8s() if action.migration else None,
             "operation": action.operation.to_k8s() if action.operation else None,
         }
-        existing = self.api.get_proxynode(action.node)
-        if existing is None:
-            self.api.ensure_proxynode(action.node, self.node_uids.get(action.node), spec)
-        else:
-            # merge patch: None removes a field, so a finished operation is cleared explicitly.
-            self.api.patch_proxynode_spec(action.node, spec)
+        # ensure_proxynode creates it, or merge-patches the spec of the existing one: None removes a
+        # field, so a finished operation is cleared explicitly.
+        rv = self.api.ensure_proxynode(action.node, self.node_uids.get(action.node), spec)
+        return Written("proxynode_index", action.node, rv)
 
-    def _do_SetRevisionLabel(self, action: w.SetRevisionLabel, _: dict[str, ProxyPolicy]) -> None:
-        self.api.set_node_label(action.node, w.REVISION_LABEL, action.revision)
+    def _do_SetRevisionLabel(self, action: w.SetRevisionLabel, _: dict[str, ProxyPolicy]) -> Written:
+        return Written("node_index", action.node,
+                       self.api.set_node_label(action.node, w.REVISION_LABEL, action.revision))
 
-    def _do_Cordon(self, action: w.Cordon, _: dict[str, ProxyPolicy]) -> None:
-        self.api.set_unschedulable(action.node, True)
+    def _do_Cordon(self, action: w.Cordon, _: dict[str, ProxyPolicy]) -> Written:
+        return Written("node_index", action.node, self.api.set_unschedulable(action.node, True))
 
-    def _do_Uncordon(self, action: w.Uncordon, _: dict[str, ProxyPolicy]) -> None:
-        self.api.set_unschedulable(action.node, False)
+    def _do_Uncordon(self, action: w.Uncordon, _: dict[str, ProxyPolicy]) -> Written:
+        return Written("node_index", action.node, self.api.set_unschedulable(action.node, False))
 
     def _do_Drain(self, action: w.Drain, _: dict[str, ProxyPolicy]) -> None:
         remaining, blocked = self.api.evict_pods(action.node)
         if blocked:
             raise StepBlocked(f"drain of {action.node} waits: " + "; ".join(blocked[:5]))
         if remaining:
-            log.info("drain of %s: %d pods still terminating", action.node, remaining)
+            # The planner records the switch only after Drain returns: wait until the pods are gone.
+            raise StepBlocked(f"drain of {action.node}: {remaining} pods still terminating")
 
     # ---- policy ----
 

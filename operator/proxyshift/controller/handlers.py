@@ -23,7 +23,7 @@ from proxyshift.api.kubeproxy import KubeProxyConfiguration
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.api.proxynode import ProxyNode
 from proxyshift.controller import metrics
-from proxyshift.controller.executor import Executor, StepBlocked
+from proxyshift.controller.executor import Executor, StepBlocked, Written
 from proxyshift.controller.kube import ClusterAPI, describe_api_error
 from proxyshift.controller.settings import CONFIG
 from proxyshift.controller.snapshot import (
@@ -32,6 +32,7 @@ from proxyshift.controller.snapshot import (
     first,
     kube_proxy_pod_view,
     node_view,
+    observed,
     revision_view,
 )
 from proxyshift.planner import planner
@@ -86,12 +87,12 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 @kopf.index("", "v1", "nodes")
 def node_index(name: str, labels: dict[str, str], spec: dict[str, Any], status: dict[str, Any], uid: str,
-               **_: Any) -> dict[str, w.NodeView]:
+               meta: kopf.Meta, **_: Any) -> dict[str, w.NodeView]:
     executor: Executor | None = _state.get("executor")
     if executor is not None:
         executor.node_uids[name] = uid
     wake()
-    return {name: node_view(name, labels, spec, status)}
+    return {name: node_view(name, labels, spec, status, str(meta.get("resourceVersion", "")))}
 
 
 @kopf.index(GROUP, VERSION, "proxynodes")
@@ -180,9 +181,40 @@ async def step(name: str, indexes: dict[str, Any]) -> w.Plan:
         service_ips=service_ips,
     )
     plan = planner.plan(world, name)
-    for action in plan.actions:
-        await asyncio.to_thread(executor.perform, action, world.policies)
+    written: list[Written] = []
+    try:
+        for action in plan.actions:
+            result = await asyncio.to_thread(executor.perform, action, world.policies)
+            if result is not None:
+                written.append(result)
+    finally:
+        # The planner must never act on a world that lacks its own last writes (a stale view would
+        # re-issue a switch and move switchedAt): wait for the watch streams to deliver them.
+        await wait_observed(written, indexes)
     return plan
+
+
+def _index_version(indexes: dict[str, Any], item: Written) -> str | None:
+    value = first(indexes[item.index].get(item.key))
+    if value is None:
+        return None
+    if isinstance(value, w.NodeView):
+        return value.resource_version
+    return str((getattr(value, "metadata", None) or {}).get("resourceVersion", ""))
+
+
+async def wait_observed(written: list[Written], indexes: dict[str, Any], timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    pending = list(written)
+    while pending:
+        pending = [item for item in pending if not observed(_index_version(indexes, item), item.resource_version)]
+        if not pending:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            log.warning("writes not yet seen by the watch after %gs: %s", timeout,
+                        ", ".join(f"{p.index}/{p.key}" for p in pending[:5]))
+            return
+        await asyncio.sleep(0.05)
 
 
 def _indexes(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -225,6 +257,12 @@ async def rollout(name: str, stopped: kopf.DaemonStopped, logger: kopf.Logger, *
 @kopf.on.delete(GROUP, VERSION, "proxypolicies")
 async def on_delete(name: str, **kwargs: Any) -> None:
     """Deletion: Revert walks the nodes back to the baseline; the finalizer goes when the planner says so."""
-    plan = await step(name, _indexes(kwargs))
+    indexes = _indexes(kwargs)
+    plan = await step(name, indexes)
     if not any(isinstance(a, w.RemoveFinalizer) for a in plan.actions):
         raise kopf.TemporaryError("reverting nodes before the policy goes away", delay=2)
+    others = [p for p in indexes["policy_index"] if p != name]
+    revisions_left = any(True for _ in indexes["revision_index"])
+    if not others and not revisions_left:
+        # The last policy is gone and no node runs a revision: the baseline gets back its own affinity.
+        await asyncio.to_thread(_state["executor"].undo_baseline_affinity)

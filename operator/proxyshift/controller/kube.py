@@ -48,12 +48,13 @@ class ClusterAPI:
 
     # ---- nodes ----
 
-    def set_node_label(self, node: str, key: str, value: str | None) -> None:
-        # A merge patch with null removes the label; setting the same value again is a no-op.
-        self.core.patch_node(node, {"metadata": {"labels": {key: value}}})
+    def set_node_label(self, node: str, key: str, value: str | None) -> str:
+        """Returns the Node's new resourceVersion. A merge patch with null removes the label."""
+        return str(self.core.patch_node(node, {"metadata": {"labels": {key: value}}}).metadata.resource_version)
 
-    def set_unschedulable(self, node: str, unschedulable: bool) -> None:
-        self.core.patch_node(node, {"spec": {"unschedulable": unschedulable or None}})
+    def set_unschedulable(self, node: str, unschedulable: bool) -> str:
+        patched = self.core.patch_node(node, {"spec": {"unschedulable": unschedulable or None}})
+        return str(patched.metadata.resource_version)
 
     def evict_pods(self, node: str) -> tuple[int, list[str]]:
         """Evict the node's pods except DaemonSet and mirror pods; PDBs are honoured by the API.
@@ -95,12 +96,17 @@ class ClusterAPI:
             _ignore(404, exc)
             return None
 
-    def ensure_proxynode(self, name: str, node_uid: str | None, spec: dict[str, Any]) -> None:
+    def ensure_proxynode(self, name: str, node_uid: str | None, spec: dict[str, Any]) -> str:
+        """Patch the ProxyNode's spec, creating it first if it does not exist; returns its resourceVersion."""
+        try:
+            return self.patch_proxynode_spec(name, spec)
+        except ApiException as exc:
+            _ignore(404, exc)
         body: dict[str, Any] = {
             "apiVersion": f"{API_GROUP}/{API_VERSION}",
             "kind": "ProxyNode",
             "metadata": {"name": name, "labels": {"app.kubernetes.io/managed-by": "proxyshift"}},
-            "spec": spec,
+            "spec": {k: v for k, v in spec.items() if v is not None},
         }
         if node_uid:
             # Owned by the Node: deleting the Node garbage-collects its ProxyNode.
@@ -108,13 +114,15 @@ class ClusterAPI:
                 {"apiVersion": "v1", "kind": "Node", "name": name, "uid": node_uid}
             ]
         try:
-            self.custom.create_cluster_custom_object(API_GROUP, API_VERSION, PROXYNODES, body)
+            created = self.custom.create_cluster_custom_object(API_GROUP, API_VERSION, PROXYNODES, body)
+            return str(created["metadata"]["resourceVersion"])
         except ApiException as exc:
-            _ignore(409, exc)
-            self.patch_proxynode_spec(name, spec)
+            _ignore(409, exc)  # created meanwhile (by a peer): patch it
+            return self.patch_proxynode_spec(name, spec)
 
-    def patch_proxynode_spec(self, name: str, spec: dict[str, Any]) -> None:
-        self.custom.patch_cluster_custom_object(API_GROUP, API_VERSION, PROXYNODES, name, {"spec": spec})
+    def patch_proxynode_spec(self, name: str, spec: dict[str, Any]) -> str:
+        patched = self.custom.patch_cluster_custom_object(API_GROUP, API_VERSION, PROXYNODES, name, {"spec": spec})
+        return str(patched["metadata"]["resourceVersion"])
 
     # ---- policies ----
 

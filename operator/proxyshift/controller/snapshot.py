@@ -24,11 +24,23 @@ def parse_time(value: str | None) -> datetime | None:
     return datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
-def node_view(name: str, labels: Mapping[str, str], spec: Mapping[str, Any], status: Mapping[str, Any]) -> NodeView:
+def node_view(name: str, labels: Mapping[str, str], spec: Mapping[str, Any], status: Mapping[str, Any],
+              resource_version: str = "") -> NodeView:
     ready = any(
         c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
     )
-    return NodeView(name=name, labels=dict(labels), unschedulable=bool(spec.get("unschedulable")), ready=ready)
+    return NodeView(name=name, labels=dict(labels), unschedulable=bool(spec.get("unschedulable")), ready=ready,
+                    resource_version=resource_version)
+
+
+def observed(seen: str | None, written: str) -> bool:
+    """Has an index caught up with a write? resourceVersions are etcd revisions: compare as integers."""
+    if not seen:
+        return False
+    try:
+        return int(seen) >= int(written)
+    except ValueError:
+        return seen == written
 
 
 def kube_proxy_pod_view(body: Mapping[str, Any]) -> KubeProxyPodView | None:

@@ -34,6 +34,8 @@ class NodeView:
     unschedulable: bool = False
     ready: bool = True
     exists: bool = True
+    # Lets the operator wait until its own writes are visible before planning again.
+    resource_version: str = field(default="", compare=False)
 
     @property
     def revision(self) -> str | None:
