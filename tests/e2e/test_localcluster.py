@@ -321,7 +321,11 @@ def test_proxyshift_image_runs_the_cli_with_env_and_volumes(cluster: Any, kube: 
             "name": "cli", "image": "ghcr.io/proxyshift/proxyshift:dev", "command": ["proxyshift"],
             "args": ["$(FLAG)"],
             "env": [{"name": "FLAG", "value": "--version"},
-                    {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]}]}})
+                    {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
+            # Like the agent's DaemonSet: an emptyDir over /tmp, where the state dir (and so
+            # every other volume's source) lives on the host.
+            "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}]}],
+            "volumes": [{"name": "tmp", "emptyDir": {"medium": "Memory"}}]}})
     try:
         def finished() -> dict[str, Any] | None:
             pod = kube.get(f"/api/v1/namespaces/default/pods/{name}")

@@ -25,6 +25,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
+import stat
 import sys
 import threading
 from collections.abc import Callable
@@ -113,35 +114,43 @@ def parse_bind(spec: str) -> tuple[str, str, bool]:
     return parts[0], parts[1], read_only
 
 
-def _ensure_target(src: Path, dst: Path, created: list[Path]) -> None:
+def _ensure_target(src_is_dir: bool, dst: Path, created: list[Path]) -> None:
     """Create the mount point (a dir for a dir, an empty file for a file), noting what was new.
 
     The new paths are visible on the host (mkdir is not namespaced); they are
     reported so `down` can remove them.
     """
     missing = []
-    parent = dst if src.is_dir() else dst.parent
+    parent = dst if src_is_dir else dst.parent
     probe = parent
     while not probe.exists():
         missing.append(probe)
         probe = probe.parent
     parent.mkdir(parents=True, exist_ok=True)
     created.extend(reversed(missing))
-    if not src.is_dir() and not dst.exists():
+    if not src_is_dir and not dst.exists():
         dst.touch()
         created.append(dst)
 
 
 def apply_binds(binds: list[tuple[str, str, bool]], created: list[Path]) -> None:
-    # Shallow targets first, so a bind under another bind lands on top of it.
-    for src, dst, read_only in sorted(binds, key=lambda b: b[1].rstrip("/").count("/")):
-        source, target = Path(src), Path(dst)
-        if not source.exists():
-            raise FileNotFoundError(f"bind source {src} does not exist")
-        _ensure_target(source, target, created)
-        _mount(src, dst, None, MS_BIND | MS_REC)
-        if read_only:
-            _mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
+    # Every source is opened before the first mount: an emptyDir bound over /tmp would
+    # otherwise hide the sources of the later binds (the state dir lives under /tmp).
+    opened = []
+    try:
+        for src, dst, read_only in binds:
+            if not Path(src).exists():
+                raise FileNotFoundError(f"bind source {src} does not exist")
+            opened.append((os.open(src, os.O_PATH | os.O_CLOEXEC), src, dst, read_only))
+        # Shallow targets first, so a bind under another bind lands on top of it.
+        for fd, _src, dst, read_only in sorted(opened, key=lambda b: b[2].rstrip("/").count("/")):
+            _ensure_target(stat.S_ISDIR(os.fstat(fd).st_mode), Path(dst), created)
+            _mount(f"/proc/self/fd/{fd}", dst, None, MS_BIND | MS_REC)
+            if read_only:
+                _mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
+    finally:
+        for fd, *_ in opened:
+            os.close(fd)
 
 
 def _remount_sys(netns: str) -> None:
@@ -174,12 +183,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.netns:
         _remount_sys(args.netns)
     created: list[Path] = []
+    # Opened before the binds: a bind over /tmp would otherwise swallow the record.
+    record = args.created_log.open("a") if args.created_log else None
     try:
         apply_binds(binds, created)
     finally:
-        if created and args.created_log:
-            with contextlib.suppress(OSError), args.created_log.open("a") as log:
-                log.writelines(f"{path}\n" for path in created)
+        if record is not None:
+            with contextlib.suppress(OSError), record:
+                record.writelines(f"{path}\n" for path in created)
     os.chdir(args.workdir)
     try:
         os.execvp(command[0], command)
