@@ -142,6 +142,9 @@ def test_baseline_kube_proxy_ready_on_every_node(cluster: Any, kube: Any, wait_f
         assert claims["pod"] == {"name": pod["metadata"]["name"], "uid": pod["metadata"]["uid"]}
         assert claims["node"]["name"] == node
         assert claims["serviceaccount"]["name"] == "kube-proxy"
+        # `kubectl logs` reaches the simulator's slice of the kubelet API inside the node.
+        logs = cluster.kubectl("-n", "kube-system", "logs", pod["metadata"]["name"], "--tail=200").stdout
+        assert "kube-proxy" in logs or "proxier" in logs, logs[-500:]
 
 
 def token_claims(cluster: Any, pod: dict[str, Any]) -> dict[str, Any]:
