@@ -407,7 +407,13 @@ def parse_args(argv: Sequence[str]) -> AgentConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg = parse_args(sys.argv[1:] if argv is None else argv)
+    """`proxyshift agent --node N` runs the agent; `proxyshift agent <command>` one job (agent/oneshot.py)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    from proxyshift.agent import oneshot
+
+    if args and args[0] in oneshot.COMMANDS:
+        return oneshot.main(args)
+    cfg = parse_args(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     agent = Agent(cfg, KubeProxyNodeAPI())
     stop = threading.Event()

@@ -30,19 +30,20 @@ def validate_modes(remove_modes: Iterable[str], target_mode: str | None) -> tupl
 
 def flush(remove_modes: Iterable[str], target_mode: str | None, *, runner: Runner = run,
           iptables_tools: list[IptablesTool] | None = None, proc_root: Path = Path("/proc"),
-          verify: bool = True) -> FlushReport:
+          verify: bool = True, dry_run: bool = False) -> FlushReport:
     """Remove the objects of `remove_modes` that `target_mode` does not use. Idempotent.
 
     The target mode is never removed, even if listed: that is the mode kube-proxy
-    runs now.
+    runs now. dry_run: report what would be removed, change nothing.
     """
     remove, target = validate_modes(remove_modes, target_mode)
     report = FlushReport(sorted(remove), target)
     destroy_sets = frozenset(IPVS_IPSETS) if "ipvs" in remove and target != "ipvs" else frozenset()
     flushers = [
-        IptablesFlusher(run=runner, tools=iptables_tools, destroy_sets=destroy_sets, verify=verify),
-        IpvsFlusher(run=runner, proc_root=proc_root),
-        NftablesFlusher(run=runner),
+        IptablesFlusher(run=runner, tools=iptables_tools, destroy_sets=destroy_sets, verify=verify,
+                        dry_run=dry_run),
+        IpvsFlusher(run=runner, proc_root=proc_root, dry_run=dry_run),
+        NftablesFlusher(run=runner, dry_run=dry_run),
     ]
     if "iptables" not in remove and "ipvs" not in remove:
         flushers = flushers[2:]

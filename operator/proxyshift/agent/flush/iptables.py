@@ -149,6 +149,7 @@ class IptablesFlusher:
     tools: list[IptablesTool] | None = None
     destroy_sets: frozenset[str] = frozenset()
     verify: bool = True
+    dry_run: bool = False
 
     def _save(self, tool: IptablesTool) -> Dump:
         return parse(self.run([tool.save], timeout=SAVE_TIMEOUT).stdout)
@@ -159,6 +160,10 @@ class IptablesFlusher:
         try:
             plans = plan_flush(self._save(tool), remove_modes, target_mode, self.destroy_sets)
             if not plans:
+                return step
+            if self.dry_run:
+                _count(plans, step)
+                step.skipped.append("dry run: nothing changed")
                 return step
             try:
                 self.run([tool.restore, "-w", "5", "--noflush"], input=render_restore(plans),

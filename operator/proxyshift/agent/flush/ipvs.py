@@ -142,6 +142,7 @@ def select_owned(services: list[VirtualServer], dummy_addresses: set[str], ipset
 class IpvsFlusher:
     run: Runner = run
     proc_root: Path = Path("/proc")
+    dry_run: bool = False
 
     def kernel_has_ipvs(self) -> bool:
         return (self.proc_root / "net" / "ip_vs").exists()
@@ -173,16 +174,22 @@ class IpvsFlusher:
                 services = parse_ipvsadm_save(self.run(["ipvsadm", "-Sn"], timeout=60).stdout)
                 all_addrs = set(parse_ip_addr_json(self.run(["ip", "-j", "addr", "show"], timeout=10).stdout))
                 owned = select_owned(services, dummy_addrs, ipsets, all_addrs - dummy_addrs)
-                if owned:
+                if owned and not self.dry_run:
                     script = "".join(f"-D {vs.service_arg}\n" for vs in owned)
                     self.run(["ipvsadm", "-R"], input=script, timeout=120)
-                    step.add("virtual servers", len(owned))
+                step.add("virtual servers", len(owned))
                 kept = len(services) - len(owned)
                 if kept:
                     step.skipped.append(f"{kept} virtual servers not created by kube-proxy left in place")
             else:
                 step.skipped.append("this kernel has no IPVS (no /proc/net/ip_vs): no virtual servers can "
                                     "exist, none touched")
+            if self.dry_run:
+                step.add("interfaces", int(has_dummy))
+                step.add("ipsets", len(ipsets.names))
+                if step.removed:
+                    step.skipped.append("dry run: nothing changed")
+                return [step]
             if has_dummy:
                 self.run(["ip", "link", "del", IPVS_DUMMY_INTERFACE], timeout=10)
                 step.add("interfaces", 1)

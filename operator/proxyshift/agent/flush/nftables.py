@@ -49,6 +49,7 @@ def render_delete(tables: list[tuple[str, str]]) -> str:
 @dataclass
 class NftablesFlusher:
     run: Runner = run
+    dry_run: bool = False
 
     def flush(self, remove_modes: frozenset[Mode], target_mode: Mode | None) -> list[FlushStep]:
         step = FlushStep("nftables")
@@ -56,7 +57,10 @@ class NftablesFlusher:
             return []
         try:
             present = [t for t in NFT_TABLES if t in set(list_tables(self.run))]
-            if present:
+            if present and self.dry_run:
+                step.add("tables", len(present))
+                step.skipped.append("dry run: nothing changed")
+            elif present:
                 self.run(["nft", "-f", "-"], input=render_delete(present), timeout=120)
                 step.add("tables", len(present))
         except (CommandError, NftOutputError) as exc:
