@@ -69,6 +69,19 @@ def localcluster_cli(*args: str, state_dir: Path, timeout: float) -> subprocess.
                            *args], capture_output=True, text=True, timeout=timeout, check=False)
 
 
+def network_leftovers() -> list[str]:
+    """Node or endpoint namespaces that exist before this session started a cluster."""
+    return [line.split()[0] for line in run(["ip", "netns", "list"]).stdout.splitlines()
+            if line.startswith(("ps-node-", "ps-ep-"))]
+
+
+def _listening(port: int) -> bool:
+    """Whether a local socket listens on the port (read from the kernel: a connect() to the
+    bridge address would leave the machine when the bridge does not exist)."""
+    out = run(["ss", "-ltnH"]).stdout
+    return any(line.split()[3].rsplit(":", 1)[-1] == str(port) for line in out.splitlines() if len(line.split()) > 3)
+
+
 def _require_root() -> None:
     if os.geteuid() != 0:
         pytest.fail("the local cluster needs root (network namespaces, veths, iptables inside nodes); "
@@ -91,6 +104,17 @@ def cluster() -> Iterator[Cluster]:
     from proxyshift.localcluster import controlplane, paths
 
     state_dir = paths.default_state_dir()
+    if controlplane.load_info(state_dir) is not None:
+        # A cluster left by a killed session (or by hand) would carry its changes into this
+        # run; the tests are written against a fresh one.
+        print(f"\nremoving the cluster left in {state_dir} before starting a fresh one", file=sys.stderr)
+        localcluster_cli("down", state_dir=state_dir, timeout=300)
+    busy = [port for port in (paths.ETCD_CLIENT_PORT, paths.APISERVER_PORT) if _listening(port)]
+    if busy or network_leftovers():
+        # Addresses and ports are machine-wide: `down` here would tear down someone else's cluster.
+        pytest.fail(f"another local cluster runs on this machine (ports in use: {busy}, node/endpoint "
+                    f"namespaces: {network_leftovers()}); take it down with `localcluster --state-dir "
+                    f"<its dir> down` first")
     before = _host_snapshot(state_dir)
     started = time.monotonic()
     handle = Cluster(kubeconfig=state_dir / "admin.kubeconfig", external=False, state_dir=state_dir,
