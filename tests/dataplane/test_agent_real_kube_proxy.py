@@ -93,3 +93,26 @@ def test_probe_reads_a_real_nftables_kube_proxy_and_the_flush_removes_its_tables
     tables = list_tables(netns.run)
     assert ("ip", "kube-proxy") not in tables and ("ip6", "kube-proxy") not in tables
     assert netns.run(["nft", "list", "table", "inet", "user-fw"]).stdout == user_before
+
+
+def test_real_kube_proxy_refuses_ipvs_here_exactly_when_preflight_does(netns, tmp_path):
+    import time
+
+    from proxyshift.agent.preflight import check
+
+    report = check("ipvs")
+    kp = KubeProxy(netns, tmp_path / "kp", "ipvs", services=3)
+    try:
+        deadline = time.monotonic() + 60
+        while kp.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        exited = kp.proc.poll()
+    finally:
+        kp.stop()
+    log = (tmp_path / "kp" / "kube-proxy.log").read_text()
+    if report.ok:
+        pytest.skip("this kernel has IPVS: kube-proxy may run in ipvs mode")
+    # kube-proxy has no fallback: it exits, and the preflight named why beforehand.
+    assert exited not in (None, 0), log[-2000:]
+    assert "ipvs" in log.lower()
+    assert "ip_vs" in report.details()["missingModules"]
