@@ -12,13 +12,14 @@ import base64
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from proxyshift.localcluster import network
+from proxyshift.localcluster import network, nodesim
 
 pytestmark = pytest.mark.e2e
 
@@ -277,6 +278,27 @@ def nodesim_cluster_info(cluster: Any) -> Any:
     info = controlplane.load_info(cluster.state_dir)
     assert info is not None
     return info
+
+
+def test_configmap_volume_follows_the_configmap(cluster: Any, kube: Any, wait_for: Any) -> None:
+    """A running kube-proxy's mounted ConfigMap is rewritten in place when the ConfigMap changes."""
+    pod = kube_proxy_pods(kube)["ps-node-1"]
+    meta = pod["metadata"]
+    volume = (network.node_dir(cluster.state_dir, "ps-node-1") / "pods" /
+              f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}" / "volumes" / "kube-proxy")
+    marker = f"written-{time.time_ns()}"
+    kube.merge_patch(CM_PATH, {"data": {"e2e-marker": marker}})
+    try:
+        wait_for(lambda: (volume / "e2e-marker").exists() and (volume / "e2e-marker").read_text() == marker,
+                 nodesim.VOLUME_REFRESH_SECONDS * 3, "the new ConfigMap key in the pod's volume")
+        # The container sees it through its bind mount, not only the host folder.
+        pid = container_pid(cluster, pod)
+        assert pid is not None
+        assert Path(f"/proc/{pid}/root/var/lib/kube-proxy/e2e-marker").read_text() == marker
+    finally:
+        kube.merge_patch(CM_PATH, {"data": {"e2e-marker": None}})
+    wait_for(lambda: not (volume / "e2e-marker").exists(), nodesim.VOLUME_REFRESH_SECONDS * 3,
+             "the removed key to leave the volume")
 
 
 def test_probes_run_inside_the_node(cluster: Any, kube: Any, wait_for: Any) -> None:
