@@ -60,6 +60,7 @@ TOKEN_TTL_SECONDS = 3607  # kubelet's default projected-token lifetime
 VOLUME_REFRESH_SECONDS = 10.0
 BACKOFF_RESET_SECONDS = 600.0
 TICK_SECONDS = 0.5
+RETRY_SECONDS = 2.0
 CREATED_PATHS_FILE = "created-host-paths.txt"
 NODE_CONDITION_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
 KUBELET_PORT = 10250
@@ -451,6 +452,7 @@ class PodWorker(threading.Thread):
         self.refreshed_at = 0.0
         self.tokens: dict[str, float] = {}  # token file -> monotonic time to refresh
         self.blocked: PodError | None = None
+        self.last_error = ""
 
     # called from the watch thread
     def update(self, pod: dict[str, Any]) -> None:
@@ -483,22 +485,39 @@ class PodWorker(threading.Thread):
             if self.gone or pod["metadata"].get("deletionTimestamp"):
                 self._terminate(pod)
                 return
+            failed = False
             if self.blocked is None:
-                try:
-                    self._sync_volumes()
-                    self._sync_containers()
-                except PodError as exc:
-                    self._block(exc, transient=True)
+                # Volumes that were made once stay usable while a refresh fails (an API blip
+                # must not stop restarts of crashed containers, nor kill running ones).
+                volumes_ok = self._step(self._sync_volumes) or self._volumes_complete()
+                failed = not volumes_ok or not self._step(self._sync_containers)
                 self._sync_probes()
             self._publish()
             if self.blocked is not None and self.blocked.reason == "ImageNotSupported":
                 self.wake.wait(60.0)
             else:
-                self.wake.wait(TICK_SECONDS)
+                self.wake.wait(RETRY_SECONDS if failed else TICK_SECONDS)
             self.wake.clear()
 
+    def _step(self, step: Any) -> bool:
+        try:
+            step()
+        except PodError as exc:
+            self._block(exc, transient=True)
+            return False
+        except Exception as exc:  # the API or the network, for a moment: retry, keep what runs
+            self._block(PodError("ContainerCreating", f"{step.__name__.strip('_')}: {exc}"), transient=True)
+            return False
+        self.last_error = ""
+        return True
+
+    def _volumes_complete(self) -> bool:
+        return all(v["name"] in self.volumes for v in self.pod["spec"].get("volumes") or [])
+
     def _block(self, exc: PodError, *, transient: bool) -> None:
-        log.warning("pod %s/%s: %s: %s", self.namespace, self.pod_name, exc.reason, exc)
+        if str(exc) != self.last_error:  # once per distinct error, not once per tick
+            log.warning("pod %s/%s: %s: %s", self.namespace, self.pod_name, exc.reason, exc)
+            self.last_error = str(exc)
         for run in self.init_runs + self.runs:
             if run.proc is None:
                 run.waiting = (exc.reason, str(exc))
@@ -859,13 +878,19 @@ class PodWorker(threading.Thread):
             grace = pod["spec"].get("terminationGracePeriodSeconds", 30)
         log.info("pod %s/%s: terminating (grace %ss)", self.namespace, self.pod_name, grace)
         self._stop_all(float(grace))
-        if not self.gone:
+        while not self.gone:
             try:
                 self.sim.kube.delete(self.path, {"apiVersion": "v1", "kind": "DeleteOptions",
                                                  "gracePeriodSeconds": 0, "preconditions": {"uid": self.uid}})
+                break
             except KubeError as exc:
-                if exc.status not in (404, 409):
-                    raise
+                if exc.status in (404, 409):  # already gone, or a new pod of the same name
+                    break
+                log.warning("pod %s/%s: finalising failed: %s", self.namespace, self.pod_name, exc)
+            except Exception as exc:  # API unreachable: the pod must still be finalised later
+                log.warning("pod %s/%s: finalising failed: %s", self.namespace, self.pod_name, exc)
+            self.wake.wait(RETRY_SECONDS)
+            self.wake.clear()
         import shutil
 
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -951,6 +976,8 @@ class PodWorker(threading.Thread):
                 self.mark_gone()
             else:
                 log.warning("pod %s/%s: status update failed: %s", self.namespace, self.pod_name, exc)
+        except Exception as exc:  # API unreachable: the next tick sends it again
+            log.warning("pod %s/%s: status update failed: %s", self.namespace, self.pod_name, exc)
 
 
 def _write_files(target: Path, files: dict[str, tuple[bytes, int]]) -> None:
