@@ -84,6 +84,8 @@ def test_extra_modules_and_bad_input():
         kernel("no-ipvs", "userspace")
     with pytest.raises(ValueError, match="scheduler"):
         kernel("no-ipvs", "ipvs", "fastest")
+    with pytest.raises(ValueError, match="invalid kernel module name"):
+        kernel("no-ipvs", "nftables", extra_modules=["--force", "../../x"])
 
 
 def test_version_parsing():

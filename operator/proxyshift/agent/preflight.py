@@ -37,6 +37,7 @@ RELEVANT_MODULES = ("ip_vs", *(f"ip_vs_{s}" for s in IPVS_SCHEDULERS), "nf_connt
 ModuleState = Literal["present", "loadable", "absent", "unknown"]
 
 _VERSION = re.compile(r"v?(\d+(?:\.\d+)+)")
+_MODULE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 def parse_version(text: str | None) -> tuple[int, ...] | None:
@@ -287,9 +288,14 @@ def check(mode: str, scheduler: str | None = None, *, proc_root: str | Path = "/
         raise ValueError(f"unknown kube-proxy mode {mode!r}; expected one of {list(MODES)}")
     if scheduler and scheduler not in IPVS_SCHEDULERS:
         raise ValueError(f"unknown IPVS scheduler {scheduler!r}; expected one of {list(IPVS_SCHEDULERS)}")
+    extra_modules = list(extra_modules)
+    # The names come from a user's policy and end up on modprobe's command line.
+    bad = [m for m in extra_modules if not _MODULE_NAME.match(m)]
+    if bad:
+        raise ValueError(f"invalid kernel module name(s) {bad}: letters, digits, '_' and '-' only")
     view = KernelView(Path(proc_root), Path(sys_root), Path(modules_root)).read()
     tools = tools if tools is not None else detect_tools(runner)
-    needed = required_modules(mode, scheduler, list(extra_modules))  # type: ignore[arg-type]
+    needed = required_modules(mode, scheduler, extra_modules)  # type: ignore[arg-type]
     loaded: list[str] = []
     if load_modules:
         for module, _ in needed:
