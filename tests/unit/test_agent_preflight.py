@@ -84,8 +84,9 @@ def test_extra_modules_and_bad_input():
         kernel("no-ipvs", "userspace")
     with pytest.raises(ValueError, match="scheduler"):
         kernel("no-ipvs", "ipvs", "fastest")
-    with pytest.raises(ValueError, match="invalid kernel module name"):
-        kernel("no-ipvs", "nftables", extra_modules=["--force", "../../x"])
+    for bad in ("--force", "../../x", "a b", ""):
+        with pytest.raises(ValueError, match="invalid kernel module name"):
+            kernel("no-ipvs", "nftables", extra_modules=[bad])
 
 
 def test_version_parsing():

@@ -37,7 +37,7 @@ RELEVANT_MODULES = ("ip_vs", *(f"ip_vs_{s}" for s in IPVS_SCHEDULERS), "nf_connt
 ModuleState = Literal["present", "loadable", "absent", "unknown"]
 
 _VERSION = re.compile(r"v?(\d+(?:\.\d+)+)")
-_MODULE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_MODULE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 
 def parse_version(text: str | None) -> tuple[int, ...] | None:
