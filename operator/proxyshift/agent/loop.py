@@ -258,14 +258,21 @@ class Agent:
         mode = str(p.get("mode") or "")
         report = self._preflight(mode, scheduler=p.get("scheduler") or None,
                                  load_modules=bool(p.get("loadModules")),
-                                 extra_modules=list(p.get("extraModules") or []))
+                                 extra_modules=self._str_list(op, "extraModules"))
         self._node_facts = None if report.loaded else self._node_facts
         extra = {"kernelRelease": report.kernel_release, "modules": report.present_modules(),
                  "tools": report.tools.as_status()}
         return self._done(op, started, report.ok, report.message(), report.details()), extra
 
+    @staticmethod
+    def _str_list(op: Operation, key: str) -> list[str]:
+        value = op.params.get(key) or []
+        if not isinstance(value, list):
+            raise ValueError(f"params.{key} must be a list, not {type(value).__name__}")
+        return [str(v) for v in value]
+
     def _cleanup_args(self, op: Operation) -> tuple[list[str], str | None]:
-        remove = [str(m) for m in op.params.get("removeModes") or []]
+        remove = self._str_list(op, "removeModes")
         target = op.params.get("targetMode")
         flush_mod.validate_modes(remove, target)
         return remove, (str(target) if target else None)
@@ -278,7 +285,7 @@ class Agent:
 
     def _run_probe(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
         extra = self.observe(inventory=False)
-        services = [str(s) for s in op.params.get("services") or []]
+        services = self._str_list(op, "services")
         connects = self.connect_fn(services) if services else {}
         facts = self.facts or KubeProxyFacts()
         parts = [f"kube-proxy mode {facts.proxy_mode or 'unknown'}", f"healthz {facts.healthz_status}"]
