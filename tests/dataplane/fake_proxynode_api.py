@@ -77,12 +77,27 @@ def main(argv: list[str] | None = None) -> int:
             if url.path == f"{PREFIX}/{args.node}":
                 self._json(200, current)
             elif url.path == PREFIX and query.get("watch") == ["true"]:
+                # Like the API server: a MODIFIED event whenever the object changes (a
+                # test editing spec.json, or a status patch), until the timeout.
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
                 self.wfile.flush()
-                time.sleep(min(float(query.get("timeoutSeconds", ["5"])[0]), 30.0))
+                deadline = time.monotonic() + min(float(query.get("timeoutSeconds", ["5"])[0]), 30.0)
+                sent = json.dumps({k: current[k] for k in ("spec", "status")}, sort_keys=True)
+                while time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    with lock:
+                        now = obj()
+                    seen = json.dumps({k: now[k] for k in ("spec", "status")}, sort_keys=True)
+                    if seen != sent:
+                        sent = seen
+                        version[0] += 1
+                        now["metadata"]["resourceVersion"] = str(version[0])
+                        data = json.dumps({"type": "MODIFIED", "object": now}).encode() + b"\n"
+                        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                        self.wfile.flush()
                 self.wfile.write(b"0\r\n\r\n")
             else:
                 self._json(404, {"kind": "Status", "code": 404, "reason": "NotFound", "message": url.path})

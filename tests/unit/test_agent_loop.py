@@ -288,3 +288,34 @@ def test_an_unrecorded_start_runs_nothing_and_a_lost_result_is_sent_again():
     agent.tick()                             # the result goes out with the next status write
     assert calls == [(["iptables"], "nftables")]
     assert api.obj["status"]["lastOperation"]["state"] == "Succeeded"
+
+
+def test_the_watch_loop_gets_once_then_follows_resource_versions_and_gets_again_after_an_error():
+    import queue
+    import threading
+
+    calls: list[tuple] = []
+    stop = threading.Event()
+
+    class WatchAPI(FakeAPI):
+        def get(self, name):
+            calls.append(("get",))
+            return super().get(name)
+
+        def watch(self, name, rv, timeout):
+            calls.append(("watch", rv))
+            n = sum(1 for c in calls if c[0] == "watch")
+            if n == 1:
+                yield "MODIFIED", {**node_obj(), "metadata": {"name": "n1", "resourceVersion": "7"}}
+            elif n == 2:
+                yield "ERROR", {"kind": "Status", "code": 410}
+            else:
+                stop.set()
+
+    events: queue.Queue = queue.Queue()
+    agent = Agent(AgentConfig(node="n1", watch_timeout=1), WatchAPI(node_obj()))
+    thread = threading.Thread(target=agent._watch_loop, args=(events, stop))
+    thread.start()
+    thread.join(timeout=20)
+    assert calls == [("get",), ("watch", "1"), ("watch", "7"), ("get",), ("watch", "1")]
+    assert events.qsize() == 3

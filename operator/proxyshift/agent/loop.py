@@ -15,6 +15,7 @@ Failed with what is left otherwise), so the operator decides on a new id.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -127,7 +128,7 @@ class AgentConfig:
     probe_interval: float = 15.0
     status_interval: float = 60.0
     inventory_interval: float = 120.0
-    watch_timeout: int = 30
+    watch_timeout: int = 300
     proc_root: Path = Path("/proc")
     sys_root: Path = Path("/sys")
     modules_root: Path = Path("/lib/modules")
@@ -346,38 +347,56 @@ class Agent:
         events: queue.Queue[dict[str, Any]] = queue.Queue()
         watcher = threading.Thread(target=self._watch_loop, args=(events, stop), daemon=True, name="watch")
         watcher.start()
+        latest: dict[str, Any] | None = None
+        pending = False
         while not stop.is_set():
+            with contextlib.suppress(queue.Empty):
+                latest, pending = events.get(timeout=1.0), True
             try:
-                obj = events.get(timeout=1.0)
-            except queue.Empty:
-                obj = None
-            try:
-                if obj is not None:
-                    self.handle(obj)
+                if pending and latest is not None:
+                    # Kept until handled: an operation whose start could not be recorded
+                    # (API server away) is tried again without waiting for a new event.
+                    self.handle(latest)
+                    pending = False
                 self.tick()
             except Exception:  # the API server being away must not kill the agent
                 log.exception("agent step failed; retrying")
                 stop.wait(5)
 
     def _watch_loop(self, events: queue.Queue[dict[str, Any]], stop: threading.Event) -> None:
+        """GET once, then watch from the last resourceVersion; GET again only after an error.
+
+        Re-listing on every renewal would cost the API server a GET per node per
+        renewal; 5,000 agents make that matter.
+        """
         backoff = 1.0
+        rv: str | None = None
         while not stop.is_set():
+            started = time.monotonic()
             try:
-                obj = self.api.get(self.cfg.node)
-                if obj is None:
-                    log.info("ProxyNode %s does not exist yet; waiting for the operator", self.cfg.node)
-                    stop.wait(10)
-                    continue
-                events.put(obj)
-                rv = (obj.get("metadata") or {}).get("resourceVersion")
+                if rv is None:
+                    obj = self.api.get(self.cfg.node)
+                    if obj is None:
+                        log.info("ProxyNode %s does not exist yet; waiting for the operator", self.cfg.node)
+                        stop.wait(10)
+                        continue
+                    events.put(obj)
+                    rv = (obj.get("metadata") or {}).get("resourceVersion")
                 for kind, item in self.api.watch(self.cfg.node, rv, self.cfg.watch_timeout):
                     if stop.is_set():
                         return
                     if kind in ("ADDED", "MODIFIED"):
+                        rv = (item.get("metadata") or {}).get("resourceVersion") or rv
                         events.put(item)
+                    elif kind in ("DELETED", "ERROR"):
+                        rv = None  # gone, or the version expired (410): start from a fresh GET
+                        break
                 backoff = 1.0
-            except Exception as exc:  # includes 410 Gone: start again from a fresh GET
+                if time.monotonic() - started < 1.0:
+                    stop.wait(1.0)  # a server that ends watches at once must not make this spin
+            except Exception as exc:
                 log.warning("watching ProxyNode %s: %s", self.cfg.node, exc)
+                rv = None
                 stop.wait(backoff)
                 backoff = min(backoff * 2, 30.0)
 
@@ -399,7 +418,7 @@ def parse_args(argv: Sequence[str]) -> AgentConfig:
     p.add_argument("--probe-interval", type=float, default=15.0, help="seconds between probes of kube-proxy")
     p.add_argument("--status-interval", type=float, default=60.0, help="seconds between heartbeats")
     p.add_argument("--inventory-interval", type=float, default=120.0, help="seconds between inventories")
-    p.add_argument("--watch-timeout", type=int, default=30, help="seconds before a watch is renewed")
+    p.add_argument("--watch-timeout", type=int, default=300, help="seconds before a watch is renewed")
     p.add_argument("--proc-root", default="/proc")
     p.add_argument("--sys-root", default="/sys")
     p.add_argument("--modules-root", default="/lib/modules")
