@@ -58,6 +58,8 @@ LEASE_RENEW_SECONDS = 10.0
 NODE_STATUS_SECONDS = 60.0
 TOKEN_TTL_SECONDS = 3607  # kubelet's default projected-token lifetime
 VOLUME_REFRESH_SECONDS = 10.0
+VOLUME_GET_TIMEOUT = 5.0
+STATUS_TIMEOUT = 5.0
 BACKOFF_RESET_SECONDS = 600.0
 TICK_SECONDS = 0.5
 RETRY_SECONDS = 2.0
@@ -126,12 +128,12 @@ class Kube:
             raise KubeError(resp.status, method, path, data.decode(errors="replace"))
         return json.loads(data) if data else None
 
-    def get(self, path: str, **query: Any) -> Any:
-        return self.request("GET", path, query=query or None)
+    def get(self, path: str, *, timeout: float = 30.0, **query: Any) -> Any:
+        return self.request("GET", path, query=query or None, timeout=timeout)
 
-    def get_or_none(self, path: str) -> Any:
+    def get_or_none(self, path: str, *, timeout: float = 30.0) -> Any:
         try:
-            return self.get(path)
+            return self.get(path, timeout=timeout)
         except KubeError as exc:
             if exc.status == 404:
                 return None
@@ -140,8 +142,8 @@ class Kube:
     def post(self, path: str, body: Any) -> Any:
         return self.request("POST", path, body)
 
-    def merge_patch(self, path: str, body: Any) -> Any:
-        return self.request("PATCH", path, body, content_type="application/merge-patch+json")
+    def merge_patch(self, path: str, body: Any, *, timeout: float = 30.0) -> Any:
+        return self.request("PATCH", path, body, content_type="application/merge-patch+json", timeout=timeout)
 
     def strategic_patch(self, path: str, body: Any) -> Any:
         return self.request("PATCH", path, body, content_type="application/strategic-merge-patch+json")
@@ -489,8 +491,12 @@ class PodWorker(threading.Thread):
             if self.blocked is None:
                 # Volumes that were made once stay usable while a refresh fails (an API blip
                 # must not stop restarts of crashed containers, nor kill running ones).
-                volumes_ok = self._step(self._sync_volumes) or self._volumes_complete()
-                failed = not volumes_ok or not self._step(self._sync_containers)
+                if self._volumes_complete():
+                    # Containers first: a volume refresh may wait on a slow API.
+                    failed = not self._step(self._sync_containers)
+                    failed = not self._step(self._sync_volumes) or failed
+                else:
+                    failed = not self._step(self._sync_volumes) or not self._step(self._sync_containers)
                 self._sync_probes()
             self._publish()
             if self.blocked is not None and self.blocked.reason == "ImageNotSupported":
@@ -593,7 +599,8 @@ class PodWorker(threading.Thread):
 
     def _object_files(self, kind: str, spec: dict[str, Any], default_mode: int | None) -> dict[str, tuple[bytes, int]]:
         name = spec.get("name")
-        obj = self.sim.kube.get_or_none(f"/api/v1/namespaces/{self.namespace}/{kind}/{name}")
+        obj = self.sim.kube.get_or_none(f"/api/v1/namespaces/{self.namespace}/{kind}/{name}",
+                                        timeout=VOLUME_GET_TIMEOUT)
         if obj is None:
             if spec.get("optional"):
                 return {}
@@ -662,13 +669,12 @@ class PodWorker(threading.Thread):
             self._sync_one(run)
 
     def _sync_one(self, run: ContainerRun) -> None:
-        now = time.monotonic()
         if run.proc is not None:
             code = run.proc.poll()
             if code is None:
                 return
             self._exited(run, code)
-        if run.done or now < run.next_start:
+        if run.done or time.monotonic() < run.next_start:
             return
         self._start(run)
 
@@ -969,7 +975,8 @@ class PodWorker(threading.Thread):
         if status == self.last_status:
             return
         try:
-            self.sim.kube.merge_patch(self.path + "/status", {"status": status})
+            # Short: a slow API must not hold up restarts; an unsent status goes with the next tick.
+            self.sim.kube.merge_patch(self.path + "/status", {"status": status}, timeout=STATUS_TIMEOUT)
             self.last_status = status
         except KubeError as exc:
             if exc.status == 404:
