@@ -60,6 +60,19 @@ def bin_dir() -> Path:
     return build.build()
 
 
+def _session_cluster_active(request: pytest.FixtureRequest) -> bool:
+    """Whether this session's `cluster` fixture (tests/conftest.py) is already set up.
+
+    pytest has no public API for it; on a pytest that changed the private one we
+    answer False, and the caller skips rather than risk someone else's cluster.
+    """
+    try:
+        defs = request._fixturemanager.getfixturedefs("cluster", request.node)
+        return bool(defs) and defs[-1].cached_result is not None
+    except (AttributeError, TypeError):
+        return False
+
+
 @dataclass
 class ControlPlane:
     info: controlplane.ClusterInfo
@@ -78,6 +91,11 @@ def cp(bin_dir: Path, tmp_path_factory: pytest.TempPathFactory,
     tests/e2e/test_localcluster.py.
     """
     if any(_port_busy(p) for p in PORTS):
+        # Only a cluster this session already started may be borrowed: asking for
+        # the `cluster` fixture otherwise would `down` someone else's cluster
+        # (tests/conftest.py starts every session from a fresh one).
+        if not _session_cluster_active(request):
+            pytest.skip("another local cluster (not this session's) holds the control-plane ports")
         request.getfixturevalue("cluster")
         info = controlplane.load_info(paths.default_state_dir())
         if info is None:
