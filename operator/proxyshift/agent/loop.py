@@ -409,7 +409,10 @@ def _meaningful_change(before: KubeProxyFacts | None, after: KubeProxyFacts | No
 
 
 def parse_args(argv: Sequence[str]) -> AgentConfig:
-    p = argparse.ArgumentParser(prog="proxyshift agent", description="the proxyshift node agent")
+    p = argparse.ArgumentParser(
+        prog="proxyshift agent", description="the proxyshift node agent",
+        epilog="one-shot commands for a person on the node: proxyshift agent {inventory,preflight,cleanup,probe} "
+               "--help")
     p.add_argument("--node", default=os.environ.get("NODE_NAME"), help="this node's name (default $NODE_NAME)")
     p.add_argument("--metrics-address", default=probe_mod.DEFAULT_METRICS_ADDRESS,
                    help="kube-proxy's metricsBindAddress (/metrics, /proxyMode)")
