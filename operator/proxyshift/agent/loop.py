@@ -230,7 +230,9 @@ class Agent:
         self.write({"lastOperation": operation_patch(OperationStatus(
             id=op.id, type=op.type, state="Running", message=f"{op.type} started", started_at=started))})
         self._started.add(op.id)
+        log.info("operation %s (%s) started: %s", op.id, op.type, op.params)
         result, extra = self._execute(op, started)
+        log.info("operation %s %s: %s", op.id, result.state, result.message)
         self._send_result({**extra, "lastOperation": operation_patch(result)})
 
     def _send_result(self, status: dict[str, Any]) -> None:
@@ -300,6 +302,7 @@ class Agent:
 
     def _recover(self, op: Operation, last: dict[str, Any]) -> None:
         """Our own operation is still Running in the status: a previous agent died during it."""
+        log.warning("operation %s (%s) was left Running by a previous agent", op.id, op.type)
         started = last.get("startedAt") or now_rfc3339(self.clock)
         if op.type != "Cleanup":
             # Preflight and Probe change nothing on the node: simply run them now.
