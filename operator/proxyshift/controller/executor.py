@@ -9,12 +9,12 @@ from typing import Any
 
 import jsonpatch
 
+from proxyshift import render
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.controller import metrics
 from proxyshift.controller.kube import ClusterAPI
 from proxyshift.controller.settings import BASELINE_PATCH_ANNOTATION, CONFIG
 from proxyshift.planner import world as w
-from proxyshift.render import revision as render
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,194 @@
+"""The operator's thin layer without a cluster: snapshot parsing, the executor, the views."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from proxyshift.api.policy import ProxyPolicy
+from proxyshift.api.proxynode import NodeMigration, Operation
+from proxyshift.controller import executor as ex
+from proxyshift.controller import plan_view, snapshot, status_view
+from proxyshift.planner import world as w
+from proxyshift.render import ANNOTATION_MODE, ANNOTATION_POLICY, render_revision
+
+pytestmark = pytest.mark.unit
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "baseline"
+
+
+def baseline() -> tuple[dict[str, Any], dict[str, Any]]:
+    cm = yaml.safe_load((FIXTURES / "kube-proxy-configmap.yaml").read_text())
+    ds = yaml.safe_load((FIXTURES / "kube-proxy-daemonset.yaml").read_text())
+    return cm, ds
+
+
+def policy(name: str = "blue", mode: str = "nftables", **spec: Any) -> ProxyPolicy:
+    return ProxyPolicy.model_validate({
+        "metadata": {"name": name, "uid": "u-1", "generation": 1, "creationTimestamp": "2026-11-30T10:00:00Z"},
+        "spec": {"nodeSelector": {"matchLabels": {"pool": "blue"}}, "mode": mode, **spec},
+    })
+
+
+class FakeAPI:
+    """Records every call the executor makes; returns increasing resourceVersions."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.rv = 100
+        self.cm, self.ds = baseline()
+        self.evictions: tuple[int, list[str]] = (0, [])
+
+    def _next(self) -> str:
+        self.rv += 1
+        return str(self.rv)
+
+    def __getattr__(self, name: str) -> Any:
+        def record(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append((name, args))
+            if name in ("set_node_label", "set_unschedulable", "ensure_proxynode", "patch_proxynode_spec"):
+                return self._next()
+            if name == "read_configmap":
+                return self.cm
+            if name == "read_daemonset":
+                return self.ds
+            if name == "evict_pods":
+                return self.evictions
+            return None
+
+        return record
+
+
+def test_revision_view_reads_full_policy_name_and_mode_from_annotations() -> None:
+    cm, ds = baseline()
+    long_name = "a" * 120
+    rendered = render_revision(policy(long_name), cm, ds)
+    view = snapshot.revision_view(rendered.daemonset)
+    assert view is not None
+    assert view.policy == long_name and view.mode == "nftables" and view.name == rendered.name
+    assert rendered.daemonset["metadata"]["annotations"][ANNOTATION_POLICY] == long_name
+    assert rendered.configmap["metadata"]["annotations"][ANNOTATION_MODE] == "nftables"
+
+
+def test_kube_proxy_pod_view_from_a_pod_body() -> None:
+    pod = {
+        "metadata": {"name": "kube-proxy-x", "ownerReferences": [{"kind": "DaemonSet", "name": "kube-proxy-blue-1"}]},
+        "spec": {"nodeName": "n1"},
+        "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}],
+                   "containerStatuses": [{"restartCount": 2,
+                                          "state": {"running": {"startedAt": "2026-11-30T12:00:00Z"}}}]},
+    }
+    view = snapshot.kube_proxy_pod_view(pod)
+    assert view is not None
+    assert (view.node, view.daemonset, view.ready, view.restarts) == ("n1", "kube-proxy-blue-1", True, 2)
+    assert view.started_at == datetime(2026, 11, 30, 12, tzinfo=UTC)
+    assert snapshot.kube_proxy_pod_view({"metadata": {}, "spec": {}, "status": {}}) is None
+
+
+@pytest.mark.parametrize(("seen", "written", "expected"), [
+    ("105", "104", True), ("104", "104", True), ("103", "104", False), ("", "1", False), ("abc", "abc", True),
+])
+def test_observed_compares_resource_versions(seen: str, written: str, expected: bool) -> None:
+    assert snapshot.observed(seen, written) is expected
+
+
+def test_current_revisions_renders_each_policy_and_reports_a_missing_baseline() -> None:
+    cm, ds = baseline()
+    targets, errors = snapshot.current_revisions({"blue": policy()}, cm, ds)
+    assert not errors and targets["blue"].mode == "nftables" and targets["blue"].name.startswith("blue-")
+    targets, errors = snapshot.current_revisions({"blue": policy()}, None, ds)
+    assert not targets and "baseline" in errors["blue"]
+
+
+def test_executor_ensure_revision_patches_baseline_once_and_records_the_undo() -> None:
+    api = FakeAPI()
+    executor = ex.Executor(api)  # type: ignore[arg-type]
+    p = policy()
+    name = render_revision(p, api.cm, api.ds).name
+    executor.perform(w.EnsureRevision(policy="blue", revision=name), {"blue": p})
+    kinds = [c[0] for c in api.calls]
+    assert kinds.count("json_patch_daemonset") == 1
+    assert "apply_configmap" in kinds and "apply_daemonset" in kinds
+    patch = next(c[1][1] for c in api.calls if c[0] == "json_patch_daemonset")
+    undo_op = next(op for op in patch.patch if op["path"].endswith("baseline-affinity-undo"))
+    assert json.loads(undo_op["value"]), "the exact inverse patch is recorded on the baseline"
+
+
+def test_executor_refuses_a_revision_that_no_longer_matches_the_spec() -> None:
+    executor = ex.Executor(FakeAPI())  # type: ignore[arg-type]
+    with pytest.raises(ex.StepBlocked, match="no longer matches"):
+        executor.perform(w.EnsureRevision(policy="blue", revision="blue-stale"), {"blue": policy()})
+
+
+def test_executor_set_migration_writes_none_to_clear_and_returns_the_version_to_wait_for() -> None:
+    api = FakeAPI()
+    executor = ex.Executor(api)  # type: ignore[arg-type]
+    action = w.SetMigration(node="n1", policy="blue", revision="blue-1", mode="nftables", scheduler=None,
+                            migration=NodeMigration(phase="Preflight"),
+                            operation=Operation(id="blue-1.1.Preflight.1", type="Preflight"))
+    written = executor.perform(action, {})
+    assert written == ex.Written("proxynode_index", "n1", "101")
+    (name, args), = api.calls
+    assert name == "ensure_proxynode"
+    spec = args[2]
+    assert spec["scheduler"] is None and spec["migration"]["phase"] == "Preflight"
+    assert spec["operation"] == {"id": "blue-1.1.Preflight.1", "type": "Preflight", "params": {}}
+
+
+def test_drain_blocks_until_evictions_went_through() -> None:
+    api = FakeAPI()
+    executor = ex.Executor(api)  # type: ignore[arg-type]
+    api.evictions = (1, ["default/web-0: disruption budget"])
+    with pytest.raises(ex.StepBlocked, match="disruption budget"):
+        executor.perform(w.Drain(node="n1"), {})
+    api.evictions = (2, [])
+    with pytest.raises(ex.StepBlocked, match="still terminating"):
+        executor.perform(w.Drain(node="n1"), {})
+    api.evictions = (0, [])
+    assert executor.perform(w.Drain(node="n1"), {}) is None
+
+
+def test_status_view_shows_progress_conditions_and_nodes() -> None:
+    body = {"metadata": {"name": "blue"}, "spec": {"mode": "nftables"},
+            "status": {"phase": "Progressing", "currentRevision": "blue-abc", "nodes": {"selected": 4, "updated": 1},
+                       "conditions": [{"type": "Progressing", "status": "True", "reason": "NodesMigrating",
+                                       "message": "1/4"}]}}
+    migration = {"phase": "Gate", "phaseSince": "2026-11-30T12:00:00Z"}
+    nodes = [{"metadata": {"name": "n1"}, "spec": {"policy": "blue", "mode": "nftables", "migration": migration},
+              "status": {"observedMode": "nftables", "leftovers": ["iptables"]}},
+             {"metadata": {"name": "other"}, "spec": {"policy": "green"}}]
+    text = status_view.render_policy(body, nodes, datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC))
+    assert "1/4" in text and "Progressing=True (NodesMigrating)" in text
+    assert "n1" in text and "Gate" in text and "30s" in text and "iptables" in text
+    assert "other" not in text
+
+
+def test_plan_view_refuses_an_invalid_manifest_with_the_reason(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"apiVersion": "proxyshift.io/v1alpha1", "kind": "ProxyPolicy",
+                                   "metadata": {"name": "x"}, "spec": {"nodeSelector": {}, "mode": "iptables",
+                                                                        "ipvs": {"scheduler": "rr"}}}))
+    with pytest.raises(SystemExit, match="ipvs settings are only allowed with mode: ipvs"):
+        plan_view.read_policy(str(bad))
+
+
+def test_plan_view_lists_stages_and_predicted_preflight_failures() -> None:
+    from proxyshift.api.proxynode import ProxyNode
+
+    cm, ds = baseline()
+    p = policy("blue", "ipvs", ipvs={"scheduler": "mh"},
+               rollout={"stages": [{"nodes": 1, "pause": "10m"}, {"percent": 100}]})
+    targets, _ = snapshot.current_revisions({"blue": p}, cm, ds)
+    nodes = {f"n{i}": w.NodeView(f"n{i}", {"pool": "blue"}) for i in (1, 2, 3)}
+    pns = {n: ProxyNode.model_validate({"metadata": {"name": n}, "status": {
+        "kernelRelease": "6.1.0", "modules": ["ip_vs", "nf_conntrack"], "tools": {"ipset": "7.17"},
+        "heartbeat": "2026-11-30T12:00:00Z"}}) for n in nodes}
+    world = w.World(now=datetime.now(UTC), policies={"blue": p}, nodes=nodes, proxynodes=pns, revisions={},
+                    kube_proxy_pods={}, current_revisions=targets)
+    text = plan_view.render_preview(p, world)
+    assert "stage 1: up to 1 nodes updated, then pause 10m" in text
+    assert text.count("WILL FAIL PREFLIGHT") == 3 and "ip_vs_mh" in text
