@@ -180,11 +180,16 @@ def http_get(url: str, context: ssl.SSLContext | None = None, timeout: float = 3
         return 0, str(exc)
 
 
-def _tail(path: Path, lines: int = 15) -> str:
+def _tail(path: Path, lines: int = 8) -> str:
+    """The log lines that explain a failure: klog errors/fatals (the reason is
+    usually there, far above the shutdown noise), then the last few lines."""
     try:
-        return "".join(path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+        text = path.read_text(errors="replace").splitlines()
     except OSError:
         return "(no log)"
+    errors = [line for line in text if (line[:1] in ("E", "F") and line[1:5].isdigit()) or "Error:" in line]
+    picked = [*errors[-10:], "...", *text[-lines:]] if errors else text[-lines:]
+    return "\n".join(picked) + "\n"
 
 
 def _wait(what: str, check: Callable[[], bool], state_dir: Path, component: str,
