@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -71,3 +73,16 @@ def test_pin_hash_follows_ldflags(tmp_path: Path) -> None:
     assert build.pin_hash(tmp_path, "-X a=2") != first
     (tmp_path / "cmd" / "etcd" / "main.go").write_text("package main // changed\n")
     assert build.pin_hash(tmp_path, "-X a=1") != first
+
+
+def test_machine_lock_is_reentrant_and_exclusive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with state.machine_lock(), state.machine_lock():  # nested in one process: fine
+        other = subprocess.run(
+            [sys.executable, "-c", "from proxyshift.localcluster import state\n"
+             "with state.machine_lock(timeout=0.5): pass"],
+            capture_output=True, text=True, timeout=30)
+        assert other.returncode != 0 and "TimeoutError" in other.stderr
+    free = subprocess.run([sys.executable, "-c", "from proxyshift.localcluster import state\n"
+                           "with state.machine_lock(timeout=0.5): pass"], timeout=30)
+    assert free.returncode == 0

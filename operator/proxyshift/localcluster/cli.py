@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from proxyshift.commands import CommandError
-from proxyshift.localcluster import baseline, build, controlplane, paths
+from proxyshift.localcluster import baseline, build, controlplane, paths, state
 
 
 class UsageError(ValueError):
@@ -63,15 +63,16 @@ def create_nodes(state_dir: Path, info: controlplane.ClusterInfo, pools: dict[st
 
 def up(state_dir: Path, pools: dict[str, int]) -> dict[str, Any]:
     started = time.monotonic()
-    bin_dir = build.build()
-    existing = controlplane.load_info(state_dir)
-    was_running = existing is not None and controlplane.is_ready(existing)
-    info = controlplane.up_controlplane(state_dir, bin_dir=bin_dir)
-    if not was_running:
-        # Only on a fresh control plane: re-applying on a running cluster would
-        # undo what a test or the operator changed in the baseline since.
-        baseline.install(info.kubeconfig, info.bin_dir / "kubectl", env=controlplane.daemon_env())
-    nodes = create_nodes(state_dir, info, pools)
+    bin_dir = build.build()  # outside the machine lock: a cold build must not hold up a `down`
+    with state.machine_lock():
+        existing = controlplane.load_info(state_dir)
+        was_running = existing is not None and controlplane.is_ready(existing)
+        info = controlplane.up_controlplane(state_dir, bin_dir=bin_dir)
+        if not was_running:
+            # Only on a fresh control plane: re-applying on a running cluster would
+            # undo what a test or the operator changed in the baseline since.
+            baseline.install(info.kubeconfig, info.bin_dir / "kubectl", env=controlplane.daemon_env())
+        nodes = create_nodes(state_dir, info, pools)
     return {"kubeconfig": str(info.kubeconfig), "api_url": info.api_url, "nodes": nodes,
             "seconds": round(time.monotonic() - started, 1)}
 
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"no cluster in {state_dir} (run `localcluster up`)", file=sys.stderr)
                 return 1
             print(info.kubeconfig)
-    except (UsageError, build.BuildError, controlplane.ControlPlaneError, CommandError) as exc:
+    except (UsageError, build.BuildError, controlplane.ControlPlaneError, CommandError, TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         if args.command == "up" and state_dir.exists():
             print(f"(state kept for inspection: logs in {state_dir}/logs; `localcluster down` removes it)",

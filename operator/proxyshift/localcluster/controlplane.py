@@ -311,6 +311,11 @@ def up_controlplane(state_dir: Path | None = None, *, bin_dir: Path | None = Non
     half-started one is torn down first.
     """
     state_dir = state_dir or paths.default_state_dir()
+    with state.machine_lock():
+        return _up_controlplane(state_dir, bin_dir)
+
+
+def _up_controlplane(state_dir: Path, bin_dir: Path | None) -> ClusterInfo:
     existing = load_info(state_dir)
     if existing is not None and is_ready(existing):
         return existing
@@ -397,6 +402,11 @@ def down(state_dir: Path | None = None) -> list[str]:
     and the pid files recorded. Returns the names of the processes it stopped.
     """
     state_dir = state_dir or paths.default_state_dir()
+    with state.machine_lock():
+        return _down(state_dir)
+
+
+def _down(state_dir: Path) -> list[str]:
     node_error: Exception | None = None
     with contextlib.suppress(ImportError):
         network = importlib.import_module("proxyshift.localcluster.network")

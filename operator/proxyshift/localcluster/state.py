@@ -19,15 +19,61 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+from proxyshift.localcluster import paths
 from proxyshift.localcluster.paths import StateLayout
 
 STATE_VERSION = 1
 STOP_GRACE_SECONDS = 10.0
+MACHINE_LOCK_TIMEOUT_SECONDS = 600.0
+
+_machine_lock = threading.RLock()
+_machine_lock_depth = 0
+_machine_lock_file: list[IO[str]] = []
+
+
+@contextlib.contextmanager
+def machine_lock(timeout: float = MACHINE_LOCK_TIMEOUT_SECONDS) -> Iterator[None]:
+    """One `up` or `down` at a time on this machine, whatever the state dir.
+
+    The ports, the bridge and the namespace names are machine-wide, so two
+    concurrent `up`s (two test sessions) would race past each other's port
+    check. Reentrant within a process (cli.up holds it around up_controlplane,
+    which takes it too). The lock file lives in the cache folder, not the state
+    dir, because `down` removes the state dir.
+    """
+    global _machine_lock_depth
+    with _machine_lock:
+        if _machine_lock_depth == 0:
+            _machine_lock_file[:] = [_acquire_file_lock(timeout)]
+        _machine_lock_depth += 1
+        try:
+            yield
+        finally:
+            _machine_lock_depth -= 1
+            if _machine_lock_depth == 0:
+                _machine_lock_file.pop().close()  # closing releases the flock
+
+
+def _acquire_file_lock(timeout: float) -> IO[str]:
+    path = paths.cache_root().parent / "localcluster.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = path.open("a")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return handle
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                handle.close()
+                raise TimeoutError(f"another localcluster up/down held {path} for {timeout:g}s") from None
+            time.sleep(0.2)
 
 
 def _empty_state() -> dict[str, Any]:
