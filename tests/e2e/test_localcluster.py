@@ -50,13 +50,8 @@ def is_ready(pod: dict[str, Any]) -> bool:
 def container_pid(cluster: Any, pod: dict[str, Any], container: str = "kube-proxy") -> int | None:
     """The pid the node simulator recorded for a container (None when it is not running)."""
     meta = pod["metadata"]
-    pid_file = (network.node_dir(cluster.state_dir, pod["spec"]["nodeName"]) / "pids" /
-                f"{meta['namespace']}_{meta['name']}_{container}.pid")
-    try:
-        pid = int(pid_file.read_text())
-    except (OSError, ValueError):
-        return None
-    return pid if alive(pid) else None
+    return network.container_pid(cluster.state_dir, pod["spec"]["nodeName"], meta["namespace"], meta["name"],
+                                 container)
 
 
 def alive(pid: int) -> bool:
@@ -261,10 +256,9 @@ def test_simulator_restart_adopts_nothing_and_reruns_pods(cluster: Any, kube: An
     """A killed simulator leaves its containers; the next one clears them and runs the pods again."""
     pod = kube_proxy_pods(kube)["ps-node-2"]
     old_pid = container_pid(cluster, pod)
-    from proxyshift.localcluster import state
-
-    record = next(r for r in state.running(cluster.state_dir) if r["name"] == "nodesim-ps-node-2")
-    os.kill(record["pid"], signal.SIGKILL)
+    simulator = network.simulator_pid(cluster.state_dir, "ps-node-2")
+    assert simulator is not None
+    os.kill(simulator, signal.SIGKILL)
     info = nodesim_cluster_info(cluster)
     network.create_nodes(cluster.state_dir, info, {"blue": 2, "green": 1})
     wait_for(lambda: old_pid is None or not alive(old_pid), 30, "the orphaned kube-proxy to be killed")

@@ -251,6 +251,26 @@ def _tail(path: Path, lines: int = 5) -> str:
         return "(no log)"
 
 
+def container_pid(state_dir: Path, node: str, namespace: str, pod: str, container: str) -> int | None:
+    """The pid of a running container (as the node simulator recorded it), or None."""
+    pid_file = node_dir(state_dir, node) / "pids" / f"{namespace}_{pod}_{container}.pid"
+    try:
+        pid = int(pid_file.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return pid if _state_of(pid) not in ("Z", "X") else None
+
+
+def simulator_pid(state_dir: Path, node: str) -> int | None:
+    """The pid of the node's simulator, or None when it is not running."""
+    try:
+        pid = int(paths.StateLayout(Path(state_dir)).pid(f"nodesim-{node}").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return pid if "proxyshift.localcluster.nodesim" in _cmdline(pid) and _state_of(pid) not in ("Z", "X") \
+        else None
+
+
 # --- teardown ---------------------------------------------------------------
 
 def _cmdline(pid: int) -> str:
