@@ -368,6 +368,24 @@ def test_proxyshift_image_runs_the_cli_with_env_and_volumes(cluster: Any, kube: 
              "the finished pod to be finalised")
 
 
+def test_a_node_can_join_and_leave(cluster: Any, kube: Any, wait_for: Any) -> None:
+    """create_nodes with a bigger plan adds a node (the DaemonSet follows); remove_node takes it away."""
+    info = nodesim_cluster_info(cluster)
+    try:
+        names = network.create_nodes(cluster.state_dir, info, {"blue": 2, "green": 1, "red": 1})
+        assert names == [*NODES, "ps-node-4"]
+        node = kube.get("/api/v1/nodes/ps-node-4")
+        assert node["metadata"]["labels"]["pool"] == "red"
+        wait_for(lambda: (p := kube_proxy_pods(kube).get("ps-node-4")) and is_ready(p), 60,
+                 "kube-proxy Ready on the new node")
+    finally:
+        network.remove_node(cluster.state_dir, info, "ps-node-4")
+    assert kube.get_or_none("/api/v1/nodes/ps-node-4") is None
+    assert "ps-node-4" not in network.list_namespaces()
+    wait_for(lambda: kube.get(DS_PATH)["status"].get("desiredNumberScheduled") == 3, 60,
+             "the DaemonSet back to 3 nodes")
+
+
 @pytest.mark.localcluster_down
 def test_down_leaves_nothing_behind(cluster: Any, host_snapshot: Any) -> None:
     """Runs last in the session (tests/conftest.py moves it): `down`, then compare with the host before `up`."""

@@ -244,6 +244,37 @@ def create_nodes(state_dir: Path, cluster_info: Any, pools: dict[str, int], *,
     return names
 
 
+def remove_node(state_dir: Path, cluster_info: Any, node: str) -> None:
+    """Take one node away: its simulator and containers, its namespace and veth, its Node object.
+
+    For tests of a node that disappears; the Lease goes with the Node (owner reference).
+    Idempotent.
+    """
+    from proxyshift.localcluster import nodesim
+
+    index = node_index(node)
+    simulator = simulator_pid(state_dir, node)
+    _kill_all([simulator] if simulator else [], grace=5.0)
+    if node in list_namespaces((node,)):
+        _kill_all(_namespace_pids(node), grace=5.0)
+        run(["ip", "netns", "del", node], check=False)
+    if f"{NODE_VETH_PREFIX}{index}" in _links():
+        run(["ip", "link", "del", f"{NODE_VETH_PREFIX}{index}"], check=False)
+    kube = nodesim.api_client(cluster_access(cluster_info).kubeconfig)
+    paths_ = [f"/api/v1/nodes/{node}"]
+    # The pod garbage collector would delete the pods of a vanished node; it is not among the
+    # local cluster's controllers, and a DaemonSet counts such a pod forever.
+    pods = kube.get("/api/v1/pods", fieldSelector=f"spec.nodeName={node}")["items"]
+    paths_ += [f"/api/v1/namespaces/{p['metadata']['namespace']}/pods/{p['metadata']['name']}" for p in pods]
+    for path in paths_:
+        try:
+            kube.delete(path, {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0})
+        except nodesim.KubeError as exc:
+            if exc.status != 404:
+                raise
+    shutil.rmtree(node_dir(state_dir, node), ignore_errors=True)
+
+
 def _tail(path: Path, lines: int = 5) -> str:
     try:
         return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
