@@ -165,6 +165,29 @@ def test_clusterip_connections_from_every_node(test_service: Any, tcp_probe: Any
     assert_connections_from_every_node(tcp_probe, test_service)
 
 
+def test_many_services_through_real_rules(cluster: Any, kube: Any, test_service: Any, wait_for: Any) -> None:
+    """A hundred Services over the same two listeners, each reachable by its own ClusterIP."""
+    from proxyshift.localcluster import workloads
+
+    endpoints = [workloads.Endpoint(name, network.endpoint_ip(int(name.rsplit("-", 1)[1])), (8080,))
+                 for name in test_service.endpoints]
+    started = time.monotonic()
+    services = workloads.create_services(kube, endpoints, 100, prefix="ps-many")
+    created = time.monotonic() - started
+    try:
+        assert len({s.cluster_ip for s in services}) == 100
+        assert all(s.cluster_ip.startswith("198.19.") for s in services)
+
+        def all_reachable() -> bool:
+            results = workloads.tcp_probe_services("ps-node-3", services, 1, timeout=1.0)
+            return all(r.ok == 1 for r in results.values())
+
+        wait_for(all_reachable, 60, "all 100 ClusterIPs reachable from ps-node-3")
+        print(f"\n100 Services + EndpointSlices created in {created:.1f}s")
+    finally:
+        workloads.delete_services(kube, services)
+
+
 def test_nftables_after_configmap_switch_and_rollout_restart(
         cluster: Any, kube: Any, test_service: Any, tcp_probe: Any, node_http_get: Any, node_exec: Any,
         continuous_prober: Any, wait_for: Any) -> None:
