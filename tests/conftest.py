@@ -173,6 +173,8 @@ def _host_snapshot(state_dir: Path) -> dict[str, Any]:
         "namespaces": sorted(n.split()[0] for n in netns if n.startswith(("ps-node-", "ps-ep-"))),
         "interfaces": sorted(name for name in (line.split(":", 2)[1].strip().split("@")[0] for line in links)
                              if name == "psbr0" or (name[:3] in ("psn", "pse") and name[3:].isdigit())),
+        "routes": [line for line in run(["ip", "route", "show", "table", "all"]).stdout.splitlines()
+                   if "198.18." in line or "198.19." in line],
         "processes": _our_processes(state_dir),
         "mounts": [line for line in Path("/proc/mounts").read_text().splitlines()
                    if str(state_dir) in line or "/run/netns/ps-node-" in line or "/run/netns/ps-ep-" in line],

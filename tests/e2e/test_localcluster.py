@@ -419,6 +419,7 @@ def test_down_leaves_nothing_behind(cluster: Any, host_snapshot: Any) -> None:
     print(f"\nbefore up: {cluster.before}\nafter down: {after}")
     assert after["namespaces"] == cluster.before["namespaces"] == []
     assert after["interfaces"] == cluster.before["interfaces"] == []
+    assert after["routes"] == cluster.before["routes"] == []
     assert after["processes"] == [], after["processes"]
     assert after["mounts"] == []
     assert not cluster.state_dir.exists()

@@ -42,6 +42,7 @@ MAX_NODES = 200  # 198.18.0.11 .. 198.18.0.210
 MAX_ENDPOINTS = 254  # 198.18.1.1 .. 198.18.1.254
 SIMULATOR_START_TIMEOUT = 90.0
 CREATED_PATHS_FILE = "created-host-paths.txt"
+GUARD_METRIC = "4242"  # names our unreachable route, so teardown removes exactly that one
 DEFAULT_KUBELET_VERSION = "v1.37.2"
 
 
@@ -126,9 +127,21 @@ def list_namespaces(prefixes: tuple[str, ...] = (NODE_PREFIX, ENDPOINT_PREFIX)) 
                   line.split()[0].startswith(prefixes))
 
 
+def _guard_route() -> list[str]:
+    return ["unreachable", paths.CLUSTER_CIDR, "metric", GUARD_METRIC]
+
+
 def ensure_bridge() -> None:
-    """Create psbr0 with 198.18.0.1/16 in the root namespace (idempotent)."""
+    """Create psbr0 with 198.18.0.1/16 in the root namespace (idempotent).
+
+    Also an `unreachable 198.18.0.0/15` route of last resort in the root namespace:
+    without it, root-namespace traffic to the cluster's range that the bridge does not
+    cover (the Service CIDR 198.19.0.0/16) would follow the host's default route off
+    the machine. The bridge's own /16 is more specific and wins.
+    """
     name = paths.BRIDGE_NAME
+    if f"unreachable {paths.CLUSTER_CIDR}" not in run(["ip", "route", "show", "type", "unreachable"]).stdout:
+        run(["ip", "route", "replace", *_guard_route()])
     if name not in _links():
         run(["ip", "link", "add", name, "type", "bridge"])
     address = f"{paths.BRIDGE_ADDRESS}/{paths.BRIDGE_PREFIX}"
@@ -323,6 +336,29 @@ def _simulator_pids(state_dir: Path) -> list[int]:
     return pids
 
 
+def _processes_in(netns_inodes: set[int]) -> list[int]:
+    """Live processes whose network namespace is one of these (by the namespace's inode)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if os.stat(proc / "ns" / "net").st_ino in netns_inodes and _state_of(int(proc.name)) not in "ZX":
+                    found.append(int(proc.name))
+    return found
+
+
+def _launchers() -> list[int]:
+    """Container launchers started for our nodes that may not have joined them yet."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            cmd = _cmdline(int(proc.name))
+            if "proxyshift.localcluster.container" in cmd and f"--netns {NODE_PREFIX}" in cmd and \
+                    _state_of(int(proc.name)) not in "ZX":
+                found.append(int(proc.name))
+    return found
+
+
 def _namespace_pids(netns: str) -> list[int]:
     try:
         out = run(["ip", "netns", "pids", netns], check=False).stdout
@@ -383,7 +419,17 @@ def remove_all(state_dir: Path) -> None:
     state_dir = Path(state_dir)
     _kill_all(_simulator_pids(state_dir), grace=3.0)
     namespaces = list_namespaces()
-    _kill_all([pid for ns in namespaces for pid in _namespace_pids(ns)], grace=5.0)
+    inodes = set()
+    for netns in namespaces:
+        with contextlib.suppress(OSError):
+            inodes.add(os.stat(Path("/run/netns") / netns).st_ino)
+    # Until none is left: a container launcher still starting up sits in the root namespace
+    # (it joins the node only just before exec), so `ip netns pids` alone can miss it.
+    for attempt in range(5):
+        pids = _processes_in(inodes) + _launchers()
+        if not pids:
+            break
+        _kill_all(pids, grace=5.0 if attempt == 0 else 1.0)
     for netns in namespaces:
         run(["ip", "netns", "del", netns], check=False)
     for link in _links():
@@ -391,6 +437,7 @@ def remove_all(state_dir: Path) -> None:
             run(["ip", "link", "del", link], check=False)
     if paths.BRIDGE_NAME in _links():
         run(["ip", "link", "del", paths.BRIDGE_NAME], check=False)
+    run(["ip", "route", "del", *_guard_route()], check=False)
     _remove_created_host_paths(state_dir)
     shutil.rmtree(paths.StateLayout(state_dir).nodes, ignore_errors=True)
 

@@ -810,11 +810,16 @@ class PodWorker(threading.Thread):
         logs = self.cfg.node_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log_path = logs / f"{self.pod_name}_{run.name}.log"
-        with log_path.open("ab") as out:
-            out.write(f"--- {now_rfc3339()} proxyshift nodesim: starting {run.name}: {argv}\n".encode())
-            out.flush()
-            run.proc = subprocess.Popen([*launcher, "--", *argv], stdin=subprocess.DEVNULL, stdout=out,  # noqa: S603
-                                        stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # Under the start lock, so a shutdown either sees this process or stops it from starting.
+        with self.sim.start_lock:
+            if self.sim.stopping:
+                return
+            with log_path.open("ab") as out:
+                out.write(f"--- {now_rfc3339()} proxyshift nodesim: starting {run.name}: {argv}\n".encode())
+                out.flush()
+                run.proc = subprocess.Popen([*launcher, "--", *argv], stdin=subprocess.DEVNULL,  # noqa: S603
+                                            stdout=out, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
         if run.started_at is not None:
             run.restart_count += 1
         run.started_at = now_rfc3339()
@@ -1146,6 +1151,8 @@ class Simulator:
         self.node_uid: str | None = None
         self.created_lock = threading.Lock()
         self.log_server = LogServer(self)
+        self.start_lock = threading.Lock()
+        self.stopping = False
         # One thread that lives in the node's network namespace runs every probe, so a
         # probe costs a socket, not a process.
         self.probe_pool = concurrent.futures.ThreadPoolExecutor(
@@ -1245,7 +1252,12 @@ class Simulator:
 
     def shutdown(self, *_: Any) -> None:
         """On SIGTERM (`down`): stop every container quickly, leave the API alone, exit."""
-        procs = [r.proc for w in self.workers.values() for r in w.init_runs + w.runs if r.proc is not None]
+        # The pod workers keep running while this handler does: without the flag, one of them
+        # would "restart" the container this handler just stopped, and that one would outlive us.
+        self.stopping = True
+        with self.start_lock:
+            procs = [r.proc for w in list(self.workers.values()) for r in w.init_runs + w.runs
+                     if r.proc is not None]
         _stop_processes(procs, 3.0)
         os._exit(0)
 
