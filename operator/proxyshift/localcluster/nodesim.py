@@ -105,6 +105,9 @@ class Kube:
 
     def _headers(self, content_type: str) -> dict[str, str]:
         headers = {"Accept": "application/json", "Content-Type": content_type}
+        hook = getattr(self.configuration, "refresh_api_key_hook", None)
+        if hook is not None:  # exec/OIDC kubeconfigs renew their token through this hook
+            hook(self.configuration)
         token = (self.configuration.api_key or {}).get("authorization") or \
             (self.configuration.api_key or {}).get("BearerToken")
         if token:
