@@ -374,13 +374,16 @@ class Agent:
         """
         backoff = 1.0
         rv: str | None = None
+        said_missing = -math.inf
         while not stop.is_set():
             started = time.monotonic()
             try:
                 if rv is None:
                     obj = self.api.get(self.cfg.node)
                     if obj is None:
-                        log.info("ProxyNode %s does not exist yet; waiting for the operator", self.cfg.node)
+                        if started - said_missing > 300:  # say it now and then, not every poll
+                            log.info("ProxyNode %s does not exist yet; waiting for the operator", self.cfg.node)
+                            said_missing = started
                         stop.wait(10)
                         continue
                     events.put(obj)
