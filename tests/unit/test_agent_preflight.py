@@ -99,17 +99,42 @@ def test_version_parsing():
     assert parse_kernel_release("6.1-rc1") == (6, 1, 0)
 
 
-def test_detect_tools_with_a_fake_runner_and_missing_tools():
+def test_detect_tools_with_a_fake_runner_and_missing_tools(tmp_path):
     outputs = {"nft": "nftables v1.0.6 (Lester Gooch #5)", "iptables": "iptables v1.8.9 (legacy)",
                "ipset": "ipset v7.17, protocol version: 7"}
+    asked = []
 
     def runner(argv, **_):
+        asked.append(argv[0])
         if argv[0] not in outputs:
             raise ToolMissingError(argv, "not found")
         return Result(list(argv), 0, outputs[argv[0]] if argv[1] == "--version" else "", "")
 
-    tools = detect_tools(runner)
+    tools = detect_tools(runner, proc_root=tmp_path)
+    assert "ipvsadm" not in asked            # no IPVS: ipvsadm would try to modprobe ip_vs
     assert tools == ToolVersions(nft="1.0.6", iptables="1.8.9", iptables_backend="legacy", ipset="7.17",
                                  ipvsadm=None, nft_usable=True, iptables_nat=True)
     assert tools.as_status() == {"nft": "1.0.6", "iptables": "1.8.9", "iptablesBackend": "legacy",
                                  "ipset": "7.17"}
+
+
+def test_an_error_message_is_not_a_version(tmp_path):
+    (tmp_path / "net").mkdir()
+    (tmp_path / "net" / "ip_vs").write_text("")
+
+    def runner(argv, **_):
+        if argv[0] == "ipvsadm":
+            return Result(list(argv), 2, "", "modprobe: FATAL: Module ip_vs not found in directory "
+                          "/lib/modules/6.18.44-fc-v669\nCan't initialize ipvs: Protocol not available")
+        if argv[0] == "nft":
+            return Result(list(argv), 0, "garbage 9.9.9", "")
+        return Result(list(argv), 0, "ipset v7.17, protocol version: 7" if argv[0] == "ipset" else "", "")
+
+    tools = detect_tools(runner, proc_root=tmp_path)
+    assert tools.ipvsadm is None and tools.nft is None and tools.ipset == "7.17"
+
+    def good(argv, **_):
+        out = "ipvsadm v1.31 2019/12/24 (compiled with popt and IPVS v1.2.1)" if argv[0] == "ipvsadm" else ""
+        return Result(list(argv), 0, out, "")
+
+    assert detect_tools(good, proc_root=tmp_path).ipvsadm == "1.31"

@@ -76,12 +76,18 @@ class ToolVersions:
         return {k: v for k, v in out.items() if v}
 
 
-def _version_of(runner: Runner, argv: list[str]) -> str | None:
+def _version_of(runner: Runner, argv: list[str], prefix: str) -> str | None:
+    """The tool's version line, only from a successful run that looks like one.
+
+    Anything else (an error message that happens to contain a kernel release,
+    say) is no version at all.
+    """
     try:
         res = runner(argv, timeout=10, check=False)
     except CommandError:
         return None
-    return (res.stdout + res.stderr).strip() or None
+    text = res.stdout.strip()
+    return text if res.returncode == 0 and text.startswith(prefix) else None
 
 
 def _works(runner: Runner, argv: list[str]) -> bool | None:
@@ -91,10 +97,14 @@ def _works(runner: Runner, argv: list[str]) -> bool | None:
         return None
 
 
-def detect_tools(runner: Runner = run) -> ToolVersions:
-    """Ask the node's tools for their versions; read-only commands only."""
-    nft_text = _version_of(runner, ["nft", "--version"])
-    ipt_text = _version_of(runner, ["iptables", "--version"])
+def detect_tools(runner: Runner = run, *, proc_root: str | Path = "/proc") -> ToolVersions:
+    """Ask the node's tools for their versions; read-only commands only.
+
+    ipvsadm is asked only when the kernel has IPVS already: on any call it tries to
+    modprobe ip_vs, which would change the node just by looking at it.
+    """
+    nft_text = _version_of(runner, ["nft", "--version"], "nftables v")
+    ipt_text = _version_of(runner, ["iptables", "--version"], "iptables v")
     backend = None
     if ipt_text:
         backend = "nf_tables" if "nf_tables" in ipt_text else "legacy" if "legacy" in ipt_text else None
@@ -102,8 +112,9 @@ def detect_tools(runner: Runner = run) -> ToolVersions:
         nft=_fmt(parse_version(nft_text)),
         iptables=_fmt(parse_version(ipt_text)),
         iptables_backend=backend,
-        ipset=_fmt(parse_version(_version_of(runner, ["ipset", "--version"]))),
-        ipvsadm=_fmt(parse_version(_version_of(runner, ["ipvsadm", "--version"]))),
+        ipset=_fmt(parse_version(_version_of(runner, ["ipset", "--version"], "ipset v"))),
+        ipvsadm=_fmt(parse_version(_version_of(runner, ["ipvsadm", "--version"], "ipvsadm v")))
+        if (Path(proc_root) / "net" / "ip_vs").exists() else None,
         nft_usable=_works(runner, ["nft", "list", "tables"]) if nft_text else None,
         iptables_nat=_works(runner, ["iptables", "-w", "5", "-t", "nat", "-S", "POSTROUTING"]) if ipt_text else None,
     )
@@ -294,7 +305,7 @@ def check(mode: str, scheduler: str | None = None, *, proc_root: str | Path = "/
     if bad:
         raise ValueError(f"invalid kernel module name(s) {bad}: letters, digits, '_' and '-' only")
     view = KernelView(Path(proc_root), Path(sys_root), Path(modules_root)).read()
-    tools = tools if tools is not None else detect_tools(runner)
+    tools = tools if tools is not None else detect_tools(runner, proc_root=proc_root)
     needed = required_modules(mode, scheduler, extra_modules)  # type: ignore[arg-type]
     loaded: list[str] = []
     if load_modules:
