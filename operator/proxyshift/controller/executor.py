@@ -103,7 +103,8 @@ class Executor:
     # ---- nodes ----
 
     def _do_EnsureProxyNode(self, action: w.EnsureProxyNode, _: dict[str, ProxyPolicy]) -> Written:
-        rv = self.api.ensure_proxynode(action.node, self.node_uids.get(action.node), {"policy": action.policy})
+        rv = self.api.ensure_proxynode(action.node, self.node_uids.get(action.node), {"policy": action.policy},
+                                       replace=False)
         return Written("proxynode_index", action.node, rv)
 
     def _do_SetMigration(self, action: w.SetMigration, _: dict[str, ProxyPolicy]) -> Written:
@@ -115,7 +116,7 @@ class Executor:
             "migration": action.migration.to_k8s() if action.migration else None,
             "operation": action.operation.to_k8s() if action.operation else None,
         }
-        # ensure_proxynode creates it, or merge-patches the spec of the existing one: None removes a
+        # ensure_proxynode replaces the spec of the existing ProxyNode (or creates it): None removes a
         # field, so a finished operation is cleared explicitly.
         rv = self.api.ensure_proxynode(action.node, self.node_uids.get(action.node), spec)
         return Written("proxynode_index", action.node, rv)

@@ -56,13 +56,23 @@ def wake(policy: str | None = None) -> None:
 # ---- login and settings ----
 
 
+def in_cluster() -> bool:
+    return bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and not os.environ.get("KUBECONFIG")
+
+
+def load_client_config() -> None:
+    """Configure the kubernetes client (our writes) the same way kopf logs in (its watches)."""
+    if in_cluster():
+        kubernetes.config.load_incluster_config()
+    else:
+        kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
+
+
 @kopf.on.login()
 def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     """Log in explicitly: a kubeconfig when one is given, else the pod's service account."""
-    if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
-        kubernetes.config.load_incluster_config()
+    if in_cluster():
         return kopf.login_with_service_account(**kwargs)
-    kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
     return kopf.login_with_kubeconfig(**kwargs)
 
 
@@ -78,6 +88,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 300
     settings.networking.request_timeout = 60
     settings.peering.priority = int(os.environ.get("PROXYSHIFT_PEERING_PRIORITY", "0"))
+    load_client_config()
     _state["api"] = ClusterAPI()
     _state["executor"] = Executor(_state["api"])
 

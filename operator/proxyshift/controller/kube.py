@@ -96,9 +96,16 @@ class ClusterAPI:
             _ignore(404, exc)
             return None
 
-    def ensure_proxynode(self, name: str, node_uid: str | None, spec: dict[str, Any]) -> str:
-        """Patch the ProxyNode's spec, creating it first if it does not exist; returns its resourceVersion."""
+    def ensure_proxynode(self, name: str, node_uid: str | None, spec: dict[str, Any], *, replace: bool = True) -> str:
+        """Write the ProxyNode's spec (replace it, or merge into it), creating the ProxyNode if missing.
+
+        Returns the resulting resourceVersion.
+        """
         try:
+            if not replace:
+                patched = self.custom.patch_cluster_custom_object(API_GROUP, API_VERSION, PROXYNODES, name,
+                                                                  {"spec": spec})
+                return str(patched["metadata"]["resourceVersion"])
             return self.patch_proxynode_spec(name, spec)
         except ApiException as exc:
             _ignore(404, exc)
@@ -117,11 +124,14 @@ class ClusterAPI:
             created = self.custom.create_cluster_custom_object(API_GROUP, API_VERSION, PROXYNODES, body)
             return str(created["metadata"]["resourceVersion"])
         except ApiException as exc:
-            _ignore(409, exc)  # created meanwhile (by a peer): patch it
-            return self.patch_proxynode_spec(name, spec)
+            _ignore(409, exc)  # created meanwhile (by a peer): write it again
+            return self.ensure_proxynode(name, node_uid, spec, replace=replace)
 
     def patch_proxynode_spec(self, name: str, spec: dict[str, Any]) -> str:
-        patched = self.custom.patch_cluster_custom_object(API_GROUP, API_VERSION, PROXYNODES, name, {"spec": spec})
+        """Replace the whole spec (JSON patch `add /spec`): a merge patch would keep keys the planner dropped,
+        e.g. an old toRevision inside migration or an old operation's params."""
+        body = [{"op": "add", "path": "/spec", "value": {k: v for k, v in spec.items() if v is not None}}]
+        patched = self.custom.patch_cluster_custom_object(API_GROUP, API_VERSION, PROXYNODES, name, body)
         return str(patched["metadata"]["resourceVersion"])
 
     # ---- policies ----
