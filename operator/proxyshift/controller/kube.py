@@ -23,6 +23,7 @@ from proxyshift.controller.settings import CONFIG
 log = logging.getLogger(__name__)
 
 PROXYNODES = "proxynodes"
+JSON_PATCH = "application/json-patch+json"
 PROXYPOLICIES = "proxypolicies"
 
 
@@ -131,7 +132,8 @@ class ClusterAPI:
         """Replace the whole spec (JSON patch `add /spec`): a merge patch would keep keys the planner dropped,
         e.g. an old toRevision inside migration or an old operation's params."""
         body = [{"op": "add", "path": "/spec", "value": {k: v for k, v in spec.items() if v is not None}}]
-        patched = self.custom.patch_cluster_custom_object(API_GROUP, API_VERSION, PROXYNODES, name, body)
+        patched = self.custom.patch_cluster_custom_object(API_GROUP, API_VERSION, PROXYNODES, name, body,
+                                                          _content_type=JSON_PATCH)
         return str(patched["metadata"]["resourceVersion"])
 
     # ---- policies ----
@@ -204,7 +206,7 @@ class ClusterAPI:
             _ignore(404, exc)
 
     def json_patch_daemonset(self, name: str, patch: jsonpatch.JsonPatch) -> None:
-        self.apps.patch_namespaced_daemon_set(name, self.namespace, list(patch))
+        self.apps.patch_namespaced_daemon_set(name, self.namespace, list(patch), _content_type=JSON_PATCH)
 
     # ---- events ----
 
