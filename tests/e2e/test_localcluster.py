@@ -188,6 +188,17 @@ def test_many_services_through_real_rules(cluster: Any, kube: Any, test_service:
         workloads.delete_services(kube, services)
 
 
+def test_nothing_routes_out_of_a_node(node_exec: Any, tcp_probe: Any) -> None:
+    """No default route anywhere; outside 198.18.0.0/15 is unreachable; an unused ClusterIP dies inside."""
+    for node in NODES:
+        routes = node_exec(node, ["ip", "-4", "route", "show", "table", "all"]).stdout
+        assert "default" not in routes, f"{node} has a default route:\n{routes}"
+        outside = tcp_probe(node, "192.0.2.1", 80, 1, timeout=1.0)  # the host's own gateway
+        assert outside.failed == 1 and "OSError: Network is unreachable" in outside.errors, outside
+    unused = tcp_probe("ps-node-1", "198.19.255.254", 80, 1, timeout=1.0)
+    assert unused.failed == 1, unused
+
+
 def test_nftables_after_configmap_switch_and_rollout_restart(
         cluster: Any, kube: Any, test_service: Any, tcp_probe: Any, node_http_get: Any, node_exec: Any,
         continuous_prober: Any, wait_for: Any) -> None:
