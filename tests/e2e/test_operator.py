@@ -34,10 +34,18 @@ def _assert_baseline_everywhere(h: Harness) -> None:
         assert h.proxy_mode(node) == "iptables"
 
 
-def test_blue_iptables_to_nftables_and_back(harness: Harness, test_service: Any,
+def _service_answers_everywhere(h: Harness, tcp_probe: Any, service: Any) -> None:
+    # A fresh Service is programmed before its EndpointSlice reaches kube-proxy (REJECT meanwhile).
+    for node in BLUE + GREEN:
+        h.wait_for(lambda n=node: tcp_probe(n, service.cluster_ip, service.port, 3).failed == 0, 60,
+                   f"{service.name} to answer from {node}")
+
+
+def test_blue_iptables_to_nftables_and_back(harness: Harness, test_service: Any, tcp_probe: Any,
                                             continuous_prober: Any) -> None:
     h = harness
     _assert_baseline_everywhere(h)
+    _service_answers_everywhere(h, tcp_probe, test_service)
     green_before = h.node_labels(GREEN[0])
     probers = {n: continuous_prober(n, test_service.cluster_ip, test_service.port) for n in (BLUE[0], GREEN[0])}
 
