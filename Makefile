@@ -48,8 +48,8 @@ test-e2e: binaries ## on the local cluster
 test-reliability: binaries
 	$(PYTEST) -m reliability
 
-test: setup lint crds-check binaries ## everything CI runs
-	$(PYTEST) -m "unit or dataplane or e2e or reliability"
+test: setup lint crds-check binaries ## everything CI runs: every layer, in one pytest session
+	$(PYTEST)
 
 bench: binaries ## benchmarks (print tables)
 	$(PYTHON) bench/run_all.py
