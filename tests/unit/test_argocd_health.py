@@ -221,6 +221,22 @@ def test_cm_patch_embeds_the_script_exactly() -> None:
         "config/argocd/argocd-cm-patch.yaml is stale: run `python tests/unit/test_argocd_health.py --write`"
 
 
+
+def test_gitops_layout_blue_before_green() -> None:
+    # The staged rollout by Git: blue's policy in an earlier sync wave than green's, both valid specs.
+    gitops = ROOT / "config" / "argocd" / "gitops"
+    listed = yaml.safe_load((gitops / "kustomization.yaml").read_text())["resources"]
+    waves = {}
+    for name in listed:
+        doc = yaml.safe_load((gitops / name).read_text())
+        p = ProxyPolicy.model_validate(doc)
+        pool = p.spec.node_selector.match_labels["pool"]
+        waves[pool] = int(doc["metadata"]["annotations"]["argocd.argoproj.io/sync-wave"])
+    assert waves == {"blue": 0, "green": 1}
+    apps = {d["metadata"]["name"]: d for d in yaml.safe_load_all((ROOT / "config/argocd/application.yaml").read_text())}
+    assert apps["proxyshift-pools"]["spec"]["source"]["path"] == "config/argocd/gitops"
+    assert apps["proxyshift"]["spec"]["source"]["path"] == "config/default"
+
 if __name__ == "__main__":
     if sys.argv[1:] != ["--write"]:
         sys.exit("usage: python tests/unit/test_argocd_health.py --write")
