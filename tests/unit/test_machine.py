@@ -75,7 +75,8 @@ def test_start_records_migration_and_deterministic_preflight() -> None:
     (w,) = writes(step)
     assert w.migration is not None and w.operation is not None
     assert w.migration.phase == "Preflight" and w.migration.attempt == 1 and w.migration.generation == 3
-    assert w.operation.id == f"{REV}.1.Preflight.0" and w.operation.params["mode"] == "nftables"
+    assert w.migration.started_at == "2026-11-30T12:00:01Z"
+    assert w.operation.id == f"{REV}.1.20261130120001.Preflight.0" and w.operation.params["mode"] == "nftables"
     again = machine.start(inp(), Target(REV, "nftables"), from_mode="iptables", generation=3, retry_token="a")
     assert writes(again)[0].operation == w.operation  # a restarted operator asks for the same id
 
@@ -83,12 +84,21 @@ def test_start_records_migration_and_deterministic_preflight() -> None:
 def test_attempts_never_repeat_an_operation_id() -> None:
     failed = mig("Failed", attempt=4)
     step = machine.start(inp(failed), Target(REV, "nftables"), from_mode="iptables", generation=1, retry_token=None)
-    assert writes(step)[0].operation.id == f"{REV}.5.Preflight.0"
+    assert writes(step)[0].operation.id == f"{REV}.5.20261130120001.Preflight.0"
+
+
+def test_a_new_policy_on_a_released_node_never_reuses_an_operation_id() -> None:
+    # A released node starts again at attempt 1 under the next policy; the start time keeps ids apart.
+    first = machine.start(inp(), Target(REV, "nftables"), from_mode="iptables", generation=1, retry_token=None)
+    later = machine.start(inp(now_plus=300), Target(REV, "nftables"), from_mode="iptables", generation=1,
+                          retry_token=None)
+    assert writes(first)[0].migration.attempt == writes(later)[0].migration.attempt == 1
+    assert writes(first)[0].operation.id != writes(later)[0].operation.id
 
 
 def test_preflight_waits_then_switches_intent_first() -> None:
     m = mig("Preflight")
-    op = Operation(id=f"{REV}.1.Preflight.0", type="Preflight")
+    op = Operation(id=f"{REV}.1.0.Preflight.0", type="Preflight")
     assert machine.step(inp(m, op=op)).actions == []
     step = machine.step(inp(m, op=op, last=done(op)))
     assert step.phase == "Switch"
@@ -101,7 +111,7 @@ def test_preflight_waits_then_switches_intent_first() -> None:
 
 def test_preflight_failure_touches_nothing() -> None:
     m = mig("Preflight")
-    op = Operation(id=f"{REV}.1.Preflight.0", type="Preflight")
+    op = Operation(id=f"{REV}.1.0.Preflight.0", type="Preflight")
     step = machine.step(inp(m, op=op, last=done(op, "Failed", "ip_vs_mh missing")))
     assert step.phase == "Failed"
     assert not any(isinstance(a, SetRevisionLabel | Cordon) for a in step.actions)
@@ -111,14 +121,14 @@ def test_preflight_failure_touches_nothing() -> None:
 
 def test_preflight_timeout_when_agent_silent() -> None:
     m = mig("Preflight")
-    op = Operation(id=f"{REV}.1.Preflight.0", type="Preflight")
+    op = Operation(id=f"{REV}.1.0.Preflight.0", type="Preflight")
     step = machine.step(inp(m, op=op, now_plus=121))
     assert step.phase == "Failed" and writes(step)[0].migration.reason == "PreflightTimeout"
 
 
 def test_cordon_only_when_schedulable_and_drain_before_switch() -> None:
     m = mig("Preflight")
-    op = Operation(id=f"{REV}.1.Preflight.0", type="Preflight")
+    op = Operation(id=f"{REV}.1.0.Preflight.0", type="Preflight")
     step = machine.step(inp(m, op=op, last=done(op), rollout={"cordon": True, "drain": True}))
     assert step.phase == "Cordon" and any(isinstance(a, Cordon) for a in step.actions)
     assert writes(step)[0].migration.cordoned_by_us is True
@@ -137,7 +147,7 @@ def test_switch_waits_for_old_pod_gone_and_new_pod_ready() -> None:
     assert machine.step(inp(m, label=REV, pods=both)).phase == "Switch"
     assert machine.step(inp(m, label=REV, pods=[pod(f"kube-proxy-{REV}", ready=False)])).phase == "Switch"
     step = machine.step(inp(m, label=REV, pods=[pod(f"kube-proxy-{REV}")]))
-    assert step.phase == "Gate" and writes(step)[0].operation.id == f"{REV}.1.Gate.0"
+    assert step.phase == "Gate" and writes(step)[0].operation.id == f"{REV}.1.0.Gate.0"
 
 
 def test_switch_relabels_after_crash_between_record_and_label() -> None:
@@ -163,7 +173,7 @@ def _good_facts() -> KubeProxyFacts:
 
 def test_gate_pass_leads_to_cleanup_of_the_mode_left() -> None:
     m = mig("Gate")
-    op = Operation(id=f"{REV}.1.Gate.0", type="Probe")
+    op = Operation(id=f"{REV}.1.0.Gate.0", type="Probe")
     step = machine.step(inp(m, label=REV, pods=[pod(f"kube-proxy-{REV}")], op=op, last=done(op), facts=_good_facts(),
                             leftovers=["ipvs"]))
     assert step.phase == "Cleanup"
@@ -174,17 +184,17 @@ def test_gate_pass_leads_to_cleanup_of_the_mode_left() -> None:
 
 def test_no_cleanup_when_mode_unchanged() -> None:
     m = mig("Gate", from_mode="nftables", from_revision="blue-old")
-    op = Operation(id=f"{REV}.1.Gate.0", type="Probe")
+    op = Operation(id=f"{REV}.1.0.Gate.0", type="Probe")
     step = machine.step(inp(m, label=REV, op=op, last=done(op), facts=_good_facts()))
     assert step.phase == "Done"
 
 
 def test_gate_wait_probes_again_with_next_id() -> None:
     m = mig("Gate")
-    op = Operation(id=f"{REV}.1.Gate.0", type="Probe")
+    op = Operation(id=f"{REV}.1.0.Gate.0", type="Probe")
     syncing = _good_facts().model_copy(update={"sync_count": 0})
     step = machine.step(inp(m, label=REV, op=op, last=done(op), facts=syncing, now_plus=5))
-    assert step.phase == "Gate" and writes(step)[0].operation.id == f"{REV}.1.Gate.1"
+    assert step.phase == "Gate" and writes(step)[0].operation.id == f"{REV}.1.0.Gate.1"
     assert "rule syncs" in step.message
     timed_out = machine.step(inp(m, label=REV, op=op, last=done(op), facts=syncing, now_plus=121))
     assert timed_out.phase == "RollingBack" and writes(timed_out)[0].migration.reason == "GateTimeout"
@@ -192,7 +202,7 @@ def test_gate_wait_probes_again_with_next_id() -> None:
 
 def test_gate_fail_rolls_back_with_reason() -> None:
     m = mig("Gate")
-    op = Operation(id=f"{REV}.1.Gate.0", type="Probe")
+    op = Operation(id=f"{REV}.1.0.Gate.0", type="Probe")
     wrong = _good_facts().model_copy(update={"proxy_mode": "iptables"})
     step = machine.step(inp(m, label=REV, op=op, last=done(op), facts=wrong))
     assert step.phase == "RollingBack" and writes(step)[0].migration.reason == "WrongMode"
@@ -200,7 +210,7 @@ def test_gate_fail_rolls_back_with_reason() -> None:
 
 
 def test_rollback_waits_for_running_agent_operation_before_moving_label() -> None:
-    op = Operation(id=f"{REV}.1.Cleanup.0", type="Cleanup")
+    op = Operation(id=f"{REV}.1.0.Cleanup.0", type="Cleanup")
     running = OperationStatus(id=op.id, type="Cleanup", state="Running")
     m = mig("RollingBack", rollback_step="Label", reason="CleanupTimeout")
     step = machine.step(inp(m, label=REV, op=op, last=running))
@@ -220,7 +230,7 @@ def test_rollback_to_a_previous_revision_and_uncordon_only_ours() -> None:
     assert writes(step)[0].operation.params == {"removeModes": ["nftables"], "targetMode": "iptables"}
     gate = mig("RollingBack", rollback_step="Gate", from_revision="blue-old", cordoned_by_us=True,
                reverted_at=fmt(T0))
-    op = Operation(id=f"{REV}.1.RollbackGate.0", type="Probe")
+    op = Operation(id=f"{REV}.1.0.RollbackGate.0", type="Probe")
     facts = _good_facts().model_copy(update={"proxy_mode": "iptables"})
     step = machine.step(inp(gate, label="blue-old", op=op, last=done(op), facts=facts, unschedulable=True))
     assert any(isinstance(a, Uncordon) for a in step.actions)
@@ -248,13 +258,13 @@ def test_probe_services_resolved_to_cluster_ips() -> None:
 
 def test_rollback_does_not_wait_for_a_read_only_probe_or_a_dead_agent() -> None:
     m = mig("RollingBack", rollback_step="Label", reason="GateTimeout")
-    probe = Operation(id=f"{REV}.1.Gate.7", type="Probe")
+    probe = Operation(id=f"{REV}.1.0.Gate.7", type="Probe")
     running_probe = OperationStatus(id=probe.id, type="Probe", state="Running")
     step = machine.step(inp(m, label=REV, op=probe, last=running_probe))
     assert SetRevisionLabel(node="n1", revision=None, reason="RollingBack") in step.actions
     assert writes(step)[0].operation is None  # a restarted agent finds nothing to resume
 
-    cleanup = Operation(id=f"{REV}.1.Cleanup.0", type="Cleanup")
+    cleanup = Operation(id=f"{REV}.1.0.Cleanup.0", type="Cleanup")
     running = OperationStatus(id=cleanup.id, type="Cleanup", state="Running")
     alive = inp(m, label=REV, op=cleanup, last=running)
     alive.proxynode.status.heartbeat = fmt(T0)

@@ -10,7 +10,7 @@ continues where the old one stopped. Each transition writes its intent first (Se
 then acts (label, cordon, ...): the operator performs actions in order and stops at the first
 error, so after a crash the recorded phase always tells which idempotent act to repeat.
 
-Operation ids are deterministic, "<toRevision|baseline>.<attempt>.<step>.<n>", so an operator that
+Operation ids are deterministic, "<toRevision|baseline>.<attempt>.<startedAt>.<step>.<n>", so an operator that
 re-issues a step sends the same id and the agent (which runs each id once) does not repeat it.
 """
 
@@ -93,8 +93,15 @@ def clip(text: str | None) -> str:
     return text if len(text) <= MESSAGE_LIMIT else text[: MESSAGE_LIMIT - 3] + "..."
 
 
+def attempt_key(m: NodeMigration) -> str:
+    """Names one migration of one node. The start time is part of it because `attempt` starts again at 1
+    when a released node is taken by another policy, and an agent runs each operation id only once."""
+    started = "".join(ch for ch in (m.started_at or "") if ch.isdigit())
+    return f"{m.to_revision or 'baseline'}.{m.attempt or 0}.{started or '0'}"
+
+
 def op_prefix(m: NodeMigration, step: str) -> str:
-    return f"{m.to_revision or 'baseline'}.{m.attempt or 0}.{step}."
+    return f"{attempt_key(m)}.{step}."
 
 
 def op_id(m: NodeMigration, step: str, n: int) -> str:
@@ -532,7 +539,7 @@ def _agent_busy(inp: NodeInput, m: NodeMigration) -> OperationStatus | None:
     spec.operation, so a restarted agent has nothing to resume.
     """
     last = inp.proxynode.status.last_operation
-    attempt_prefix = f"{m.to_revision or 'baseline'}.{m.attempt or 0}."
+    attempt_prefix = f"{attempt_key(m)}."
     if last is None or last.state != "Running" or last.type != "Cleanup" or not last.id.startswith(attempt_prefix):
         return None
     silent = seconds_since(inp.proxynode.status.heartbeat, inp.now)
