@@ -138,6 +138,9 @@ def live(p: ProxyPolicy, s: Summary | None) -> dict[str, Any]:
 CASES: dict[str, tuple[dict[str, Any], str, str]] = {
     # name: (object, expected status, a piece of the expected message)
     "no status yet": (live(policy(), None), "Progressing", "operator to report status"),
+    # kopf may write its own bookkeeping into the status before the planner's first status.
+    "only kopf's bookkeeping": (live(policy(), None) | {"status": {"kopf": {"progress": {}}}}, "Progressing",
+                                "operator to report status"),
     "revision being created": (live(policy(), summary(revision_missing=True)), "Progressing", "0 in flight"),
     "rolling": (live(policy(), summary(updated=2, pending=2, in_flight=[in_flight()])), "Progressing",
                 "1 in flight, 2 pending"),
