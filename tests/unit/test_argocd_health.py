@@ -4,7 +4,8 @@ The statuses come from the planner's own `build_status` (the code that writes th
 so a renamed phase or condition breaks this test rather than Argo CD's view of a rollout. Argo CD
 evaluates health scripts with gopher-lua (Lua 5.1); we run every Lua interpreter found here
 (Debian's lua5.4 from hack/install-deps.sh, and lua5.1 / luajit if present) so the script stays
-inside what both dialects share.
+inside what both dialects share, with the standard libraries Argo CD withholds from argocd-cm
+scripts taken away.
 
 `python tests/unit/test_argocd_health.py --write` regenerates config/argocd/argocd-cm-patch.yaml
 from config/argocd/health-proxypolicy.lua.
@@ -57,6 +58,10 @@ def render_cm_patch(lua: str) -> str:
 # ---- a Lua value from a Python one, and one evaluation of the script ----
 
 
+class LuaError(AssertionError):
+    pass
+
+
 def lua_string(text: str) -> str:
     # Decimal byte escapes are valid in Lua 5.1 through 5.4, so any text survives unchanged.
     out = []
@@ -86,16 +91,22 @@ def interpreters() -> list[str]:
     return [path for name in ("lua5.4", "lua5.1", "luajit") if (path := shutil.which(name))]
 
 
-def health(obj: dict[str, Any], interpreter: str, tmp_path: Path) -> tuple[str, str]:
+def health(obj: dict[str, Any], interpreter: str, tmp_path: Path, script: Path = LUA_FILE) -> tuple[str, str]:
     """(status, message) as Argo CD would see it: `obj` a global, the script a chunk returning hs."""
     harness = tmp_path / "harness.lua"
     harness.write_text(
+        f"local chunk = assert(loadfile({lua_string(str(script))}))\n"
+        "local write = io.write\n"
         f"obj = {to_lua(obj)}\n"
-        f"local hs = assert(loadfile({lua_string(str(LUA_FILE))}))()\n"
-        'io.write(tostring(hs.status), "\\n", tostring(hs.message))\n'
+        # argocd-cm scripts run without the standard libraries except base, package, table and a
+        # safe os (argo-cd util/lua/lua.go): no string, math or io. Take away what we can.
+        "string, math, io, utf8, coroutine, debug = nil, nil, nil, nil, nil, nil\n"
+        "local hs = chunk()\n"
+        'write(tostring(hs.status), "\\n", tostring(hs.message))\n'
     )
     proc = subprocess.run([interpreter, str(harness)], capture_output=True, text=True, timeout=10, check=False)
-    assert proc.returncode == 0, f"{interpreter} failed: {proc.stderr}"
+    if proc.returncode != 0:
+        raise LuaError(f"{interpreter} failed: {proc.stderr}")
     status, _, message = proc.stdout.partition("\n")
     return status, message
 
@@ -213,6 +224,14 @@ def test_status_without_generation_still_judged(interpreter: str, tmp_path: Path
     obj = obj | {"metadata": {"name": obj["metadata"]["name"]}}
     assert health(obj, interpreter, tmp_path)[0] == "Healthy"
 
+
+def test_harness_is_as_bare_as_argo_cd(interpreter: str, tmp_path: Path) -> None:
+    # A script calling the string library works in a stock interpreter but not in Argo CD: the
+    # harness must refuse it too, or the tests above would prove less than they claim.
+    script = tmp_path / "uses-string.lua"
+    script.write_text('return {status = "Healthy", message = string.format("%d", 1)}\n')
+    with pytest.raises(LuaError, match="string"):
+        health(CASES["rolled out"][0], interpreter, tmp_path, script)
 
 def test_cm_patch_embeds_the_script_exactly() -> None:
     lua = LUA_FILE.read_text()
