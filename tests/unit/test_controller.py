@@ -192,3 +192,27 @@ def test_plan_view_lists_stages_and_predicted_preflight_failures() -> None:
     text = plan_view.render_preview(p, world)
     assert "stage 1: up to 1 nodes updated, then pause 10m" in text
     assert text.count("WILL FAIL PREFLIGHT") == 3 and "ip_vs_mh" in text
+
+
+def test_metrics_count_rollbacks_and_migration_durations() -> None:
+    from prometheus_client import REGISTRY
+
+    from proxyshift.api.proxynode import ProxyNode
+    from proxyshift.controller import metrics
+
+    before = REGISTRY.get_sample_value("proxyshift_rollbacks_total", {"policy": "m"}) or 0
+    pn = ProxyNode.model_validate({"metadata": {"name": "n1"}, "spec": {"policy": "m", "migration": {"phase": "Gate"}}})
+    world = w.World(now=datetime.now(UTC), policies={}, nodes={}, proxynodes={"n1": pn}, revisions={},
+                    kube_proxy_pods={})
+    rollback = w.SetMigration(node="n1", policy="m", revision=None, mode=None, scheduler=None, operation=None,
+                              migration=NodeMigration(phase="RollingBack", reason="GateTimeout"))
+    metrics.record_plan("m", world, [rollback])
+    assert REGISTRY.get_sample_value("proxyshift_rollbacks_total", {"policy": "m"}) == before + 1
+    assert REGISTRY.get_sample_value("proxyshift_nodes", {"policy": "m", "phase": "Gate"}) == 1
+    done = w.SetMigration(node="n1", policy="m", revision="r", mode="nftables", scheduler=None, operation=None,
+                          migration=NodeMigration(phase="Done", from_mode="iptables", to_mode="nftables",
+                                                  started_at="2026-11-30T12:00:00Z",
+                                                  finished_at="2026-11-30T12:00:42Z"))
+    metrics.record_plan("m", world, [done])
+    labels = {"from_mode": "iptables", "to_mode": "nftables", "result": "succeeded"}
+    assert REGISTRY.get_sample_value("proxyshift_node_migration_duration_seconds_sum", labels) == 42

@@ -192,6 +192,7 @@ async def step(name: str, indexes: dict[str, Any]) -> w.Plan:
         service_ips=service_ips,
     )
     plan = planner.plan(world, name)
+    metrics.record_plan(name, world, plan.actions)
     written: list[Written] = []
     try:
         for action in plan.actions:
