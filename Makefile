@@ -16,25 +16,25 @@ deps:
 	@./hack/install-deps.sh
 
 lint: ## ruff over the whole tree
-	ruff check .
+	$(PYTHON) -m ruff check .
 
 crds: ## regenerate crds/ and docs/crd-reference.md from the pydantic models
-	proxyshift crds
+	$(PYTHON) -m proxyshift.cli crds
 
 crds-check: ## fail when the committed CRDs differ from the models
-	proxyshift crds --check
+	$(PYTHON) -m proxyshift.cli crds --check
 
 binaries: ## build the pinned upstream Kubernetes and etcd binaries (cached)
 	$(PYTHON) -m proxyshift.localcluster.build
 
 cluster-up: binaries ## start the local cluster (3 nodes: pools blue=2, green=1)
-	localcluster up --pools blue=2,green=1
+	$(PYTHON) -m proxyshift.localcluster.cli up --pools blue=2,green=1
 
 cluster-down: ## stop the local cluster and remove everything it made
-	localcluster down
+	$(PYTHON) -m proxyshift.localcluster.cli down
 
 cluster-status:
-	localcluster status
+	$(PYTHON) -m proxyshift.localcluster.cli status
 
 test-unit: ## pure tests (fast, no root)
 	$(PYTEST) -m unit

@@ -19,9 +19,12 @@ else
   echo "==> Debian packages present: ${DEBIAN_PACKAGES[*]}"
 fi
 
-if python3 -c 'import proxyshift, pytest, hypothesis' 2>/dev/null && command -v proxyshift >/dev/null; then
-  echo "==> python package proxyshift installed (editable)"
+if python3 -c 'import proxyshift, pytest, hypothesis, celpy, kopf' 2>/dev/null \
+   && python3 -m pip show -f proxyshift 2>/dev/null | grep -q "Editable project location: $(pwd)"; then
+  echo "==> python package proxyshift installed (editable, from $(pwd))"
 else
   echo "==> pip install -e .[dev]"
   python3 -m pip install -q -e '.[dev]'
 fi
+# pyenv only exposes new console scripts (proxyshift, localcluster) after a rehash.
+if command -v pyenv >/dev/null; then pyenv rehash; fi
