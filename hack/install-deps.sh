@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEBIAN_PACKAGES=(iptables nftables ipset conntrack iproute2 ipvsadm kmod procps lua5.4)
+DEBIAN_PACKAGES=(iptables nftables ipset conntrack iproute2 ipvsadm kmod procps openssl lua5.4)
 
 missing=()
 for pkg in "${DEBIAN_PACKAGES[@]}"; do
@@ -20,7 +20,7 @@ else
 fi
 
 if python3 -c 'import proxyshift, pytest, hypothesis, celpy, kopf' 2>/dev/null \
-   && python3 -m pip show -f proxyshift 2>/dev/null | grep -q "Editable project location: $(pwd)"; then
+   && python3 -m pip show proxyshift 2>/dev/null | grep "Editable project location: $(pwd)$" >/dev/null; then
   echo "==> python package proxyshift installed (editable, from $(pwd))"
 else
   echo "==> pip install -e .[dev]"
