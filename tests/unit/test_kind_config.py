@@ -4,6 +4,11 @@ kind decodes its config strictly (an unknown field is an error) and then validat
 below mirror kubernetes-sigs/kind pkg/apis/config/v1alpha4/types.go (field names from its yaml tags,
 types from its Go types) and the checks of pkg/internal/apis/config/validate.go that apply to a
 file, so a misspelt or misplaced field fails here rather than at `kind create cluster`.
+
+Cross-checked once by hand (not here: it needs Go and kind's source) against kind's own code at
+kind commit fed26882 (2026-08-21): encoding.Load + Validate accept this file and refuse a node's
+misspelt `lables`, and kind's kubeadm rendering with our patch gives a KubeProxyConfiguration of
+mode iptables with conntrack {maxPerCore: 0, tcpBeLiberal: true} and node-labels pool=<pool>.
 """
 
 from __future__ import annotations
