@@ -216,3 +216,15 @@ def test_metrics_count_rollbacks_and_migration_durations() -> None:
     metrics.record_plan("m", world, [done])
     labels = {"from_mode": "iptables", "to_mode": "nftables", "result": "succeeded"}
     assert REGISTRY.get_sample_value("proxyshift_node_migration_duration_seconds_sum", labels) == 42
+
+
+def test_every_api_step_with_a_reason_leaves_an_event_on_what_it_touched() -> None:
+    api = FakeAPI()
+    executor = ex.Executor(api)  # type: ignore[arg-type]
+    executor.perform(w.SetRevisionLabel(node="n1", revision="blue-1", reason="Switched", message="to blue-1"),
+                     {"blue": policy()})
+    events = [c for c in api.calls if c[0] == "emit_event"]
+    assert len(events) == 1
+    executor.perform(w.SetMigration(node="n1", policy="blue", revision=None, mode=None, scheduler=None,
+                                    migration=None, operation=None, reason="Released"), {"blue": policy()})
+    assert len([c for c in api.calls if c[0] == "emit_event"]) == 1, "intent records are not announced twice"

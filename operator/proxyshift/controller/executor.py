@@ -48,7 +48,25 @@ class Executor:
         handler = getattr(self, f"_do_{kind}", None)
         if handler is None:
             raise NotImplementedError(f"no executor for action {kind}")
-        return handler(action, policies)
+        written = handler(action, policies)
+        if action.reason and not isinstance(action, w.Event | w.RecordStatus | w.SetMigration):
+            # Every API step the operator takes (label moved, cordon, drain, revision created or deleted,
+            # ProxyNode released, ...) leaves an Event where a person looks: on the node it touched,
+            # else on the policy. SetMigration records intent; the planner emits its own Events for those.
+            self._announce(action, policies)
+        return written
+
+    def _announce(self, action: w.Action, policies: dict[str, ProxyPolicy]) -> None:
+        node = getattr(action, "node", None)
+        message = action.message or action.reason
+        if node:
+            self.api.emit_event(kind="Node", name=node, uid=self.node_uids.get(node), namespace=None,
+                                reason=action.reason, message=message, api_version="v1")
+            return
+        policy = policies.get(getattr(action, "policy", "") or "")
+        if policy is not None:
+            self.api.emit_event(kind="ProxyPolicy", name=policy.name, uid=policy.metadata.get("uid"),
+                                namespace=None, reason=action.reason, message=message)
 
     # ---- revisions ----
 
