@@ -14,6 +14,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "status": ("proxyshift.controller.status_view", "main", "show a policy's rollout"),
     "plan": ("proxyshift.controller.plan_view", "main", "show what a policy would do, change nothing"),
     "crds": ("proxyshift.api.crdgen", "main", "generate (or --check) the CRD YAML under crds/"),
+    "restore-baseline": ("proxyshift.controller.restore", "main",
+                         "uninstall: undo the affinity proxyshift added to the baseline kube-proxy"),
     "localcluster": ("proxyshift.localcluster.cli", "main", "the local test cluster: up, down, status"),
 }
 

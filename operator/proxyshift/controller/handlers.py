@@ -273,8 +273,6 @@ async def on_delete(name: str, **kwargs: Any) -> None:
     plan = await step(name, indexes)
     if not any(isinstance(a, w.RemoveFinalizer) for a in plan.actions):
         raise kopf.TemporaryError("reverting nodes before the policy goes away", delay=2)
-    others = [p for p in indexes["policy_index"] if p != name]
-    revisions_left = any(True for _ in indexes["revision_index"])
-    if not others and not revisions_left:
-        # The last policy is gone and no node runs a revision: the baseline gets back its own affinity.
-        await asyncio.to_thread(_state["executor"].undo_baseline_affinity)
+    # The baseline DaemonSet keeps its `proxyshift.io/revision DoesNotExist` affinity: it is inert with no
+    # revision labels, and undoing it would restart every baseline kube-proxy a second time. Uninstalling
+    # applies the inverse recorded on the baseline (docs/migration-guide.md, "Uninstall").
