@@ -126,7 +126,17 @@ class Harness:
         return bool(self.core.read_node(node).spec.unschedulable)
 
     def proxy_mode(self, node: str) -> str:
-        status, body = self.node_http_get(node, "http://127.0.0.1:10249/proxyMode")
+        # kube-proxy may be restarting for a legitimate reason (the baseline DaemonSet rolls once when
+        # proxyshift adds or removes its affinity): give it a few seconds to answer.
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                status, body = self.node_http_get(node, "http://127.0.0.1:10249/proxyMode")
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
         assert status == 200, f"/proxyMode on {node} answered {status}"
         return body.strip()
 

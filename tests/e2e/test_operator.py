@@ -188,9 +188,23 @@ def test_delete_with_revert_returns_nodes_to_baseline(harness: Harness) -> None:
 
     # the revision objects are gone with the policy
 
-    leftovers = [d.metadata.name for d in client.AppsV1Api(h.api_client).list_namespaced_daemon_set(
-        "kube-system").items if d.metadata.name.startswith("kube-proxy-blue-revert")]
+    apps = client.AppsV1Api(h.api_client)
+    leftovers = [d.metadata.name for d in apps.list_namespaced_daemon_set("kube-system").items
+                 if d.metadata.name.startswith("kube-proxy-blue-revert")]
     assert not leftovers, leftovers
+
+    # uninstall: the baseline DaemonSet gets back exactly the affinity it had
+    import subprocess
+    import sys
+
+    kubeconfig = str(h.operator.kubeconfig)
+    done = subprocess.run([sys.executable, "-m", "proxyshift.cli", "restore-baseline", "--kubeconfig", kubeconfig],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    baseline = apps.read_namespaced_daemon_set("kube-proxy", "kube-system")
+    assert baseline.spec.template.spec.affinity is None, baseline.spec.template.spec.affinity
+    assert "proxyshift.io/baseline-affinity-undo" not in (baseline.metadata.annotations or {})
+    h.wait_for(lambda: all(h.kube_proxy_running(n) for n in BLUE + GREEN), 120, "baseline kube-proxy everywhere")
 
 
 @pytest.mark.parametrize("step", ["Preflight", "Switch", "Gate", "Cleanup", "Verify"])
