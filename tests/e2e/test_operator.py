@@ -42,7 +42,7 @@ def _service_answers_everywhere(h: Harness, tcp_probe: Any, service: Any) -> Non
 
 
 def test_blue_iptables_to_nftables_and_back(harness: Harness, test_service: Any, tcp_probe: Any,
-                                            continuous_prober: Any) -> None:
+                                            continuous_prober: Any, cluster: Any) -> None:
     h = harness
     _assert_baseline_everywhere(h)
     _service_answers_everywhere(h, tcp_probe, test_service)
@@ -55,6 +55,9 @@ def test_blue_iptables_to_nftables_and_back(harness: Harness, test_service: Any,
                                             "port": test_service.port}]}))
     h.wait_condition("blue-nft", "Ready", READY_TIMEOUT)
     results = {n: p.stop() for n, p in probers.items()}
+    # what a person or a pipeline runs
+    waited = cluster.kubectl("wait", "--for=condition=Ready", "proxypolicy/blue-nft", "--timeout=30s")
+    assert "condition met" in waited.stdout
 
     for node in BLUE:
         assert h.proxy_mode(node) == "nftables"
