@@ -90,6 +90,11 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.peering.priority = int(os.environ.get("PROXYSHIFT_PEERING_PRIORITY", "0"))
     load_client_config()
     _state["api"] = ClusterAPI()
+    peering = os.environ.get("PROXYSHIFT_PEERING_ACTIVE")
+    if peering:
+        # Replicas find each other through this object; creating it here spares users an ordering
+        # problem (a custom resource applied in the same `kubectl apply` as its CRD is refused).
+        _state["api"].ensure_peering(peering)
     _state["executor"] = Executor(_state["api"])
 
 

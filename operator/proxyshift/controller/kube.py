@@ -136,6 +136,13 @@ class ClusterAPI:
                                                           _content_type=JSON_PATCH)
         return str(patched["metadata"]["resourceVersion"])
 
+    def ensure_peering(self, name: str) -> None:
+        body = {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}}
+        try:
+            self.custom.create_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings", body)
+        except ApiException as exc:
+            _ignore(409, exc)
+
     # ---- policies ----
 
     def patch_policy_status(self, name: str, status: dict[str, Any]) -> None:

@@ -32,6 +32,8 @@ def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig
+    if not args.standalone:
+        os.environ["PROXYSHIFT_PEERING_ACTIVE"] = args.peering
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.metrics_port:
