@@ -192,12 +192,17 @@ def host_snapshot() -> Callable[[Path], dict[str, Any]]:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "localcluster_down: takes the session's local cluster down; runs last")
+    config.addinivalue_line("markers", "needs_free_ports: starts its own control plane on the standard ports; "
+                                       "runs first, before the session's cluster exists")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # The `down` test must see every other test finish first, whatever the file order.
     last = [item for item in items if item.get_closest_marker("localcluster_down")]
-    items[:] = [item for item in items if item not in last] + last
+    # Tests that need the control-plane ports run before the session cluster takes them (in CI the
+    # ports are otherwise free, so such a test never skips there).
+    first = [item for item in items if item.get_closest_marker("needs_free_ports")]
+    items[:] = first + [item for item in items if item not in last and item not in first] + last
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ from kubernetes.client.rest import ApiException
 from proxyshift.commands import run
 from proxyshift.localcluster import baseline, build, controlplane, paths, state
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.needs_free_ports]
 
 PORTS = (paths.ETCD_CLIENT_PORT, paths.ETCD_PEER_PORT, paths.APISERVER_PORT,
          controlplane.CONTROLLER_MANAGER_PORT, controlplane.SCHEDULER_PORT)

@@ -20,6 +20,7 @@ def _ports_free() -> bool:
     return all(controlplane.can_bind(a, p) for a in addresses for p in ports)
 
 
+@pytest.mark.needs_free_ports
 def test_failed_up_is_fully_removed_by_down(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if os.environ.get("PROXYSHIFT_EXTERNAL_CLUSTER") == "1":
         pytest.skip("needs the local binaries")
