@@ -26,7 +26,9 @@ def proxyshift_installed(cluster: Any, kubeconfig: Path) -> Path:
     return kubeconfig
 
 
-@pytest.fixture(scope="session")
+# Module scope: the operator stops at the end of each module, so the session's last test (`down`
+# leaves nothing behind) sees no process of ours.
+@pytest.fixture(scope="module")
 def operator_process(cluster: Any, proxyshift_installed: Path) -> Iterator[install.OperatorProcess]:
     state_dir = cluster.state_dir or Path("/tmp")
     op = install.OperatorProcess(proxyshift_installed, state_dir / "logs" / "operator-e2e.log").start()
