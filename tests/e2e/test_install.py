@@ -65,7 +65,9 @@ def test_config_default_passes_server_side_dry_run(cluster: Any, proxyshift_inst
 def test_roles_grant_exactly_the_documented_permissions(cluster: Any, proxyshift_installed: Path, who: str,
                                                         verb: str, resource: str, namespace: str | None,
                                                         allowed: bool) -> None:
+    resource, _, subresource = resource.partition("/")
     args = ["auth", "can-i", verb, resource, f"--as={who}"]
+    args += [f"--subresource={subresource}"] if subresource else []
     args += ["-n", namespace] if namespace else ["--all-namespaces"] if resource in ("pods", "secrets") else []
     result = kubectl(cluster, *args, check=False)
     answer = result.stdout.strip()

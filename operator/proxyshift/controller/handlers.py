@@ -172,6 +172,15 @@ def baseline_mode(configmap: dict[str, Any] | None) -> str:
         return "iptables"
 
 
+@kopf.on.event("", "v1", "nodes")
+async def node_inventory(name: str, uid: str, type: str, proxynode_index: kopf.Index, **_: Any) -> None:
+    """Every Node gets a ProxyNode, policy or not: its agent reports the node's real mode and kernel,
+    which makes `kubectl get proxynodes` the fleet view and lets `proxyshift plan` predict preflight."""
+    if type == "DELETED" or name in proxynode_index or "api" not in _state:
+        return
+    await asyncio.to_thread(_state["api"].ensure_proxynode, name, uid, {}, replace=False)
+
+
 # ---- the rollout loop ----
 
 
