@@ -70,9 +70,15 @@ def load_client_config() -> None:
 
 @kopf.on.login()
 def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-    """Log in explicitly: a kubeconfig when one is given, else the pod's service account."""
+    """Log in explicitly: a kubeconfig when one is given, else the pod's service account.
+
+    In a pod, the address comes from KUBERNETES_SERVICE_HOST/PORT (as the official client does), not
+    from the name kubernetes.default.svc: it needs no cluster DNS. kopf logs in again on a 401, which
+    picks up the rotated projected token.
+    """
+    load_client_config()
     if in_cluster():
-        return kopf.login_with_service_account(**kwargs)
+        return kopf.login_via_client(**kwargs)
     return kopf.login_with_kubeconfig(**kwargs)
 
 
