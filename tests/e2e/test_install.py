@@ -51,6 +51,17 @@ def kubectl(cluster: Any, *args: str, check: bool = True, timeout: float = 120) 
     return cluster.kubectl(*args, check=check, timeout=timeout)
 
 
+def test_servicemonitor_selects_the_operator_metrics_service() -> None:
+    import yaml
+
+    root = paths.repo_root() / "config"
+    monitor = yaml.safe_load((root / "prometheus" / "servicemonitor.yaml").read_text())
+    service = next(d for d in yaml.safe_load_all((root / "manager" / "deployment.yaml").read_text())
+                   if d["kind"] == "Service")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
+
+
 def test_config_default_passes_server_side_dry_run(cluster: Any, proxyshift_installed: Path) -> None:
     out = kubectl(cluster, "apply", "-k", str(paths.repo_root() / "config" / "default"), "--dry-run=server",
                   "--server-side", "--force-conflicts", "--field-manager=proxyshift-install").stdout
