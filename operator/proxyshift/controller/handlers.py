@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 from typing import Any
 
 import kopf
@@ -93,7 +94,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.networking.request_timeout = 60
-    settings.peering.priority = int(os.environ.get("PROXYSHIFT_PEERING_PRIORITY", "0"))
+    # Replicas of equal priority all pause (kopf treats them as conflicting): a random priority
+    # makes exactly one active, and a standby takes over when its peer's lease lapses.
+    settings.peering.priority = int(os.environ.get("PROXYSHIFT_PEERING_PRIORITY") or random.randint(1, 32767))  # noqa: S311
     load_client_config()
     _state["api"] = ClusterAPI()
     peering = os.environ.get("PROXYSHIFT_PEERING_ACTIVE")
