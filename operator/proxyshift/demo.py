@@ -41,6 +41,17 @@ def ensure_cluster(state_dir: Path) -> controlplane.ClusterInfo:
     return info
 
 
+def wait_until_served(service: workloads.Service, nodes: Sequence[str], timeout: float = 60) -> None:
+    """A new Service is programmed before its EndpointSlice reaches kube-proxy (REJECT meanwhile):
+    start counting only once it answers, so the numbers measure the migration alone."""
+    deadline = time.monotonic() + timeout
+    for node in nodes:
+        while workloads.tcp_probe(node, service.cluster_ip, service.port, 3).failed:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the demo Service {service.cluster_ip}:{service.port} does not answer from {node}")
+            time.sleep(0.5)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="proxyshift-demo", description=__doc__.splitlines()[0])
     parser.add_argument("--timeout", type=float, default=900, help="give up after N seconds of rollout")
@@ -56,6 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     endpoints = workloads.create_endpoints(state_dir, 2, start=201)
     service = workloads.create_services(kubeconfig, endpoints, 1, prefix="demo")[0]
     blue, green = network.node_name(1), network.node_name(3)
+    wait_until_served(service, (blue, green))
     probers = {node: workloads.ContinuousProber(node, service.cluster_ip, service.port).start()
                for node in (blue, green)}
     say(f"continuous TCP probes to {service.cluster_ip}:{service.port} from {blue} (blue) and {green} (green)")
