@@ -22,6 +22,7 @@ from proxyshift.api.proxynode import ProxyNode
 from proxyshift.controller.settings import CONFIG
 from proxyshift.controller.snapshot import current_revisions, node_view, revision_view
 from proxyshift.controller.status_view import load_api
+from proxyshift.planner.advice import advise
 from proxyshift.planner.preview import preview
 from proxyshift.planner.world import World
 from proxyshift.render import LABEL_MANAGED_BY, MANAGED_BY
@@ -101,6 +102,17 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     policy = read_policy(args.filename)
     load_api(args.kubeconfig)
-    print(render_preview(policy, read_world(policy)))
+    world = read_world(policy)
+    print(render_preview(policy, world))
+    tip = advise(*cluster_size(), world.baseline_mode)
+    if tip:
+        print(f"advice: {tip}")
     return 0
+
+
+def cluster_size() -> tuple[int, int]:
+    """(Services, endpoints) of the cluster: what a full kube-proxy sync has to write."""
+    services = kubernetes.client.CoreV1Api().list_service_for_all_namespaces().items
+    slices = kubernetes.client.DiscoveryV1Api().list_endpoint_slice_for_all_namespaces().items
+    return len(services), sum(len(s.endpoints or []) for s in slices)
 
