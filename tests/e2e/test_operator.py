@@ -95,6 +95,22 @@ def test_blue_iptables_to_nftables_and_back(harness: Harness, test_service: Any,
         assert "KUBE-SERVICES" in h.iptables_chains(node)
 
 
+def test_without_cordon_and_drain_the_traffic_count_is_reported(harness: Harness, test_service: Any,
+                                                                tcp_probe: Any, continuous_prober: Any) -> None:
+    h = harness
+    _service_answers_everywhere(h, tcp_probe, test_service)
+    prober = continuous_prober(BLUE[0], test_service.cluster_ip, test_service.port)
+    h.apply(policy("blue-nodrain", "nftables", rollout={"maxUnavailable": 1, "cordon": False, "drain": False}))
+    h.wait_condition("blue-nodrain", "Ready", READY_TIMEOUT)
+    result = prober.stop()
+    print(f"without cordon/drain, traffic from {BLUE[0]}: {result.ok} ok, {result.failed} failed "
+          f"{dict(result.errors)}")
+    assert result.ok > 0
+    assert not any(h.unschedulable(n) for n in BLUE), "nothing was cordoned"
+    start, end = {n: (a, b) for n, a, b in h.migration_windows(BLUE)}[BLUE[0]]
+    assert all(start - 1 <= t <= end + 1 for t, _ in prober.failures), "failures outside the switch window"
+
+
 def test_ipvs_refused_by_preflight_changes_nothing(harness: Harness) -> None:
     h = harness
     labels_before = {n: h.node_labels(n) for n in BLUE}
