@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import proxyshift
 from proxyshift.localcluster import paths
 from proxyshift.localcluster.container import setns
 
@@ -799,6 +800,12 @@ class PodWorker(threading.Thread):
             if source == Path(mount["mountPath"]):
                 continue  # a hostPath at its own path: the container already sees the host's file system
             binds.append(f"{source}:{mount['mountPath']}" + (":ro" if mount.get("readOnly") else ""))
+        if image_kind(container.get("image", "")) == "proxyshift":
+            # The "image" is this checkout's package: a volume over one of its parents (an emptyDir on
+            # /tmp with the checkout under /tmp) would hide it, so bind it back on top, read-only.
+            package = Path(proxyshift.__file__).resolve().parent
+            if any(package.is_relative_to(m["mountPath"]) for m in container.get("volumeMounts") or []):
+                binds.append(f"{package}:{package}:ro")
         return binds
 
     def _start(self, run: ContainerRun) -> None:
