@@ -228,3 +228,13 @@ def test_every_api_step_with_a_reason_leaves_an_event_on_what_it_touched() -> No
     executor.perform(w.SetMigration(node="n1", policy="blue", revision=None, mode=None, scheduler=None,
                                     migration=None, operation=None, reason="Released"), {"blue": policy()})
     assert len([c for c in api.calls if c[0] == "emit_event"]) == 1, "intent records are not announced twice"
+
+
+def test_plan_view_does_not_predict_a_failure_without_inventory() -> None:
+    cm, ds = baseline()
+    p = policy("blue", "nftables")
+    targets, _ = snapshot.current_revisions({"blue": p}, cm, ds)
+    world = w.World(now=datetime.now(UTC), policies={"blue": p}, nodes={"n1": w.NodeView("n1", {"pool": "blue"})},
+                    proxynodes={}, revisions={}, kube_proxy_pods={}, current_revisions=targets)
+    text = plan_view.render_preview(p, world)
+    assert "preflight unknown: no inventory yet" in text and "WILL FAIL" not in text

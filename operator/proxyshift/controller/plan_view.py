@@ -86,7 +86,12 @@ def render_preview(policy: ProxyPolicy, world: World) -> str:
         lines.append(f"stage {stage.stage}: up to {stage.target} nodes updated{pause}")
         for name in stage.nodes:
             problems = stage.preflight_failures.get(name)
-            verdict = "WILL FAIL PREFLIGHT: " + "; ".join(problems) if problems else "ok"
+            if not problems:
+                verdict = "ok"
+            elif all(p.startswith("no inventory yet") for p in problems):
+                verdict = "preflight unknown: " + "; ".join(problems)
+            else:
+                verdict = "WILL FAIL PREFLIGHT: " + "; ".join(problems)
             lines.append(f"  {name:<30} {world.nodes[name].revision or 'baseline':<28} {verdict}")
     conflicts = [n for n, pn in world.proxynodes.items() if pn.spec.policy not in (None, policy.name)
                  and policy.spec.node_selector.matches(world.nodes.get(n).labels if n in world.nodes else {})]
