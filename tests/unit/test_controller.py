@@ -238,3 +238,22 @@ def test_plan_view_does_not_predict_a_failure_without_inventory() -> None:
                     proxynodes={}, revisions={}, kube_proxy_pods={}, current_revisions=targets)
     text = plan_view.render_preview(p, world)
     assert "preflight unknown: no inventory yet" in text and "WILL FAIL" not in text
+
+
+def test_restore_applies_the_recorded_exact_inverse() -> None:
+    import copy
+
+    import jsonpatch
+
+    api = FakeAPI()
+    original = copy.deepcopy(api.ds)
+    executor = ex.Executor(api)  # type: ignore[arg-type]
+    executor.ensure_baseline_affinity(api.ds)
+    forward = next(c[1][1] for c in api.calls if c[0] == "json_patch_daemonset")
+    api.ds = jsonpatch.apply_patch(api.ds, forward.patch)
+    assert api.ds["spec"]["template"]["spec"].get("affinity")
+    executor.undo_baseline_affinity()
+    undo = [c[1][1] for c in api.calls if c[0] == "json_patch_daemonset"][-1]
+    restored = jsonpatch.apply_patch(api.ds, undo.patch)
+    assert restored["spec"] == original["spec"]
+    assert not restored["metadata"].get("annotations"), "the record is removed (an empty map may remain)"

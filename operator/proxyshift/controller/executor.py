@@ -106,10 +106,20 @@ class Executor:
         if ds is None:
             return
         recorded = ((ds.get("metadata") or {}).get("annotations") or {}).get(BASELINE_PATCH_ANNOTATION)
+        forget = [{"op": "remove", "path": _annotation_path(BASELINE_PATCH_ANNOTATION)}] if recorded else []
+        if recorded:
+            # The exact inverse recorded when the affinity was added; it applies only if nobody has
+            # changed the affinity since (its own test operations), else fall back to the live object.
+            exact = jsonpatch.JsonPatch([*json.loads(recorded), *forget])
+            try:
+                exact.apply(ds)
+            except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException):
+                pass
+            else:
+                self.api.json_patch_daemonset(CONFIG.baseline_daemonset, exact)
+                return
         undo = render.undo_baseline_affinity_patch(ds)
-        ops = list(undo.patch) if undo is not None else []
-        if recorded is not None:
-            ops.append({"op": "remove", "path": _annotation_path(BASELINE_PATCH_ANNOTATION)})
+        ops = [*(undo.patch if undo is not None else []), *forget]
         if ops:
             self.api.json_patch_daemonset(CONFIG.baseline_daemonset, jsonpatch.JsonPatch(ops))
 
