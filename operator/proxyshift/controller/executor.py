@@ -57,16 +57,20 @@ class Executor:
         return written
 
     def _announce(self, action: w.Action, policies: dict[str, ProxyPolicy]) -> None:
-        node = getattr(action, "node", None)
-        message = action.message or action.reason
+        self._emit(getattr(action, "node", None), getattr(action, "policy", None), action.reason,
+                   action.message or action.reason, "Normal", policies)
+
+    def _emit(self, node: str | None, policy: str | None, reason: str, message: str, type_: str,
+              policies: dict[str, ProxyPolicy]) -> None:
+        """One Event: on the node when the step touched one, else on the policy (never both: at 5,000
+        nodes Events are most of the operator's writes)."""
         if node:
             self.api.emit_event(kind="Node", name=node, uid=self.node_uids.get(node), namespace=None,
-                                reason=action.reason, message=message, api_version="v1")
-            return
-        policy = policies.get(getattr(action, "policy", "") or "")
-        if policy is not None:
-            self.api.emit_event(kind="ProxyPolicy", name=policy.name, uid=policy.metadata.get("uid"),
-                                namespace=None, reason=action.reason, message=message)
+                                reason=reason, message=message, type_=type_, api_version="v1")
+        elif policy:
+            known = policies.get(policy)
+            self.api.emit_event(kind="ProxyPolicy", name=policy, uid=known.metadata.get("uid") if known else None,
+                                namespace=None, reason=reason, message=message, type_=type_)
 
     # ---- revisions ----
 
@@ -180,14 +184,4 @@ class Executor:
         return None
 
     def _do_Event(self, action: w.Event, policies: dict[str, ProxyPolicy]) -> None:
-        # A node step goes on the node only (the policy's status carries the rollout); one write, not two:
-        # at 5,000 nodes Events are most of the operator's writes.
-        if action.node:
-            self.api.emit_event(kind="Node", name=action.node, uid=self.node_uids.get(action.node),
-                                namespace=None, reason=action.reason, message=action.message,
-                                type_=action.type, api_version="v1")
-            return
-        policy = policies.get(action.policy)
-        uid = policy.metadata.get("uid") if policy else None
-        self.api.emit_event(kind="ProxyPolicy", name=action.policy, uid=uid, namespace=None,
-                            reason=action.reason, message=action.message, type_=action.type)
+        self._emit(action.node, action.policy, action.reason, action.message, action.type, policies)

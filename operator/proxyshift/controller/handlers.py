@@ -205,7 +205,7 @@ async def step(name: str, indexes: dict[str, Any]) -> w.Plan:
     policy = policies.get(name)
     service_ips = await asyncio.to_thread(executor.api.service_ips, policy) if policy else {}
     world = build_world(
-        policies=indexes["policy_index"],
+        policies=policies,
         nodes=indexes["node_index"],
         proxynodes=indexes["proxynode_index"],
         revisions=indexes["revision_index"],

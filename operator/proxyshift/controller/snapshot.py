@@ -106,7 +106,7 @@ def first(store: Iterable[Any] | None) -> Any:
 
 def build_world(
     *,
-    policies: Mapping[str, Iterable[ProxyPolicy]],
+    policies: Mapping[str, ProxyPolicy],
     nodes: Mapping[str, Iterable[NodeView]],
     proxynodes: Mapping[str, Iterable[ProxyNode]],
     revisions: Mapping[str, Iterable[RevisionView]],
@@ -117,7 +117,7 @@ def build_world(
 ) -> World:
     return World(
         now=now or datetime.now(UTC),
-        policies={k: v for k, s in policies.items() if (v := first(s)) is not None},
+        policies=dict(policies),
         nodes={k: v for k, s in nodes.items() if (v := first(s)) is not None},
         proxynodes={k: v for k, s in proxynodes.items() if (v := first(s)) is not None},
         revisions={k: v for k, s in revisions.items() if (v := first(s)) is not None},
