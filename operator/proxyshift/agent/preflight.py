@@ -21,11 +21,9 @@ from typing import Any, Literal
 
 from proxyshift.agent.flush.base import Runner
 from proxyshift.agent.ownership import MODES, Mode
+from proxyshift.api.requirements import IPVS_MIN_IPSET, NFTABLES_MIN_KERNEL, NFTABLES_MIN_NFT
 from proxyshift.commands import CommandError, run
 
-NFTABLES_MIN_KERNEL = (5, 13)
-NFTABLES_MIN_NFT = (1, 0, 1)
-IPVS_MIN_IPSET = (6, 0)
 DEFAULT_IPVS_SCHEDULER = "rr"
 IPVS_SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "dh", "sh", "sed", "nq", "mh", "fo", "ovf", "twos")
 

@@ -11,13 +11,11 @@ from dataclasses import dataclass, field
 
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.api.proxynode import ProxyNode
+from proxyshift.api.requirements import NFTABLES_MIN_KERNEL, NFTABLES_MIN_NFT
 from proxyshift.planner.ordering import node_key
 from proxyshift.planner.ownership import compute_ownership
 from proxyshift.planner.planner import stage_targets
 from proxyshift.planner.world import World
-
-NFTABLES_MIN_KERNEL = (5, 13)
-NFT_MIN_VERSION = (1, 0, 1)
 
 
 @dataclass(frozen=True)
@@ -57,7 +55,7 @@ def predict_preflight(pn: ProxyNode | None, policy: ProxyPolicy) -> list[str]:
         if kernel is None or kernel < NFTABLES_MIN_KERNEL:
             problems.append(f"kernel {pn.status.kernel_release or 'unknown'} is older than 5.13 (nftables needs it)")
         nft = _version(tools.get("nft"), 3)
-        if nft is None or nft < NFT_MIN_VERSION:
+        if nft is None or nft < NFTABLES_MIN_NFT:
             problems.append(f"nft {tools.get('nft') or 'not found'}: nftables mode needs nft >= 1.0.1")
     elif "iptables" not in tools:
         problems.append("iptables not found")
