@@ -159,7 +159,7 @@ CASES: dict[str, tuple[dict[str, Any], str, str]] = {
     "rolling": (live(policy(), summary(updated=2, pending=2, in_flight=[in_flight()])), "Progressing",
                 "1 in flight, 2 pending"),
     "rolled out": (live(policy(), summary(updated=5)), "Healthy", "all 5 selected nodes run nftables"),
-    "empty pool": (live(policy(), summary(selected=0)), "Healthy", "all 0 selected nodes"),
+    "empty pool": (live(policy(), summary(selected=0)), "Healthy", "no node to migrate: it matches no node"),
     "halted after a rollback": (
         live(policy(), summary(updated=2, pending=2, failures=[failure()], halting=[failure()])),
         "Degraded", "rollout halted: node-4 failed"),

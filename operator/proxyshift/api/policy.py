@@ -265,6 +265,12 @@ class ProxyPolicySpec(KubeModel):
     node_selector: LabelSelector = Field(
         description="The pool: nodes whose labels match. {} selects every node."
     )
+    control_plane_nodes: Literal["Skip", "Include"] = Field(
+        default="Skip",
+        description="Skip leaves control-plane nodes (label node-role.kubernetes.io/control-plane or "
+        "node-role.kubernetes.io/master) alone even when the selector matches them, and says so in the "
+        "ControlPlaneSkipped condition; Include migrates them like any other node.",
+    )
     mode: ProxyMode = Field(description="The kube-proxy mode the pool runs: iptables, ipvs or nftables.")
     ipvs: IPVSSettings | None = Field(default=None, description="ipvs mode settings; only with mode: ipvs.")
     iptables: IPTablesSettings | None = Field(
@@ -332,6 +338,9 @@ class NodeCounts(KubeModel):
     pending: int = Field(default=0, description="Nodes still to migrate.")
     failed: int = Field(default=0, description="Nodes that failed or were rolled back.")
     conflicting: int = Field(default=0, description="Selected nodes owned by an older policy.")
+    skipped_control_plane: int = Field(
+        default=0, description="Control-plane nodes the selector matches, left alone (controlPlaneNodes: Skip)."
+    )
 
 
 class ProxyPolicyStatus(KubeModel):
@@ -357,7 +366,7 @@ class ProxyPolicyStatus(KubeModel):
     )
     retry_token: str | None = Field(default=None, description="Last proxyshift.io/retry value acted on.")
     conditions: list[Condition] = Field(default_factory=list, description="Ready, Progressing, Degraded, "
-                                        "Paused and Conflict.")
+                                        "Paused, Conflict and ControlPlaneSkipped.")
     kopf: dict[str, Any] | None = Field(
         default=None,
         description="The operator framework's own bookkeeping (handler progress, last handled spec).",

@@ -345,6 +345,8 @@ def plan(world: World, policy_name: str) -> Plan:
     conflicting = [name for name, own in ctx.ownership.items()
                    if not deleting and policy_name in own.selected_by and own.owner not in (None, policy_name)]
     conflicting.sort(key=lambda n: (node_key(n), n))
+    skipped = sorted((name for name, own in ctx.ownership.items() if not deleting and policy_name in own.skipped_by),
+                     key=lambda n: (node_key(n), n))
     summary = Summary(
         generation=gen,
         revision=current.revision if current else policy.status.current_revision,
@@ -360,6 +362,7 @@ def plan(world: World, policy_name: str) -> Plan:
         rolling_back=rolling_back,
         conflicting=conflicting,
         conflict_owners={n: ctx.ownership[n].owner or "" for n in conflicting[:20]},
+        skipped_control_plane=skipped,
         stage=stage,
         stage_started_at=stage_started,
         retry_token=token,

@@ -18,7 +18,7 @@ LIST_LIMIT = 20  # entries in inFlight, failed and conflictingNodes
 NODE_MESSAGE_LIMIT = 120
 CONDITION_MESSAGE_LIMIT = 400
 NAMES_IN_MESSAGE = 5
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Paused", "Conflict")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Paused", "Conflict", "ControlPlaneSkipped")
 
 
 def clip(text: str | None, limit: int) -> str:
@@ -50,6 +50,7 @@ class Summary:
     rolling_back: int = 0
     conflicting: list[str] = field(default_factory=list)  # in node order
     conflict_owners: dict[str, str] = field(default_factory=dict)
+    skipped_control_plane: list[str] = field(default_factory=list)  # in node order
     stage: int | None = None
     stage_started_at: str | None = None
     retry_token: str | None = None
@@ -94,8 +95,17 @@ def build_status(policy: ProxyPolicy, s: Summary, now: datetime) -> ProxyPolicyS
     halted = bool(s.halting) or s.rolling_back > 0
 
     if complete:
-        ready = set_condition(old, "Ready", True, "NoNodesSelected" if s.selected == 0 else "RolloutComplete",
-                              f"all {s.selected} selected nodes run {s.mode} ({s.revision})", now, gen)
+        if s.selected == 0:
+            # Say why nothing happens: an empty pool is more often a typo in the selector than intended.
+            why = ("its nodes belong to older policies" if s.conflicting else
+                   "it matches only control-plane nodes, which it skips" if s.skipped_control_plane else
+                   "it matches no node")
+            ready = set_condition(old, "Ready", True, "NoNodesSelected",
+                                  f"no node to migrate: {why}; check spec.nodeSelector against the node labels",
+                                  now, gen)
+        else:
+            ready = set_condition(old, "Ready", True, "RolloutComplete",
+                                  f"all {s.selected} selected nodes run {s.mode} ({s.revision})", now, gen)
     else:
         reason = ("Deleting" if s.deleting else "RevisionPending" if s.revision_missing
                   else "RolloutHalted" if halted else "RolloutInProgress")
@@ -141,6 +151,15 @@ def build_status(policy: ProxyPolicy, s: Summary, now: datetime) -> ProxyPolicyS
     else:
         conflict = set_condition(old, "Conflict", False, "NoConflict", "", now, gen)
 
+    if s.skipped_control_plane:
+        skipped = set_condition(
+            old, "ControlPlaneSkipped", True, "ControlPlaneNodesSkipped",
+            f"{len(s.skipped_control_plane)} nodes the selector matches are control-plane nodes and are left "
+            f"alone: {name_list(s.skipped_control_plane)}; set spec.controlPlaneNodes: Include to migrate them",
+            now, gen)
+    else:
+        skipped = set_condition(old, "ControlPlaneSkipped", False, "NoControlPlaneNodes", "", now, gen)
+
     failures = sorted(s.failures, key=lambda f: f.at, reverse=True)[:LIST_LIMIT]
     return ProxyPolicyStatus(
         observed_generation=gen,
@@ -152,20 +171,22 @@ def build_status(policy: ProxyPolicy, s: Summary, now: datetime) -> ProxyPolicyS
         nodes=NodeCounts(
             selected=s.selected, updated=s.updated, in_flight=len(s.in_flight), pending=s.pending,
             failed=len(s.failures), conflicting=len(s.conflicting),
+            skipped_control_plane=len(s.skipped_control_plane),
         ),
         in_flight=[p.model_copy(update={"message": clip(p.message, NODE_MESSAGE_LIMIT)})
                    for p in s.in_flight[:LIST_LIMIT]],
         failed=[f.model_copy(update={"message": clip(f.message, NODE_MESSAGE_LIMIT)}) for f in failures],
         conflicting_nodes=s.conflicting[:LIST_LIMIT],
         retry_token=s.retry_token,
-        conditions=[ready, progressing, degraded, paused, conflict],
+        conditions=[ready, progressing, degraded, paused, conflict, skipped],
     )
 
 
 # (type, status) -> is it a warning; other transitions are not worth an Event.
 _EVENTFUL = {
     ("Ready", "True"): False, ("Degraded", "True"): True, ("Degraded", "False"): False,
-    ("Conflict", "True"): True, ("Paused", "True"): False, ("Paused", "False"): False,
+    ("Conflict", "True"): True, ("ControlPlaneSkipped", "True"): True,
+    ("Paused", "True"): False, ("Paused", "False"): False,
 }
 
 
