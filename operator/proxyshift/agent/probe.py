@@ -55,6 +55,7 @@ class HttpAnswer:
     status: int | None = None
     body: str = ""
     error: str | None = None
+    too_large: bool = False  # the server sent more than the cap: its answer is refused, not merely unread
 
 
 def http_get(address: str, path: str, *, timeout: float = DEFAULT_TIMEOUT,
@@ -80,7 +81,8 @@ def http_get(address: str, path: str, *, timeout: float = DEFAULT_TIMEOUT,
                 break
             size += len(chunk)
             if size > max_bytes:
-                return HttpAnswer(url, resp.status, error=f"GET {url}: answer larger than {max_bytes} bytes")
+                return HttpAnswer(url, resp.status, error=f"GET {url}: answer larger than {max_bytes} bytes",
+                                  too_large=True)
             chunks.append(chunk)
         return HttpAnswer(url, resp.status, b"".join(chunks).decode("utf-8", errors="replace"))
     except (OSError, http.client.HTTPException) as exc:
@@ -110,8 +112,13 @@ def facts_from_probe(result: ProbeResult, now: datetime | None = None) -> KubePr
     """KubeProxyFacts for the status; `error` says what could not be read."""
     errors: list[str] = []
     facts = KubeProxyFacts()
+    # An answer that arrived but cannot be trusted (metrics_invalid) is told apart from one that did not
+    # arrive (error only): the gate fails on the first and waits on the second.
+    invalid: str | None = None
     if result.metrics.error:
         errors.append(result.metrics.error)
+        if result.metrics.too_large:
+            invalid = result.metrics.error
     elif result.metrics.status != 200:
         errors.append(f"GET {result.metrics.url}: HTTP {result.metrics.status}")
     else:
@@ -119,6 +126,7 @@ def facts_from_probe(result: ProbeResult, now: datetime | None = None) -> KubePr
             facts = parse_kube_proxy_metrics(result.metrics.body)
         except MetricsError as exc:
             errors.append(f"{result.metrics.url}: {exc}")
+            invalid = f"{result.metrics.url}: {exc}"
     mode = None
     if result.proxy_mode.error:
         errors.append(result.proxy_mode.error)
@@ -132,6 +140,7 @@ def facts_from_probe(result: ProbeResult, now: datetime | None = None) -> KubePr
         # /healthz answers 503 with a body when unhealthy: that is a status, not a probe error.
         "healthz_status": result.healthz.status,
         "error": "; ".join(errors)[:1024] or None,
+        "metrics_invalid": invalid[:512] if invalid else None,
         "probed_at": when,
     })
 

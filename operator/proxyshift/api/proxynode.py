@@ -100,6 +100,11 @@ class KubeProxyFacts(KubeModel):
         default=None, description="iptables-restore failures plus nftables sync failures, as counted."
     )
     error: str | None = Field(default=None, description="Why the probe could not read kube-proxy, if it failed.")
+    metrics_invalid: str | None = Field(
+        default=None,
+        description="Why kube-proxy's /metrics answer was refused (malformed, oversized, NaN, negative or "
+        "impossible values), if it was. The gate fails on it: a kube-proxy reporting nonsense is not proven.",
+    )
     probed_at: str | None = Field(default=None, description="When the probe ran (RFC 3339).")
 
 

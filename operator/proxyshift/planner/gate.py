@@ -73,6 +73,12 @@ def evaluate_gate(
     """
     if facts is None:
         return GateVerdict("wait", "NoProbeYet", "the agent has not reported kube-proxy facts yet")
+    if facts.metrics_invalid:
+        # kube-proxy answered, with text that is malformed or reports impossible values. The gate runs only
+        # once the new pod is Ready, so this is the new process talking nonsense: waiting would only turn
+        # it into a GateTimeout that hides the cause.
+        return GateVerdict("fail", "InvalidMetrics",
+                           f"kube-proxy's /metrics answer is refused: {facts.metrics_invalid}")
     if facts.error:
         return GateVerdict("wait", "KubeProxyUnreachable", f"the agent could not read kube-proxy: {facts.error}")
 
