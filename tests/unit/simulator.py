@@ -80,6 +80,7 @@ class Faults:
     wrong_mode: set[tuple[str, str]] = field(default_factory=set)  # (node, mode): reports another mode
     sync_failures: set[tuple[str, str]] = field(default_factory=set)
     cleanup_fail: set[str] = field(default_factory=set)
+    hold_fail: set[str] = field(default_factory=set)  # the agent's rule hold fails (the switch goes on)
     agent_dead: set[str] = field(default_factory=set)
     no_connect: set[str] = field(default_factory=set)
 
@@ -315,6 +316,8 @@ class Sim:
         state, message, details = "Succeeded", "ok", {}
         if op.type == "Preflight" and name in self.faults.preflight_fail:
             state, message = "Failed", f"kernel module ip_vs_{op.params.get('scheduler') or 'rr'} missing"
+        elif op.type == "Hold" and name in self.faults.hold_fail:
+            state, message = "Failed", "iptables-restore: exit status 4"
         elif op.type == "Cleanup" and name in self.faults.cleanup_fail:
             state, message = "Failed", "iptables-restore: exit status 1"
         elif op.type == "Probe":

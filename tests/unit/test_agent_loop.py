@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from proxyshift.agent.flush.base import FlushReport, FlushStep
+from proxyshift.agent.hold import HoldReport
 from proxyshift.agent.inventory import ChainInventory, Inventory
 from proxyshift.agent.loop import P99_ABOVE_BUCKETS, Agent, AgentConfig, parse_args
 from proxyshift.agent.preflight import Missing, PreflightReport, ToolVersions
@@ -69,8 +70,35 @@ IPT_LEFT = Inventory(iptables=[ChainInventory("iptables (ipv4, nft backend)",
 CLEAN = Inventory(nft_tables=[("ip", "kube-proxy")])
 
 
-def make_agent(api, *, inventory=CLEAN, facts=FACTS, flush_calls=None, preflight=None):
+class FakeHold:
+    """The node's rule hold as the agent's seams see it (agent/hold.py does the kernel side)."""
+
+    def __init__(self, present: bool = False, fail: bool = False):
+        self.present, self.fail = present, fail
+        self.calls: list[str] = []
+
+    def install(self, from_mode: str) -> HoldReport:
+        self.calls.append(f"install {from_mode}")
+        report = HoldReport("install")
+        if self.fail:
+            report.errors.append("iptables-restore: exit status 4")
+        else:
+            self.present = True
+            report.done.append("iptables (ipv4, nft backend): 9 chains, 20 rules copied")
+        return report
+
+    def release(self) -> HoldReport:
+        self.calls.append("release")
+        report = HoldReport("release")
+        if self.present:
+            report.done.append("9 chains removed")
+        self.present = False
+        return report
+
+
+def make_agent(api, *, inventory=CLEAN, facts=FACTS, flush_calls=None, preflight=None, hold=None):
     calls = flush_calls if flush_calls is not None else []
+    held = hold if hold is not None else FakeHold()
 
     def flush_fn(remove, target):
         calls.append((remove, target))
@@ -88,7 +116,8 @@ def make_agent(api, *, inventory=CLEAN, facts=FACTS, flush_calls=None, preflight
     return Agent(AgentConfig(node="n1"), api, clock=Clock(), probe_fn=lambda: facts,
                  inventory_fn=lambda: inventory, flush_fn=flush_fn, preflight_fn=preflight_fn,
                  connect_fn=lambda targets: {t: (True if t.endswith(":443") else "connection refused")
-                                             for t in targets})
+                                             for t in targets},
+                 hold_fn=held.install, release_fn=held.release, present_fn=lambda: held.present)
 
 
 def test_cleanup_runs_once_and_records_running_before_the_flush():
@@ -319,3 +348,83 @@ def test_the_watch_loop_gets_once_then_follows_resource_versions_and_gets_again_
     thread.join(timeout=20)
     assert calls == [("get",), ("watch", "1"), ("watch", "7"), ("get",), ("watch", "1")]
     assert events.qsize() == 3
+
+
+# ---- rule hold ----
+
+def hold_op(n: int = 0) -> dict[str, Any]:
+    return {"id": f"m1.Hold.{n}", "type": "Hold",
+            "params": {"fromMode": "iptables", "toMode": "nftables", "ttlSeconds": 300}}
+
+
+OLD_PROXY = FACTS.model_copy(update={"proxy_mode": "iptables"})
+NEW_STARTED = FACTS.model_copy(update={"process_start_time": 1.8e9, "last_sync_timestamp": 0.0})
+NEW_SYNCED = FACTS.model_copy(update={"process_start_time": 1.8e9, "last_sync_timestamp": 1.8e9 + 1})
+
+
+def test_hold_copies_the_old_rules_and_goes_once_a_new_kube_proxy_has_synced():
+    api, hold = FakeAPI(node_obj(hold_op())), FakeHold()
+    seen = [OLD_PROXY]
+    agent = make_agent(api, hold=hold)
+    agent.probe_fn = lambda: seen[0]
+    agent.handle(api.get("n1"))
+    last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last.state == "Succeeded" and "9 chains, 20 rules copied" in last.message
+    assert hold.calls == ["install iptables"] and hold.present
+    # The old kube-proxy syncing again is not a reason to let go: it is about to be replaced.
+    agent.observe(inventory=False)
+    seen[0] = NEW_STARTED           # the new one runs, has not synced yet
+    agent.observe(inventory=False)
+    assert hold.present and agent.hold is not None
+    seen[0] = NEW_SYNCED
+    agent.observe(inventory=False)
+    assert not hold.present and agent.hold is None and hold.calls[-1] == "release"
+
+
+def test_a_hold_never_outlives_its_time_to_live():
+    api, hold = FakeAPI(node_obj(hold_op())), FakeHold()
+    agent = make_agent(api, hold=hold, facts=OLD_PROXY)
+    agent.handle(api.get("n1"))
+    agent.clock.t += 299
+    agent.observe(inventory=False)
+    assert hold.present
+    agent.clock.t += 2
+    agent.observe(inventory=False)
+    assert not hold.present and agent.hold is None
+
+
+def test_a_failed_hold_is_reported_failed_and_nothing_is_recorded():
+    api, hold = FakeAPI(node_obj(hold_op())), FakeHold(fail=True)
+    agent = make_agent(api, hold=hold, facts=OLD_PROXY)
+    agent.handle(api.get("n1"))
+    last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last.state == "Failed" and "exit status 4" in last.message and agent.hold is None
+
+
+def test_no_hold_between_modes_kube_proxy_does_not_clean_up():
+    op = {"id": "m1.Hold.0", "type": "Hold", "params": {"fromMode": "iptables", "toMode": "ipvs"}}
+    api, hold = FakeAPI(node_obj(op)), FakeHold()
+    make_agent(api, hold=hold).handle(api.get("n1"))
+    last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last.state == "Succeeded" and "no rule hold needed" in last.message and hold.calls == []
+
+
+def test_cleanup_releases_the_hold_with_the_flush():
+    api, hold = FakeAPI(node_obj({"id": "m1.Cleanup.0", "type": "Cleanup",
+                                  "params": {"removeModes": ["iptables"], "targetMode": "nftables"}})),\
+        FakeHold(present=True)
+    agent = make_agent(api, hold=hold, facts=OLD_PROXY)
+    agent._hold_checked = True  # the agent has not seen it: the cleanup removes it all the same
+    agent.handle(api.get("n1"))
+    last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last.state == "Succeeded" and "9 chains removed" in last.message and not hold.present
+
+
+def test_a_hold_left_by_an_earlier_agent_goes_once_kube_proxy_has_synced():
+    hold = FakeHold(present=True)
+    agent = make_agent(FakeAPI(node_obj()), hold=hold, facts=NEW_STARTED)
+    agent.observe(inventory=False)
+    assert hold.present and agent.hold is not None  # found, kept while kube-proxy has not synced
+    agent.probe_fn = lambda: NEW_SYNCED
+    agent.observe(inventory=False)
+    assert not hold.present and hold.calls == ["release"]

@@ -23,6 +23,7 @@ from proxyshift.planner.timeutil import fmt
 from proxyshift.planner.world import (
     Cordon,
     Drain,
+    Event,
     KubeProxyPodView,
     NodeView,
     SetMigration,
@@ -100,13 +101,55 @@ def test_preflight_waits_then_switches_intent_first() -> None:
     m = mig("Preflight")
     op = Operation(id=f"{REV}.1.0.Preflight.0", type="Preflight")
     assert machine.step(inp(m, op=op)).actions == []
-    step = machine.step(inp(m, op=op, last=done(op)))
+    step = machine.step(inp(m, op=op, last=done(op), rollout={"holdRules": False}))
     assert step.phase == "Switch"
     kinds = [type(a) for a in step.actions]
     # The record goes first: after a crash between the two, the phase says "re-label".
     assert kinds.index(SetMigration) < kinds.index(SetRevisionLabel)
     label = next(a for a in step.actions if isinstance(a, SetRevisionLabel))
     assert label.revision == REV
+
+
+def test_iptables_to_nftables_holds_the_old_rules_before_the_label_moves() -> None:
+    m = mig("Preflight")
+    op = Operation(id=f"{REV}.1.0.Preflight.0", type="Preflight")
+    step = machine.step(inp(m, op=op, last=done(op)))
+    # Intent and the hold request in one write; the label waits for the agent's answer.
+    assert step.phase == "Switch" and [type(a) for a in step.actions] == [SetMigration]
+    hold = writes(step)[0].operation
+    assert hold.type == "Hold" and hold.id == f"{REV}.1.0.Hold.0"
+    assert hold.params["fromMode"] == "iptables" and hold.params["toMode"] == "nftables"
+    assert hold.params["ttlSeconds"] >= 2 * 120  # outlives the gate, bounded
+    switching = writes(step)[0].migration
+    assert machine.step(inp(switching, op=hold)).actions == []  # agent not done yet: wait
+    running = done(hold, "Running")
+    assert machine.step(inp(switching, op=hold, last=running)).actions == []
+    moved = machine.step(inp(switching, op=hold, last=done(hold, message="25 chains copied")))
+    assert [type(a) for a in moved.actions] == [SetRevisionLabel, Event] and moved.phase == "Switch"
+    assert "25 chains copied" in next(a for a in moved.actions if isinstance(a, Event)).message
+
+
+def test_a_failed_or_unanswered_hold_does_not_stop_the_switch() -> None:
+    m = mig("Switch")
+    hold = Operation(id=f"{REV}.1.0.Hold.0", type="Hold")
+    failed = machine.step(inp(m, op=hold, last=done(hold, "Failed", "iptables-restore: exit 4")))
+    kinds = [type(a) for a in failed.actions]
+    assert SetRevisionLabel in kinds and failed.phase == "Switch"
+    warning = [a for a in failed.actions if isinstance(a, Event) and a.reason == "RuleHoldSkipped"]
+    assert warning and warning[0].type == "Warning" and "exit 4" in warning[0].message
+    silent = machine.step(inp(m, op=hold, now_plus=machine.HOLD_WAIT_SECONDS + 1))
+    assert SetRevisionLabel in [type(a) for a in silent.actions]
+    assert machine.step(inp(m, op=hold, now_plus=machine.HOLD_WAIT_SECONDS - 1)).actions == []
+
+
+def test_no_hold_where_kube_proxy_keeps_the_old_rules_or_when_turned_off() -> None:
+    op = Operation(id=f"{REV}.1.0.Preflight.0", type="Preflight")
+    for m, rollout in [(mig("Preflight", from_mode="iptables", to_mode="ipvs"), {}),
+                       (mig("Preflight", from_mode="ipvs", to_mode="nftables"), {}),
+                       (mig("Preflight"), {"holdRules": False})]:
+        step = machine.step(inp(m, op=op, last=done(op), rollout=rollout))
+        assert SetRevisionLabel in [type(a) for a in step.actions], (m.from_mode, m.to_mode, rollout)
+        assert writes(step)[0].operation is None
 
 
 def test_preflight_failure_touches_nothing() -> None:
@@ -138,7 +181,8 @@ def test_cordon_only_when_schedulable_and_drain_before_switch() -> None:
     cordoned = mig("Cordon", cordoned_by_us=True)
     step = machine.step(inp(cordoned, unschedulable=True, rollout={"cordon": True, "drain": True}))
     kinds = [type(a) for a in step.actions]
-    assert kinds[0] is Drain and SetRevisionLabel in kinds and step.phase == "Switch"
+    assert kinds[0] is Drain and step.phase == "Switch"
+    assert writes(step)[0].operation is not None and writes(step)[0].operation.type == "Hold"
 
 
 def test_switch_waits_for_old_pod_gone_and_new_pod_ready() -> None:

@@ -67,6 +67,7 @@ def faults_for(draw: st.DrawFn, nodes: list[str]) -> Faults:
         wrong_mode={(n, "nftables") for n in draw(some)},
         sync_failures={(n, draw(modes)) for n in draw(some)},
         cleanup_fail=draw(some),
+        hold_fail=draw(some),
         agent_dead=draw(st.sets(st.sampled_from(nodes), max_size=1)),
     )
 

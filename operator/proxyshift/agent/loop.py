@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from proxyshift.agent import flush as flush_mod
+from proxyshift.agent import hold as hold_mod
 from proxyshift.agent import inventory as inventory_mod
 from proxyshift.agent import preflight as preflight_mod
 from proxyshift.agent import probe as probe_mod
@@ -120,6 +121,22 @@ def operation_patch(op: OperationStatus) -> dict[str, Any]:
     return data
 
 
+@dataclass(frozen=True)
+class HoldRecord:
+    """A rule hold this agent knows of (agent/hold.py), and when it may go."""
+
+    from_mode: str | None
+    to_mode: str | None
+    # process_start_time of the kube-proxy that ran when the hold was made: a hold is no longer
+    # needed once a different kube-proxy process has synced. None: unknown (found after a restart).
+    kube_proxy_start: float | None
+    expires: float  # agent clock; a hold never outlives this, synced or not
+
+
+# A hold found on the node by a restarted agent: released at the first synced kube-proxy, or after this.
+ORPHAN_HOLD_TTL = 120.0
+
+
 @dataclass
 class AgentConfig:
     node: str
@@ -145,6 +162,11 @@ class Agent:
     flush_fn: Callable[[list[str], str | None], flush_mod.FlushReport] | None = None
     preflight_fn: Callable[..., preflight_mod.PreflightReport] | None = None
     connect_fn: Callable[[list[str]], dict[str, bool | str]] = probe_mod.tcp_connect
+    hold_fn: Callable[[str], hold_mod.HoldReport] | None = None
+    release_fn: Callable[[], hold_mod.HoldReport] | None = None
+    present_fn: Callable[[], bool] | None = None
+    hold: HoldRecord | None = None
+    _hold_checked: bool = False
     facts: KubeProxyFacts | None = None
     inventory: inventory_mod.Inventory | None = None
     _started: set[str] = field(default_factory=set)
@@ -174,6 +196,38 @@ class Agent:
             return self.flush_fn(remove, target)
         return flush_mod.flush(remove, target, proc_root=self.cfg.proc_root)
 
+    def _install_hold(self, from_mode: str) -> hold_mod.HoldReport:
+        return self.hold_fn(from_mode) if self.hold_fn is not None else hold_mod.install(from_mode)
+
+    def _release_hold(self) -> hold_mod.HoldReport:
+        report = self.release_fn() if self.release_fn is not None else hold_mod.release()
+        if report.ok:
+            self.hold = None
+        return report
+
+    def _maybe_release_hold(self) -> None:
+        """Drop the hold once a new kube-proxy has programmed its rules, or when its time is up."""
+        if self.hold is None:
+            if self._hold_checked:
+                return
+            self._hold_checked = True
+            present = self.present_fn() if self.present_fn is not None else hold_mod.present()
+            if not present:
+                return
+            log.warning("found a rule hold left by an earlier agent; it goes once kube-proxy has synced")
+            self.hold = HoldRecord(None, None, None, self.clock() + ORPHAN_HOLD_TTL)
+        facts, held = self.facts, self.hold
+        synced = (facts is not None and facts.process_start_time is not None
+                  and facts.last_sync_timestamp is not None and facts.proxy_mode in MODES
+                  and facts.process_start_time != held.kube_proxy_start
+                  and facts.last_sync_timestamp >= facts.process_start_time)
+        expired = self.clock() >= held.expires
+        if not (synced or expired):
+            return
+        why = f"kube-proxy ({facts.proxy_mode if facts else '?'}) has synced" if synced else "its time ran out"
+        report = self._release_hold()
+        (log.info if report.ok else log.error)("%s (%s)", report.message(), why)
+
     def _preflight(self, mode: str, **kw: Any) -> preflight_mod.PreflightReport:
         fn = self.preflight_fn or preflight_mod.check
         return fn(mode, kw.pop("scheduler", None), proc_root=self.cfg.proc_root, sys_root=self.cfg.sys_root,
@@ -194,6 +248,7 @@ class Agent:
         if inventory or self.inventory is None:
             self.inventory = self._inventory()
             self._last_inventory = self.clock()
+        self._maybe_release_hold()
         mode = self.facts.proxy_mode if self.facts.proxy_mode in MODES else None
         return {
             "observedMode": mode,
@@ -246,6 +301,8 @@ class Agent:
                 return self._run_preflight(op, started)
             if op.type == "Cleanup":
                 return self._run_cleanup(op, started)
+            if op.type == "Hold":
+                return self._run_hold(op, started)
             return self._run_probe(op, started)
         except Exception as exc:  # an operation must always end in a report, never a dead agent
             log.exception("operation %s failed", op.id)
@@ -282,9 +339,26 @@ class Agent:
 
     def _run_cleanup(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
         remove, target = self._cleanup_args(op)
+        # The hold is a copy of stale rules too: a cleanup never leaves it behind.
+        released = self._release_hold()
         report = self._flush(remove, target)
         extra = self.observe(inventory=True)
-        return self._done(op, started, report.ok, report.message(), report.details()), extra
+        message = report.message() + (f" | {released.message()}" if released.changed or not released.ok else "")
+        details = {**report.details(), "hold": released.message()}
+        return self._done(op, started, report.ok and released.ok, message, details), extra
+
+    def _run_hold(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
+        """Copy the old mode's service rules so they outlive the new kube-proxy's startup cleanup."""
+        from_mode, to_mode = str(op.params.get("fromMode") or ""), str(op.params.get("toMode") or "")
+        ttl = float(op.params.get("ttlSeconds") or 600)
+        if not hold_mod.hold_applies(from_mode, to_mode):
+            return self._done(op, started, True, f"no rule hold needed for {from_mode} -> {to_mode}"), {}
+        facts = self._probe()  # the kube-proxy running now: the hold goes when a different one has synced
+        report = self._install_hold(from_mode)
+        if report.changed:
+            self.hold = HoldRecord(from_mode, to_mode, facts.process_start_time, self.clock() + ttl)
+            self._hold_checked = True
+        return self._done(op, started, report.ok, report.message()), {}
 
     def _run_probe(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
         extra = self.observe(inventory=False)
@@ -305,7 +379,8 @@ class Agent:
         log.warning("operation %s (%s) was left Running by a previous agent", op.id, op.type)
         started = last.get("startedAt") or now_rfc3339(self.clock)
         if op.type != "Cleanup":
-            # Preflight and Probe change nothing on the node: simply run them now.
+            # Preflight and Probe change nothing on the node, and a Hold replaces any older hold:
+            # simply run them now.
             result, extra = self._execute(op, started)
             self._send_result({**extra, "lastOperation": operation_patch(result)})
             return

@@ -167,6 +167,13 @@ class RolloutSettings(KubeModel):
     drain: bool = Field(
         default=False, description="Evict pods (respecting PodDisruptionBudgets) before the switch; needs cordon."
     )
+    hold_rules: bool = Field(
+        default=True,
+        description="Between iptables and nftables: before the switch the agent copies the old mode's service "
+        "rules under proxyshift's names, so connections the node itself opens keep working while the new "
+        "kube-proxy, which deletes the old mode's rules when it starts, has not synced yet. Released as soon as "
+        "the new kube-proxy has synced, and by the cleanup.",
+    )
     paused: bool = Field(
         default=False, description="Start no new node while true; nodes in flight finish their step sequence."
     )

@@ -13,18 +13,18 @@ from pydantic import Field
 
 from proxyshift.api.common import KubeModel
 
-OperationType = Literal["Preflight", "Cleanup", "Probe"]
+OperationType = Literal["Preflight", "Hold", "Cleanup", "Probe"]
 
 
 class Operation(KubeModel):
     """A request from the operator to the agent, executed at most once per id."""
 
     id: str = Field(description="Unique id; the agent runs each id once and reports it in status.lastOperation.")
-    type: OperationType = Field(description="Preflight, Cleanup or Probe.")
+    type: OperationType = Field(description="Preflight, Hold, Cleanup or Probe.")
     params: dict[str, Any] = Field(
         default_factory=dict,
         description="Operation parameters: mode, scheduler, loadModules, extraModules (Preflight); "
-        "removeModes, targetMode (Cleanup); services as ip:port (Probe).",
+        "fromMode, toMode, ttlSeconds (Hold); removeModes, targetMode (Cleanup); services as ip:port (Probe).",
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
     )
 
@@ -122,7 +122,7 @@ class OperationStatus(KubeModel):
     model_config = KubeModel.model_config | {"extra": "ignore"}
 
     id: str = Field(description="Id of the operation (spec.operation.id).")
-    type: str = Field(description="Preflight, Cleanup or Probe.")
+    type: str = Field(description="Preflight, Hold, Cleanup or Probe.")
     state: Literal["Running", "Succeeded", "Failed"] = Field(description="Running, Succeeded or Failed.")
     message: str = Field(default="", description="Result for a person: what passed, what is missing.")
     started_at: str | None = Field(default=None, description="RFC 3339.")

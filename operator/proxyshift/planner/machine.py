@@ -49,6 +49,7 @@ ALL_MODES = ("iptables", "ipvs", "nftables")
 POLL_SECONDS = 2.0  # how soon to look again while waiting for the agent or a pod
 PROBE_INTERVAL_SECONDS = 3.0  # gap between two gate probes of the same node
 CRASHLOOP_RESTARTS = 3  # a new kube-proxy pod restarting this often is not going to come up
+HOLD_WAIT_SECONDS = 20.0  # how long the switch waits for the agent's rule hold before going without
 MESSAGE_LIMIT = 400  # agent messages are copied into API objects: keep them bounded
 
 
@@ -362,11 +363,33 @@ def _cordon(inp: NodeInput, m: NodeMigration) -> Step:
     return Step(actions + nxt.actions, nxt.phase, nxt.message, nxt.requeue_after)
 
 
+def holds_rules(inp: NodeInput, m: NodeMigration) -> bool:
+    """Whether the switch first asks the agent for a rule hold (agent/hold.py): only iptables <-> nftables,
+    where the new kube-proxy deletes the old mode's rules before it has programmed its own."""
+    return inp.spec.rollout.hold_rules and {m.from_mode, m.to_mode} == {"iptables", "nftables"}
+
+
+def _hold_op(inp: NodeInput, m: NodeMigration) -> Operation:
+    # A hold outlives the gate by a margin, never the whole rollout: it is a copy that goes stale.
+    ttl = int(_timeout(inp).total_seconds() * 2 + HOLD_WAIT_SECONDS)
+    return Operation(id=op_id(m, "Hold", 0), type="Hold",
+                     params={"fromMode": m.from_mode, "toMode": m.to_mode, "ttlSeconds": ttl})
+
+
 def _enter_switch(inp: NodeInput, m: NodeMigration, why: str) -> Step:
     nxt = _enter(inp, m, "Switch", switched_at=fmt(inp.now))
+    if holds_rules(inp, m):
+        # The label moves once the agent has answered: a hold made after the new kube-proxy
+        # started would copy nothing.
+        return Step([_forward_write(inp, nxt, _hold_op(inp, nxt))], "Switch", "holding the old rules",
+                    POLL_SECONDS)
+    step = _move_label(inp, nxt, why)
+    return Step([_forward_write(inp, nxt, None), *step.actions], step.phase, step.message, step.requeue_after)
+
+
+def _move_label(inp: NodeInput, m: NodeMigration, why: str) -> Step:
     return Step(
         [
-            _forward_write(inp, nxt, None),
             SetRevisionLabel(node=inp.node.name, revision=m.to_revision, reason="Switching"),
             _event(inp, "Switching", f"{why}; moving the node to {daemonset_for(m.to_revision)}"),
         ],
@@ -376,8 +399,32 @@ def _enter_switch(inp: NodeInput, m: NodeMigration, why: str) -> Step:
     )
 
 
+def _switch_hold(inp: NodeInput, m: NodeMigration) -> Step | None:
+    """While the hold is asked for and not answered: the step that waits for it (None: go on)."""
+    op = inp.proxynode.spec.operation
+    if not holds_rules(inp, m) or op is None or not op.id.startswith(op_prefix(m, "Hold")):
+        return None
+    res = _result(inp, op)
+    if res is not None and res.state == "Succeeded":
+        return _move_label(inp, m, f"rules held ({clip(res.message)})")
+    waited = seconds_since(m.phase_since, inp.now) or 0.0
+    failed = res is not None and res.state == "Failed"
+    if failed or waited >= HOLD_WAIT_SECONDS:
+        # A missing hold costs at most the connections the node opens while kube-proxy starts:
+        # not a reason to stop a migration that passed preflight.
+        why = f"the rule hold failed ({clip(res.message if res else '')})" if failed \
+            else f"the agent did not answer the rule hold within {HOLD_WAIT_SECONDS:.0f}s"
+        step = _move_label(inp, m, f"{why}; switching without it")
+        return Step([*step.actions, _event(inp, "RuleHoldSkipped", why, warning=True)], step.phase, step.message,
+                    step.requeue_after)
+    return _wait("Switch", "waiting for the agent's rule hold", POLL_SECONDS)
+
+
 def _switch(inp: NodeInput, m: NodeMigration) -> Step:
     if inp.node.revision != m.to_revision:
+        held = _switch_hold(inp, m)
+        if held is not None:
+            return held
         return Step([SetRevisionLabel(node=inp.node.name, revision=m.to_revision, reason="Switching")],
                     "Switch", "moving the revision label", POLL_SECONDS)
     done, waiting, pod = _pod_swap(inp, m.from_revision, m.to_revision)

@@ -1,0 +1,247 @@
+"""Rule hold: the old mode's service rules, kept under proxyshift's names while the new kube-proxy starts.
+
+Why it exists: a kube-proxy that starts in nftables mode deletes iptables mode's
+rules, and one that starts in iptables mode deletes the `kube-proxy` nft tables
+(platformCleanup in cmd/kube-proxy/app/server_linux.go, v1.37), before its
+informers have synced and its first sync has programmed anything. Between that
+cleanup and the first sync a ClusterIP has no DNAT on the node: a connection the
+node itself opens (host-network clients, which cordon and drain cannot move)
+sends its SYN to an address nobody answers, and conntrack pins that un-NATed
+flow, so even the retransmitted SYN fails.
+
+The hold is a copy of the old mode's service rules under names kube-proxy's
+cleanup does not know, installed just before the switch:
+
+- iptables -> nftables: every kube-proxy chain of the nat table (KUBE-SERVICES,
+  KUBE-SVC-*, KUBE-SEP-*, KUBE-MARK-MASQ, KUBE-POSTROUTING, ...) copied as
+  PSHOLD-*, with the jumps from PREROUTING/OUTPUT/POSTROUTING pointing at the
+  copies.
+- nftables -> iptables: the `kube-proxy` tables copied whole as `proxyshift-hold`
+  tables (the text form of a table names its chains, sets and maps relative to
+  the table, so only the table's own name changes).
+
+Both copies DNAT exactly like the rules they were copied from. When both a
+copy and kube-proxy's new rules exist, the first NAT rule a new connection meets
+binds it and the kernel skips the other NAT chains of that hook, so they cannot
+fight. The hold is released as soon as a new kube-proxy process has completed a
+sync (the agent watches that through its probe), by every Cleanup, and at the
+latest when its time to live runs out: a copy left longer would DNAT to
+endpoints that may have gone.
+
+ipvs mode is not held: its virtual servers live in the IPVS table, not in rules
+that can be renamed. ipvs <-> iptables needs no hold (kube-proxy keeps the
+shared chains and does not clean the other of the two up at start).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from proxyshift.agent.flush.base import Runner
+from proxyshift.agent.flush.iptables import CHAIN_BATCH, IptablesTool, TablePlan, available_tools, render_restore
+from proxyshift.agent.flush.nftables import list_tables, render_delete
+from proxyshift.agent.iptables_save import BUILTIN_CHAINS, Dump, Rule, parse
+from proxyshift.agent.ownership import NFT_TABLES, iptables_chain_modes
+from proxyshift.commands import CommandError, run
+
+HOLD_CHAIN_PREFIX = "PSHOLD-"
+KUBE_PREFIX = "KUBE-"
+NFT_HOLD_TABLE = "proxyshift-hold"
+# Chains that only mark kube-proxy's presence or are long obsolete: nothing to keep.
+_NOT_HELD = frozenset({"KUBE-PROXY-CANARY", "KUBE-MARK-DROP"})
+SAVE_TIMEOUT = 120.0
+RESTORE_TIMEOUT = 300.0
+
+
+def hold_applies(from_mode: str | None, to_mode: str | None) -> bool:
+    """Whether the new kube-proxy's start deletes rules a hold can keep: iptables <-> nftables."""
+    return {from_mode, to_mode} == {"iptables", "nftables"}
+
+
+def held_name(chain: str) -> str:
+    """KUBE-SVC-ABC -> PSHOLD-SVC-ABC (28 characters at most, iptables' limit, for kube-proxy's names)."""
+    return HOLD_CHAIN_PREFIX + chain.removeprefix(KUBE_PREFIX)
+
+
+def _retarget(rule: Rule, renames: dict[str, str]) -> str:
+    """The rule's spec with its jump target renamed (the target is the last -j/-g of the line)."""
+    assert rule.target is not None
+    spec = rule.spec
+    for flag in ("-j", "-g"):
+        needle = f"{flag} {rule.target}"
+        at = spec.rfind(needle)
+        end = at + len(needle)
+        if at >= 0 and (at == 0 or spec[at - 1] == " ") and (end == len(spec) or spec[end] == " "):
+            return f"{spec[:at]}{flag} {renames[rule.target]}{spec[end:]}"
+    raise ValueError(f"cannot find the jump to {rule.target} in {rule.line!r}")
+
+
+def plan_iptables_hold(dump: Dump) -> tuple[list[str], list[str], list[str]]:
+    """Pure: (chain declarations, rules of the copies, hook jumps) copying kube-proxy's nat chains.
+
+    Empty when the dump has no iptables-mode nat chain (nothing to hold).
+    """
+    nat = dump.tables.get("nat")
+    if nat is None:
+        return [], [], []
+    owned = [c for c in nat.user_defined()
+             if c not in _NOT_HELD and "iptables" in iptables_chain_modes("nat", c)]
+    if not owned:
+        return [], [], []
+    renames = {c: held_name(c) for c in owned}
+    declare = [f":{renames[c]} - [0:0]" for c in owned]
+    rules: list[str] = []
+    hooks: list[str] = []
+    for rule in nat.rules:
+        if rule.chain in renames:
+            spec = _retarget(rule, renames) if rule.target in renames else rule.spec
+            rules.append(f"-A {renames[rule.chain]} {spec}")
+        elif rule.chain in BUILTIN_CHAINS and rule.target in renames:
+            hooks.append(f"-A {rule.chain} {_retarget(rule, renames)}")
+    return declare, rules, hooks
+
+
+def render_iptables_hold(declare: list[str], rules: list[str], hooks: list[str], *,
+                         batch: int = CHAIN_BATCH) -> str:
+    """iptables-restore --noflush input: the copies first, the hook jumps that make them live last.
+
+    Until the last block commits no packet reaches a copy, so blocks of `batch`
+    lines keep a large table fast (see flush/iptables.py) without a half-made hold
+    ever seeing traffic.
+    """
+    out: list[str] = []
+    for lines in (declare, rules):
+        for i in range(0, len(lines), batch):
+            out += ["*nat", *lines[i:i + batch], "COMMIT"]
+    if hooks:
+        out += ["*nat", *hooks, "COMMIT"]
+    return "\n".join(out) + "\n" if out else ""
+
+
+def plan_iptables_release(dump: Dump) -> list[TablePlan]:
+    """Pure: the hold chains and the rules that jump into them (any table, though only nat is used)."""
+    plans = []
+    for table in dump.tables.values():
+        chains = [c for c in table.user_defined() if c.startswith(HOLD_CHAIN_PREFIX)]
+        if not chains:
+            continue
+        doomed = set(chains)
+        jumps = [r for r in table.rules if r.chain not in doomed and r.target in doomed]
+        plans.append(TablePlan(table.name, chains, jumps))
+    return plans
+
+
+def nft_hold_text(family: str, listed: str) -> str:
+    """`nft list table <family> kube-proxy` output -> an nft -f script that (re)creates it as the hold table."""
+    header = f"table {family} kube-proxy {{"
+    lines = listed.splitlines()
+    first = next((i for i, line in enumerate(lines) if line.strip()), None)
+    if first is None or lines[first].strip() != header:
+        raise ValueError(f"unexpected `nft list table {family} kube-proxy` output: starts with "
+                         f"{(lines[first] if first is not None else '')[:80]!r}")
+    lines[first] = f"table {family} {NFT_HOLD_TABLE} {{"
+    # The add+delete idiom replaces an older hold in the same transaction that creates the new one.
+    return render_delete([(family, NFT_HOLD_TABLE)]) + "\n".join(lines[first:]) + "\n"
+
+
+@dataclass
+class HoldReport:
+    """What one install or release did, per tool."""
+
+    action: str
+    done: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.done)
+
+    def message(self) -> str:
+        text = f"rule hold {self.action}: " + ("; ".join(self.done) or "nothing to do")
+        if self.errors:
+            text += "; ERROR: " + "; ".join(self.errors)
+        return text
+
+
+def _tools(tools: list[IptablesTool] | None) -> list[IptablesTool]:
+    # Only the nft backend and the default: that is where a current kube-proxy writes.
+    found = tools if tools is not None else available_tools()
+    return [t for t in found if t.backend != "legacy"]
+
+
+def install(from_mode: str, *, runner: Runner = run, iptables_tools: list[IptablesTool] | None = None) -> HoldReport:
+    """Copy `from_mode`'s service rules under the hold's names. Idempotent: an older hold is replaced."""
+    report = HoldReport("install")
+    if from_mode == "iptables":
+        for tool in _tools(iptables_tools):
+            try:
+                dump = parse(runner([tool.save, "-t", "nat"], timeout=SAVE_TIMEOUT).stdout)
+                declare, rules, hooks = plan_iptables_hold(dump)
+                if not declare:
+                    continue
+                _release_iptables(tool, dump, runner)
+                runner([tool.restore, "-w", "5", "--noflush"], input=render_iptables_hold(declare, rules, hooks),
+                       timeout=RESTORE_TIMEOUT)
+                report.done.append(f"{tool.label}: {len(declare)} chains, {len(rules)} rules copied")
+            except (CommandError, ValueError) as exc:
+                report.errors.append(f"{tool.label}: {exc}")
+    elif from_mode == "nftables":
+        try:
+            present = set(list_tables(runner))
+            for family, name in NFT_TABLES:
+                if (family, name) not in present:
+                    continue
+                listed = runner(["nft", "list", "table", family, name], timeout=SAVE_TIMEOUT).stdout
+                runner(["nft", "-f", "-"], input=nft_hold_text(family, listed), timeout=RESTORE_TIMEOUT)
+                report.done.append(f"nft table {family} {name} copied as {family} {NFT_HOLD_TABLE}")
+        except (CommandError, ValueError) as exc:
+            report.errors.append(f"nftables: {exc}")
+    else:
+        report.errors.append(f"no hold for {from_mode!r} mode (only iptables and nftables rules can be held)")
+    return report
+
+
+def _release_iptables(tool: IptablesTool, dump: Dump, runner: Runner) -> int:
+    plans = plan_iptables_release(dump)
+    if plans:
+        runner([tool.restore, "-w", "5", "--noflush"], input=render_restore(plans), timeout=RESTORE_TIMEOUT)
+    return sum(len(p.delete_chains) for p in plans)
+
+
+def release(*, runner: Runner = run, iptables_tools: list[IptablesTool] | None = None) -> HoldReport:
+    """Remove every hold on the node (both kinds). Idempotent."""
+    report = HoldReport("release")
+    for tool in _tools(iptables_tools):
+        try:
+            removed = _release_iptables(tool, parse(runner([tool.save], timeout=SAVE_TIMEOUT).stdout), runner)
+            if removed:
+                report.done.append(f"{tool.label}: {removed} chains removed")
+        except (CommandError, ValueError) as exc:
+            report.errors.append(f"{tool.label}: {exc}")
+    try:
+        held = [(family, name) for family, name in list_tables(runner) if name == NFT_HOLD_TABLE]
+        if held:
+            runner(["nft", "-f", "-"], input=render_delete(held), timeout=RESTORE_TIMEOUT)
+            report.done.append(f"{len(held)} nft hold tables removed")
+    except (CommandError, ValueError) as exc:
+        report.errors.append(f"nftables: {exc}")
+    return report
+
+
+def present(*, runner: Runner = run, iptables_tools: list[IptablesTool] | None = None) -> bool:
+    """Whether any hold exists on the node (read-only)."""
+    for tool in _tools(iptables_tools):
+        try:
+            nat = parse(runner([tool.save, "-t", "nat"], timeout=SAVE_TIMEOUT).stdout).tables.get("nat")
+        except (CommandError, ValueError):
+            continue
+        if nat is not None and any(c.startswith(HOLD_CHAIN_PREFIX) for c in nat.chains):
+            return True
+    try:
+        return any(name == NFT_HOLD_TABLE for _, name in list_tables(runner))
+    except (CommandError, ValueError):
+        return False
