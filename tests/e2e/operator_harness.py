@@ -1,12 +1,17 @@
-"""A small driver for the operator e2e tests: apply policies, read status, look inside nodes."""
+"""A small driver for the operator tests: apply policies, read status, look inside nodes.
+
+Shared by tests/e2e and tests/reliability: each conftest imports the fixtures at the bottom
+(`proxyshift_installed`, `operator_process`, `harness`), so both layers drive one operator the same way.
+"""
 
 from __future__ import annotations
 
 import copy
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +19,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from proxyshift.localcluster import install
 from proxyshift.localcluster.install import OperatorProcess
 
 GROUP, VERSION = "proxyshift.io", "v1alpha1"
@@ -190,3 +196,44 @@ def load_yaml(path: str) -> dict[str, Any]:
 
 def fail_with(h: Harness, name: str, message: str) -> None:
     pytest.fail(f"{message}\n{h.describe(name)}")
+
+
+def migration(pn: dict[str, Any]) -> dict[str, Any]:
+    """A ProxyNode's migration record (spec.migration), {} when it has none."""
+    return (pn.get("spec") or {}).get("migration") or {}
+
+
+# ---- fixtures (imported by the e2e and reliability conftests) ----
+
+
+@pytest.fixture(scope="session")
+def proxyshift_installed(cluster: Any, kubeconfig: Path) -> Path:
+    """CRDs, RBAC, admission policies and agents applied; agents ready on every node."""
+    bin_dir = cluster.bin_dir
+    if bin_dir is None:  # an external cluster: kubectl from PATH
+        pytest.fail("installing proxyshift on an external cluster: run `kubectl apply -k config/default`")
+    install.install(bin_dir, kubeconfig)
+    return kubeconfig
+
+
+# Module scope: the operator stops at the end of each module, so the session's last test (`down`
+# leaves nothing behind) sees no process of ours.
+@pytest.fixture(scope="module")
+def operator_process(cluster: Any, proxyshift_installed: Path) -> Iterator[OperatorProcess]:
+    state_dir = cluster.state_dir or Path("/tmp")
+    op = OperatorProcess(proxyshift_installed, state_dir / "logs" / "operator-e2e.log").start()
+    op.wait_healthy()
+    yield op
+    op.stop()
+
+
+@pytest.fixture
+def harness(api_client: Any, operator_process: OperatorProcess, node_exec: Callable[..., Any],
+            node_http_get: Callable[..., tuple[int, str]], wait_for: Callable[..., Any]) -> Iterator[Harness]:
+    h = Harness(api_client, operator_process, node_exec, node_http_get, wait_for)
+    if not operator_process.running:
+        operator_process.start()
+    yield h
+    if not operator_process.running:
+        operator_process.start()
+    h.cleanup()
