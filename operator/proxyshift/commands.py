@@ -50,6 +50,9 @@ def run(argv: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT_SECONDS, input:
     Raises ToolMissingError when the program does not exist, CommandError on a
     timeout or (with check=True) a non-zero exit, carrying the tool's stderr.
     """
+    if isinstance(argv, str | bytes):
+        # A command line would be spread into single characters; say what is wrong instead.
+        raise TypeError(f"run() takes an argument list, not a command line: {argv!r}")
     full = [*netns_prefix(netns), *argv]
     if shutil.which(full[0]) is None:
         raise ToolMissingError(full, f"not found on PATH (install the package that provides {full[0]!r})")
