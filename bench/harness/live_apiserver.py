@@ -70,18 +70,9 @@ def make_handler(objects: dict[str, list[dict[str, Any]]], changes: Changes) -> 
                 return
             with changes.cond:
                 seen = len(changes.events)
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
+            self.start_stream()
             if initial:
-                for obj in items:
-                    self._chunk({"type": "ADDED", "object": obj})
-                self._chunk({"type": "BOOKMARK", "object": {
-                    "apiVersion": api_version, "kind": kind,
-                    "metadata": {"resourceVersion": fake_apiserver.RV,
-                                 "annotations": {"k8s.io/initial-events-end": "true"}}}})
-            self.wfile.flush()
+                self.send_initial_events(items, api_version, kind, fake_apiserver.RV)
             deadline = time.monotonic() + timeout
             while True:
                 with changes.cond:
@@ -93,8 +84,8 @@ def make_handler(objects: dict[str, list[dict[str, Any]]], changes: Changes) -> 
                     pending = changes.events[seen:]
                     seen = len(changes.events)
                 for event in pending:
-                    self._chunk(event)
-            self.wfile.write(b"0\r\n\r\n")
+                    self.send_event(event)
+            self.end_stream()
 
     return Handler
 

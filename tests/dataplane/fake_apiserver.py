@@ -18,8 +18,10 @@ import json
 import sys
 import time
 import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
+
+from fake_http import JsonHandler
 
 RV = "100"
 
@@ -74,28 +76,16 @@ LISTS = {
 }
 
 
-def make_handler(objects: dict[str, list[dict[str, Any]]]) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, fmt: str, *args: Any) -> None:
-            sys.stderr.write("fake-apiserver: " + fmt % args + "\n")
-
-        def _json(self, status: int, body: dict[str, Any]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+def make_handler(objects: dict[str, list[dict[str, Any]]]) -> type[JsonHandler]:
+    class Handler(JsonHandler):
+        log_prefix = "fake-apiserver"
 
         def do_GET(self) -> None:
             url = urllib.parse.urlsplit(self.path)
             query = urllib.parse.parse_qs(url.query)
             entry = LISTS.get(url.path)
             if entry is None:
-                self._json(404, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound",
-                                 "code": 404, "message": f"{url.path} not served by the fake"})
+                self.not_found(url.path)
                 return
             api_version, kind, key = entry
             items = objects[key]
@@ -107,37 +97,23 @@ def make_handler(objects: dict[str, list[dict[str, Any]]]) -> type[BaseHTTPReque
                             query.get("sendInitialEvents") == ["true"],
                             min(float(query.get("timeoutSeconds", ["60"])[0]), 60.0))
                 return
-            self._json(200, {"apiVersion": api_version, "kind": kind, "metadata": {"resourceVersion": RV},
-                             "items": items})
-
-        def _chunk(self, event: dict[str, Any]) -> None:
-            data = json.dumps(event).encode() + b"\n"
-            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
-            self.wfile.flush()
+            self.send_json(200, {"apiVersion": api_version, "kind": kind, "metadata": {"resourceVersion": RV},
+                                 "items": items})
 
         def _watch(self, items: list[dict[str, Any]], api_version: str, kind: str, initial: bool,
                    timeout: float) -> None:
-            # client-go >= 1.35 lists through a watch (sendInitialEvents): the objects as
-            # ADDED events, then a bookmark marking the end of the initial state. After
-            # that nothing ever changes; the watch ends when the client's timeout is up.
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
+            # Nothing ever changes here: after the initial state the watch idles until the client's
+            # timeout is up.
+            self.start_stream()
             if initial:
-                for obj in items:
-                    self._chunk({"type": "ADDED", "object": obj})
-                self._chunk({"type": "BOOKMARK", "object": {
-                    "apiVersion": api_version, "kind": kind,
-                    "metadata": {"resourceVersion": RV, "annotations": {"k8s.io/initial-events-end": "true"}}}})
-            self.wfile.flush()
+                self.send_initial_events(items, api_version, kind, RV)
             time.sleep(timeout)
-            self.wfile.write(b"0\r\n\r\n")
+            self.end_stream()
 
         def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(length) or b"{}")
-            self._json(201, body)
+            self.send_json(201, body)
 
         do_PUT = do_POST
         do_PATCH = do_POST

@@ -16,23 +16,13 @@ import sys
 import threading
 import time
 import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from fake_http import JsonHandler, merge_patch
+
 PREFIX = "/apis/proxyshift.io/v1alpha1/proxynodes"
-
-
-def merge(target: Any, patch: Any) -> Any:
-    if not isinstance(patch, dict):
-        return patch
-    out = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = merge(out.get(key), value)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,19 +45,8 @@ def main(argv: list[str] | None = None) -> int:
                 "metadata": {"name": args.node, "resourceVersion": str(version[0])},
                 "spec": spec, "status": status}
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, fmt: str, *a: Any) -> None:
-            sys.stderr.write("fake-proxynode-api: " + fmt % a + "\n")
-
-        def _json(self, code: int, body: dict[str, Any]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    class Handler(JsonHandler):
+        log_prefix = "fake-proxynode-api"
 
         def do_GET(self) -> None:
             url = urllib.parse.urlsplit(self.path)
@@ -75,15 +54,11 @@ def main(argv: list[str] | None = None) -> int:
             with lock:
                 current = obj()
             if url.path == f"{PREFIX}/{args.node}":
-                self._json(200, current)
+                self.send_json(200, current)
             elif url.path == PREFIX and query.get("watch") == ["true"]:
                 # Like the API server: a MODIFIED event whenever the object changes (a
                 # test editing spec.json, or a status patch), until the timeout.
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Transfer-Encoding", "chunked")
-                self.end_headers()
-                self.wfile.flush()
+                self.start_stream()
                 deadline = time.monotonic() + min(float(query.get("timeoutSeconds", ["5"])[0]), 30.0)
                 sent = json.dumps({k: current[k] for k in ("spec", "status")}, sort_keys=True)
                 while time.monotonic() < deadline:
@@ -95,30 +70,28 @@ def main(argv: list[str] | None = None) -> int:
                         sent = seen
                         version[0] += 1
                         now["metadata"]["resourceVersion"] = str(version[0])
-                        data = json.dumps({"type": "MODIFIED", "object": now}).encode() + b"\n"
-                        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
-                        self.wfile.flush()
-                self.wfile.write(b"0\r\n\r\n")
+                        self.send_event({"type": "MODIFIED", "object": now})
+                self.end_stream()
             else:
-                self._json(404, {"kind": "Status", "code": 404, "reason": "NotFound", "message": url.path})
+                self.not_found(url.path)
 
         def do_PATCH(self) -> None:
             url = urllib.parse.urlsplit(self.path)
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if url.path != f"{PREFIX}/{args.node}/status" or \
                     self.headers.get("Content-Type") != "application/merge-patch+json":
-                self._json(415, {"kind": "Status", "code": 415, "message": "merge patch of status only"})
+                self.send_json(415, {"kind": "Status", "code": 415, "message": "merge patch of status only"})
                 return
             with lock:
                 current = obj()
                 status.clear()
-                status.update(merge(current["status"], body.get("status", {})))
+                status.update(merge_patch(current["status"], body.get("status", {})))
                 version[0] += 1
                 current = obj()
                 tmp = args.state / "object.json.tmp"
                 tmp.write_text(json.dumps(current))
                 tmp.replace(args.state / "object.json")
-            self._json(200, current)
+            self.send_json(200, current)
 
     srv = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
     srv.daemon_threads = True
