@@ -316,3 +316,21 @@ def test_rollback_does_not_wait_for_a_read_only_probe_or_a_dead_agent() -> None:
     dead = inp(m, label=REV, op=cleanup, last=running, now_plus=600)
     dead.proxynode.status.heartbeat = fmt(T0)
     assert any(isinstance(a, SetRevisionLabel) for a in machine.step(dead).actions)
+
+
+def test_an_agent_clock_ahead_does_not_hold_back_the_next_gate_probe() -> None:
+    # The agent stamps finishedAt with its own clock. 30 s ahead of the operator, the result looks like it
+    # comes from the future; the next probe must not wait until the operator's clock catches up (33 s,
+    # more than half a typical gate timeout) but go out as if the result had just arrived.
+    m = mig("Gate")
+    op = Operation(id=f"{REV}.1.0.Gate.0", type="Probe")
+    syncing = _good_facts().model_copy(update={"sync_count": 0})
+    ahead = done(op).model_copy(update={"finished_at": fmt(T0 + timedelta(seconds=31))})
+    step = machine.step(inp(m, label=REV, op=op, last=ahead, facts=syncing, now_plus=1))
+    assert step.phase == "Gate"
+    issued = [w.operation.id for w in writes(step) if w.operation is not None]
+    assert issued == [f"{REV}.1.0.Gate.1"] or step.requeue_after <= machine.PROBE_INTERVAL_SECONDS, step
+    # However far ahead the agent is, the operator never sits longer than one probe interval on a result.
+    later = machine.step(inp(m, label=REV, op=op, last=ahead, facts=syncing,
+                             now_plus=1 + machine.PROBE_INTERVAL_SECONDS))
+    assert [w.operation.id for w in writes(later) if w.operation is not None] == [f"{REV}.1.0.Gate.1"], later

@@ -481,7 +481,10 @@ def _probe_round(
     if verdict.result != "wait":
         return verdict, None, None
     since_last = seconds_since(res.finished_at, inp.now)
-    if since_last is not None and since_last < PROBE_INTERVAL_SECONDS:
+    # finishedAt is the agent's clock. A result stamped in the future means the agent's clock is ahead of
+    # ours and the result's age is unknown: pacing on it would hold the next probe until our clock caught
+    # up (30 s of skew cost 33 s of the gate timeout). Probe again at once; the agent's round trip paces.
+    if since_last is not None and 0 <= since_last < PROBE_INTERVAL_SECONDS:
         return verdict, None, PROBE_INTERVAL_SECONDS - since_last
     return verdict, _probe_op(inp, m, step_name, n + 1), None
 
