@@ -39,6 +39,7 @@ SCHEDULER_PORT = 10259
 CONTROLLERS = (
     "daemonset-controller",
     "deployment-controller",
+    "disruption-controller",  # PodDisruptionBudget status: evictions during a drain respect it
     "replicaset-controller",
     "serviceaccount-controller",
     "serviceaccount-token-controller",
@@ -55,6 +56,36 @@ CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-sche
 START_TIMEOUT_SECONDS = 120.0
 APISERVER_STOP_GRACE_SECONDS = 2.0
 PROXY_VARIABLES = ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")
+
+
+# The API server's audit policy. Secrets are logged at Metadata (who touched which secret; never the
+# data), and every request of proxyshift's own service accounts too, so a test can both prove that the
+# operator and agent never read a secret and see that their other requests do reach the log (without
+# that positive control, an empty log would prove nothing). Everything else is not logged: the log
+# stays small under the e2e load.
+AUDIT_POLICY = """\
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: Metadata
+    resources:
+      - group: ""
+        resources: [secrets]
+  - level: Metadata
+    userGroups: ["system:serviceaccounts:proxyshift-system"]
+  - level: None
+"""
+AUDIT_LOG_MAX_MB = 200
+
+
+def audit_log_path(state_dir: Path) -> Path:
+    """The API server's audit log (JSON lines, one event per line)."""
+    return StateLayout(state_dir).logs / "audit.log"
+
+
+def _audit_policy_path(layout: StateLayout) -> Path:
+    return layout.root / "audit-policy.yaml"
 
 
 class ControlPlaneError(RuntimeError):
@@ -228,7 +259,7 @@ def _etcd_argv(bin_dir: Path, layout: StateLayout) -> list[str]:
     ]
 
 
-def _apiserver_argv(bin_dir: Path, files: pki.Pki, bind_address: str) -> list[str]:
+def _apiserver_argv(bin_dir: Path, files: pki.Pki, bind_address: str, layout: StateLayout) -> list[str]:
     return [
         str(bin_dir / "kube-apiserver"),
         f"--etcd-servers={ETCD_URL}",
@@ -252,6 +283,11 @@ def _apiserver_argv(bin_dir: Path, files: pki.Pki, bind_address: str) -> list[st
         f"--api-audiences={SA_ISSUER}",
         "--service-account-extend-token-expiration=true",
         "--profiling=false",
+        f"--audit-policy-file={_audit_policy_path(layout)}",
+        f"--audit-log-path={audit_log_path(layout.root)}",
+        "--audit-log-format=json",
+        f"--audit-log-maxsize={AUDIT_LOG_MAX_MB}",
+        "--audit-log-maxbackup=1",
         "--v=1",
     ]
 
@@ -332,7 +368,8 @@ def _up_controlplane(state_dir: Path, bin_dir: Path | None) -> ClusterInfo:
 
     # Recorded before creation: a crash anywhere below leaves nothing `down` misses.
     for path in (layout.pki, layout.etcd, layout.nodes, layout.logs, layout.pids, layout.admin_kubeconfig,
-                 layout.kubeconfig("kube-controller-manager"), layout.kubeconfig("kube-scheduler")):
+                 layout.kubeconfig("kube-controller-manager"), layout.kubeconfig("kube-scheduler"),
+                 _audit_policy_path(layout)):
         state.record_path(state_dir, path)
     files = pki.ensure_pki(layout.pki)
     pki.write_kubeconfig(layout.admin_kubeconfig, api_url, layout.pki, "admin")
@@ -340,6 +377,7 @@ def _up_controlplane(state_dir: Path, bin_dir: Path | None) -> ClusterInfo:
         pki.write_kubeconfig(layout.kubeconfig(component), api_url, layout.pki, component)
     layout.etcd.mkdir(mode=0o700, exist_ok=True)
     layout.nodes.mkdir(exist_ok=True)
+    _audit_policy_path(layout).write_text(AUDIT_POLICY, encoding="utf-8")
     env = daemon_env()
 
     state.spawn(state_dir, "etcd", _etcd_argv(bin_dir, layout), env=env)
@@ -347,7 +385,7 @@ def _up_controlplane(state_dir: Path, bin_dir: Path | None) -> ClusterInfo:
 
     # The apiserver lingers ~10 s after SIGTERM once it stopped listening; its
     # data is thrown away by `down`, so a short grace before SIGKILL is enough.
-    state.spawn(state_dir, "kube-apiserver", _apiserver_argv(bin_dir, files, bind_address), env=env,
+    state.spawn(state_dir, "kube-apiserver", _apiserver_argv(bin_dir, files, bind_address, layout), env=env,
                 stop_grace=APISERVER_STOP_GRACE_SECONDS)
     context = admin_ssl_context(layout.pki)
     _wait("kube-apiserver /readyz", lambda: http_get(f"{api_url}/readyz", context)[0] == 200,
