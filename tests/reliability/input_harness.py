@@ -1,0 +1,99 @@
+"""Fixtures of the bad-input and security tests on the local cluster.
+
+They reuse the e2e harness (tests/e2e/operator_harness.py) and the session's cluster (tests/conftest.py).
+The e2e conftest's fixtures do not reach tests/reliability, so the ones these tests need are defined
+here and imported by each test module (a module's fixtures override any conftest's of the same name).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+
+from operator_harness import Harness
+
+from proxyshift.localcluster import install
+
+NAMESPACE = "proxyshift-system"
+
+
+# Each fixture is registered under its `name` and defined under another, so a test module can import it
+# (that is how its fixtures reach tests/reliability) without its parameter shadowing the import.
+@pytest.fixture(scope="module", name="proxyshift_installed")
+def proxyshift_installed_fixture(cluster: Any, kubeconfig: Path) -> Path:
+    """CRDs, RBAC, admission policies and agents applied (idempotent); agents ready on every node."""
+    if cluster.bin_dir is None:
+        pytest.fail("installing proxyshift on an external cluster: run `kubectl apply -k config/default`")
+    install.install(cluster.bin_dir, kubeconfig)
+    return kubeconfig
+
+
+@pytest.fixture(scope="module", name="operator_process")
+def operator_process_fixture(cluster: Any, proxyshift_installed: Path) -> Iterator[install.OperatorProcess]:
+    """The operator as a host process with the admin kubeconfig, as the e2e tests run it."""
+    state_dir = cluster.state_dir or Path("/tmp")
+    # Ports of our own: an operator left running by another session on the default ports would answer
+    # wait_healthy for a process of ours that could not bind and exited.
+    op = install.OperatorProcess(proxyshift_installed, state_dir / "logs" / "operator-reliability-input.log",
+                                 metrics_port=18280, health_port=18281).start()
+    op.wait_healthy()
+    assert op.running, f"the operator exited; see {op.log_path}"
+    yield op
+    op.stop()
+
+
+@pytest.fixture(name="harness")
+def harness_fixture(api_client: Any, operator_process: install.OperatorProcess, node_exec: Callable[..., Any],
+            node_http_get: Callable[..., tuple[int, str]], wait_for: Callable[..., Any]) -> Iterator[Harness]:
+    h = Harness(api_client, operator_process, node_exec, node_http_get, wait_for)
+    if not operator_process.running:
+        operator_process.start()
+    yield h
+    if not operator_process.running:
+        operator_process.start()
+    h.cleanup()
+
+
+def service_account_kubeconfig(cluster: Any, account: str, path: Path, *, pod: str | None = None) -> Path:
+    """A kubeconfig holding nothing but a fresh token of `proxyshift-system/<account>` (bound to a pod when
+    given: then the token carries the pod's node name, as an agent's does)."""
+    from proxyshift.localcluster import controlplane
+
+    info = controlplane.load_info(cluster.state_dir)
+    assert info is not None, "no local cluster info"
+    args = ["-n", NAMESPACE, "create", "token", account, "--duration=2h"]
+    if pod:
+        args += ["--bound-object-kind=Pod", f"--bound-object-name={pod}"]
+    token = cluster.kubectl(*args).stdout.strip()
+    config = {
+        "apiVersion": "v1", "kind": "Config", "current-context": account,
+        "clusters": [{"name": "local", "cluster": {"server": info.api_url,
+                                                   "certificate-authority": str(info.ca_cert)}}],
+        "users": [{"name": account, "user": {"token": token}}],
+        "contexts": [{"name": account, "context": {"cluster": "local", "user": account}}],
+    }
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    path.chmod(0o600)
+    return path
+
+
+def agent_pod(cluster: Any, node: str) -> str:
+    pods = json.loads(cluster.kubectl("-n", NAMESPACE, "get", "pods", "-o", "json",
+                                      "--field-selector", f"spec.nodeName={node}").stdout)["items"]
+    names = [p["metadata"]["name"] for p in pods if p["metadata"]["name"].startswith("proxyshift-agent-")
+             and not p["metadata"].get("deletionTimestamp")]
+    assert names, f"no agent pod on {node}"
+    return names[0]
+
+
+def scratch_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="ps-reliability-"))
