@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEBIAN_PACKAGES=(iptables nftables ipset conntrack iproute2 ipvsadm kmod procps openssl lua5.4)
+# faketime: libfaketime skews the agent's clock in tests/reliability (never in the image)
+DEBIAN_PACKAGES=(iptables nftables ipset conntrack iproute2 ipvsadm kmod procps openssl lua5.4 faketime)
 
 missing=()
 for pkg in "${DEBIAN_PACKAGES[@]}"; do

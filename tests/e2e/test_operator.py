@@ -7,7 +7,6 @@ the kernel, traffic) use the local cluster's namespace helpers.
 from __future__ import annotations
 
 import itertools
-import signal
 import time
 from typing import Any
 
@@ -230,25 +229,5 @@ def test_delete_with_revert_returns_nodes_to_baseline(harness: Harness) -> None:
     h.wait_for(lambda: all(h.kube_proxy_running(n) for n in BLUE + GREEN), 120, "baseline kube-proxy everywhere")
 
 
-@pytest.mark.parametrize("step", ["Preflight", "Switch", "Gate", "Cleanup", "Verify"])
-def test_operator_killed_at_each_step_resumes(harness: Harness, step: str) -> None:
-    h = harness
-    h.apply(policy(f"blue-kill-{step.lower()}", "nftables"))
-    name = f"blue-kill-{step.lower()}"
-
-    def at_step() -> bool:
-        return any(((pn.get("spec") or {}).get("migration") or {}).get("phase") == step
-                   for n, pn in h.proxynodes().items() if n in BLUE)
-
-    h.wait_for(at_step, 300, f"a node in step {step}", interval=0.1)
-    h.operator.kill(signal.SIGKILL)
-    # With no operator at all, no node is left without kube-proxy: the pod swap under way when it died
-    # completes by itself (the DaemonSet controller's work), within seconds.
-    h.wait_for(lambda: all(h.kube_proxy_running(n) for n in BLUE + GREEN), 60,
-               "a running kube-proxy on every node while no operator runs")
-    h.operator.start()
-    h.wait_condition(name, "Ready", READY_TIMEOUT)
-    assert all(h.proxy_mode(n) == "nftables" for n in BLUE)
-    for node, pn in h.proxynodes().items():
-        if node in BLUE:
-            assert ((pn.get("spec") or {}).get("migration") or {}).get("attempt") == 1, f"{node} switched twice"
+# kill -9 of the operator at each node step: tests/reliability/test_faults.py (operator-kill), which
+# fires it at all seven steps of one migration, beside the other faults.

@@ -1,0 +1,379 @@
+"""Fault injection for the reliability tests: faults on the local cluster, fired as a migration enters each step.
+
+`StepInjector` watches the ProxyNodes (spec.migration.phase) from a thread and fires a fault once per
+node step, on the first node it sees entering that step, so a single migration exercises the fault
+at every step instead of one migration per (fault, step). While it runs it records what the
+invariants need: every (node uid, attempt) -> the switchedAt values seen (a node switched twice
+would show two), and every change of a node's revision label.
+
+The faults are real: SIGKILL of the operator and agent processes, SIGKILL of kube-proxy in a loop,
+kube-apiserver stopped and started again with its recorded argv, SIGSTOP/SIGCONT of etcd, the Node
+object deleted (the node simulator registers it again, as a kubelet does), and an nftables rule in
+the node's namespace dropping the agent's connections to kube-proxy's metrics and health ports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import signal
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from operator_harness import IPTABLES_MODE_CHAINS, REVISION_LABEL, Harness, migration
+
+from proxyshift.commands import run
+from proxyshift.localcluster import controlplane, state
+from proxyshift.localcluster.nodesim import Kube
+
+BLUE = ["ps-node-1", "ps-node-2"]
+ALL_NODES = [*BLUE, "ps-node-3"]
+ALL_STEPS = ("Preflight", "Cordon", "Switch", "Gate", "Cleanup", "Verify", "Uncordon")
+POLL_SECONDS = 0.1
+ETCD_PAUSE_SECONDS = 5.0
+PROBE_BLOCK_SECONDS = 20.0
+PROBE_BLOCK_TABLE = "ps-fault-probe"  # a user's table: the agent's flush must leave it alone
+KUBE_PROXY_PORTS = (10249, 10256)  # metrics (/proxyMode, /metrics) and health (/healthz): what the agent probes
+
+
+@dataclass
+class Firing:
+    step: str
+    node: str
+    at: float
+    seconds: float = 0.0
+    detail: str = ""
+
+
+@dataclass
+class History:
+    """What the injector saw of each node while it ran."""
+
+    # (node, node uid, toRevision, startedAt, attempt): one node migration -> every switchedAt recorded for it
+    switched_at: dict[tuple[str, str, str, str, int], set[str]] = field(default_factory=lambda: defaultdict(set))
+    # (node, node uid) -> the revision label's successive values (None: no label, the baseline)
+    labels: dict[tuple[str, str], list[str | None]] = field(default_factory=lambda: defaultdict(list))
+    # node -> successive (attempt, phase)
+    phases: dict[str, list[tuple[int, str]]] = field(default_factory=lambda: defaultdict(list))
+
+
+class StepInjector:
+    """Fires `fault(step, node) -> detail` once per step in `steps`, on entering it; records history."""
+
+    def __init__(self, kube: Kube, nodes: Iterable[str], fault: Callable[[str, str], str] | None,
+                 steps: Iterable[str] = ALL_STEPS) -> None:
+        self.kube, self.nodes, self.fault = kube, set(nodes), fault
+        self.armed = list(steps) if fault is not None else []
+        self.fired: list[Firing] = []
+        self.history = History()
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="step-injector", daemon=True)
+
+    def start(self) -> StepInjector:
+        self._thread.start()
+        return self
+
+    def stop(self) -> History:
+        self._stop.set()
+        self._thread.join(timeout=120)
+        if self.errors:
+            raise self.errors[0]
+        return self.history
+
+    def _observe(self) -> list[tuple[str, str]]:
+        """Record one look at the nodes; (node, phase) of every node now in an armed step."""
+        pns = self.kube.get("/apis/proxyshift.io/v1alpha1/proxynodes", timeout=3)["items"]
+        nodes = {n["metadata"]["name"]: n for n in self.kube.get("/api/v1/nodes", timeout=3)["items"]}
+        due = []
+        for pn in pns:
+            name = pn["metadata"]["name"]
+            node = nodes.get(name)
+            if name not in self.nodes or node is None:
+                continue
+            uid = node["metadata"]["uid"]
+            m = migration(pn)
+            attempt, phase = int(m.get("attempt") or 0), m.get("phase") or "Pending"
+            if m.get("switchedAt"):
+                key = (name, uid, m.get("toRevision") or "baseline", m.get("startedAt") or "", attempt)
+                self.history.switched_at[key].add(m["switchedAt"])
+            phases = self.history.phases[name]
+            if not phases or phases[-1] != (attempt, phase):
+                phases.append((attempt, phase))
+            if phase in self.armed:
+                due.append((name, phase))
+        for name, node in nodes.items():
+            if name in self.nodes:
+                label = (node["metadata"].get("labels") or {}).get(REVISION_LABEL)
+                seen = self.history.labels[(name, node["metadata"]["uid"])]
+                if not seen or seen[-1] != label:
+                    seen.append(label)
+        return due
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                due = self._observe()
+            except Exception:  # the API may be down: that is one of the faults
+                time.sleep(POLL_SECONDS)
+                continue
+            for node, step in due:
+                if step not in self.armed or self.fault is None:
+                    continue
+                self.armed.remove(step)
+                firing = Firing(step, node, time.time())
+                started = time.monotonic()
+                try:
+                    firing.detail = self.fault(step, node)
+                except BaseException as exc:  # surfaced by stop(): a fault that cannot be injected fails the test
+                    self.errors.append(exc)
+                    self._stop.set()
+                firing.seconds = time.monotonic() - started
+                self.fired.append(firing)
+                break  # the world moved while the fault ran: look again before firing the next one
+            self._stop.wait(POLL_SECONDS)
+
+
+# ---- the faults ----
+
+
+def _wait(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+        except Exception as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}; last: {last!r}")
+
+
+def _pid_alive(pid: int) -> bool:
+    return state.start_ticks(pid) is not None
+
+
+def container_pid(state_dir: Path, node: str, namespace: str, pod_prefix: str, container: str) -> int | None:
+    """The pid of a running container on a simulated node, from the simulator's pid files."""
+    for pid_file in sorted((state_dir / "nodes" / node / "pids").glob(f"{namespace}_{pod_prefix}*_{container}.pid")):
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(pid_file.read_text().strip())
+            if _pid_alive(pid):
+                return pid
+    return None
+
+
+def agent_pid(state_dir: Path, node: str) -> int | None:
+    return container_pid(state_dir, node, "proxyshift-system", "proxyshift-agent-", "agent")
+
+
+def _record(state_dir: Path, name: str) -> dict[str, Any]:
+    records = [r for r in state.read_state(state_dir)["processes"] if r["name"] == name]
+    assert records, f"no {name} recorded in {state_dir}/state.json"
+    return records[0]
+
+
+@dataclass
+class Faults:
+    """The fault catalogue, each `(step, node) -> what was done` (the injector calls them)."""
+
+    h: Harness
+    kube: Kube
+    state_dir: Path
+    all_nodes: list[str]
+    _probe_blocks: dict[str, threading.Timer] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def operator_kill(self, step: str, node: str) -> str:
+        self.h.operator.kill(signal.SIGKILL)
+        # With no operator at all, no node is left without kube-proxy: a pod swap under way when it
+        # died completes by itself (the DaemonSet controller's work).
+        _wait(lambda: all(self.h.kube_proxy_running(n) for n in self.all_nodes), 60,
+              "a running kube-proxy on every node while no operator runs")
+        self.h.operator.start()
+        self.h.operator.wait_healthy()
+        return "operator SIGKILLed; kube-proxy ran on every node meanwhile; a new operator started"
+
+    def agent_kill(self, step: str, node: str) -> str:
+        pid = _wait(lambda: agent_pid(self.state_dir, node), 30, f"the agent's pid on {node}")
+        os.kill(pid, signal.SIGKILL)
+        new = _wait(lambda: (p := agent_pid(self.state_dir, node)) and p != pid and p, 60,
+                    f"the agent on {node} restarted by the node simulator")
+        return f"agent pid {pid} SIGKILLed, restarted as {new}"
+
+    def apiserver_restart(self, step: str, node: str) -> str:
+        record = _record(self.state_dir, "kube-apiserver")
+        state.stop_process(record)
+        down_at = time.monotonic()
+        state.spawn(self.state_dir, "kube-apiserver", record["argv"], env=controlplane.daemon_env(),
+                    stop_grace=controlplane.APISERVER_STOP_GRACE_SECONDS)
+        info = controlplane.load_info(self.state_dir)
+        assert info is not None
+        context = controlplane.admin_ssl_context(info.pki_dir)
+        _wait(lambda: controlplane.http_get(f"{info.api_url}/readyz", context)[0] == 200, 120,
+              "kube-apiserver /readyz after its restart")
+        return f"kube-apiserver stopped and started again; ready after {time.monotonic() - down_at:.1f}s"
+
+    def etcd_pause(self, step: str, node: str) -> str:
+        pid = _record(self.state_dir, "etcd")["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(ETCD_PAUSE_SECONDS)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        return f"etcd SIGSTOPped for {ETCD_PAUSE_SECONDS:g}s, then SIGCONT"
+
+    def node_delete(self, step: str, node: str) -> str:
+        before = self.kube.get(f"/api/v1/nodes/{node}")["metadata"]["uid"]
+        self.kube.delete(f"/api/v1/nodes/{node}")
+        # The node simulator registers the Node again, as a kubelet does after its Node was deleted.
+        _wait(lambda: (n := self.kube.get_or_none(f"/api/v1/nodes/{node}")) and n["metadata"]["uid"] != before,
+              90, f"{node} registered again")
+        return f"Node {node} deleted; registered again by its simulator"
+
+    def probe_block(self, step: str, node: str) -> str:
+        """Drop every connection inside the node to kube-proxy's metrics and health ports for a while."""
+        ports = ", ".join(str(p) for p in KUBE_PROXY_PORTS)
+        script = (f"add table inet {PROBE_BLOCK_TABLE}\n"
+                  f"add chain inet {PROBE_BLOCK_TABLE} out {{ type filter hook output priority -300; }}\n"
+                  f"flush chain inet {PROBE_BLOCK_TABLE} out\n"
+                  f"add rule inet {PROBE_BLOCK_TABLE} out oifname \"lo\" tcp dport {{ {ports} }} drop\n")
+        with self._lock:
+            run(["nft", "-f", "-"], netns=node, input=script, timeout=10)
+            old = self._probe_blocks.pop(node, None)
+            if old is not None:
+                old.cancel()
+            timer = threading.Timer(PROBE_BLOCK_SECONDS, self.probe_unblock, args=(node,))
+            timer.daemon = True
+            self._probe_blocks[node] = timer
+            timer.start()
+        return f"tcp to 127.0.0.1:{{{ports}}} dropped in {node} for {PROBE_BLOCK_SECONDS:g}s"
+
+    def probe_unblock(self, node: str) -> None:
+        with self._lock:
+            self._probe_blocks.pop(node, None)
+            run(["nft", "delete", "table", "inet", PROBE_BLOCK_TABLE], netns=node, timeout=10, check=False)
+
+    def unblock_all(self) -> None:
+        for node in list(self._probe_blocks):
+            timer = self._probe_blocks.get(node)
+            if timer is not None:
+                timer.cancel()
+            self.probe_unblock(node)
+
+
+class KubeProxyCrashLoop:
+    """SIGKILLs the node's kube-proxy of one revision every time it starts, until stopped."""
+
+    def __init__(self, state_dir: Path, node: str, revision: str) -> None:
+        self.state_dir, self.node, self.revision = state_dir, node, revision
+        self.kills = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"crashloop-{node}", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            pid = container_pid(self.state_dir, self.node, "kube-system", f"kube-proxy-{self.revision}-",
+                                "kube-proxy")
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                    self.kills += 1
+            self._stop.wait(0.2)
+
+    def start(self) -> KubeProxyCrashLoop:
+        self._thread.start()
+        return self
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        return self.kills
+
+
+# ---- what every fault run must end with ----
+
+
+def outages(failures: list[tuple[float, str]], gap: float = 2.0) -> list[tuple[float, float, int]]:
+    """Failed connections grouped into outages: (start, end, failed connections); a gap > `gap` s splits."""
+    spans: list[tuple[float, float, int]] = []
+    for at, _ in sorted(failures):
+        if spans and at - spans[-1][1] <= gap:
+            start, _, count = spans[-1]
+            spans[-1] = (start, at, count + 1)
+        else:
+            spans.append((at, at, 1))
+    return spans
+
+
+def leftover_modes(h: Harness, node: str, iptables_chains: Iterable[str]) -> list[str]:
+    """Rules of kube-proxy modes other than the node's current one (stale rules)."""
+    mode = h.proxy_mode(node)
+    found = []
+    if mode != "nftables":
+        found += [f"nft table {t}" for t in h.nft_tables(node) & {"ip kube-proxy", "ip6 kube-proxy"}]
+    if mode != "iptables":
+        found += [f"iptables chain {c}" for c in h.iptables_chains(node) & set(iptables_chains)]
+    return found
+
+
+def report_path(cluster: Any) -> Path:
+    default = (cluster.state_dir or Path("/tmp")) / "logs" / "reliability.jsonl"
+    return Path(os.environ.get("PROXYSHIFT_RELIABILITY_REPORT", str(default)))
+
+
+def record(cluster: Any, row: dict[str, Any]) -> None:
+    path = report_path(cluster)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        fh.write(json.dumps(row, default=str) + "\n")
+    print(json.dumps(row, indent=1, default=str))
+
+
+def service_answers_everywhere(h: Harness, tcp_probe: Callable[..., Any], service: Any) -> None:
+    for node in ALL_NODES:
+        h.wait_for(lambda n=node: tcp_probe(n, service.cluster_ip, service.port, 3).failed == 0, 60,
+                   f"{service.name} to answer from {node}")
+
+
+def check_end_state(h: Harness, name: str, history: History, tcp_probe: Callable[..., Any], service: Any,
+                    probe_failures: dict[str, list[tuple[float, str]]], gate_timeout: float) -> dict[str, Any]:
+    """The invariants every fault run must end with; returns the measured facts for the report."""
+    for node in ALL_NODES:
+        h.wait_for(lambda n=node: h.kube_proxy_running(n), 60, f"a running kube-proxy on {node}")
+    modes = {n: h.proxy_mode(n) for n in ALL_NODES}
+    assert set(modes.values()) <= {"iptables", "nftables"}, modes
+    # Never switched twice: one switchedAt per node migration (node, Node uid, target, start, attempt), and
+    # the revision label moved onto a revision at most once per such migration of that Node object.
+    twice = {k: v for k, v in history.switched_at.items() if len(v) > 1}
+    assert not twice, f"a node was switched twice within one migration: {twice}"
+    for (node, uid), labels in history.labels.items():
+        migrations = sum(1 for k in history.switched_at if k[:2] == (node, uid))
+        onto = sum(1 for a, b in itertools.pairwise(labels) if b is not None and a != b)
+        assert onto <= migrations, f"{node} ({uid}) label history {labels}: {onto} switches for {migrations} " \
+                                   "migration(s)"
+    stale = {n: found for n in ALL_NODES if (found := leftover_modes(h, n, IPTABLES_MODE_CHAINS))}
+    assert not stale, f"stale rules of another mode: {stale}"
+    spans = {n: outages(f) for n, f in probe_failures.items()}
+    longest = {n: max((end - start for start, end, _ in s), default=0.0) for n, s in spans.items()}
+    assert all(v < gate_timeout for v in longest.values()), f"an outage outlasted the gate timeout: {spans}"
+    for node in ALL_NODES:
+        h.wait_for(lambda n=node: tcp_probe(n, service.cluster_ip, service.port, 3).failed == 0, 30,
+                   f"traffic through {service.name} from {node} after the run")
+    attempts = {n: migration(pn).get("attempt") for n, pn in h.proxynodes().items() if n in BLUE}
+    switches = {n: sum(1 for k in history.switched_at if k[0] == n) for n in ALL_NODES}
+    return {"modes": modes, "attempts": attempts, "switches": switches,
+            "longest_outage_s": {n: round(v, 2) for n, v in longest.items()},
+            "phases": dict(history.phases)}
+
+

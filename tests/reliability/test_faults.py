@@ -1,0 +1,260 @@
+"""Faults during a migration, each fired at every node step of ONE migration (issue 8, item 1).
+
+Pool blue (2 nodes) moves iptables -> nftables with cordon+drain and a gate that connects to a
+ClusterIP. A StepInjector fires the fault once as a node enters each step (Preflight, Cordon,
+Switch, Gate, Cleanup, Verify, Uncordon); continuous TCP probers run through the ClusterIP from all
+three nodes. Every run must end with:
+
+- the policy Ready, or Degraded with a reason (which one is expected is per fault, below);
+- a running kube-proxy on every node, answering /proxyMode;
+- no node switched twice within one attempt (switchedAt and revision-label history);
+- no kube-proxy rules of a mode other than the node's current one;
+- every traffic outage through the ClusterIP shorter than the gate timeout, and traffic answering
+  from every node at the end.
+
+Each run appends one JSON line (fault, steps fired, outcome, outages) to the report file
+(PROXYSHIFT_RELIABILITY_REPORT, default <cluster>/logs/reliability.jsonl); docs/reliability.md
+is written from it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from faults import (
+    ALL_NODES,
+    ALL_STEPS,
+    BLUE,
+    Faults,
+    KubeProxyCrashLoop,
+    StepInjector,
+    agent_pid,
+    check_end_state,
+    record,
+    service_answers_everywhere,
+)
+from operator_harness import Harness, migration, policy
+
+pytestmark = pytest.mark.reliability
+
+GATE_TIMEOUT = 60
+# A crash loop that starts after the gate passed is only seen as probes that fail until the gate times out.
+CRASHLOOP_GATE_TIMEOUT = 30
+END_TIMEOUT = 600
+IN_FLIGHT = {"Preflight", "Cordon", "Switch", "Gate", "Cleanup", "Verify", "Uncordon", "RollingBack"}
+CLOCK_SKEW = "+30s"
+LIBFAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+
+
+def fault_policy(name: str, service: Any, gate_timeout: int = GATE_TIMEOUT) -> dict[str, Any]:
+    return policy(name, "nftables", rollout={"maxUnavailable": 1, "cordon": True, "drain": True},
+                  gate={"timeout": f"{gate_timeout}s", "minSyncs": 1,
+                        "probeServices": [{"namespace": service.namespace, "name": service.name,
+                                           "port": service.port}]})
+
+
+def settled(h: Harness, name: str) -> tuple[str, dict[str, Any]] | None:
+    """("Ready"|"Degraded", condition) once the policy says so and no blue node is in flight."""
+    for type_ in ("Ready", "Degraded"):
+        cond = h.condition(name, type_)
+        body = h.get(name) or {}
+        fresh = (body.get("status") or {}).get("observedGeneration") == body["metadata"].get("generation")
+        if cond and cond.get("status") == "True" and fresh:
+            phases = [migration(pn).get("phase") for n, pn in h.proxynodes().items() if n in BLUE]
+            if not any(p in IN_FLIGHT for p in phases):
+                return type_, cond
+    return None
+
+
+def wait_settled(h: Harness, name: str, timeout: float = END_TIMEOUT) -> tuple[str, dict[str, Any]]:
+    try:
+        return h.wait_for(lambda: settled(h, name), timeout, f"{name} Ready or Degraded", interval=1.0)
+    except BaseException:
+        print(h.describe(name))
+        raise
+
+
+def migrate_under(h: Harness, cluster: Any, kube: Any, test_service: Any, tcp_probe: Callable[..., Any],
+                  continuous_prober: Callable[..., Any], name: str, fault: Callable[[str, str], str] | None,
+                  steps: tuple[str, ...] = ALL_STEPS, before_end: Callable[[], None] | None = None,
+                  kick: Callable[[], None] | None = None, gate_timeout: int = GATE_TIMEOUT,
+                  ) -> tuple[str, dict[str, Any], StepInjector, dict[str, Any], dict[str, Any]]:
+    """One blue iptables -> nftables migration with `fault` fired at each of `steps`; invariants checked.
+
+    `kick` starts the migration instead of applying the policy (a retry of an existing one)."""
+    service_answers_everywhere(h, tcp_probe, test_service)
+    probers = {n: continuous_prober(n, test_service.cluster_ip, test_service.port, interval=0.1) for n in ALL_NODES}
+    injector = StepInjector(kube, BLUE, fault, steps).start()
+    started = time.monotonic()
+    if kick is None:
+        h.apply(fault_policy(name, test_service, gate_timeout))
+    else:
+        kick()
+    outcome, cond = wait_settled(h, name)
+    seconds = time.monotonic() - started
+    history = injector.stop()
+    if before_end is not None:
+        before_end()
+    results = {n: p.stop() for n, p in probers.items()}
+    facts = check_end_state(h, name, history, tcp_probe, test_service, {n: p.failures for n, p in probers.items()},
+                            gate_timeout)
+    facts["seconds"] = round(seconds, 1)
+    facts["traffic"] = {n: {"ok": r.ok, "failed": r.failed} for n, r in results.items()}
+    return outcome, cond, injector, facts, {n: r for n, r in results.items()}
+
+
+def _row(fault: str, outcome: str, cond: dict[str, Any], injector: StepInjector, facts: dict[str, Any]
+         ) -> dict[str, Any]:
+    return {"fault": fault, "at": datetime.now(UTC).isoformat(timespec="seconds"), "outcome": outcome,
+            "reason": cond.get("reason"), "message": (cond.get("message") or "")[:300],
+            "fired": [{"step": f.step, "node": f.node, "seconds": round(f.seconds, 1), "detail": f.detail}
+                      for f in injector.fired],
+            **facts}
+
+
+# The faults the rollout must absorb without failing a node: Ready is the only acceptable end.
+ABSORBED = ("operator-kill", "apiserver-restart", "etcd-pause", "agent-kill", "probe-unreachable")
+
+
+@pytest.mark.parametrize("fault_name", [*ABSORBED, "node-delete"])
+def test_fault_at_every_step(harness: Harness, cluster: Any, kube: Any, test_service: Any,
+                             tcp_probe: Callable[..., Any], continuous_prober: Callable[..., Any],
+                             fault_name: str) -> None:
+    h = harness
+    state_dir = cluster.require_local("fault injection")
+    faults = Faults(h, kube, state_dir, ALL_NODES)
+    fault = {"operator-kill": faults.operator_kill, "agent-kill": faults.agent_kill,
+             "apiserver-restart": faults.apiserver_restart, "etcd-pause": faults.etcd_pause,
+             "node-delete": faults.node_delete, "probe-unreachable": faults.probe_block}[fault_name]
+    name = f"rel-{fault_name}"
+    try:
+        outcome, cond, injector, facts, _ = migrate_under(h, cluster, kube, test_service, tcp_probe,
+                                                          continuous_prober, name, fault,
+                                                          before_end=faults.unblock_all)
+    finally:
+        faults.unblock_all()
+    record(cluster, _row(fault_name, outcome, cond, injector, facts))
+    fired = {f.step for f in injector.fired}
+    assert fired == set(ALL_STEPS), f"the fault did not fire at {sorted(set(ALL_STEPS) - fired)}: {facts['phases']}"
+    if fault_name in ABSORBED:
+        assert facts["switches"] == {"ps-node-1": 1, "ps-node-2": 1, "ps-node-3": 0}, facts["switches"]
+        assert outcome == "Ready", f"{fault_name}: expected Ready, got {outcome}: {cond}"
+        assert all(facts["modes"][n] == "nftables" for n in BLUE), facts["modes"]
+        assert all(not h.unschedulable(n) for n in ALL_NODES), "a node was left cordoned"
+    else:
+        assert outcome == "Ready" or cond.get("reason"), cond
+
+
+def test_target_kube_proxy_crash_looping(harness: Harness, cluster: Any, kube: Any, test_service: Any,
+                                         tcp_probe: Callable[..., Any], continuous_prober: Callable[..., Any]) -> None:
+    """The target revision's kube-proxy crash-loops from a step on: the node rolls back, the policy turns
+    Degraded with the reason, the old kube-proxy serves again. Then a retry arms the next step."""
+    h = harness
+    state_dir = cluster.require_local("fault injection")
+    name = "rel-crashloop"
+    loops: list[KubeProxyCrashLoop] = []
+
+    def crash_loop(step: str, node: str) -> str:
+        revision = migration(h.proxynodes()[node]).get("toRevision")
+        assert revision, f"{node} has no target revision at {step}"
+        loops.append(KubeProxyCrashLoop(state_dir, node, revision).start())
+        return f"kube-proxy of {revision} on {node} SIGKILLed whenever it starts"
+
+    def stop_loops() -> None:
+        for loop in loops:
+            loop.stop()
+
+    def retry(token: str) -> Callable[[], None]:
+        def kick() -> None:
+            before = {n: migration(pn).get("attempt") for n, pn in h.proxynodes().items() if n in BLUE}
+            h.patch(name, {"metadata": {"annotations": {"proxyshift.io/retry": token}}})
+            # The policy stays Degraded until the retry is taken: wait for a new attempt to start.
+            h.wait_for(lambda: any(migration(pn).get("attempt") != before.get(n) and
+                                   migration(pn).get("phase") not in ("RolledBack", "Failed")
+                                   for n, pn in h.proxynodes().items() if n in BLUE), 120, f"retry {token} to start",
+                       interval=0.2)
+        return kick
+
+    rows = []
+    # Before Switch there is no target pod to crash: the loop would start with it, as at Switch.
+    for i, step in enumerate(("Switch", "Gate", "Verify")):
+        try:
+            outcome, cond, injector, facts, _ = migrate_under(
+                h, cluster, kube, test_service, tcp_probe, continuous_prober, name, crash_loop, (step,),
+                before_end=stop_loops, kick=retry(str(i)) if i else None, gate_timeout=CRASHLOOP_GATE_TIMEOUT)
+        finally:
+            stop_loops()
+        row = _row(f"kube-proxy-crashloop@{step}", outcome, cond, injector, facts)
+        row["kills"] = sum(loop.kills for loop in loops)
+        loops.clear()
+        record(cluster, row)
+        rows.append(row)
+        assert [f.step for f in injector.fired] == [step], injector.fired
+        assert outcome == "Degraded" and cond.get("reason"), cond
+        node = injector.fired[0].node
+        assert facts["modes"][node] == "iptables", f"{node} not back on its old mode: {facts['modes']}"
+        assert migration(h.proxynodes()[node]).get("phase") == "RolledBack"
+    # The fault gone, a retry completes the rollout.
+    outcome, cond, injector, facts, _ = migrate_under(h, cluster, kube, test_service, tcp_probe, continuous_prober,
+                                                      name, None, kick=retry("done"),
+                                                      gate_timeout=CRASHLOOP_GATE_TIMEOUT)
+    record(cluster, _row("kube-proxy-crashloop/retry", outcome, cond, injector, facts))
+    assert outcome == "Ready", cond
+
+
+def _set_agent_env(h: Harness, cluster: Any, env: list[dict[str, Any]]) -> None:
+    """Replace the env of the agent DaemonSet's container (whole) and wait for the agents to roll."""
+    from proxyshift.localcluster import install
+
+    patch = [{"op": "replace", "path": "/spec/template/spec/containers/0/env", "value": env}]
+    cluster.kubectl("-n", install.AGENT_NAMESPACE, "patch", "daemonset", install.AGENT_DAEMONSET,
+                    "--type=json", "-p", json.dumps(patch))
+    cluster.kubectl("-n", install.AGENT_NAMESPACE, "rollout", "status", f"daemonset/{install.AGENT_DAEMONSET}",
+                    "--timeout=180s", timeout=200)
+
+
+def test_clock_skew_between_operator_and_agent(harness: Harness, cluster: Any, kube: Any, test_service: Any,
+                                               tcp_probe: Callable[..., Any],
+                                               continuous_prober: Callable[..., Any]) -> None:
+    """Every agent's clock runs 30 s ahead of the operator's (libfaketime in the agent process)."""
+    h = harness
+    state_dir = cluster.require_local("clock skew")
+    assert Path(LIBFAKETIME).exists(), f"{LIBFAKETIME} missing: `make deps` installs the faketime package"
+    skew = [{"name": "LD_PRELOAD", "value": LIBFAKETIME}, {"name": "FAKETIME", "value": CLOCK_SKEW},
+            # Only the wall clock: the agent's timeouts use the monotonic clock and stay honest.
+            {"name": "FAKETIME_DONT_FAKE_MONOTONIC", "value": "1"}]
+    original = json.loads(cluster.kubectl("-n", "proxyshift-system", "get", "daemonset", "proxyshift-agent",
+                                          "-o", "json").stdout)
+    container = original["spec"]["template"]["spec"]["containers"][0]
+    assert container["name"] == "agent", container["name"]
+    original_env = container.get("env") or []
+    _set_agent_env(h, cluster, [*original_env, *skew])
+    try:
+        for node in ALL_NODES:
+            pid = agent_pid(state_dir, node)
+            assert pid and "FAKETIME" in Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace"), node
+
+        def measured_skew() -> float | None:
+            # The agent's heartbeat is written with its own clock; compare it with ours when it changes.
+            beats = {n: (pn.get("status") or {}).get("heartbeat") for n, pn in h.proxynodes().items()}
+            ahead = [datetime.fromisoformat(b.replace("Z", "+00:00")).timestamp() - time.time()
+                     for n, b in beats.items() if n in ALL_NODES and b]
+            return min(ahead) if ahead and min(ahead) > 20 else None
+
+        skew_seen = h.wait_for(measured_skew, 120, "agent heartbeats ~30 s ahead of the operator's clock")
+        outcome, cond, injector, facts, _ = migrate_under(h, cluster, kube, test_service, tcp_probe,
+                                                          continuous_prober, "rel-clock-skew", None)
+    finally:
+        _set_agent_env(h, cluster, original_env)
+    facts["agent_clock_ahead_s"] = round(skew_seen, 1)
+    record(cluster, _row(f"clock-skew {CLOCK_SKEW}", outcome, cond, injector, facts))
+    assert outcome == "Ready", cond
+    assert all(facts["modes"][n] == "nftables" for n in BLUE)
+    # Skew must not turn the gate into a crawl: the probe rounds are paced by the operator's clock.
+    assert facts["seconds"] < 2 * 120, f"the migration took {facts['seconds']}s under clock skew"
