@@ -360,6 +360,12 @@ class ProxyPolicyStatus(KubeModel):
         default=None, description="Pending, Progressing, Paused, Ready, Degraded, Conflict or Deleting."
     )
     current_revision: str | None = Field(default=None, description="The revision the spec renders to.")
+    revision_since: str | None = Field(
+        default=None,
+        description="When currentRevision last changed to another revision (RFC 3339). No node starts until "
+        "the spec has rendered to the same revision for 10s, so a spec edited in quick succession does not move "
+        "nodes on every edit.",
+    )
     progress: str | None = Field(default=None, description="updated/selected, e.g. 3/5.")
     stage: int | None = Field(default=None, description="Index of the current rollout stage, when staged.")
     stage_started_at: str | None = Field(default=None, description="When the current stage was reached.")

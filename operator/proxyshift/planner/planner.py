@@ -37,6 +37,10 @@ from proxyshift.planner.world import (
 )
 
 ENSURE_BATCH = 50  # ProxyNodes created per call: keeps one plan's action list short on a new fleet
+# After the spec renders to another revision, no node starts until it has stayed on that revision this
+# long: a spec edited every second (two GitOps tools fighting over a field, a script) would otherwise
+# move each node every time it finished a migration, back and forth between revisions.
+SETTLE_SECONDS = 10.0
 RELEASE = "release"  # a node the policy lets go of (left alone, ProxyNode spec cleared)
 
 
@@ -178,6 +182,28 @@ def _stage(ctx: _Ctx, current: Target | None, total: int, updated: int) -> tuple
     return index, started, targets[index], ""
 
 
+def _revision_since(ctx: _Ctx, current: Target | None) -> str | None:
+    """When the policy's current revision became current; None for its first one (nothing to settle)."""
+    status = ctx.policy.status
+    if current is None or status.current_revision is None:
+        return status.revision_since if current is None else None
+    if status.current_revision != current.revision:
+        return fmt(ctx.now)
+    return status.revision_since
+
+
+def _settling(ctx: _Ctx, since: str | None) -> str:
+    start = parse(since) if since else None
+    if start is None:
+        return ""
+    wait = (start - ctx.now).total_seconds() + SETTLE_SECONDS
+    if wait <= 0:
+        return ""
+    ctx.wake(wait)
+    return f"the spec changed {SETTLE_SECONDS - wait:.0f}s ago; no node starts until it is unchanged for " \
+           f"{SETTLE_SECONDS:g}s"
+
+
 def _between_nodes(ctx: _Ctx, nodes: list[_Node]) -> str:
     pause = ctx.policy.spec.rollout.pause_between_nodes
     if not pause:
@@ -255,6 +281,7 @@ def plan(world: World, policy_name: str) -> Plan:
 
     # 3. may new nodes start, and how many?
     stage, stage_started, stage_room, waiting = _stage(ctx, current, selected, updated)
+    revision_since = _revision_since(ctx, current)
     blocked = ""
     if halting or rolling_back:
         blocked = "halted by a failed node"
@@ -263,7 +290,7 @@ def plan(world: World, policy_name: str) -> Plan:
     elif waiting:
         blocked = waiting
     else:
-        blocked = _between_nodes(ctx, nodes)
+        blocked = (_settling(ctx, revision_since) if not deleting else "") or _between_nodes(ctx, nodes)
     base = len([e for e in nodes if e.target is not RELEASE])
     capacity = resolve_max_unavailable(policy.spec.rollout.max_unavailable, base) - in_flight
     stage_room -= updated + inflight_forward
@@ -368,6 +395,7 @@ def plan(world: World, policy_name: str) -> Plan:
         retry_token=token,
         waiting=blocked,
         revision_missing=revision_missing,
+        revision_since=revision_since,
     )
     status = build_status(policy, summary, ctx.now)
     for reason, message, warning in transitions(policy.status, status):

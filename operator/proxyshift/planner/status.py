@@ -56,6 +56,7 @@ class Summary:
     retry_token: str | None = None
     waiting: str = ""  # why no new node starts right now, for the Progressing message
     revision_missing: bool = False
+    revision_since: str | None = None
 
 
 def set_condition(
@@ -165,6 +166,7 @@ def build_status(policy: ProxyPolicy, s: Summary, now: datetime) -> ProxyPolicyS
         observed_generation=gen,
         phase=_phase(s),
         current_revision=s.revision,
+        revision_since=s.revision_since,
         progress=f"{s.updated}/{s.selected}",
         stage=s.stage,
         stage_started_at=s.stage_started_at,
