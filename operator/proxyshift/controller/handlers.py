@@ -1,6 +1,8 @@
-"""kopf handlers: thin. Indexes mirror the world; one rollout loop per policy asks the planner.
+"""kopf handlers: thin. Caches mirror the world; one rollout loop per policy asks the planner.
 
-Each loop iteration reads a World from the indexes, asks `planner.plan` for the
+The fleet-sized kinds (Nodes, kube-proxy pods, ProxyNodes) are kept by controller/mirror.py, the
+few others (policies, revisions, the baseline) by kopf indexes. Each loop iteration reads a World
+from them, asks `planner.plan` for the
 next step, performs its actions (idempotent API calls) and sleeps until
 something it watches changes. Kill the operator at any point and the next one
 continues from the API objects alone: no state lives only here.
@@ -13,6 +15,8 @@ import contextlib
 import logging
 import os
 import random
+import time
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import kopf
@@ -24,8 +28,9 @@ from proxyshift.api.kubeproxy import KubeProxyConfiguration
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.api.proxynode import ProxyNode
 from proxyshift.controller import metrics
-from proxyshift.controller.executor import Executor, StepBlocked, Written
-from proxyshift.controller.kube import ClusterAPI, describe_api_error
+from proxyshift.controller.executor import Executor, StepBlocked, Written, announced_elsewhere
+from proxyshift.controller.kube import API_GROUP, API_VERSION, PROXYNODES, ClusterAPI, describe_api_error
+from proxyshift.controller.mirror import Mirror
 from proxyshift.controller.settings import CONFIG
 from proxyshift.controller.snapshot import (
     build_world,
@@ -43,15 +48,33 @@ from proxyshift.render import LABEL_MANAGED_BY, MANAGED_BY
 log = logging.getLogger("proxyshift.operator")
 GROUP, VERSION = "proxyshift.io", "v1alpha1"
 
-# policy name -> event set whenever something the policy's loop depends on changes
-_wakers: dict[str, asyncio.Event] = {}
+# policy name -> the events of the loops working on it (the rollout daemon, a deletion handler), set
+# whenever something they depend on changes. Only ever touched on the event loop.
+_wakers: dict[str, set[asyncio.Event]] = {}
 _state: dict[str, Any] = {}
+# The fleet-sized kinds, mirrored outside kopf (controller/mirror.py): "nodes", "pods", "proxynodes".
+_mirrors: dict[str, Mirror] = {}
 
 
 def wake(policy: str | None = None) -> None:
-    targets = [_wakers[policy]] if policy and policy in _wakers else list(_wakers.values())
-    for event in targets:
-        event.set()
+    targets = _wakers.get(policy) if policy and policy in _wakers else None
+    for events in [targets] if targets is not None else list(_wakers.values()):
+        for event in events:
+            event.set()
+
+
+@contextlib.contextmanager
+def _waker(name: str) -> Iterator[asyncio.Event]:
+    event = asyncio.Event()
+    _wakers.setdefault(name, set()).add(event)
+    try:
+        yield event
+    finally:
+        events = _wakers.get(name)
+        if events is not None:
+            events.discard(event)
+            if not events:
+                _wakers.pop(name, None)
 
 
 # ---- login and settings ----
@@ -107,43 +130,142 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     _state["executor"] = Executor(_state["api"])
 
 
-# ---- indexes: the operator's memory of the world ----
+# ---- mirrors and indexes: the operator's memory of the world ----
 
 
-@kopf.index("", "v1", "nodes")
-def node_index(name: str, labels: dict[str, str], spec: dict[str, Any], status: dict[str, Any], uid: str,
-               meta: kopf.Meta, **_: Any) -> dict[str, w.NodeView]:
+def _node_item(obj: dict[str, Any]) -> tuple[str, tuple[w.NodeView, str]] | None:
+    meta = obj.get("metadata") or {}
+    name = meta.get("name")
+    if not name:
+        return None
+    view = node_view(name, meta.get("labels") or {}, obj.get("spec") or {}, obj.get("status") or {},
+                     str(meta.get("resourceVersion", "")))
+    return name, (view, str(meta.get("uid") or ""))
+
+
+def _pod_item(obj: dict[str, Any]) -> tuple[str, w.KubeProxyPodView] | None:
+    view = kube_proxy_pod_view(obj)
+    meta = obj.get("metadata") or {}
+    return (f"{meta.get('namespace')}/{meta.get('name')}", view) if view is not None else None
+
+
+def _proxynode_item(obj: dict[str, Any]) -> tuple[str, ProxyNode] | None:
+    name = (obj.get("metadata") or {}).get("name")
+    if not name:
+        return None
+    try:
+        return name, ProxyNode.model_validate(obj)
+    except ValidationError as exc:
+        log.warning("ProxyNode %s is invalid and is ignored: %s", name, exc)
+        return None
+
+
+def _on_node(_: Mirror, name: str, old: Any, new: Any) -> None:
+    wake()
+    if new is not None:
+        _inventory(name)
+
+
+def _on_pod(_: Mirror, key: str, old: Any, new: Any) -> None:
+    wake()
+
+
+def _on_proxynode(_: Mirror, name: str, old: ProxyNode | None, new: ProxyNode | None) -> None:
+    policies = {pn.spec.policy for pn in (old, new) if pn is not None and pn.spec.policy}
+    if not policies:
+        wake()  # a ProxyNode no policy holds may be the one a policy waits to take
+    for policy in policies:
+        wake(policy)
+
+
+class _NodeUids(Mapping[str, str]):
+    """The Executor's node name -> uid (for ownerReferences and Events), read from the node mirror."""
+
+    def __getitem__(self, name: str) -> str:
+        return _mirrors["nodes"].items[name][1]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_mirrors["nodes"].items)
+
+    def __len__(self) -> int:
+        return len(_mirrors["nodes"].items)
+
+
+def _inventory(name: str) -> None:
+    """Every Node gets a ProxyNode, policy or not: its agent reports the node's real mode and kernel,
+    which makes `kubectl get proxynodes` the fleet view and lets `proxyshift plan` predict preflight."""
+    nodes, proxynodes = _mirrors.get("nodes"), _mirrors.get("proxynodes")
+    pending: set[str] = _state.setdefault("inventory_pending", set())
+    if (nodes is None or proxynodes is None or not nodes.synced.is_set() or not proxynodes.synced.is_set()
+            or name in proxynodes.items or name in pending or name not in nodes.items or "api" not in _state):
+        return
+    pending.add(name)
+    uid = nodes.items[name][1]
+
+    async def create() -> None:
+        try:
+            await asyncio.to_thread(_state["api"].ensure_proxynode, name, uid, {}, replace=False)
+        except ApiException as exc:
+            log.warning("creating the ProxyNode of %s: %s", name, describe_api_error(exc))
+        finally:
+            pending.discard(name)
+
+    task = asyncio.get_running_loop().create_task(create())
+    _state.setdefault("tasks", set()).add(task)
+    task.add_done_callback(_state["tasks"].discard)
+
+
+@kopf.on.startup()
+async def start_mirrors(**_: Any) -> None:
+    """List+watch Nodes, kube-proxy pods and ProxyNodes outside kopf (see controller/mirror.py)."""
+    load_client_config()
+    core = kubernetes.client.CoreV1Api()
+    custom = kubernetes.client.CustomObjectsApi()
+    _mirrors["nodes"] = Mirror("nodes", core.list_node, _node_item, _on_node)
+    _mirrors["pods"] = Mirror("pods", core.list_namespaced_pod, _pod_item, _on_pod,
+                              args=(CONFIG.kube_proxy_namespace,),
+                              kwargs={"label_selector": CONFIG.kube_proxy_pod_label})
+    _mirrors["proxynodes"] = Mirror("proxynodes", custom.list_cluster_custom_object, _proxynode_item,
+                                    _on_proxynode, args=(API_GROUP, API_VERSION, PROXYNODES))
+    loop = asyncio.get_running_loop()
+    for mirror in _mirrors.values():
+        mirror.start(loop)
     executor: Executor | None = _state.get("executor")
     if executor is not None:
-        executor.node_uids[name] = uid
-    wake()
-    return {name: node_view(name, labels, spec, status, str(meta.get("resourceVersion", "")))}
+        executor.node_uids = _NodeUids()
+
+    async def first_inventory() -> None:
+        await asyncio.gather(*(m.synced.wait() for m in _mirrors.values()))
+        log.info("mirrors synced: %s", ", ".join(f"{k} {len(m.items)}" for k, m in _mirrors.items()))
+        for name in list(_mirrors["nodes"].items):
+            _inventory(name)
+        wake()
+
+    task = loop.create_task(first_inventory())
+    _state.setdefault("tasks", set()).add(task)
+    task.add_done_callback(_state["tasks"].discard)
 
 
-@kopf.index(GROUP, VERSION, "proxynodes")
-def proxynode_index(name: str, body: kopf.Body, **_: Any) -> dict[str, ProxyNode]:
-    node = ProxyNode.model_validate(dict(body))
-    wake(node.spec.policy)
-    return {name: node}
+@kopf.on.cleanup()
+async def stop_mirrors(**_: Any) -> None:
+    for mirror in _mirrors.values():
+        mirror.stop()
 
 
-@kopf.index("", "v1", "pods", labels={"k8s-app": "kube-proxy"})
-def kube_proxy_pod_index(body: kopf.Body, **_: Any) -> dict[str, w.KubeProxyPodView]:
-    view = kube_proxy_pod_view(body)
-    if view is None:
-        return {}
-    wake()
-    return {view.node: view}
+async def mirrors_synced() -> None:
+    await asyncio.gather(*(m.synced.wait() for m in _mirrors.values()))
 
 
+# Index handlers are coroutines so that they run on the event loop (kopf runs plain functions in a
+# thread pool), where wake() may touch asyncio events.
 @kopf.index("apps", "v1", "daemonsets", labels={LABEL_MANAGED_BY: MANAGED_BY})
-def revision_index(body: kopf.Body, **_: Any) -> dict[str, w.RevisionView]:
+async def revision_index(body: kopf.Body, **_: Any) -> dict[str, w.RevisionView]:
     view = revision_view(body)
     return {view.name: view} if view else {}
 
 
 @kopf.index(GROUP, VERSION, "proxypolicies")
-def policy_index(name: str, body: kopf.Body, logger: kopf.Logger, **_: Any) -> dict[str, ProxyPolicy]:
+async def policy_index(name: str, body: kopf.Body, logger: kopf.Logger, **_: Any) -> dict[str, ProxyPolicy]:
     try:
         policy = ProxyPolicy.model_validate(dict(body))
     except ValidationError as exc:
@@ -160,14 +282,14 @@ def _is_baseline(name: str, namespace: str, **_: Any) -> bool:
 
 
 @kopf.index("", "v1", "configmaps", when=_is_baseline)
-def baseline_configmap_index(name: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+async def baseline_configmap_index(name: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
     wake()
     return {"body": {"metadata": {"name": name, "namespace": CONFIG.kube_proxy_namespace},
                      "data": dict(body.get("data") or {})}}
 
 
 @kopf.index("apps", "v1", "daemonsets", when=_is_baseline)
-def baseline_daemonset_index(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
+async def baseline_daemonset_index(body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
     wake()
     return {"body": {k: body.get(k) for k in ("apiVersion", "kind", "metadata", "spec")}}
 
@@ -181,20 +303,21 @@ def baseline_mode(configmap: dict[str, Any] | None) -> str:
         return "iptables"
 
 
-@kopf.on.event("", "v1", "nodes")
-async def node_inventory(name: str, uid: str, type: str, proxynode_index: kopf.Index, **_: Any) -> None:
-    """Every Node gets a ProxyNode, policy or not: its agent reports the node's real mode and kernel,
-    which makes `kubectl get proxynodes` the fleet view and lets `proxyshift plan` predict preflight."""
-    if type == "DELETED" or name in proxynode_index or "api" not in _state:
-        return
-    await asyncio.to_thread(_state["api"].ensure_proxynode, name, uid, {}, replace=False)
-
-
 # ---- the rollout loop ----
+
+
+def _fleet() -> tuple[dict[str, w.NodeView], dict[str, ProxyNode], dict[str, list[w.KubeProxyPodView]]]:
+    nodes = {name: view for name, (view, _) in _mirrors["nodes"].items.items()}
+    pods: dict[str, list[w.KubeProxyPodView]] = {}
+    for view in _mirrors["pods"].items.values():
+        pods.setdefault(view.node, []).append(view)
+    return nodes, dict(_mirrors["proxynodes"].items), pods
 
 
 async def step(name: str, indexes: dict[str, Any]) -> w.Plan:
     """One level-triggered step: snapshot, plan, perform."""
+    await mirrors_synced()
+    planning_started = time.monotonic()
     baseline_cm = first(indexes["baseline_configmap_index"].get("body"))
     baseline_ds = first(indexes["baseline_daemonset_index"].get("body"))
     policies = {k: v for k, store in indexes["policy_index"].items() if (v := first(store)) is not None}
@@ -204,65 +327,80 @@ async def step(name: str, indexes: dict[str, Any]) -> w.Plan:
     executor: Executor = _state["executor"]
     policy = policies.get(name)
     service_ips = await asyncio.to_thread(executor.api.service_ips, policy) if policy else {}
+    nodes, proxynodes, pods = _fleet()
     world = build_world(
         policies=policies,
-        nodes=indexes["node_index"],
-        proxynodes=indexes["proxynode_index"],
-        revisions=indexes["revision_index"],
-        pods=indexes["kube_proxy_pod_index"],
+        nodes=nodes,
+        proxynodes=proxynodes,
+        revisions={k: v for k, store in indexes["revision_index"].items() if (v := first(store)) is not None},
+        pods=pods,
         baseline_mode=baseline_mode(baseline_cm),
         current_revisions=targets,
         service_ips=service_ips,
     )
     plan = planner.plan(world, name)
+    _state.setdefault("planning_seconds", {})[name] = time.monotonic() - planning_started
     metrics.record_plan(name, world, plan.actions)
     written: list[Written] = []
+    told = announced_elsewhere(plan.actions)
     try:
         for action in plan.actions:
-            result = await asyncio.to_thread(executor.perform, action, world.policies)
+            announce = (getattr(action, "node", None), action.reason) not in told
+            result = await asyncio.to_thread(executor.perform, action, world.policies, announce=announce)
             if result is not None:
                 written.append(result)
     finally:
         # The planner must never act on a world that lacks its own last writes (a stale view would
         # re-issue a switch and move switchedAt): wait for the watch streams to deliver them.
-        await wait_observed(written, indexes)
+        await wait_observed(written)
     return plan
 
 
-def _index_version(indexes: dict[str, Any], item: Written) -> str | None:
-    value = first(indexes[item.index].get(item.key))
-    if value is None:
-        return None
-    if isinstance(value, w.NodeView):
-        return value.resource_version
-    return str((getattr(value, "metadata", None) or {}).get("resourceVersion", ""))
+def _index_version(item: Written) -> str | None:
+    if item.index == "node_index":
+        node = _mirrors["nodes"].items.get(item.key)
+        return node[0].resource_version if node is not None else None
+    pn = _mirrors["proxynodes"].items.get(item.key)
+    return str((pn.metadata or {}).get("resourceVersion", "")) if pn is not None else None
 
 
-async def wait_observed(written: list[Written], indexes: dict[str, Any], timeout: float = 10.0) -> None:
+async def wait_observed(written: list[Written], timeout: float = 10.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     pending = list(written)
     while pending:
-        pending = [item for item in pending if not observed(_index_version(indexes, item), item.resource_version)]
+        pending = [item for item in pending if not observed(_index_version(item), item.resource_version)]
         if not pending:
             return
         if asyncio.get_running_loop().time() > deadline:
             log.warning("writes not yet seen by the watch after %gs: %s", timeout,
                         ", ".join(f"{p.index}/{p.key}" for p in pending[:5]))
             return
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.02)
 
 
 def _indexes(kwargs: dict[str, Any]) -> dict[str, Any]:
-    names = ("policy_index", "node_index", "proxynode_index", "revision_index", "kube_proxy_pod_index",
-             "baseline_configmap_index", "baseline_daemonset_index")
+    names = ("policy_index", "revision_index", "baseline_configmap_index", "baseline_daemonset_index")
     return {n: kwargs[n] for n in names}
+
+
+async def _pause(name: str, event: asyncio.Event, delay: float) -> None:
+    """Sleep until something the policy depends on changes, or `delay` passes.
+
+    Bursts of watch events (our own writes echo back) are batched by a short pause before the next
+    plan. The pause follows the cost of planning: as long as the last plan took, at least
+    min_requeue_seconds. A small fleet re-plans within milliseconds of an agent's report; a fleet of
+    thousands, whose every plan reads the whole world, spends at most about half its time planning.
+    """
+    batch = max(CONFIG.min_requeue_seconds, _state.get("planning_seconds", {}).get(name, 0.0))
+    await asyncio.sleep(min(batch, delay))
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout=max(0.0, delay - batch))
 
 
 @kopf.daemon(GROUP, VERSION, "proxypolicies", cancellation_timeout=10)
 async def rollout(name: str, stopped: kopf.DaemonStopped, logger: kopf.Logger, **kwargs: Any) -> None:
-    event = _wakers.setdefault(name, asyncio.Event())
     indexes = _indexes(kwargs)
-    try:
+    with _waker(name) as event:
         while not stopped:
             event.clear()
             delay = CONFIG.idle_requeue_seconds
@@ -281,21 +419,32 @@ async def rollout(name: str, stopped: kopf.DaemonStopped, logger: kopf.Logger, *
                 metrics.RECONCILE_ERRORS.labels(name, type(exc).__name__).inc()
                 logger.exception("rollout step failed")
                 delay = 5.0
-            # Batch bursts of watch events (our own writes echo back) before planning again.
-            await asyncio.sleep(CONFIG.min_requeue_seconds)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), timeout=max(0.0, delay - CONFIG.min_requeue_seconds))
-    finally:
-        _wakers.pop(name, None)
+            await _pause(name, event, delay)
+
+
+# How long one call of the delete handler keeps stepping before handing back to kopf (which calls it
+# again at once): kopf stops daemons on deletion, so this handler walks the nodes back itself.
+DELETE_HANDLER_SECONDS = 60.0
 
 
 @kopf.on.delete(GROUP, VERSION, "proxypolicies")
 async def on_delete(name: str, **kwargs: Any) -> None:
-    """Deletion: Revert walks the nodes back to the baseline; the finalizer goes when the planner says so."""
+    """Deletion: Revert walks the nodes back to the baseline; the finalizer goes when the planner says so.
+
+    The handler steps like the rollout loop (woken by the same changes) instead of returning after
+    each step: a kopf retry costs its delay plus a status patch per step.
+    """
     indexes = _indexes(kwargs)
-    plan = await step(name, indexes)
-    if not any(isinstance(a, w.RemoveFinalizer) for a in plan.actions):
-        raise kopf.TemporaryError("reverting nodes before the policy goes away", delay=2)
+    deadline = time.monotonic() + DELETE_HANDLER_SECONDS
+    with _waker(name) as event:
+        while True:
+            event.clear()
+            plan = await step(name, indexes)
+            if any(isinstance(a, w.RemoveFinalizer) for a in plan.actions):
+                return
+            if time.monotonic() > deadline:
+                raise kopf.TemporaryError("reverting nodes before the policy goes away", delay=0.5)
+            await _pause(name, event, min(plan.requeue_after_seconds or 2.0, 2.0))
     # The baseline DaemonSet keeps its `proxyshift.io/revision DoesNotExist` affinity: it is inert with no
     # revision labels, and undoing it would restart every baseline kube-proxy a second time. Uninstalling
     # applies the inverse recorded on the baseline (docs/migration-guide.md, "Uninstall").

@@ -1,4 +1,4 @@
-"""Builds the planner's World from the operator's in-memory indexes (no API calls)."""
+"""Builds the planner's World from the operator's in-memory caches (no API calls)."""
 
 from __future__ import annotations
 
@@ -107,9 +107,9 @@ def first(store: Iterable[Any] | None) -> Any:
 def build_world(
     *,
     policies: Mapping[str, ProxyPolicy],
-    nodes: Mapping[str, Iterable[NodeView]],
-    proxynodes: Mapping[str, Iterable[ProxyNode]],
-    revisions: Mapping[str, Iterable[RevisionView]],
+    nodes: Mapping[str, NodeView],
+    proxynodes: Mapping[str, ProxyNode],
+    revisions: Mapping[str, RevisionView],
     pods: Mapping[str, Iterable[KubeProxyPodView]],
     baseline_mode: str,
     now: datetime | None = None,
@@ -118,9 +118,9 @@ def build_world(
     return World(
         now=now or datetime.now(UTC),
         policies=dict(policies),
-        nodes={k: v for k, s in nodes.items() if (v := first(s)) is not None},
-        proxynodes={k: v for k, s in proxynodes.items() if (v := first(s)) is not None},
-        revisions={k: v for k, s in revisions.items() if (v := first(s)) is not None},
+        nodes=dict(nodes),
+        proxynodes=dict(proxynodes),
+        revisions=dict(revisions),
         kube_proxy_pods={k: list(s) for k, s in pods.items()},
         baseline_mode=baseline_mode,
         **extra,
