@@ -230,6 +230,34 @@ def test_every_api_step_with_a_reason_leaves_an_event_on_what_it_touched() -> No
     assert len([c for c in api.calls if c[0] == "emit_event"]) == 1, "intent records are not announced twice"
 
 
+def test_a_step_the_plan_already_announces_gets_no_second_event() -> None:
+    api = FakeAPI()
+    executor = ex.Executor(api)  # type: ignore[arg-type]
+    actions: list[w.Action] = [
+        w.SetRevisionLabel(node="n1", revision="blue-1", reason="Switching"),
+        w.Event(policy="blue", node="n1", type="Normal", reason="Switching", message="moving n1 to blue-1"),
+    ]
+    told = ex.announced_elsewhere(actions)
+    for action in actions:
+        key = (getattr(action, "node", None), action.reason)
+        executor.perform(action, {"blue": policy()}, announce=key not in told)
+    events = [c for c in api.calls if c[0] == "emit_event"]
+    assert len(events) == 1
+
+
+def test_outcomes_setting_keeps_warnings_and_endings_on_nodes_only() -> None:
+    api = FakeAPI()
+    executor = ex.Executor(api, node_events="outcomes")  # type: ignore[arg-type]
+    for type_, reason in (("Normal", "Switching"), ("Normal", "GatePassed"), ("Warning", "GateTimeout"),
+                          ("Normal", "Migrated")):
+        executor.perform(w.Event(policy="blue", node="n1", type=type_, reason=reason, message=reason),
+                         {"blue": policy()})
+    executor.perform(w.Event(policy="blue", node=None, type="Normal", reason="Paused", message="policy step"),
+                     {"blue": policy()})
+    emitted = [c for c in api.calls if c[0] == "emit_event"]
+    assert len(emitted) == 3, emitted  # GateTimeout, Migrated on the node; the policy's own Event
+
+
 def test_plan_view_does_not_predict_a_failure_without_inventory() -> None:
     cm, ds = baseline()
     p = policy("blue", "nftables")

@@ -30,6 +30,8 @@ RECONCILE_ERRORS = PromCounter(
     "proxyshift_reconcile_errors_total", "Rollout loop iterations that raised, by error type.", ["policy", "error"]
 )
 ACTIONS = PromCounter("proxyshift_actions_total", "API steps performed, by action type.", ["policy", "action"])
+EVENTS_SKIPPED = PromCounter("proxyshift_node_events_skipped_total",
+                             "Normal step Events not posted on nodes (PROXYSHIFT_NODE_EVENTS=outcomes).")
 POLICY_READY = Gauge("proxyshift_policy_ready", "1 when the policy's Ready condition is True.", ["policy"])
 
 

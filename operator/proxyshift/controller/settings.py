@@ -22,7 +22,10 @@ class OperatorConfig:
     )
     # The loop wakes on every ProxyNode/pod change; this is only the idle heartbeat.
     idle_requeue_seconds: float = float(_env("PROXYSHIFT_IDLE_REQUEUE_SECONDS", "30"))
-    min_requeue_seconds: float = float(_env("PROXYSHIFT_MIN_REQUEUE_SECONDS", "0.2"))
+    # The shortest pause between two plans (to batch watch echoes); a plan that took longer pauses longer.
+    min_requeue_seconds: float = float(_env("PROXYSHIFT_MIN_REQUEUE_SECONDS", "0.02"))
+    # Which Normal Events a node gets: "steps" (one per step) or "outcomes" (how it ended); Warnings always.
+    node_events: str = _env("PROXYSHIFT_NODE_EVENTS", "steps")
     metrics_port: int = int(_env("PROXYSHIFT_METRICS_PORT", "8080"))
     peering_name: str = _env("PROXYSHIFT_PEERING", "proxyshift")
     kopf_field: str = "kopf"
