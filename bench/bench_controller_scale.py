@@ -235,7 +235,7 @@ def operator_metrics() -> dict[str, float]:
     return out
 
 
-def bench(n: int, state: Path, bin_dir: Path, timeout: float) -> Result:
+def bench(n: int, state: Path, bin_dir: Path, timeout: float, node_events: str = "steps") -> Result:
     res = Result(n)
     procs = Procs(state / "logs")
     fleet: Fleet | None = None
@@ -257,6 +257,7 @@ def bench(n: int, state: Path, bin_dir: Path, timeout: float) -> Result:
         fleet.start()
         env = controlplane.daemon_env()
         env["PYTHONPATH"] = str(ROOT / "operator")
+        env["PROXYSHIFT_NODE_EVENTS"] = node_events
         op = procs.start("operator", [sys.executable, "-m", "proxyshift.cli", "operator", "--standalone",
                                       "--kubeconfig", str(op_kubeconfig), "--metrics-port", str(METRICS_PORT),
                                       "--liveness", f"http://127.0.0.1:{LIVENESS_PORT}/healthz"], env=env)
@@ -343,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", default="1000", help="comma-separated fleet sizes, e.g. 1000,5000")
     p.add_argument("--timeout", type=float, default=3600, help="seconds to wait for Ready per size")
     p.add_argument("--keep", action="store_true", help="keep the state folder (logs, audit log)")
+    p.add_argument("--node-events", default="steps", choices=("steps", "outcomes"),
+                   help="the operator's PROXYSHIFT_NODE_EVENTS (which Normal Events nodes get)")
     args = p.parse_args(argv)
     os.nice(max(0, 19 - os.nice(0)))  # never outrank other work on the machine (children inherit it)
     bin_dir = build()
@@ -351,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         state = Path(f"/tmp/ps-bench-scale-{os.getpid()}-{n}")
         state.mkdir(parents=True, exist_ok=False)
         try:
-            results.append(bench(n, state, bin_dir, args.timeout))
+            results.append(bench(n, state, bin_dir, args.timeout, args.node_events))
         finally:
             if not args.keep:
                 shutil.rmtree(state, ignore_errors=True)

@@ -1,0 +1,448 @@
+"""Rollout overhead: a proxyshift migration against `kubectl rollout restart` of kube-proxy, side by side.
+
+    sudo flock /var/lock/proxyshift-localcluster.lock nice -n 10 python bench/bench_rollout_overhead.py --runs 3
+
+On the local cluster with one pool of N nodes (default `blue=4`; the cluster is
+machine-wide, hence the lock). proxyshift is installed and its operator runs as a
+host process. Each run measures, in alternating order:
+
+  restart   `kubectl -n kube-system rollout restart daemonset/kube-proxy` (the baseline,
+            RollingUpdate maxUnavailable 1): from the command to the moment the last new
+            pod is Running and Ready. No preflight, gate or cleanup.
+  migrate   a ProxyPolicy to nftables over the pool (maxUnavailable 1, no cordon/drain,
+            gate.minSyncs 1, stale-rule cleanup on): from the create to the policy's Ready.
+  revert    deleting that policy (deletionPolicy Revert walks every node back to the
+            baseline iptables kube-proxy): from the delete to the policy being gone.
+
+A warm-up migrate+revert runs first and is not counted: the first policy adds the
+`proxyshift.io/revision DoesNotExist` affinity to the baseline DaemonSet, which
+restarts every baseline pod once (docs/architecture.md).
+
+Every time is the benchmark's own clock at the moment its watches (pods, ProxyNodes,
+ProxyPolicies) saw the change, so both sides are measured the same way. Per node, a
+proxyshift migration is split into
+  kube-proxy  from the switch (ProxyNode phase Switch) to the new pod Running+Ready:
+              the DaemonSet controller, the scheduler, kube-proxy's start-up
+  gate        from phase Gate to the gate's verdict (the next phase)
+  own         the rest of the node's time (preflight, the operator noticing the pod,
+              stale-rule cleanup + verify) plus the gap before the node started
+The restart is split the same way: kube-proxy = old pod deleted -> new pod Ready, own
+(= the DaemonSet controller's gaps) = the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "operator"))
+# The node simulators and the operator are child processes (`python -m proxyshift...`): they must find
+# this checkout's package even where it is not pip-installed.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "operator"), os.environ.get("PYTHONPATH")]))
+
+import kubernetes  # noqa: E402
+from kubernetes import watch  # noqa: E402
+from kubernetes.client.exceptions import ApiException  # noqa: E402
+
+from proxyshift.localcluster import cli as cluster_cli  # noqa: E402
+from proxyshift.localcluster import controlplane, install, paths  # noqa: E402
+
+GROUP, VERSION = "proxyshift.io", "v1alpha1"
+POLICY = "bench-overhead"
+POOL = "blue"
+NAMESPACE = "kube-system"
+BASELINE_DS = "kube-proxy"
+REVISION_LABEL = "proxyshift.io/revision"
+METRICS_PORT, HEALTH_PORT = 18180, 18181
+TARGET_RATIO = 1.5
+
+
+def say(message: str) -> None:
+    print(f"[bench] {time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
+
+
+# ---- what the watches saw ----
+
+
+@dataclass
+class Seen:
+    """Every change the benchmark's watches delivered, stamped with its own monotonic clock."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    # pod name -> node, first time seen deleting, first time seen Running+Ready, creation (ours)
+    pods: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # (node, phase, startedAt) -> first time the ProxyNode was seen in that phase
+    phases: dict[tuple[str, str, str], float] = field(default_factory=dict)
+    # policy name -> (Ready observed for its generation at, gone at)
+    policy_ready: dict[str, float] = field(default_factory=dict)
+    policy_gone: dict[str, float] = field(default_factory=dict)
+    changed: threading.Condition = field(default_factory=threading.Condition)
+    # every distinct ProxyNode state seen: (at, node, phase, requested op, agent's last op + state, message)
+    log: list[tuple[float, str, str, str, str, str]] = field(default_factory=list)
+
+    def note(self) -> None:
+        with self.changed:
+            self.changed.notify_all()
+
+    def wait(self, predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while True:
+                with self.lock:
+                    value = predicate()
+                if value:
+                    return value
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{what} not seen within {timeout:g}s")
+                self.changed.wait(min(left, 1.0))
+
+
+def _pod_ready(pod: dict[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    return status.get("phase") == "Running" and any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+
+
+def _stream(list_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Watch forever (re-listing after an error or an expired resourceVersion), as plain dicts."""
+    while True:
+        try:
+            for event in watch.Watch().stream(list_fn, *args, timeout_seconds=120, **kwargs):
+                obj = event["object"]
+                if not isinstance(obj, dict):
+                    obj = kubernetes.client.ApiClient().sanitize_for_serialization(obj)
+                yield event["type"], obj
+        except (ApiException, OSError, ValueError) as exc:
+            say(f"watch restarted: {exc}")
+            time.sleep(0.5)
+
+
+def watch_pods(core: kubernetes.client.CoreV1Api, seen: Seen) -> None:
+    for kind, pod in _stream(core.list_namespaced_pod, NAMESPACE, label_selector="k8s-app=kube-proxy"):
+        now = time.monotonic()
+        meta = pod.get("metadata") or {}
+        with seen.lock:
+            rec = seen.pods.setdefault(meta.get("name", ""), {"node": (pod.get("spec") or {}).get("nodeName"),
+                                                               "first": now})
+            rec["node"] = rec.get("node") or (pod.get("spec") or {}).get("nodeName")
+            if (kind == "DELETED" or meta.get("deletionTimestamp")) and "deleting" not in rec:
+                rec["deleting"] = now
+            if kind != "DELETED" and _pod_ready(pod) and not meta.get("deletionTimestamp") and "ready" not in rec:
+                rec["ready"] = now
+        seen.note()
+
+
+def watch_proxynodes(custom: kubernetes.client.CustomObjectsApi, seen: Seen) -> None:
+    for _, pn in _stream(custom.list_cluster_custom_object, GROUP, VERSION, "proxynodes"):
+        m = (pn.get("spec") or {}).get("migration") or {}
+        if not m.get("phase"):
+            continue
+        key = (pn["metadata"]["name"], m["phase"], m.get("startedAt") or "")
+        op = ((pn.get("spec") or {}).get("operation") or {}).get("id", "")
+        status = pn.get("status") or {}
+        last = status.get("lastOperation") or {}
+        facts = status.get("kubeProxy") or {}
+        state = (f"{last.get('id', '')} {last.get('state', '')} syncs={facts.get('syncCount')} "
+                 f"healthz={facts.get('healthzStatus')}")
+        entry = (time.monotonic(), key[0], m["phase"], op.rsplit(".", 2)[-2] + "." + op.rsplit(".", 1)[-1]
+                 if op.count(".") >= 2 else op, state, (m.get("message") or "")[:100])
+        with seen.lock:
+            seen.phases.setdefault(key, entry[0])
+            if not seen.log or seen.log[-1][1:] != entry[1:]:
+                seen.log.append(entry)
+        seen.note()
+
+
+def watch_policies(custom: kubernetes.client.CustomObjectsApi, seen: Seen) -> None:
+    for kind, body in _stream(custom.list_cluster_custom_object, GROUP, VERSION, "proxypolicies"):
+        meta = body.get("metadata") or {}
+        name, now = meta.get("name", ""), time.monotonic()
+        status = body.get("status") or {}
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+        with seen.lock:
+            if kind == "DELETED":
+                seen.policy_gone[name] = now
+            elif ready and status.get("observedGeneration") == meta.get("generation"):
+                seen.policy_ready.setdefault(f"{name}/{meta.get('uid')}", now)
+        seen.note()
+
+
+# ---- one measured rollout ----
+
+
+PHASES = ("Preflight", "Switch", "Gate", "Cleanup", "Verify")
+
+
+@dataclass
+class NodeSplit:
+    node: str
+    total: float  # first phase seen -> Done seen (restart: old pod deleted -> new pod Ready)
+    kube_proxy: float  # Switch seen -> the new pod Running+Ready (restart: the whole node)
+    gate: float  # Gate seen -> the gate's verdict seen
+    own: float  # total - kube_proxy - gate
+    phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds until the next phase
+
+
+@dataclass
+class Result:
+    kind: str  # restart | migrate | revert
+    run: int
+    seconds: float
+    nodes: list[NodeSplit]
+
+    @property
+    def kube_proxy(self) -> float:
+        return sum(n.kube_proxy for n in self.nodes)
+
+    @property
+    def gate(self) -> float:
+        return sum(n.gate for n in self.nodes)
+
+    @property
+    def own(self) -> float:
+        return self.seconds - self.kube_proxy - self.gate
+
+    @property
+    def between(self) -> float:
+        """Time in no node's migration: before the first, between two, after the last."""
+        return self.seconds - sum(n.total for n in self.nodes)
+
+
+class Bench:
+    def __init__(self, kubeconfig: Path, bin_dir: Path, nodes: list[str], timeout: float) -> None:
+        self.kubeconfig, self.bin_dir, self.nodes, self.timeout = kubeconfig, bin_dir, nodes, timeout
+        self.show_timeline = False
+        api = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
+        self.core = kubernetes.client.CoreV1Api(api)
+        self.apps = kubernetes.client.AppsV1Api(api)
+        self.custom = kubernetes.client.CustomObjectsApi(api)
+        self.seen = Seen()
+        watch_api = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
+        for target, client in ((watch_pods, kubernetes.client.CoreV1Api(watch_api)),
+                               (watch_proxynodes, kubernetes.client.CustomObjectsApi(watch_api)),
+                               (watch_policies, kubernetes.client.CustomObjectsApi(watch_api))):
+            threading.Thread(target=target, args=(client, self.seen), daemon=True, name=target.__name__).start()
+
+    def kubectl(self, *args: str, timeout: float = 120) -> str:
+        return install.kubectl(self.bin_dir, self.kubeconfig, *args, timeout=timeout)
+
+    # ---- the plain rollout ----
+
+    def _settled(self) -> bool:
+        """One Running+Ready kube-proxy pod per node and nothing terminating."""
+        pods = self.core.list_namespaced_pod(NAMESPACE, label_selector="k8s-app=kube-proxy").items
+        live = [p for p in pods if not p.metadata.deletion_timestamp]
+        return (len(pods) == len(live) == len(self.nodes)
+                and all(p.status.phase == "Running" for p in live)
+                and sorted(p.spec.node_name for p in live) == sorted(self.nodes))
+
+    def wait_settled(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        while not self._settled():
+            if time.monotonic() > deadline:
+                raise TimeoutError("kube-proxy pods did not settle")
+            time.sleep(0.5)
+        self.kubectl("-n", NAMESPACE, "rollout", "status", f"daemonset/{BASELINE_DS}", "--timeout=300s",
+                     timeout=320)
+
+    def restart(self, run: int) -> Result:
+        self.wait_settled()
+        time.sleep(1.5)  # kubectl refuses a second restart within the same second (restartedAt)
+        with self.seen.lock:
+            old = {name: rec["node"] for name, rec in self.seen.pods.items() if "deleting" not in rec}
+        t0 = time.monotonic()
+        self.kubectl("-n", NAMESPACE, "rollout", "restart", f"daemonset/{BASELINE_DS}")
+
+        def new_pods_ready() -> dict[str, dict[str, Any]] | None:
+            fresh = {n: r for n, r in self.seen.pods.items() if n not in old and r.get("first", 0) >= t0}
+            by_node = {r["node"]: r for r in fresh.values() if "ready" in r and "deleting" not in r}
+            return by_node if set(by_node) >= set(self.nodes) else None
+
+        new = self.seen.wait(new_pods_ready, self.timeout, "every node's new kube-proxy pod Ready")
+        end = max(r["ready"] for r in new.values())
+        with self.seen.lock:
+            deleted = {rec["node"]: rec.get("deleting", t0) for name, rec in self.seen.pods.items() if name in old}
+        splits = []
+        for node in self.nodes:
+            kp = new[node]["ready"] - deleted.get(node, t0)
+            splits.append(NodeSplit(node, kp, kp, 0.0, 0.0))
+        return Result("restart", run, end - t0, splits)
+
+    # ---- proxyshift ----
+
+    def policy_body(self) -> dict[str, Any]:
+        return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ProxyPolicy", "metadata": {"name": POLICY},
+                "spec": {"nodeSelector": {"matchLabels": {"pool": POOL}}, "mode": "nftables",
+                         "rollout": {"maxUnavailable": 1, "cordon": False, "drain": False},
+                         "gate": {"timeout": "2m", "minSyncs": 1}}}
+
+    def _splits(self, t0: float, end: float) -> list[NodeSplit]:
+        """Per node: the migration's phases as the ProxyNode watch saw them, newer than t0."""
+        with self.seen.lock:
+            phases = {k: v for k, v in self.seen.phases.items() if v >= t0}
+            pods = dict(self.seen.pods)
+        rows = []
+        for node in self.nodes:
+            mine = sorted((at, phase) for (n, phase, _), at in phases.items() if n == node)
+            seen_at = {phase: at for at, phase in reversed(mine)}  # first sighting of each phase
+            start = mine[0][0] if mine else t0
+            done = seen_at.get("Done", end)
+            durations: dict[str, float] = {}
+            for (at, phase), (nxt, _) in itertools.pairwise(mine):
+                durations[phase] = durations.get(phase, 0.0) + nxt - at
+            switch = seen_at.get("Switch")
+            # the first kube-proxy pod on this node that became Ready after the switch
+            ready = min((r["ready"] for r in pods.values() if r.get("node") == node and "ready" in r
+                         and switch is not None and r["ready"] >= switch), default=None)
+            kp = (ready - switch) if ready is not None and switch is not None else 0.0
+            gate = durations.get("Gate", 0.0)
+            rows.append(NodeSplit(node, done - start, kp, gate, done - start - kp - gate, durations))
+        return rows
+
+    def timeline(self, t0: float, node: str) -> None:
+        """One node's ProxyNode states since t0, for finding where the time goes (--timeline)."""
+        print(f"\ntimeline of {node} (seconds after the apply/delete; phase, requested op, agent's report):")
+        with self.seen.lock:
+            for at, name, phase, op, state, message in self.seen.log:
+                if name == node and at >= t0:
+                    print(f"  {at - t0:7.2f}  {phase:<9} {op:<12} {state:<60} {message}")
+
+    def migrate(self, run: int) -> Result:
+        self.wait_settled()
+        t0 = time.monotonic()
+        created = self.custom.create_cluster_custom_object(GROUP, VERSION, "proxypolicies", self.policy_body())
+        key = f"{POLICY}/{created['metadata']['uid']}"
+        end = self.seen.wait(lambda: self.seen.policy_ready.get(key), self.timeout, "the policy's Ready")
+        if self.show_timeline:
+            self.timeline(t0, self.nodes[0])
+        return Result("migrate", run, end - t0, self._splits(t0, end))
+
+    def revert(self, run: int) -> Result:
+        t0 = time.monotonic()
+        self.seen.policy_gone.pop(POLICY, None)
+        self.custom.delete_cluster_custom_object(GROUP, VERSION, "proxypolicies", POLICY)
+        end = self.seen.wait(lambda: self.seen.policy_gone.get(POLICY), self.timeout, "the policy gone")
+        left = [n for n in self.nodes if REVISION_LABEL in (self.core.read_node(n).metadata.labels or {})]
+        if left:
+            raise RuntimeError(f"policy gone but {left} still carry a revision label")
+        return Result("revert", run, end - t0, self._splits(t0, end))
+
+
+# ---- cluster and report ----
+
+
+def ensure_cluster(state_dir: Path, nodes: int) -> controlplane.ClusterInfo:
+    if controlplane.load_info(state_dir) is not None:
+        # Run under the machine-wide lock, so nobody uses it: a cluster left by a killed session
+        # (as tests/conftest.py does). This benchmark needs its own shape (one pool of N nodes).
+        say(f"removing the cluster left in {state_dir}")
+        controlplane.down(state_dir)
+    say(f"starting the local cluster: pool {POOL}={nodes}")
+    report = cluster_cli.up(state_dir, {POOL: nodes})
+    say(f"cluster up in {report['seconds']}s")
+    info = controlplane.load_info(state_dir)
+    assert info is not None
+    return info
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def print_report(results: list[Result], nodes: int) -> None:
+    print(f"\n## rollout overhead, {nodes} nodes, maxUnavailable 1 (seconds; medians over runs)\n")
+    print("| run | restart s | migrate s | revert s | migrate/restart | revert/restart |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    runs = sorted({r.run for r in results})
+    by = {(r.kind, r.run): r for r in results}
+    for run in runs:
+        rs, mg, rv = by.get(("restart", run)), by.get(("migrate", run)), by.get(("revert", run))
+        cells = [f"{x.seconds:.1f}" if x else "-" for x in (rs, mg, rv)]
+        ratio = [f"{x.seconds / rs.seconds:.2f}x" if x and rs else "-" for x in (mg, rv)]
+        print(f"| {run} | {' | '.join(cells)} | {' | '.join(ratio)} |")
+    med = {k: median([r.seconds for r in results if r.kind == k]) for k in ("restart", "migrate", "revert")}
+    print(f"| median | {med['restart']:.1f} | {med['migrate']:.1f} | {med['revert']:.1f} | "
+          f"{med['migrate'] / med['restart']:.2f}x | {med['revert'] / med['restart']:.2f}x |")
+    verdict = "met" if med["migrate"] / med["restart"] <= TARGET_RATIO else "MISSED"
+    print(f"\ntarget: migrate within {TARGET_RATIO}x of the restart: {verdict}\n")
+
+    print("| rollout | total s | kube-proxy s | gate s | own s | outside any node s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for kind in ("restart", "migrate", "revert"):
+        rows = [r for r in results if r.kind == kind]
+        if rows:
+            print(f"| {kind} | {median([r.seconds for r in rows]):.1f} | {median([r.kube_proxy for r in rows]):.1f} | "
+                  f"{median([r.gate for r in rows]):.1f} | {median([r.own for r in rows]):.1f} | "
+                  f"{median([r.between for r in rows]):.1f} |")
+    print("\nper node, median over nodes and runs (seconds; a phase lasts until the next one is seen):\n")
+    print("| rollout | node total | kube-proxy | " + " | ".join(PHASES) + " |")
+    print("|---|---:|---:|" + "---:|" * len(PHASES))
+    for kind in ("restart", "migrate", "revert"):
+        per_node = [n for r in results if r.kind == kind for n in r.nodes]
+        if per_node:
+            cells = [f"{median([n.phases.get(p, 0.0) for n in per_node]):.2f}" for p in PHASES]
+            print(f"| {kind} | {median([n.total for n in per_node]):.2f} | "
+                  f"{median([n.kube_proxy for n in per_node]):.2f} | " + " | ".join(cells) + " |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=600, help="per rollout")
+    parser.add_argument("--keep", action="store_true", help="leave the cluster up afterwards")
+    parser.add_argument("--no-warmup", action="store_true")
+    parser.add_argument("--timeline", action="store_true", help="print one node's ProxyNode states per migration")
+    args = parser.parse_args()
+
+    state_dir = paths.default_state_dir()
+    info = ensure_cluster(state_dir, args.nodes)
+    operator: install.OperatorProcess | None = None
+    results: list[Result] = []
+    try:
+        say("installing proxyshift (CRDs, RBAC, admission, agents)")
+        install.install(info.bin_dir, info.kubeconfig)
+        operator = install.OperatorProcess(info.kubeconfig, state_dir / "logs" / "operator-bench.log",
+                                           metrics_port=METRICS_PORT, health_port=HEALTH_PORT).start()
+        operator.wait_healthy()
+        nodes = [f"ps-node-{i}" for i in range(1, args.nodes + 1)]
+        bench = Bench(info.kubeconfig, info.bin_dir, nodes, args.timeout)
+        bench.show_timeline = args.timeline
+        if not args.no_warmup:
+            say("warm-up: migrate + revert (adds the baseline affinity; not counted)")
+            bench.migrate(0)
+            bench.revert(0)
+        for run in range(1, args.runs + 1):
+            order = ("restart", "migrate") if run % 2 else ("migrate", "restart")
+            for kind in order:
+                result = bench.restart(run) if kind == "restart" else bench.migrate(run)
+                say(f"run {run}: {kind} {result.seconds:.1f}s")
+                results.append(result)
+                if kind == "migrate":
+                    result = bench.revert(run)
+                    say(f"run {run}: revert {result.seconds:.1f}s")
+                    results.append(result)
+    finally:
+        if operator is not None:
+            operator.stop()
+        if results:
+            print_report(results, args.nodes)
+        if not args.keep:
+            say("taking the local cluster down")
+            controlplane.down(state_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
