@@ -234,6 +234,7 @@ def test_the_agent_starts_no_shell_at_runtime(tmp_path: Path) -> None:
         ns.delete()
     execs = [json.loads(line) for line in log.read_text().splitlines()]
     programs = Counter(Path(e["argv"][0]).name for e in execs if e["argv"])
+    print(f"\nthe agent started {sum(programs.values())} processes: {dict(programs)}")
     # Positive control: the hook saw the agent work (iptables-save, nft, ipset, ip, ...).
     assert sum(programs.values()) >= 10 and {"nft", "ipset", "iptables-nft-save"} <= set(programs), programs
     assert [e for e in execs if e["event"] != "subprocess.Popen" or e["argv"] is None] == []
