@@ -21,13 +21,16 @@ restarts every baseline pod once (docs/architecture.md).
 Every time is the benchmark's own clock at the moment its watches (pods, ProxyNodes,
 ProxyPolicies) saw the change, so both sides are measured the same way. Per node, a
 proxyshift migration is split into
-  kube-proxy  from the switch (ProxyNode phase Switch) to the new pod Running+Ready:
-              the DaemonSet controller, the scheduler, kube-proxy's start-up
-  gate        from phase Gate to the gate's verdict (the next phase)
-  own         the rest of the node's time (preflight, the operator noticing the pod,
-              stale-rule cleanup + verify) plus the gap before the node started
-The restart is split the same way: kube-proxy = old pod deleted -> new pod Ready, own
-(= the DaemonSet controller's gaps) = the rest.
+  kube-proxy  from the switch (ProxyNode phase Switch seen) to the new kube-proxy's first rule
+              sync (its kubeproxy_sync_proxy_rules_last_timestamp_seconds, as the agent reported
+              it): the DaemonSet controller, the scheduler, kube-proxy's start-up (including its
+              cleanup of the other modes' rules) and first sync
+  gate        from the later of phase Gate seen and that first sync to the gate's verdict
+  own         the rest of the node's time (preflight, the operator noticing, stale-rule cleanup +
+              verify), and, per rollout, the time outside any node
+The restart's kube-proxy time is old pod deleted -> new pod Running+Ready: the baseline
+DaemonSet (like kubeadm's) has no readiness probe, so the restart never waits for a sync.
+"pod Ready" shows the same for proxyshift's nodes.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ BASELINE_DS = "kube-proxy"
 REVISION_LABEL = "proxyshift.io/revision"
 METRICS_PORT, HEALTH_PORT = 18180, 18181
 TARGET_RATIO = 1.5
+# Unix time - monotonic time, to place the agent's (Unix) kube-proxy timestamps on the bench's clock.
+WALL_OFFSET = time.time() - time.monotonic()
 
 
 def say(message: str) -> None:
@@ -87,6 +92,8 @@ class Seen:
     policy_ready: dict[str, float] = field(default_factory=dict)
     policy_gone: dict[str, float] = field(default_factory=dict)
     changed: threading.Condition = field(default_factory=threading.Condition)
+    # node -> {(kube-proxy process start, its last sync)} as the agent reported them (Unix time)
+    syncs: dict[str, set[tuple[float, float]]] = field(default_factory=dict)
     # every distinct ProxyNode state seen: (at, node, phase, requested op, agent's last op + state, message)
     log: list[tuple[float, str, str, str, str, str]] = field(default_factory=list)
 
@@ -158,6 +165,9 @@ def watch_proxynodes(custom: kubernetes.client.CustomObjectsApi, seen: Seen) -> 
         entry = (time.monotonic(), key[0], m["phase"], op.rsplit(".", 2)[-2] + "." + op.rsplit(".", 1)[-1]
                  if op.count(".") >= 2 else op, state, (m.get("message") or "")[:100])
         with seen.lock:
+            if facts.get("processStartTime") and facts.get("lastSyncTimestamp"):
+                seen.syncs.setdefault(key[0], set()).add((float(facts["processStartTime"]),
+                                                          float(facts["lastSyncTimestamp"])))
             seen.phases.setdefault(key, entry[0])
             if not seen.log or seen.log[-1][1:] != entry[1:]:
                 seen.log.append(entry)
@@ -292,6 +302,7 @@ class Bench:
         with self.seen.lock:
             phases = {k: v for k, v in self.seen.phases.items() if v >= t0}
             pods = dict(self.seen.pods)
+            syncs = {k: set(v) for k, v in self.seen.syncs.items()}
         rows = []
         for node in self.nodes:
             mine = sorted((at, phase) for (n, phase, _), at in phases.items() if n == node)
@@ -302,11 +313,25 @@ class Bench:
             for (at, phase), (nxt, _) in itertools.pairwise(mine):
                 durations[phase] = durations.get(phase, 0.0) + nxt - at
             switch = seen_at.get("Switch")
-            # the first kube-proxy pod on this node that became Ready after the switch
+            # kube-proxy is ready to serve at its first rule sync. The agent reports the process's start
+            # and last sync (the node's clock: this host's); the earliest sync of a process started after
+            # the switch is that moment. Without one, fall back to the new pod being Running+Ready.
+            first_sync = None
+            if switch is not None:
+                switch_wall = switch + WALL_OFFSET
+                first_sync = min((synced - WALL_OFFSET for started, synced in syncs.get(node, ())
+                                  if started >= switch_wall - 1.0 and synced >= started), default=None)
             ready = min((r["ready"] for r in pods.values() if r.get("node") == node and "ready" in r
                          and switch is not None and r["ready"] >= switch), default=None)
-            kp = (ready - switch) if ready is not None and switch is not None else 0.0
-            gate = durations.get("Gate", 0.0)
+            serving = first_sync if first_sync is not None else ready
+            kp = (serving - switch) if serving is not None and switch is not None else 0.0
+            # gating: from the later of "phase Gate seen" and "kube-proxy synced" to the verdict
+            gate_start = seen_at.get("Gate")
+            verdict = next((at for at, _ in mine if gate_start is not None and at > gate_start), None)
+            gate = 0.0
+            if verdict is not None and gate_start is not None:
+                gate = max(0.0, verdict - max(gate_start, serving if serving is not None else gate_start))
+            durations["pod Ready"] = (ready - switch) if ready is not None and switch is not None else 0.0
             rows.append(NodeSplit(node, done - start, kp, gate, done - start - kp - gate, durations))
         return rows
 
@@ -386,14 +411,16 @@ def print_report(results: list[Result], nodes: int) -> None:
                   f"{median([r.gate for r in rows]):.1f} | {median([r.own for r in rows]):.1f} | "
                   f"{median([r.between for r in rows]):.1f} |")
     print("\nper node, median over nodes and runs (seconds; a phase lasts until the next one is seen):\n")
-    print("| rollout | node total | kube-proxy | " + " | ".join(PHASES) + " |")
-    print("|---|---:|---:|" + "---:|" * len(PHASES))
+    print("| rollout | node total | kube-proxy | pod Ready | " + " | ".join(PHASES) + " |")
+    print("|---|---:|---:|---:|" + "---:|" * len(PHASES))
     for kind in ("restart", "migrate", "revert"):
         per_node = [n for r in results if r.kind == kind for n in r.nodes]
         if per_node:
             cells = [f"{median([n.phases.get(p, 0.0) for n in per_node]):.2f}" for p in PHASES]
             print(f"| {kind} | {median([n.total for n in per_node]):.2f} | "
-                  f"{median([n.kube_proxy for n in per_node]):.2f} | " + " | ".join(cells) + " |")
+                  f"{median([n.kube_proxy for n in per_node]):.2f} | "
+                  f"{median([n.phases.get('pod Ready', n.kube_proxy) for n in per_node]):.2f} | "
+                  + " | ".join(cells) + " |")
 
 
 def main() -> int:
