@@ -229,5 +229,45 @@ def test_delete_with_revert_returns_nodes_to_baseline(harness: Harness) -> None:
     h.wait_for(lambda: all(h.kube_proxy_running(n) for n in BLUE + GREEN), 120, "baseline kube-proxy everywhere")
 
 
+def test_a_drain_blocked_by_a_disruption_budget_times_out_and_leaves_the_node_untouched(harness: Harness) -> None:
+    h = harness
+    core = h.core
+    from kubernetes import client
+
+    policy_api = client.PolicyV1Api(h.api_client)
+    guard = {"app": "ps-drain-guard"}
+    core.create_namespaced_pod("default", {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "ps-drain-guard", "labels": guard},
+        "spec": {"nodeName": BLUE[0], "terminationGracePeriodSeconds": 1,
+                 "containers": [{"name": "pause", "image": "registry.k8s.io/pause:3.10"}]}})
+    policy_api.create_namespaced_pod_disruption_budget("default", {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": "ps-drain-guard"},
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": guard}}})
+    try:
+        h.wait_for(lambda: core.read_namespaced_pod("ps-drain-guard", "default").status.phase == "Running", 60,
+                   "the guarded pod to run")
+        h.wait_for(lambda: (policy_api.read_namespaced_pod_disruption_budget("ps-drain-guard", "default")
+                            .status.observed_generation or 0) >= 1, 60, "the disruption controller to see the PDB")
+        labels_before = h.node_labels(BLUE[0])
+        h.apply(policy("blue-guarded", "nftables", pool=None,
+                       nodeSelector={"matchLabels": {"kubernetes.io/hostname": BLUE[0]}},
+                       rollout={"cordon": True, "drain": True, "drainTimeout": "20s"}))
+        degraded = h.wait_condition("blue-guarded", "Degraded", 180)
+        migration = (h.proxynodes()[BLUE[0]].get("spec") or {}).get("migration") or {}
+        assert migration.get("phase") == "Failed" and migration.get("reason") == "DrainTimeout", migration
+        assert "DrainTimeout" in degraded["message"] or "DrainTimeout" in degraded.get("reason", ""), degraded
+        # Untouched: uncordoned again, same labels, same kube-proxy, and the guarded pod still there.
+        assert not h.unschedulable(BLUE[0])
+        assert h.node_labels(BLUE[0]) == labels_before
+        assert h.proxy_mode(BLUE[0]) == "iptables"
+        assert core.read_namespaced_pod("ps-drain-guard", "default").metadata.deletion_timestamp is None
+        events = core.list_namespaced_event("default", field_selector="involvedObject.name=blue-guarded").items
+        said = [e.message for e in events if e.type == "Warning" and "disruption budget" in (e.message or "")]
+        assert said and len(said) <= 2, [e.message for e in events]  # said once per reason, not every 5 s
+    finally:
+        policy_api.delete_namespaced_pod_disruption_budget("ps-drain-guard", "default")
+        core.delete_namespaced_pod("ps-drain-guard", "default", grace_period_seconds=0)
+
+
 # kill -9 of the operator at each node step: tests/reliability/test_faults.py (operator-kill), which
 # fires it at all seven steps of one migration, beside the other faults.

@@ -253,7 +253,8 @@ def test_defaults_are_applied_before_the_rules(apiserver: ApiServerSim) -> None:
     # The rollout rules read drain/cordon/maxUnavailable; the API server has defaulted them by then.
     obj = apiserver.default(apiserver.schema, {"spec": {"nodeSelector": {}, "mode": "ipvs", "rollout": {},
                                                         "ipvs": {}}})
-    assert obj["spec"]["rollout"] == {"maxUnavailable": 1, "cordon": False, "drain": False, "holdRules": True,
+    assert obj["spec"]["rollout"] == {"maxUnavailable": 1, "cordon": False, "drain": False, "drainTimeout": "10m",
+                                      "holdRules": True,
                                       "paused": False}
     assert obj["spec"]["ipvs"]["scheduler"] == "rr"
 

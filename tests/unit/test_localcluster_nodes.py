@@ -28,6 +28,7 @@ def test_expand_follows_kubernetes_rules(text: str, expected: str) -> None:
     ("registry.k8s.io/kube-proxy@sha256:abc", "kube-proxy"),
     ("registry.k8s.io/kube-proxy", "kube-proxy"),
     ("ghcr.io/proxyshift/proxyshift:dev", "proxyshift"),
+    ("registry.k8s.io/pause:3.10", "pause"),
     ("registry.k8s.io/kube-proxy-amd64:v1.37.2", None),
     ("docker.io/library/busybox:1", None),
     ("localhost:5000/kube-proxy:v1", None),

@@ -318,6 +318,32 @@ def test_rollback_does_not_wait_for_a_read_only_probe_or_a_dead_agent() -> None:
     assert any(isinstance(a, SetRevisionLabel) for a in machine.step(dead).actions)
 
 
+def test_a_drain_blocked_past_its_timeout_gives_the_node_back_and_fails_it_untouched() -> None:
+    rollout = {"cordon": True, "drain": True, "drainTimeout": "30s"}
+    cordoned = mig("Cordon", cordoned_by_us=True)
+    waiting = machine.step(inp(cordoned, unschedulable=True, now_plus=29, rollout=rollout))
+    assert isinstance(waiting.actions[0], Drain)
+    late = machine.step(inp(cordoned, unschedulable=True, now_plus=31, rollout=rollout))
+    assert late.phase == "Uncordon" and [type(a) for a in late.actions] == [SetMigration, Uncordon]
+    assert not any(isinstance(a, Drain | SetRevisionLabel) for a in late.actions)
+    giving_back = writes(late)[0].migration
+    assert giving_back.reason == "DrainTimeout" and "30s" in (giving_back.message or "")
+    # Still cordoned (the uncordon has not landed): uncordon again, then fail.
+    assert [type(a) for a in machine.step(inp(giving_back, unschedulable=True, rollout=rollout)).actions] == \
+        [Uncordon]
+    failed = machine.step(inp(giving_back, unschedulable=False, rollout=rollout))
+    assert failed.phase == "Failed" and writes(failed)[0].migration.reason == "DrainTimeout"
+    assert writes(failed)[0].mode == "iptables" and writes(failed)[0].revision is None  # where it was
+
+
+def test_a_drain_timeout_never_uncordons_a_node_someone_else_cordoned() -> None:
+    rollout = {"cordon": True, "drain": True, "drainTimeout": "30s"}
+    theirs = mig("Cordon", cordoned_by_us=False)
+    late = machine.step(inp(theirs, unschedulable=True, now_plus=31, rollout=rollout))
+    assert not any(isinstance(a, Uncordon) for a in late.actions)
+    assert machine.step(inp(writes(late)[0].migration, unschedulable=True, rollout=rollout)).phase == "Failed"
+
+
 def test_an_agent_clock_ahead_does_not_hold_back_the_next_gate_probe() -> None:
     # The agent stamps finishedAt with its own clock. 30 s ahead of the operator, the result looks like it
     # comes from the future; the next probe must not wait until the operator's clock catches up (33 s,

@@ -167,6 +167,11 @@ class RolloutSettings(KubeModel):
     drain: bool = Field(
         default=False, description="Evict pods (respecting PodDisruptionBudgets) before the switch; needs cordon."
     )
+    drain_timeout: Duration = Field(
+        default="10m",
+        description="Give up a drain that PodDisruptionBudgets still block after this long: the node is "
+        "uncordoned (if we cordoned it) and fails with DrainTimeout, untouched, and the rollout halts.",
+    )
     hold_rules: bool = Field(
         default=True,
         description="Between iptables and nftables: before the switch the agent copies the old mode's service "

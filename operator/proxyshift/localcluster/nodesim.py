@@ -53,6 +53,10 @@ log = logging.getLogger("proxyshift.nodesim")
 READY_FILE = "simulator.ready"
 KUBE_PROXY_IMAGE = "registry.k8s.io/kube-proxy"
 PROXYSHIFT_IMAGE = "ghcr.io/proxyshift/proxyshift"
+# kubelet's sandbox image, as an ordinary workload: it does nothing until it is stopped. Tests use it
+# for pods that must be Running on a node (a drain blocked by a PodDisruptionBudget needs one).
+PAUSE_IMAGE = "registry.k8s.io/pause"
+PAUSE_ARGV = [sys.executable, "-c", "import signal; signal.pause()"]
 LEASE_NAMESPACE = "kube-node-lease"
 LEASE_DURATION_SECONDS = 40
 LEASE_RENEW_SECONDS = 10.0
@@ -279,6 +283,8 @@ def image_kind(image: str) -> str | None:
         return "kube-proxy"
     if repo == PROXYSHIFT_IMAGE:
         return "proxyshift"
+    if repo == PAUSE_IMAGE:
+        return "pause"
     return None
 
 
@@ -540,8 +546,8 @@ class PodWorker(threading.Thread):
                 self._block(PodError(
                     "ImageNotSupported",
                     f"container {container['name']}: image {container.get('image')!r} is not one the "
-                    f"proxyshift node simulator can run (it runs {KUBE_PROXY_IMAGE}:* and "
-                    f"{PROXYSHIFT_IMAGE}:*)"), transient=False)
+                    f"proxyshift node simulator can run (it runs {KUBE_PROXY_IMAGE}:*, "
+                    f"{PROXYSHIFT_IMAGE}:* and {PAUSE_IMAGE}:*)"), transient=False)
                 return
 
     # --- volumes ---------------------------------------------------------------
@@ -779,6 +785,8 @@ class PodWorker(threading.Thread):
             if not binary.exists():
                 raise PodError("RunContainerError", f"{binary} does not exist")
             return [str(binary), *command[1:], *args]
+        if kind == "pause":
+            return list(PAUSE_ARGV)  # like the real image: no command of its own to honour
         command = command or ["proxyshift"]
         if Path(command[0]).name == "proxyshift":
             rest = command[1:]

@@ -47,7 +47,8 @@ UNTOUCHED = frozenset({"Preflight"})
 ALL_MODES = ("iptables", "ipvs", "nftables")
 
 POLL_SECONDS = 2.0  # how soon to look again while waiting for the agent or a pod
-PROBE_INTERVAL_SECONDS = 3.0  # gap between two gate probes of the same node
+PROBE_INTERVAL_SECONDS = 3.0  # gap between two gate probes of the same node, once the first few said "wait"
+FIRST_PROBE_INTERVAL_SECONDS = 0.5  # gap after the first probe; doubles per probe up to PROBE_INTERVAL_SECONDS
 CRASHLOOP_RESTARTS = 3  # a new kube-proxy pod restarting this often is not going to come up
 HOLD_WAIT_SECONDS = 20.0  # how long the switch waits for the agent's rule hold before going without
 MESSAGE_LIMIT = 400  # agent messages are copied into API objects: keep them bounded
@@ -356,6 +357,14 @@ def _cordon(inp: NodeInput, m: NodeMigration) -> Step:
         return Step([Cordon(node=inp.node.name, reason="Cordoned")], "Cordon", "cordoning", POLL_SECONDS)
     actions: list[Action] = []
     if inp.spec.rollout.drain:
+        limit = parse_duration(inp.spec.rollout.drain_timeout)
+        if remaining(m.phase_since, limit, inp.now) <= 0:
+            # Nothing on the node changed but its schedulability: give that back, then fail.
+            why = (f"pods could not be evicted within {inp.spec.rollout.drain_timeout} (a PodDisruptionBudget "
+                   "refuses, or pods do not terminate); node untouched")
+            nxt = _enter(inp, m, "Uncordon", reason="DrainTimeout", message=clip(why))
+            give_back: list[Action] = [Uncordon(node=inp.node.name, reason="Uncordoned")] if m.cordoned_by_us else []
+            return Step([_forward_write(inp, nxt, None), *give_back], "Uncordon", why, POLL_SECONDS)
         # The operator's Drain raises while PodDisruptionBudgets block evictions, which stops the
         # action list here: the switch is only recorded after the drain went through.
         actions.append(Drain(node=inp.node.name, reason="Drained"))
@@ -484,8 +493,11 @@ def _probe_round(
     # finishedAt is the agent's clock. A result stamped in the future means the agent's clock is ahead of
     # ours and the result's age is unknown: pacing on it would hold the next probe until our clock caught
     # up (30 s of skew cost 33 s of the gate timeout). Probe again at once; the agent's round trip paces.
-    if since_last is not None and 0 <= since_last < PROBE_INTERVAL_SECONDS:
-        return verdict, None, PROBE_INTERVAL_SECONDS - since_last
+    # The first probes land right after the switch, often before kube-proxy's first sync: look again soon,
+    # then back off to PROBE_INTERVAL_SECONDS, so a slow first sync costs few rounds (two writes each).
+    interval = min(PROBE_INTERVAL_SECONDS, FIRST_PROBE_INTERVAL_SECONDS * 2**n)
+    if since_last is not None and 0 <= since_last < interval:
+        return verdict, None, interval - since_last
     return verdict, _probe_op(inp, m, step_name, n + 1), None
 
 
@@ -560,6 +572,8 @@ def _cleanup(inp: NodeInput, m: NodeMigration) -> Step:
 def _uncordon(inp: NodeInput, m: NodeMigration) -> Step:
     if m.cordoned_by_us and inp.node.unschedulable:
         return Step([Uncordon(node=inp.node.name, reason="Uncordoned")], "Uncordon", "uncordoning", POLL_SECONDS)
+    if m.reason == "DrainTimeout":
+        return _fail(inp, m, "DrainTimeout", m.message or "drain timed out; node untouched")
     return _done(inp, m, "uncordoned")
 
 
