@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,13 +37,26 @@ class Written:
     resource_version: str
 
 
+# A node's Normal Events that PROXYSHIFT_NODE_EVENTS=outcomes keeps: how its migration ended.
+OUTCOME_REASONS = frozenset({"Migrated", "RolledBack", "Reverted", "Released"})
+
+
+def announced_elsewhere(actions: list[w.Action]) -> set[tuple[str | None, str]]:
+    """(node, reason) of the plan's own Events: an action with the same reason on the same node is
+    already told about (the switch's label move and its "Switching" Event), so it needs no second one."""
+    return {(a.node, a.reason) for a in actions if isinstance(a, w.Event)}
+
+
 @dataclass
 class Executor:
     api: ClusterAPI
-    node_uids: dict[str, str] = field(default_factory=dict)
+    node_uids: Mapping[str, str] = field(default_factory=dict)
+    # "steps": an Event per step on the node (issue 5's default). "outcomes": only Warnings and how each
+    # node's migration ended; at thousands of nodes Events are otherwise most of the operator's writes.
+    node_events: str = field(default_factory=lambda: CONFIG.node_events)
     _drain_said: dict[str, str] = field(default_factory=dict)  # node -> the blocked drain last told
 
-    def perform(self, action: w.Action, policies: dict[str, ProxyPolicy]) -> Written | None:
+    def perform(self, action: w.Action, policies: dict[str, ProxyPolicy], *, announce: bool = True) -> Written | None:
         kind = type(action).__name__
         policy_name = getattr(action, "policy", None) or ""
         metrics.ACTIONS.labels(policy_name or "-", kind).inc()
@@ -50,7 +64,7 @@ class Executor:
         if handler is None:
             raise NotImplementedError(f"no executor for action {kind}")
         written = handler(action, policies)
-        if action.reason and not isinstance(action, w.Event | w.RecordStatus | w.SetMigration):
+        if announce and action.reason and not isinstance(action, w.Event | w.RecordStatus | w.SetMigration):
             # Every API step the operator takes (label moved, cordon, drain, revision created or deleted,
             # ProxyNode released, ...) leaves an Event where a person looks: on the node it touched,
             # else on the policy. SetMigration records intent; the planner emits its own Events for those.
@@ -66,6 +80,9 @@ class Executor:
         """One Event: on the node when the step touched one, else on the policy (never both: at 5,000
         nodes Events are most of the operator's writes)."""
         if node:
+            if self.node_events == "outcomes" and type_ == "Normal" and reason not in OUTCOME_REASONS:
+                metrics.EVENTS_SKIPPED.inc()
+                return
             self.api.emit_event(kind="Node", name=node, uid=self.node_uids.get(node), namespace=None,
                                 reason=reason, message=message, type_=type_, api_version="v1")
         elif policy:
