@@ -35,13 +35,14 @@ def _say(message: str) -> None:
     print(f"[proxyshift] {message}", flush=True)
 
 
-def kubectl(bin_dir: Path, kubeconfig: Path, *args: str, timeout: float = 120, check: bool = True,
+def kubectl(bin_dir: Path | None, kubeconfig: Path, *args: str, timeout: float = 120, check: bool = True,
             input: str | None = None) -> str:
-    argv = [str(bin_dir / "kubectl"), "--kubeconfig", str(kubeconfig), *args]
+    """The local cluster's own kubectl, or (bin_dir None: an external cluster such as kind) the one on PATH."""
+    argv = [str(bin_dir / "kubectl") if bin_dir else "kubectl", "--kubeconfig", str(kubeconfig), *args]
     return run(argv, timeout=timeout, check=check, input=input).stdout
 
 
-def install(bin_dir: Path, kubeconfig: Path, *, agents: bool = True) -> None:
+def install(bin_dir: Path | None, kubeconfig: Path, *, agents: bool = True) -> None:
     """Apply proxyshift's manifests (idempotent) and wait until the agents run on every node."""
     root = paths.repo_root()
     for what, target in INSTALL_STEPS:
