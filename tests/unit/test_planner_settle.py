@@ -12,7 +12,7 @@ from simulator import Sim, make_policy
 
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.planner.planner import SETTLE_SECONDS, plan
-from proxyshift.planner.world import SetMigration, SetRevisionLabel
+from proxyshift.planner.world import DeleteRevision, EnsureRevision, SetMigration, SetRevisionLabel
 
 pytestmark = pytest.mark.unit
 
@@ -98,3 +98,13 @@ def test_a_spec_edited_in_quick_succession_does_not_move_nodes_on_every_edit(eve
     # One switch per node to the final revision; node-1 also had the one it was in the middle of.
     assert [len(h) - 1 for n, h in sorted(history.items())] == [2, 1, 1, 1], history
     assert {r.name for r in sim.revisions.values()} == {final}
+    # One revision per distinct spec: none deleted while the spec kept changing, so none created twice.
+    lifecycle: dict[str, list[str]] = {}
+    for _, _, a in sim.log:
+        if isinstance(a, EnsureRevision | DeleteRevision):
+            kind = "ensure" if isinstance(a, EnsureRevision) else "delete"
+            if lifecycle.setdefault(a.revision, [])[-1:] != [kind]:
+                lifecycle[a.revision].append(kind)
+    # (Four: the initial spec without an ipvs block renders apart from the explicit rr.)
+    assert len(lifecycle) == 4 and all(steps in (["ensure"], ["ensure", "delete"])
+                                       for steps in lifecycle.values()), lifecycle

@@ -282,6 +282,7 @@ def plan(world: World, policy_name: str) -> Plan:
     # 3. may new nodes start, and how many?
     stage, stage_started, stage_room, waiting = _stage(ctx, current, selected, updated)
     revision_since = _revision_since(ctx, current)
+    settling = _settling(ctx, revision_since) if not deleting else ""
     blocked = ""
     if halting or rolling_back:
         blocked = "halted by a failed node"
@@ -290,7 +291,7 @@ def plan(world: World, policy_name: str) -> Plan:
     elif waiting:
         blocked = waiting
     else:
-        blocked = (_settling(ctx, revision_since) if not deleting else "") or _between_nodes(ctx, nodes)
+        blocked = settling or _between_nodes(ctx, nodes)
     base = len([e for e in nodes if e.target is not RELEASE])
     capacity = resolve_max_unavailable(policy.spec.rollout.max_unavailable, base) - in_flight
     stage_room -= updated + inflight_forward
@@ -341,7 +342,9 @@ def plan(world: World, policy_name: str) -> Plan:
         in_use.add(current.revision)
     mine = sorted(r.name for r in world.revisions.values() if r.policy == policy_name)
     orphan = deleting and policy.spec.deletion_policy == "Orphan"
-    if not orphan:
+    # While the spec settles, unused revisions stay: the spec may come back to one of them, and deleting
+    # and re-creating a revision per edit is churn in kube-system for nothing.
+    if not orphan and not settling:
         for rev in mine:
             if rev not in in_use:
                 ctx.actions.append(DeleteRevision(revision=rev, reason="RevisionDeleted",
