@@ -155,6 +155,8 @@ def test_fault_at_every_step(harness: Harness, cluster: Any, kube: Any, test_ser
     finally:
         faults.unblock_all()
     record(cluster, _row(fault_name, outcome, cond, injector, facts))
+    if fault_name == "agent-kill":
+        h.wait_for(lambda: all(agent_pid(state_dir, n) for n in ALL_NODES), 120, "every agent running again")
     fired = {f.step for f in injector.fired}
     assert fired == set(ALL_STEPS), f"the fault did not fire at {sorted(set(ALL_STEPS) - fired)}: {facts['phases']}"
     if fault_name in ABSORBED:
