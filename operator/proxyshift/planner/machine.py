@@ -47,8 +47,7 @@ UNTOUCHED = frozenset({"Preflight"})
 ALL_MODES = ("iptables", "ipvs", "nftables")
 
 POLL_SECONDS = 2.0  # how soon to look again while waiting for the agent or a pod
-PROBE_INTERVAL_SECONDS = 3.0  # gap between two gate probes of the same node, once the first few said "wait"
-FIRST_PROBE_INTERVAL_SECONDS = 0.5  # gap after the first probe; doubles per probe up to PROBE_INTERVAL_SECONDS
+PROBE_INTERVAL_SECONDS = 3.0  # gap between two gate probes of the same node
 CRASHLOOP_RESTARTS = 3  # a new kube-proxy pod restarting this often is not going to come up
 HOLD_WAIT_SECONDS = 20.0  # how long the switch waits for the agent's rule hold before going without
 MESSAGE_LIMIT = 400  # agent messages are copied into API objects: keep them bounded
@@ -493,11 +492,8 @@ def _probe_round(
     # finishedAt is the agent's clock. A result stamped in the future means the agent's clock is ahead of
     # ours and the result's age is unknown: pacing on it would hold the next probe until our clock caught
     # up (30 s of skew cost 33 s of the gate timeout). Probe again at once; the agent's round trip paces.
-    # The first probes land right after the switch, often before kube-proxy's first sync: look again soon,
-    # then back off to PROBE_INTERVAL_SECONDS, so a slow first sync costs few rounds (two writes each).
-    interval = min(PROBE_INTERVAL_SECONDS, FIRST_PROBE_INTERVAL_SECONDS * 2**n)
-    if since_last is not None and 0 <= since_last < interval:
-        return verdict, None, interval - since_last
+    if since_last is not None and 0 <= since_last < PROBE_INTERVAL_SECONDS:
+        return verdict, None, PROBE_INTERVAL_SECONDS - since_last
     return verdict, _probe_op(inp, m, step_name, n + 1), None
 
 
