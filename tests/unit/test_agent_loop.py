@@ -428,3 +428,60 @@ def test_a_hold_left_by_an_earlier_agent_goes_once_kube_proxy_has_synced():
     agent.probe_fn = lambda: NEW_SYNCED
     agent.observe(inventory=False)
     assert not hold.present and hold.calls == ["release"]
+
+
+# ---- a probe waits on the node for the new kube-proxy's sync ----
+
+def probe_op(**params: Any) -> dict[str, Any]:
+    return {"id": "m1.Gate.0", "type": "Probe", "params": {"services": [], **params}}
+
+
+def _sequence_agent(api: FakeAPI, answers: list[KubeProxyFacts]) -> tuple[Agent, list[float]]:
+    agent = make_agent(api)
+    sleeps: list[float] = []
+    seen = iter(answers)
+    last = [answers[0]]
+
+    def probe() -> KubeProxyFacts:
+        last[0] = next(seen, last[0])
+        return last[0]
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        agent.clock.t += seconds
+
+    agent.probe_fn, agent.sleep = probe, sleep
+    return agent, sleeps
+
+
+STARTING = KubeProxyFacts(proxy_mode=None, error="connection refused")
+UP_NOT_SYNCED = FACTS.model_copy(update={"last_sync_timestamp": 0.0, "sync_count": 0, "healthz_status": 503})
+
+
+def test_a_probe_answers_once_the_new_kube_proxy_has_synced():
+    api = FakeAPI(node_obj(probe_op(awaitMode="nftables", awaitSyncs=1, awaitSeconds=10)))
+    agent, sleeps = _sequence_agent(api, [STARTING, STARTING, UP_NOT_SYNCED, FACTS])
+    agent.handle(api.get("n1"))
+    node = ProxyNode.model_validate(api.obj)
+    assert node.status.last_operation.state == "Succeeded"
+    assert node.status.kube_proxy.sync_count == 4 and len(sleeps) == 3  # answered at the first synced look
+
+
+def test_a_probe_waits_no_longer_than_asked_and_then_reports_what_it_sees():
+    api = FakeAPI(node_obj(probe_op(awaitMode="nftables", awaitSyncs=1, awaitSeconds=2)))
+    agent, sleeps = _sequence_agent(api, [STARTING])
+    agent.handle(api.get("n1"))
+    node = ProxyNode.model_validate(api.obj)
+    assert node.status.last_operation.state == "Succeeded" and node.status.kube_proxy.error
+    assert 1.8 <= sum(sleeps) <= 2.2
+
+
+def test_a_probe_does_not_wait_on_a_kube_proxy_in_the_wrong_mode_or_when_not_asked():
+    api = FakeAPI(node_obj(probe_op(awaitMode="iptables", awaitSyncs=1, awaitSeconds=10)))
+    agent, sleeps = _sequence_agent(api, [FACTS])  # runs nftables: the gate fails it, no use waiting
+    agent.handle(api.get("n1"))
+    assert sleeps == []
+    api = FakeAPI(node_obj(probe_op()))
+    agent, sleeps = _sequence_agent(api, [STARTING])
+    agent.handle(api.get("n1"))
+    assert sleeps == []

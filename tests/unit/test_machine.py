@@ -295,9 +295,18 @@ def test_probe_services_resolved_to_cluster_ips() -> None:
     gate = {"probeServices": [{"namespace": "default", "name": "web", "port": 80}]}
     base = inp(m, label=REV, gate=gate)
     unresolved = machine.step(base)
-    assert writes(unresolved)[0].operation.params == {"services": []}
+    assert writes(unresolved)[0].operation.params["services"] == []
     resolved = NodeInput(**{**base.__dict__, "service_ips": {"default/web": "198.19.0.10"}})
-    assert writes(machine.step(resolved))[0].operation.params == {"services": ["198.19.0.10:80"]}
+    assert writes(machine.step(resolved))[0].operation.params["services"] == ["198.19.0.10:80"]
+
+
+def test_probes_ask_the_agent_to_wait_for_the_mode_they_gate() -> None:
+    forward = writes(machine.step(inp(mig("Gate"), label=REV, gate={"minSyncs": 2})))[0].operation
+    assert forward.params | {"services": []} == {"services": [], "awaitMode": "nftables", "awaitSyncs": 2,
+                                                 "awaitSeconds": machine.AGENT_AWAIT_SECONDS}
+    back = mig("RollingBack", rollback_step="Pod", from_mode="iptables")
+    step = machine.step(inp(back, label=None, pods=[pod("kube-proxy")], extra_spec={"cleanup": {"staleRules": False}}))
+    assert writes(step)[0].operation.params["awaitMode"] == "iptables"
 
 
 def test_rollback_does_not_wait_for_a_read_only_probe_or_a_dead_agent() -> None:

@@ -45,6 +45,8 @@ PLURAL = "proxynodes"
 # is written as this many seconds, which fails any sensible gate bound.
 P99_ABOVE_BUCKETS = 1e9
 MESSAGE_LIMIT = 4000
+MAX_PROBE_AWAIT_SECONDS = 30.0  # whatever a Probe asks, the agent never sits longer on one
+PROBE_AWAIT_POLL_SECONDS = 0.2
 
 
 def now_rfc3339(clock: Callable[[], float] = time.time) -> str:
@@ -162,6 +164,7 @@ class Agent:
     flush_fn: Callable[[list[str], str | None], flush_mod.FlushReport] | None = None
     preflight_fn: Callable[..., preflight_mod.PreflightReport] | None = None
     connect_fn: Callable[[list[str]], dict[str, bool | str]] = probe_mod.tcp_connect
+    sleep: Callable[[float], None] = time.sleep
     hold_fn: Callable[[str], hold_mod.HoldReport] | None = None
     release_fn: Callable[[], hold_mod.HoldReport] | None = None
     present_fn: Callable[[], bool] | None = None
@@ -362,6 +365,15 @@ class Agent:
 
     def _run_probe(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
         extra = self.observe(inventory=False)
+        mode = op.params.get("awaitMode")
+        if mode:
+            # Wait here, polling the node's own kube-proxy, rather than answer "not synced yet" and
+            # make the operator ask again a round later. Bounded; the gate judges whatever comes.
+            syncs = int(op.params.get("awaitSyncs") or 1)
+            deadline = self.clock() + min(float(op.params.get("awaitSeconds") or 0), MAX_PROBE_AWAIT_SECONDS)
+            while not _settled(self.facts, str(mode), syncs) and self.clock() < deadline:
+                self.sleep(PROBE_AWAIT_POLL_SECONDS)
+                extra = self.observe(inventory=False)
         services = self._str_list(op, "services")
         connects = self.connect_fn(services) if services else {}
         facts = self.facts or KubeProxyFacts()
@@ -480,6 +492,18 @@ class Agent:
                 rv = None
                 stop.wait(backoff)
                 backoff = min(backoff * 2, 30.0)
+
+
+def _settled(facts: KubeProxyFacts | None, mode: str, syncs: int) -> bool:
+    """Whether waiting longer can change the gate's answer: kube-proxy runs `mode` and has synced
+    `syncs` times since it started, or it runs another mode (the gate fails that at once)."""
+    if facts is None or not facts.proxy_mode:
+        return False
+    if facts.proxy_mode != mode:
+        return True
+    start, last = facts.process_start_time, facts.last_sync_timestamp
+    return (start is not None and last is not None and last >= start and (facts.sync_count or 0) >= syncs
+            and facts.healthz_status == 200)
 
 
 def _meaningful_change(before: KubeProxyFacts | None, after: KubeProxyFacts | None) -> bool:

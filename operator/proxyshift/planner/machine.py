@@ -48,6 +48,7 @@ ALL_MODES = ("iptables", "ipvs", "nftables")
 
 POLL_SECONDS = 2.0  # how soon to look again while waiting for the agent or a pod
 PROBE_INTERVAL_SECONDS = 3.0  # gap between two gate probes of the same node
+AGENT_AWAIT_SECONDS = 10.0  # how long one probe may wait on the node for kube-proxy's sync
 CRASHLOOP_RESTARTS = 3  # a new kube-proxy pod restarting this often is not going to come up
 HOLD_WAIT_SECONDS = 20.0  # how long the switch waits for the agent's rule hold before going without
 MESSAGE_LIMIT = 400  # agent messages are copied into API objects: keep them bounded
@@ -450,6 +451,12 @@ def _switch(inp: NodeInput, m: NodeMigration) -> Step:
 
 def _probe_op(inp: NodeInput, m: NodeMigration, step_name: str, n: int) -> Operation:
     params, _ = _probe_params(inp)
+    # The agent answers as soon as kube-proxy has synced (or after AGENT_AWAIT_SECONDS) instead of at
+    # once: a probe sent while the new kube-proxy is still starting would otherwise cost a whole
+    # PROBE_INTERVAL_SECONDS round. The gate still judges the answer; the wait only saves a round trip.
+    mode = m.from_mode if step_name == "RollbackGate" else m.to_mode
+    params |= {"awaitMode": mode, "awaitSyncs": inp.spec.gate.min_syncs,
+               "awaitSeconds": min(AGENT_AWAIT_SECONDS, _timeout(inp).total_seconds())}
     return Operation(id=op_id(m, step_name, n), type="Probe", params=params)
 
 
