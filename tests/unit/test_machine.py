@@ -369,3 +369,23 @@ def test_an_agent_clock_ahead_does_not_hold_back_the_next_gate_probe() -> None:
     later = machine.step(inp(m, label=REV, op=op, last=ahead, facts=syncing,
                              now_plus=1 + machine.PROBE_INTERVAL_SECONDS))
     assert [w.operation.id for w in writes(later) if w.operation is not None] == [f"{REV}.1.0.Gate.1"], later
+
+
+def test_a_rollback_whose_switch_never_took_effect_accepts_the_kube_proxy_that_never_stopped() -> None:
+    # Found by tests/reliability (API server restarted at Switch): the old pod was never replaced, the switch
+    # timed out and rolled back, and the rollback gate called the untouched old kube-proxy "old" and failed it.
+    m = mig("RollingBack", rollback_step="Gate", from_revision="blue-old", from_mode="iptables",
+            switched_at=fmt(T0), reverted_at=fmt(T0 + timedelta(seconds=60)))
+    op = Operation(id=f"{REV}.1.0.RollbackGate.0", type="Probe")
+    t = (T0 - timedelta(seconds=50)).timestamp()  # started before the migration, never stopped
+    never_stopped = KubeProxyFacts(proxy_mode="iptables", healthz_status=200, process_start_time=t,
+                                   last_sync_timestamp=(T0 + timedelta(seconds=61)).timestamp(), sync_count=20,
+                                   sync_failures=0, sync_duration_p99_seconds=0.1)
+    step = machine.step(inp(m, label="blue-old", pods=[pod("kube-proxy-blue-old")], op=op, last=done(op),
+                            facts=never_stopped, now_plus=62))
+    assert step.phase == "RolledBack", step
+    # A kube-proxy that restarted after the switch but before the revert is still judged since the revert.
+    restarted = never_stopped.model_copy(update={"process_start_time": (T0 + timedelta(seconds=30)).timestamp()})
+    step = machine.step(inp(m, label="blue-old", pods=[pod("kube-proxy-blue-old")], op=op, last=done(op),
+                            facts=restarted, now_plus=62))
+    assert step.phase == "RollingBack" and "before the switch" in step.message, step

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from proxyshift.api.common import parse_duration
@@ -653,7 +653,16 @@ def _rolling_back(inp: NodeInput, m: NodeMigration) -> Step:
             f"cleanup of {m.to_mode} leftovers did not succeed: {res.message if res else 'no answer'}")
         return _enter_rollback_gate(inp, m, note)
     if sub == "Gate":
-        verdict, next_op, wait = _probe_round(inp, m, "RollbackGate", m.from_mode or "", m.reverted_at)
+        since = m.reverted_at
+        facts, switched = inp.proxynode.status.kube_proxy, parse(m.switched_at)
+        start = facts.process_start_time if facts is not None else None
+        if start is not None and switched is not None and 0 < start < switched.timestamp():
+            # The switch never took effect: the kube-proxy that ran before the migration still runs (its pod
+            # was never replaced, e.g. the DaemonSet controller stalled and the switch timed out). That is the
+            # process the node goes back to; judging it "since the revert" would call it old and fail a
+            # healthy node. Judge it from its own start.
+            since = fmt(datetime.fromtimestamp(start, UTC))
+        verdict, next_op, wait = _probe_round(inp, m, "RollbackGate", m.from_mode or "", since)
         if verdict is not None and verdict.passed:
             if m.cordoned_by_us:
                 nxt = m.model_copy(update={"rollback_step": "Uncordon", "phase_since": fmt(inp.now)})
