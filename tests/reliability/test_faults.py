@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -128,6 +128,16 @@ def _row(fault: str, outcome: str, cond: dict[str, Any], injector: StepInjector,
             **facts}
 
 
+@pytest.fixture(autouse=True)
+def uncordon_after(harness: Harness) -> Iterator[None]:
+    """A node left cordoned by a failed run (a Failed node stays cordoned by design) would make every later
+    run fail on it; give the nodes back after each test, once its assertions have run."""
+    yield
+    for node in ALL_NODES:
+        if harness.unschedulable(node):
+            harness.core.patch_node(node, {"spec": {"unschedulable": False}})
+
+
 # The faults the rollout must absorb without failing a node: Ready is the only acceptable end.
 ABSORBED = ("operator-kill", "apiserver-restart", "etcd-pause", "agent-kill", "probe-unreachable")
 
@@ -157,13 +167,14 @@ def test_fault_at_every_step(harness: Harness, cluster: Any, kube: Any, test_ser
     record(cluster, _row(fault_name, outcome, cond, injector, facts))
     if fault_name == "agent-kill":
         h.wait_for(lambda: all(agent_pid(state_dir, n) for n in ALL_NODES), 120, "every agent running again")
-    fired = {f.step for f in injector.fired}
-    assert fired == set(ALL_STEPS), f"the fault did not fire at {sorted(set(ALL_STEPS) - fired)}: {facts['phases']}"
     if fault_name == "apiserver-restart" and outcome == "Degraded" and "SwitchTimeout" in (cond.get("message") or ""):
         # After a restart the controller-manager's DaemonSet controller may stall past the 60 s gate timeout
-        # (seen in one run of two): the switch times out, the node rolls back to the kube-proxy that never
-        # stopped, and the policy says so. A legitimate end; the invariants above still held.
+        # (seen in one run of three): the switch times out, the node rolls back to the kube-proxy that never
+        # stopped, the rollout halts before the later steps, and the policy says so. A legitimate end; the
+        # invariants above still held.
         return
+    fired = {f.step for f in injector.fired}
+    assert fired == set(ALL_STEPS), f"the fault did not fire at {sorted(set(ALL_STEPS) - fired)}: {facts['phases']}"
     if fault_name in ABSORBED:
         assert facts["switches"] == {n: int(n in nodes) for n in ALL_NODES}, facts["switches"]
         assert outcome == "Ready", f"{fault_name}: expected Ready, got {outcome}: {cond}"
