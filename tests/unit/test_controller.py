@@ -39,6 +39,7 @@ class FakeAPI:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.events: list[dict[str, Any]] = []
         self.rv = 100
         self.cm, self.ds = baseline()
         self.evictions: tuple[int, list[str]] = (0, [])
@@ -50,6 +51,8 @@ class FakeAPI:
     def __getattr__(self, name: str) -> Any:
         def record(*args: Any, **kwargs: Any) -> Any:
             self.calls.append((name, args))
+            if name == "emit_event":
+                self.events.append(kwargs)
             if name in ("set_node_label", "set_unschedulable", "ensure_proxynode", "patch_proxynode_spec"):
                 return self._next()
             if name == "read_configmap":
@@ -224,7 +227,7 @@ def test_every_api_step_with_a_reason_leaves_an_event_on_what_it_touched() -> No
     executor.perform(w.SetRevisionLabel(node="n1", revision="blue-1", reason="Switched", message="to blue-1"),
                      {"blue": policy()})
     events = [c for c in api.calls if c[0] == "emit_event"]
-    assert len(events) == 1
+    assert len(events) == 1  # a label move without a policy: the node only
     executor.perform(w.SetMigration(node="n1", policy="blue", revision=None, mode=None, scheduler=None,
                                     migration=None, operation=None, reason="Released"), {"blue": policy()})
     assert len([c for c in api.calls if c[0] == "emit_event"]) == 1, "intent records are not announced twice"
@@ -242,7 +245,10 @@ def test_a_step_the_plan_already_announces_gets_no_second_event() -> None:
         key = (getattr(action, "node", None), action.reason)
         executor.perform(action, {"blue": policy()}, announce=key not in told)
     events = [c for c in api.calls if c[0] == "emit_event"]
-    assert len(events) == 1
+    # One step, told once: on the node and on its policy.
+    assert len(events) == 2 and sorted(e["kind"] for e in api.events) == ["Node", "ProxyPolicy"], api.events
+    on_policy = next(e for e in api.events if e["kind"] == "ProxyPolicy")
+    assert on_policy["name"] == "blue" and on_policy["message"].startswith("n1: ")
 
 
 def test_outcomes_setting_keeps_warnings_and_endings_on_nodes_only() -> None:

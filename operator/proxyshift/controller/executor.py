@@ -77,15 +77,19 @@ class Executor:
 
     def _emit(self, node: str | None, policy: str | None, reason: str, message: str, type_: str,
               policies: dict[str, ProxyPolicy]) -> None:
-        """One Event: on the node when the step touched one, else on the policy (never both: at 5,000
-        nodes Events are most of the operator's writes)."""
+        """A node's step: on the node, and (default `steps`) on its policy too, where `kubectl describe
+        proxypolicy` shows the rollout's progress. With `outcomes` only Warnings and how each node ended
+        are told, on the node: at 5,000 nodes Events are otherwise most of the operator's writes."""
         if node:
             if self.node_events == "outcomes" and type_ == "Normal" and reason not in OUTCOME_REASONS:
                 metrics.EVENTS_SKIPPED.inc()
                 return
             self.api.emit_event(kind="Node", name=node, uid=self.node_uids.get(node), namespace=None,
                                 reason=reason, message=message, type_=type_, api_version="v1")
-        elif policy:
+            if self.node_events == "outcomes" or not policy:
+                return
+            message = f"{node}: {message}"
+        if policy:
             known = policies.get(policy)
             self.api.emit_event(kind="ProxyPolicy", name=policy, uid=known.metadata.get("uid") if known else None,
                                 namespace=None, reason=reason, message=message, type_=type_)
