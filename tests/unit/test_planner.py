@@ -423,3 +423,24 @@ def test_finalizer_removal_is_the_last_action_and_no_status_follows() -> None:
             sim.apply("p", action, world)
         sim.tick()
     raise AssertionError("the deletion never finished")
+
+
+def test_a_migrated_node_whose_kube_proxy_crash_loops_makes_the_policy_degraded_without_a_rollback() -> None:
+    sim = Sim.build(blue(2), [make_policy("p")])
+    sim.run()
+    assert sim.policies["p"].status.phase == "Ready"
+    labels = {n: v.revision for n, v in sim.nodes.items()}
+    (pod,) = [p for p in sim.pods["node-2"] if not p.deleting]
+    sim.pods["node-2"] = [replace(pod, ready=False, restarts=2)]
+    sim.step()
+    assert condition(sim, "p", "Degraded")[0] == "False"  # a restart or two is not a crash loop
+    sim.pods["node-2"] = [replace(pod, ready=False, restarts=5)]
+    sim.step()
+    status, reason, message = condition(sim, "p", "Degraded")
+    assert (status, reason) == ("True", "KubeProxyCrashLooping") and "node-2" in message and "node-1" not in message
+    assert sim.policies["p"].status.phase == "Degraded"
+    assert condition(sim, "p", "Ready")[0] == "True"  # the rollout itself is complete
+    assert {n: v.revision for n, v in sim.nodes.items()} == labels  # nothing was moved
+    sim.pods["node-2"] = [replace(pod, ready=True, restarts=5)]
+    sim.step()
+    assert condition(sim, "p", "Degraded")[:2] == ("False", "AsExpected")

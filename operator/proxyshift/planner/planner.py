@@ -34,6 +34,7 @@ from proxyshift.planner.world import (
     RemoveFinalizer,
     SetMigration,
     World,
+    daemonset_for,
 )
 
 ENSURE_BATCH = 50  # ProxyNodes created per call: keeps one plan's action list short on a new fleet
@@ -274,6 +275,7 @@ def plan(world: World, policy_name: str) -> Plan:
     forward = [e for e in nodes if e.forward and e.target is not RELEASE]
     selected = len(forward)
     updated = sum(e.kind == "updated" for e in forward)
+    crashlooping = [e.name for e in forward if e.kind == "updated" and _kube_proxy_crashlooping(world, e.name)]
     in_flight = sum(e.kind == "inflight" for e in nodes)
     inflight_forward = sum(e.kind == "inflight" for e in forward)
     halting = [e for e in nodes if e.kind == "halting"]
@@ -398,6 +400,7 @@ def plan(world: World, policy_name: str) -> Plan:
         retry_token=token,
         waiting=blocked,
         revision_missing=revision_missing,
+        kube_proxy_crashlooping=sorted(crashlooping, key=lambda n: (node_key(n), n)),
         revision_since=revision_since,
     )
     status = build_status(policy, summary, ctx.now)
@@ -419,3 +422,15 @@ def plan(world: World, policy_name: str) -> Plan:
         details={"started": started, "blocked": blocked, "phase": status.phase, "capacity": capacity,
                  "stage": stage},
     )
+
+
+def _kube_proxy_crashlooping(world: World, node: str) -> bool:
+    """A migrated node whose kube-proxy (of the revision its label names) keeps restarting without
+    becoming Ready: the gate passed, but kube-proxy broke afterwards. Said, not acted on: rolling a
+    Done node back on its own would be a second switch nobody asked for."""
+    view = world.nodes.get(node)
+    if view is None:
+        return False
+    want = daemonset_for(view.revision)
+    return any(p.daemonset == want and not p.ready and not p.deleting and p.restarts >= machine.CRASHLOOP_RESTARTS
+               for p in world.kube_proxy_pods.get(node, ()))

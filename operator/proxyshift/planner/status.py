@@ -57,6 +57,7 @@ class Summary:
     waiting: str = ""  # why no new node starts right now, for the Progressing message
     revision_missing: bool = False
     revision_since: str | None = None
+    kube_proxy_crashlooping: list[str] = field(default_factory=list)  # migrated nodes, in node order
 
 
 def set_condition(
@@ -78,7 +79,7 @@ def _phase(s: Summary) -> str:
         return "Deleting"
     if s.revision_missing:
         return "Pending"
-    if s.halting or s.rolling_back:
+    if s.halting or s.rolling_back or s.kube_proxy_crashlooping:
         return "Degraded"
     if s.selected == 0 and s.conflicting:
         return "Conflict"
@@ -136,6 +137,12 @@ def build_status(policy: ProxyPolicy, s: Summary, now: datetime) -> ProxyPolicyS
                    f"rollout halted: {s.rolling_back} node(s) rolling back; ")
         message += "edit the spec or set a new value on the proxyshift.io/retry annotation to retry"
         degraded = set_condition(old, "Degraded", True, reason, message, now, gen)
+    elif s.kube_proxy_crashlooping:
+        degraded = set_condition(
+            old, "Degraded", True, "KubeProxyCrashLooping",
+            f"kube-proxy keeps restarting without becoming Ready on migrated nodes: "
+            f"{name_list(s.kube_proxy_crashlooping)}; they passed the gate, so proxyshift leaves them be: look "
+            "at the pod logs, and move them back by editing the spec or deleting the policy (Revert)", now, gen)
     else:
         degraded = set_condition(old, "Degraded", False, "AsExpected", "no failed nodes", now, gen)
 
