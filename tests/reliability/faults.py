@@ -75,6 +75,8 @@ class StepInjector:
         self.armed = list(steps) if fault is not None else []
         self.fired: list[Firing] = []
         self.history = History()
+        self._looked = False  # the first successful look has been recorded
+        self._before: set[tuple[str, str, str, str, int]] = set()  # migrations that ended before the run
         self.errors: list[BaseException] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="step-injector", daemon=True)
@@ -103,8 +105,12 @@ class StepInjector:
             uid = node["metadata"]["uid"]
             m = migration(pn)
             attempt, phase = int(m.get("attempt") or 0), m.get("phase") or "Pending"
-            if m.get("switchedAt"):
-                key = (name, uid, m.get("toRevision") or "baseline", m.get("startedAt") or "", attempt)
+            key = (name, uid, m.get("toRevision") or "baseline", m.get("startedAt") or "", attempt)
+            if not self._looked and phase in ("Done", "Failed", "RolledBack"):
+                # Ended before this run started (the previous run's, on a policy flipped back): not
+                # this run's switch.
+                self._before.add(key)
+            if m.get("switchedAt") and key not in self._before:
                 self.history.switched_at[key].add(m["switchedAt"])
             phases = self.history.phases[name]
             if not phases or phases[-1] != (attempt, phase):
@@ -117,6 +123,7 @@ class StepInjector:
                 seen = self.history.labels[(name, node["metadata"]["uid"])]
                 if not seen or seen[-1] != label:
                     seen.append(label)
+        self._looked = True
         return due
 
     def _fire(self, firing: Firing) -> None:
