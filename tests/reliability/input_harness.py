@@ -1,8 +1,7 @@
 """Fixtures of the bad-input and security tests on the local cluster.
 
-They reuse the e2e harness (tests/e2e/operator_harness.py) and the session's cluster (tests/conftest.py).
-The e2e conftest's fixtures do not reach tests/reliability, so the ones these tests need are defined
-here and imported by each test module (a module's fixtures override any conftest's of the same name).
+They reuse the e2e harness (tests/e2e/operator_harness.py, whose fixtures tests/reliability/conftest.py
+imports) and the session's cluster (tests/conftest.py). Only the operator process differs: its own ports.
 """
 
 from __future__ import annotations
@@ -10,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,24 +18,16 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 
-from operator_harness import Harness
 
 from proxyshift.localcluster import install
 
 NAMESPACE = "proxyshift-system"
 
 
-# Each fixture is registered under its `name` and defined under another, so a test module can import it
-# (that is how its fixtures reach tests/reliability) without its parameter shadowing the import.
-@pytest.fixture(scope="module", name="proxyshift_installed")
-def proxyshift_installed_fixture(cluster: Any, kubeconfig: Path) -> Path:
-    """CRDs, RBAC, admission policies and agents applied (idempotent); agents ready on every node."""
-    if cluster.bin_dir is None:
-        pytest.fail("installing proxyshift on an external cluster: run `kubectl apply -k config/default`")
-    install.install(cluster.bin_dir, kubeconfig)
-    return kubeconfig
-
-
+# Registered under its `name` and defined under another, so a test module can import it without its
+# parameter shadowing the import. The rest (proxyshift_installed, harness) comes from tests/reliability's
+# conftest, shared with tests/e2e; this module-level operator_process overrides the conftest's one for the
+# modules that import it, harness included.
 @pytest.fixture(scope="module", name="operator_process")
 def operator_process_fixture(cluster: Any, proxyshift_installed: Path) -> Iterator[install.OperatorProcess]:
     """The operator as a host process with the admin kubeconfig, as the e2e tests run it."""
@@ -49,18 +40,6 @@ def operator_process_fixture(cluster: Any, proxyshift_installed: Path) -> Iterat
     assert op.running, f"the operator exited; see {op.log_path}"
     yield op
     op.stop()
-
-
-@pytest.fixture(name="harness")
-def harness_fixture(api_client: Any, operator_process: install.OperatorProcess, node_exec: Callable[..., Any],
-            node_http_get: Callable[..., tuple[int, str]], wait_for: Callable[..., Any]) -> Iterator[Harness]:
-    h = Harness(api_client, operator_process, node_exec, node_http_get, wait_for)
-    if not operator_process.running:
-        operator_process.start()
-    yield h
-    if not operator_process.running:
-        operator_process.start()
-    h.cleanup()
 
 
 def service_account_kubeconfig(cluster: Any, account: str, path: Path, *, pod: str | None = None) -> Path:

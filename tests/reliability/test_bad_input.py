@@ -30,9 +30,7 @@ import pytest
 import yaml
 from input_harness import (  # noqa: F401 - the *_fixture names are fixtures, used by their names
     agent_pod,
-    harness_fixture,
     operator_process_fixture,
-    proxyshift_installed_fixture,
     scratch_dir,
     service_account_kubeconfig,
 )

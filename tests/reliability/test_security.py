@@ -24,12 +24,8 @@ import pytest
 import sec_checks as sec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from input_harness import (  # noqa: F401 - the *_fixture names are fixtures, used by their names
-    Harness,
-    proxyshift_installed_fixture,
-    scratch_dir,
-    service_account_kubeconfig,
-)
+from input_harness import scratch_dir, service_account_kubeconfig
+from operator_harness import Harness
 
 OPERATOR_DIR = sec.ROOT / "operator"
 DATAPLANE_DIR = sec.ROOT / "tests" / "dataplane"
