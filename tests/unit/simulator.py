@@ -73,6 +73,14 @@ def make_policy(
     return ProxyPolicy.model_validate({"metadata": metadata, "spec": spec})
 
 
+def edit(sim: Sim, name: str, **spec_changes: object) -> None:
+    """A user edit: new spec, generation + 1."""
+    p = sim.policies[name]
+    spec = p.spec.to_k8s() | spec_changes
+    meta = dict(p.metadata, generation=int(p.metadata.get("generation", 1)) + 1)
+    sim.policies[name] = ProxyPolicy.model_validate({"metadata": meta, "spec": spec, "status": p.status.to_k8s()})
+
+
 @dataclass
 class Faults:
     preflight_fail: set[str] = field(default_factory=set)  # nodes

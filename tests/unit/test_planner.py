@@ -7,9 +7,8 @@ from dataclasses import replace
 from datetime import timedelta
 
 import pytest
-from simulator import Faults, Sim, make_policy
+from simulator import Faults, Sim, edit, make_policy
 
-from proxyshift.api.policy import ProxyPolicy
 from proxyshift.planner.planner import plan, resolve_max_unavailable, stage_targets
 from proxyshift.planner.preview import preview
 from proxyshift.planner.world import (
@@ -28,14 +27,6 @@ pytestmark = pytest.mark.unit
 
 def blue(n: int, prefix: str = "node-") -> dict[str, dict[str, str]]:
     return {f"{prefix}{i}": {"pool": "blue"} for i in range(1, n + 1)}
-
-
-def edit(sim: Sim, name: str, **spec_changes: object) -> None:
-    """A user edit: new spec, generation + 1."""
-    p = sim.policies[name]
-    spec = p.spec.to_k8s() | spec_changes
-    meta = dict(p.metadata, generation=int(p.metadata.get("generation", 1)) + 1)
-    sim.policies[name] = ProxyPolicy.model_validate({"metadata": meta, "spec": spec, "status": p.status.to_k8s()})
 
 
 def annotate(sim: Sim, name: str, key: str, value: str) -> None:

@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from simulator import Faults, Sim, make_policy
+from simulator import Faults, Sim, edit, make_policy
 
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.planner.planner import plan
@@ -73,11 +73,7 @@ def faults_for(draw: st.DrawFn, nodes: list[str]) -> Faults:
 
 
 def set_paused(sim: Sim, name: str, paused: bool) -> None:
-    p = sim.policies[name]
-    spec = p.spec.to_k8s()
-    spec["rollout"] = {**spec.get("rollout", {}), "paused": paused}
-    meta = dict(p.metadata, generation=int(p.metadata.get("generation", 1)) + 1)
-    sim.policies[name] = ProxyPolicy.model_validate({"metadata": meta, "spec": spec, "status": p.status.to_k8s()})
+    edit(sim, name, rollout={**sim.policies[name].spec.to_k8s().get("rollout", {}), "paused": paused})
 
 
 def change_mode(sim: Sim, name: str) -> None:

@@ -8,9 +8,8 @@ first revision of a policy starts at once (nothing to settle).
 from __future__ import annotations
 
 import pytest
-from simulator import Sim, make_policy
+from simulator import Sim, edit, make_policy
 
-from proxyshift.api.policy import ProxyPolicy
 from proxyshift.planner.planner import SETTLE_SECONDS, plan
 from proxyshift.planner.world import DeleteRevision, EnsureRevision, SetMigration, SetRevisionLabel
 
@@ -21,13 +20,6 @@ SCHEDULERS = ["rr", "wrr", "lc"]
 
 def nodes(n: int) -> dict[str, dict[str, str]]:
     return {f"node-{i}": {"pool": "blue"} for i in range(1, n + 1)}
-
-
-def edit(sim: Sim, name: str, **spec_changes: object) -> None:
-    p = sim.policies[name]
-    spec = p.spec.to_k8s() | spec_changes
-    meta = dict(p.metadata, generation=int(p.metadata.get("generation", 1)) + 1)
-    sim.policies[name] = ProxyPolicy.model_validate({"metadata": meta, "spec": spec, "status": p.status.to_k8s()})
 
 
 def label_history(sim: Sim) -> dict[str, list[str | None]]:
