@@ -42,6 +42,7 @@ from proxyshift.agent.flush.iptables import CHAIN_BATCH, IptablesTool, TablePlan
 from proxyshift.agent.flush.nftables import list_tables, render_delete
 from proxyshift.agent.iptables_save import BUILTIN_CHAINS, Dump, Rule, parse
 from proxyshift.agent.ownership import NFT_TABLES, iptables_chain_modes
+from proxyshift.api.requirements import startup_cleanup_drops_old_rules
 from proxyshift.commands import CommandError, run
 
 HOLD_CHAIN_PREFIX = "PSHOLD-"
@@ -53,9 +54,8 @@ SAVE_TIMEOUT = 120.0
 RESTORE_TIMEOUT = 300.0
 
 
-def hold_applies(from_mode: str | None, to_mode: str | None) -> bool:
-    """Whether the new kube-proxy's start deletes rules a hold can keep: iptables <-> nftables."""
-    return {from_mode, to_mode} == {"iptables", "nftables"}
+# Whether the new kube-proxy's start deletes rules a hold can keep; the state machine asks the same.
+hold_applies = startup_cleanup_drops_old_rules
 
 
 def held_name(chain: str) -> str:

@@ -24,6 +24,7 @@ from typing import Any
 from proxyshift.api.common import parse_duration
 from proxyshift.api.policy import ProxyPolicySpec
 from proxyshift.api.proxynode import NodeMigration, Operation, OperationStatus, ProxyNode
+from proxyshift.api.requirements import startup_cleanup_drops_old_rules
 from proxyshift.planner.gate import GateVerdict, evaluate_gate
 from proxyshift.planner.timeutil import fmt, parse, remaining, seconds_since
 from proxyshift.planner.world import (
@@ -166,6 +167,11 @@ def _enter(inp: NodeInput, m: NodeMigration, phase: str, **changes: Any) -> Node
 
 def _wait(phase: str, message: str, after: float = POLL_SECONDS) -> Step:
     return Step([], phase, message, after)
+
+
+def is_crash_looping(pod: KubeProxyPodView) -> bool:
+    """A kube-proxy pod that keeps restarting without becoming Ready (kube-proxy exits when its mode cannot run)."""
+    return not pod.ready and not pod.deleting and pod.restarts >= CRASHLOOP_RESTARTS
 
 
 def _pods(inp: NodeInput, revision: str | None) -> list[KubeProxyPodView]:
@@ -375,7 +381,7 @@ def _cordon(inp: NodeInput, m: NodeMigration) -> Step:
 def holds_rules(inp: NodeInput, m: NodeMigration) -> bool:
     """Whether the switch first asks the agent for a rule hold (agent/hold.py): only iptables <-> nftables,
     where the new kube-proxy deletes the old mode's rules before it has programmed its own."""
-    return inp.spec.rollout.hold_rules and {m.from_mode, m.to_mode} == {"iptables", "nftables"}
+    return inp.spec.rollout.hold_rules and startup_cleanup_drops_old_rules(m.from_mode, m.to_mode)
 
 
 def _hold_op(inp: NodeInput, m: NodeMigration) -> Operation:
@@ -439,7 +445,7 @@ def _switch(inp: NodeInput, m: NodeMigration) -> Step:
     done, waiting, pod = _pod_swap(inp, m.from_revision, m.to_revision)
     if done:
         return _enter_probe(inp, m, "Gate", "the new kube-proxy pod is Ready")
-    if pod is not None and not pod.ready and pod.restarts >= CRASHLOOP_RESTARTS:
+    if pod is not None and is_crash_looping(pod):
         return _start_rollback(inp, m, "KubeProxyCrashLooping",
                                f"the new kube-proxy pod {pod.name} restarted {pod.restarts} times without "
                                "becoming Ready (kube-proxy exits when its mode cannot run)")

@@ -432,5 +432,4 @@ def _kube_proxy_crashlooping(world: World, node: str) -> bool:
     if view is None:
         return False
     want = daemonset_for(view.revision)
-    return any(p.daemonset == want and not p.ready and not p.deleting and p.restarts >= machine.CRASHLOOP_RESTARTS
-               for p in world.kube_proxy_pods.get(node, ()))
+    return any(p.daemonset == want and machine.is_crash_looping(p) for p in world.kube_proxy_pods.get(node, ()))
