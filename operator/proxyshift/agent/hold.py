@@ -119,7 +119,8 @@ def render_iptables_hold(declare: list[str], rules: list[str], hooks: list[str],
 
 
 def plan_iptables_release(dump: Dump) -> list[TablePlan]:
-    """Pure: the hold chains and the rules that jump into them (any table, though only nat is used)."""
+    """Pure: the hold chains and the rules that jump into them. A hold lives in the nat table only, so
+    callers save just that table (a full save at 10k Services would be most of a cleanup's time)."""
     plans = []
     for table in dump.tables.values():
         chains = [c for c in table.user_defined() if c.startswith(HOLD_CHAIN_PREFIX)]
@@ -179,7 +180,7 @@ def install(from_mode: str, *, runner: Runner = run, iptables_tools: list[Iptabl
     if from_mode == "iptables":
         for tool in _tools(iptables_tools):
             try:
-                dump = parse(runner([tool.save, "-t", "nat"], timeout=SAVE_TIMEOUT).stdout)
+                dump = _save_nat(tool, runner)
                 declare, rules, hooks = plan_iptables_hold(dump)
                 if not declare:
                     continue
@@ -205,6 +206,10 @@ def install(from_mode: str, *, runner: Runner = run, iptables_tools: list[Iptabl
     return report
 
 
+def _save_nat(tool: IptablesTool, runner: Runner) -> Dump:
+    return parse(runner([tool.save, "-t", "nat"], timeout=SAVE_TIMEOUT).stdout)
+
+
 def _release_iptables(tool: IptablesTool, dump: Dump, runner: Runner) -> int:
     plans = plan_iptables_release(dump)
     if plans:
@@ -217,7 +222,7 @@ def release(*, runner: Runner = run, iptables_tools: list[IptablesTool] | None =
     report = HoldReport("release")
     for tool in _tools(iptables_tools):
         try:
-            removed = _release_iptables(tool, parse(runner([tool.save], timeout=SAVE_TIMEOUT).stdout), runner)
+            removed = _release_iptables(tool, _save_nat(tool, runner), runner)
             if removed:
                 report.done.append(f"{tool.label}: {removed} chains removed")
         except (CommandError, ValueError) as exc:
@@ -236,7 +241,7 @@ def present(*, runner: Runner = run, iptables_tools: list[IptablesTool] | None =
     """Whether any hold exists on the node (read-only)."""
     for tool in _tools(iptables_tools):
         try:
-            nat = parse(runner([tool.save, "-t", "nat"], timeout=SAVE_TIMEOUT).stdout).tables.get("nat")
+            nat = _save_nat(tool, runner).tables.get("nat")
         except (CommandError, ValueError):
             continue
         if nat is not None and any(c.startswith(HOLD_CHAIN_PREFIX) for c in nat.chains):
