@@ -182,13 +182,18 @@ def _dotted(node: ast.AST) -> str:
     return ""
 
 
+def _imported_from(tree: ast.AST) -> dict[str, str]:
+    """Local name -> dotted origin of every `from x import y [as z]`, so a call `y()` is seen as `x.y()`."""
+    return {alias.asname or alias.name: f"{node.module}.{alias.name}"
+            for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+            for alias in node.names}
+
+
 def shell_findings(source: str, path: str) -> list[Finding]:
     """Ways to run something through a shell: shell=True, os.system and friends, shell path literals."""
     tree = ast.parse(source, path)
     found = []
-    imported_from = {alias.asname or alias.name: f"{node.module}.{alias.name}"
-                     for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
-                     for alias in node.names}
+    imported_from = _imported_from(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             name = _dotted(node.func)
@@ -212,9 +217,7 @@ def direct_process_starts(source: str, path: str) -> list[Finding]:
     """subprocess.run/Popen/..., os.exec*/spawn*/fork called directly, not through proxyshift.commands.run."""
     tree = ast.parse(source, path)
     found = []
-    imported_from = {alias.asname or alias.name: f"{node.module}.{alias.name}"
-                     for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
-                     for alias in node.names}
+    imported_from = _imported_from(tree)
     aliases = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                and node.module == "subprocess" for alias in node.names if alias.name in SUBPROCESS_STARTERS}
     for node in ast.walk(tree):
