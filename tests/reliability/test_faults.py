@@ -2,7 +2,7 @@
 
 Pool blue (2 nodes) moves iptables -> nftables with cordon+drain and a gate that connects to a
 ClusterIP. A StepInjector fires the fault once as a node enters each step (Preflight, Cordon,
-Switch, Gate, Cleanup, Verify, Uncordon); continuous TCP probers run through the ClusterIP from all
+Switch, Gate, Cleanup, Uncordon); continuous TCP probers run through the ClusterIP from all
 three nodes. Every run must end with:
 
 - the policy Ready, or Degraded with a reason (which one is expected is per fault, below);

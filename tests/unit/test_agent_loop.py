@@ -137,6 +137,23 @@ def test_cleanup_runs_once_and_records_running_before_the_flush():
     assert node.status.heartbeat and node.status.kube_proxy.sync_count == 4
 
 
+def test_a_cleanup_reports_kube_proxy_and_the_gate_services_as_seen_after_the_flush():
+    api = FakeAPI(node_obj({"id": "m1.Cleanup.0", "type": "Cleanup",
+                            "params": {"removeModes": ["iptables"], "targetMode": "nftables",
+                                       "services": ["198.19.0.10:443", "198.19.0.11:80"]}}))
+    order: list[str] = []
+    agent = make_agent(api, flush_calls=order)
+    agent.connect_fn = lambda targets: order.append("connect") or {t: t.endswith(":443") for t in targets}
+    agent.handle(api.get("n1"))
+    assert order == [(["iptables"], "nftables"), "connect"]  # connects after the flush, not before
+    node = ProxyNode.model_validate(api.obj)
+    assert node.status.last_operation.details["connects"] == {"198.19.0.10:443": True, "198.19.0.11:80": False}
+    assert node.status.kube_proxy.sync_count == 4
+    plain = FakeAPI(node_obj({"id": "m2.Cleanup.0", "type": "Cleanup", "params": {"removeModes": ["iptables"]}}))
+    make_agent(plain).handle(plain.get("n1"))
+    assert "connects" not in ProxyNode.model_validate(plain.obj).status.last_operation.details
+
+
 def test_a_restarted_agent_does_not_rerun_a_cleanup_and_reports_what_is_left():
     op = {"id": "m1.Cleanup.0", "type": "Cleanup", "params": {"removeModes": ["iptables"], "targetMode": "nftables"}}
     api = FakeAPI(node_obj(op, {"lastOperation": {"id": "m1.Cleanup.0", "type": "Cleanup", "state": "Running",

@@ -226,6 +226,51 @@ def test_gate_pass_leads_to_cleanup_of_the_mode_left() -> None:
                                                             "targetMode": "nftables"}
 
 
+def test_the_cleanup_report_is_the_verification_when_it_proves_the_node() -> None:
+    m = mig("Cleanup")
+    op = Operation(id=f"{REV}.1.0.Cleanup.0", type="Cleanup", params={"removeModes": ["iptables"]})
+    step = machine.step(inp(m, label=REV, op=op, last=done(op), facts=_good_facts()))
+    assert step.phase == "Done" and writes(step)[0].migration.phase == "Done"
+    assert writes(step)[0].operation is None  # no Verify probe: one write, one round trip fewer
+
+
+def test_a_cleanup_report_that_cannot_prove_the_node_falls_back_to_a_verify_probe() -> None:
+    m = mig("Cleanup")
+    op = Operation(id=f"{REV}.1.0.Cleanup.0", type="Cleanup", params={"removeModes": ["iptables"]})
+    not_synced = _good_facts().model_copy(update={"sync_count": 0})
+    for facts in (not_synced, None):
+        step = machine.step(inp(m, label=REV, op=op, last=done(op), facts=facts))
+        assert step.phase == "Verify" and writes(step)[0].operation.id == f"{REV}.1.0.Verify.0"
+
+
+def test_a_cleanup_report_that_shows_a_broken_node_rolls_back_as_a_failed_verify() -> None:
+    m = mig("Cleanup")
+    op = Operation(id=f"{REV}.1.0.Cleanup.0", type="Cleanup", params={"removeModes": ["iptables"]})
+    wrong = _good_facts().model_copy(update={"proxy_mode": "iptables"})
+    step = machine.step(inp(m, label=REV, op=op, last=done(op), facts=wrong))
+    assert step.phase == "RollingBack" and writes(step)[0].migration.reason == "VerifyWrongMode"
+
+
+def test_the_cleanup_carries_the_gate_services_and_its_connects_decide() -> None:
+    gate = {"probeServices": [{"namespace": "default", "name": "web", "port": 80}]}
+    gated = mig("Gate")
+    probe = Operation(id=f"{REV}.1.0.Gate.0", type="Probe", params={"services": ["198.19.0.10:80"]})
+    ips = {"default/web": "198.19.0.10"}
+    base = inp(gated, label=REV, op=probe, last=done(probe, connects={"198.19.0.10:80": True}),
+               facts=_good_facts(), gate=gate)
+    step = machine.step(NodeInput(**{**base.__dict__, "service_ips": ips}))
+    cleanup = writes(step)[0].operation
+    assert step.phase == "Cleanup" and cleanup.params["services"] == ["198.19.0.10:80"]
+
+    def after(last: OperationStatus) -> machine.Step:
+        b = inp(mig("Cleanup"), label=REV, op=cleanup, last=last, facts=_good_facts(), gate=gate)
+        return machine.step(NodeInput(**{**b.__dict__, "service_ips": ips}))
+
+    assert after(done(cleanup, connects={"198.19.0.10:80": True})).phase == "Done"
+    # An agent from before the connect check reports none: probe again rather than judge without them.
+    assert after(done(cleanup)).phase == "Verify"
+
+
 def test_no_cleanup_when_mode_unchanged() -> None:
     m = mig("Gate", from_mode="nftables", from_revision="blue-old")
     op = Operation(id=f"{REV}.1.0.Gate.0", type="Probe")

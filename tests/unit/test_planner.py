@@ -304,7 +304,7 @@ def test_every_step_has_an_event() -> None:
     sim = Sim.build(blue(1), [make_policy("p", rollout={"cordon": True})])
     sim.run()
     reasons = [e.reason for e in sim.events() if e.node == "node-1"]
-    assert reasons == ["MigrationStarted", "Cordoned", "Switching", "Gate", "GatePassed", "Verify", "Migrated"]
+    assert reasons == ["MigrationStarted", "Cordoned", "Switching", "Gate", "GatePassed", "Migrated"]
     assert any(isinstance(a, Event) and a.node is None and a.reason == "RolloutComplete" for a in sim.events())
 
 

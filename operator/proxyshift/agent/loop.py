@@ -348,6 +348,11 @@ class Agent:
         extra = self.observe(inventory=True)
         message = report.message() + (f" | {released.message()}" if released.changed or not released.ok else "")
         details = {**report.details(), "hold": released.message()}
+        # kube-proxy as it is right after the flush (in `extra`) and, when asked, the gate's Services
+        # reached from here: the operator verifies the node on this report without another probe.
+        services = self._str_list(op, "services")
+        if services:
+            details["connects"] = self.connect_fn(services)
         return self._done(op, started, report.ok and released.ok, message, details), extra
 
     def _run_hold(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:

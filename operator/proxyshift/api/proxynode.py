@@ -24,7 +24,8 @@ class Operation(KubeModel):
     params: dict[str, Any] = Field(
         default_factory=dict,
         description="Operation parameters: mode, scheduler, loadModules, extraModules (Preflight); "
-        "fromMode, toMode, ttlSeconds (Hold); removeModes, targetMode (Cleanup); services as ip:port (Probe).",
+        "fromMode, toMode, ttlSeconds (Hold); removeModes, targetMode, services (Cleanup); "
+        "services as ip:port (Probe).",
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
     )
 

@@ -1,6 +1,6 @@
 """The per-node state machine: one node's migration, one transition per call.
 
-    Pending -> Preflight -> [Cordon] -> Switch -> Gate -> [Cleanup -> Verify] -> [Uncordon] -> Done
+    Pending -> Preflight -> [Cordon] -> Switch -> Gate -> [Cleanup [-> Verify]] -> [Uncordon] -> Done
     Preflight failure            -> Failed (nothing on the node was touched)
     Switch/Gate/Cleanup/Verify failure -> RollingBack -> RolledBack (or Failed if the old kube-proxy
                                           does not pass the gate either)
@@ -535,8 +535,12 @@ def _after_gate(inp: NodeInput, m: NodeMigration, verdict: GateVerdict) -> Step:
         remove = _modes_to_remove(inp, m.to_mode or "", m.from_mode if m.from_mode != m.to_mode else None)
         if inp.spec.cleanup.stale_rules and remove:
             nxt = _enter(inp, m, "Cleanup", message=None)
+            # The agent probes kube-proxy (and connects to the gate's Services) right after the flush, in
+            # the same operation: that report is the verification, one write and one round trip fewer.
+            services = _probe_params(inp)[0]["services"]
             op = Operation(id=op_id(nxt, "Cleanup", 0), type="Cleanup",
-                           params={"removeModes": remove, "targetMode": m.to_mode})
+                           params={"removeModes": remove, "targetMode": m.to_mode}
+                           | ({"services": services} if services else {}))
             return Step(
                 [_forward_write(inp, nxt, op),
                  _event(inp, "GatePassed", f"{verdict.message}; cleaning up {', '.join(remove)} leftovers")],
@@ -568,6 +572,11 @@ def _cleanup(inp: NodeInput, m: NodeMigration) -> Step:
         return _after_gate(inp, m.model_copy(update={"phase": "Gate"}), GateVerdict("pass", "GatePassed", "resumed"))
     res = _result(inp, op)
     if res is not None and res.state == "Succeeded":
+        verdict = _verify_from_cleanup(inp, m, op, res)
+        if verdict is not None and verdict.result == "fail":
+            return _start_rollback(inp, m, f"Verify{verdict.reason}", f"verify after cleanup: {verdict.message}")
+        if verdict is not None and verdict.passed:
+            return _finish_forward(inp, m, f"cleanup done ({clip(res.message)}), then {verdict.message}")
         return _enter_probe(inp, m, "Verify", f"cleanup done: {clip(res.message)}")
     if res is not None and res.state == "Failed":
         return _start_rollback(inp, m, "CleanupFailed", f"cleanup of stale rules failed: {res.message}")
@@ -576,6 +585,24 @@ def _cleanup(inp: NodeInput, m: NodeMigration) -> Step:
         return _start_rollback(inp, m, "CleanupTimeout",
                                f"the agent did not finish cleanup {op.id} within {inp.spec.gate.timeout}")
     return _wait("Cleanup", "waiting for the agent's cleanup", min(POLL_SECONDS, left))
+
+
+def _verify_from_cleanup(inp: NodeInput, m: NodeMigration, op: Operation,
+                         res: OperationStatus) -> GateVerdict | None:
+    """The gate's verdict on what the agent saw right after its flush; None: probe again in Verify.
+
+    An agent observes kube-proxy after every cleanup; one that predates the connect check reports no
+    `connects`, and a Service without a ClusterIP cannot be checked: both fall back to a Verify probe,
+    as does a verdict that is still "wait".
+    """
+    _, unresolved = _probe_params(inp)
+    expected = [str(s) for s in op.params.get("services") or []]
+    if unresolved or (expected and "connects" not in res.details):
+        return None
+    connects = _connects(res.details, expected) if inp.spec.gate.probe_services else None
+    verdict = evaluate_gate(inp.proxynode.status.kube_proxy, inp.spec.gate, m.to_mode or "",
+                            parse(m.switched_at) or inp.now, inp.now, connects)
+    return None if verdict.result == "wait" else verdict
 
 
 def _uncordon(inp: NodeInput, m: NodeMigration) -> Step:
