@@ -344,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", default="1000", help="comma-separated fleet sizes, e.g. 1000,5000")
     p.add_argument("--timeout", type=float, default=3600, help="seconds to wait for Ready per size")
     p.add_argument("--keep", action="store_true", help="keep the state folder (logs, audit log)")
-    p.add_argument("--node-events", default="steps", choices=("steps", "outcomes"),
-                   help="the operator's PROXYSHIFT_NODE_EVENTS (which Normal Events nodes get)")
+    p.add_argument("--node-events", default="auto", choices=("auto", "steps", "outcomes"),
+                   help="the operator's PROXYSHIFT_NODE_EVENTS (which Normal Events nodes get; auto: the default)")
     args = p.parse_args(argv)
     os.nice(max(0, 19 - os.nice(0)))  # never outrank other work on the machine (children inherit it)
     bin_dir = build()

@@ -264,6 +264,22 @@ def test_outcomes_setting_keeps_warnings_and_endings_on_nodes_only() -> None:
     assert len(emitted) == 3, emitted  # GateTimeout, Migrated on the node; the policy's own Event
 
 
+def test_auto_tells_every_step_for_a_small_policy_and_only_outcomes_for_a_fleet() -> None:
+    def emitted(fleet: int) -> list[tuple[str, str]]:
+        api = FakeAPI()
+        executor = ex.Executor(api, node_events="auto", step_events_max_nodes=100)  # type: ignore[arg-type]
+        executor.fleet["blue"] = fleet
+        for type_, reason in (("Normal", "Switching"), ("Warning", "GateTimeout"), ("Normal", "Migrated")):
+            executor.perform(w.Event(policy="blue", node="n1", type=type_, reason=reason, message=reason),
+                             {"blue": policy()})
+        return [(e["kind"], e["reason"]) for e in api.events]
+
+    every_step = [("Node", "Switching"), ("ProxyPolicy", "Switching"), ("Node", "GateTimeout"),
+                  ("ProxyPolicy", "GateTimeout"), ("Node", "Migrated"), ("ProxyPolicy", "Migrated")]
+    assert emitted(100) == every_step
+    assert emitted(101) == [("Node", "GateTimeout"), ("Node", "Migrated")]
+
+
 def test_plan_view_does_not_predict_a_failure_without_inventory() -> None:
     cm, ds = baseline()
     p = policy("blue", "nftables")

@@ -435,3 +435,9 @@ def test_a_migrated_node_whose_kube_proxy_crash_loops_makes_the_policy_degraded_
     sim.pods["node-2"] = [replace(pod, ready=True, restarts=5)]
     sim.step()
     assert condition(sim, "p", "Degraded")[:2] == ("False", "AsExpected")
+
+
+def test_the_plan_tells_how_many_nodes_the_policy_moves() -> None:
+    # The executor sizes its Events by it (PROXYSHIFT_NODE_EVENTS=auto).
+    sim = Sim.build(blue(3), [make_policy("p")])
+    assert plan(sim.world(), "p").details["nodes"] == 3

@@ -51,9 +51,12 @@ def announced_elsewhere(actions: list[w.Action]) -> set[tuple[str | None, str]]:
 class Executor:
     api: ClusterAPI
     node_uids: Mapping[str, str] = field(default_factory=dict)
-    # "steps": an Event per step on the node (issue 5's default). "outcomes": only Warnings and how each
-    # node's migration ended; at thousands of nodes Events are otherwise most of the operator's writes.
+    # "steps": an Event per step on the node and its policy (issue 5). "outcomes": only Warnings and how
+    # each node's migration ended; at thousands of nodes Events are otherwise most of the operator's
+    # writes (issue 7: at most 8 per node). "auto": steps up to step_events_max_nodes selected nodes.
     node_events: str = field(default_factory=lambda: CONFIG.node_events)
+    step_events_max_nodes: int = field(default_factory=lambda: CONFIG.step_events_max_nodes)
+    fleet: dict[str, int] = field(default_factory=dict)  # policy -> nodes it moves (or reverts), at its last plan
     _drain_said: dict[str, str] = field(default_factory=dict)  # node -> the blocked drain last told
 
     def perform(self, action: w.Action, policies: dict[str, ProxyPolicy], *, announce: bool = True) -> Written | None:
@@ -75,18 +78,25 @@ class Executor:
         self._emit(getattr(action, "node", None), getattr(action, "policy", None), action.reason,
                    action.message or action.reason, "Normal", policies)
 
+    def events_for(self, policy: str | None) -> str:
+        """`steps` or `outcomes` for this policy's nodes, resolving `auto` by the policy's size."""
+        if self.node_events != "auto":
+            return self.node_events
+        return "steps" if self.fleet.get(policy or "", 0) <= self.step_events_max_nodes else "outcomes"
+
     def _emit(self, node: str | None, policy: str | None, reason: str, message: str, type_: str,
               policies: dict[str, ProxyPolicy]) -> None:
-        """A node's step: on the node, and (default `steps`) on its policy too, where `kubectl describe
+        """A node's step: on the node, and with `steps` on its policy too, where `kubectl describe
         proxypolicy` shows the rollout's progress. With `outcomes` only Warnings and how each node ended
         are told, on the node: at 5,000 nodes Events are otherwise most of the operator's writes."""
         if node:
-            if self.node_events == "outcomes" and type_ == "Normal" and reason not in OUTCOME_REASONS:
+            outcomes = self.events_for(policy) == "outcomes"
+            if outcomes and type_ == "Normal" and reason not in OUTCOME_REASONS:
                 metrics.EVENTS_SKIPPED.inc()
                 return
             self.api.emit_event(kind="Node", name=node, uid=self.node_uids.get(node), namespace=None,
                                 reason=reason, message=message, type_=type_, api_version="v1")
-            if self.node_events == "outcomes" or not policy:
+            if outcomes or not policy:
                 return
             message = f"{node}: {message}"
         if policy:

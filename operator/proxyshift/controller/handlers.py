@@ -342,6 +342,7 @@ async def step(name: str, indexes: dict[str, Any]) -> w.Plan:
     _state.setdefault("planning_seconds", {})[name] = time.monotonic() - planning_started
     metrics.record_plan(name, world, plan.actions)
     written: list[Written] = []
+    executor.fleet[name] = int(plan.details.get("nodes") or 0)
     told = announced_elsewhere(plan.actions)
     try:
         for action in plan.actions:

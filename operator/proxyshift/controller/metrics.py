@@ -31,7 +31,8 @@ RECONCILE_ERRORS = PromCounter(
 )
 ACTIONS = PromCounter("proxyshift_actions_total", "API steps performed, by action type.", ["policy", "action"])
 EVENTS_SKIPPED = PromCounter("proxyshift_node_events_skipped_total",
-                             "Normal step Events not posted on nodes (PROXYSHIFT_NODE_EVENTS=outcomes).")
+                             "Normal step Events not posted (PROXYSHIFT_NODE_EVENTS outcomes, or auto above "
+                             "PROXYSHIFT_STEP_EVENTS_MAX_NODES selected nodes).")
 POLICY_READY = Gauge("proxyshift_policy_ready", "1 when the policy's Ready condition is True.", ["policy"])
 
 

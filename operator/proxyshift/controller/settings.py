@@ -24,8 +24,12 @@ class OperatorConfig:
     idle_requeue_seconds: float = float(_env("PROXYSHIFT_IDLE_REQUEUE_SECONDS", "30"))
     # The shortest pause between two plans (to batch watch echoes); a plan that took longer pauses longer.
     min_requeue_seconds: float = float(_env("PROXYSHIFT_MIN_REQUEUE_SECONDS", "0.02"))
-    # Which Normal Events a node gets: "steps" (one per step) or "outcomes" (how it ended); Warnings always.
-    node_events: str = _env("PROXYSHIFT_NODE_EVENTS", "steps")
+    # Which Normal Events a node's migration posts: "steps" (one per step, on the node and its policy),
+    # "outcomes" (how it ended, on the node) or "auto": steps while the policy selects at most
+    # step_events_max_nodes nodes, outcomes above (Events would be most of the operator's writes).
+    # Warnings always.
+    node_events: str = _env("PROXYSHIFT_NODE_EVENTS", "auto")
+    step_events_max_nodes: int = int(_env("PROXYSHIFT_STEP_EVENTS_MAX_NODES", "100"))
     metrics_port: int = int(_env("PROXYSHIFT_METRICS_PORT", "8080"))
     peering_name: str = _env("PROXYSHIFT_PEERING", "proxyshift")
     kopf_field: str = "kopf"

@@ -420,7 +420,7 @@ def plan(world: World, policy_name: str) -> Plan:
         actions=ctx.actions,
         requeue_after_seconds=requeue,
         details={"started": started, "blocked": blocked, "phase": status.phase, "capacity": capacity,
-                 "stage": stage},
+                 "stage": stage, "nodes": base},
     )
 
 
