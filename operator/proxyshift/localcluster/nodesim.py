@@ -512,7 +512,7 @@ class PodWorker(threading.Thread):
             if self.blocked is not None and self.blocked.reason == "ImageNotSupported":
                 self.wake.wait(60.0)
             else:
-                self.wake.wait(RETRY_SECONDS if failed else TICK_SECONDS)
+                self.wake.wait(RETRY_SECONDS if failed else min(TICK_SECONDS, self._next_probe_in()))
             self.wake.clear()
 
     def _step(self, step: Any) -> bool:
@@ -871,6 +871,13 @@ class PodWorker(threading.Thread):
                 if now >= probe.next_at:
                     probe.next_at = now + float(probe.spec.get("periodSeconds", 10))
                     probe.pending = self.sim.probe_pool.submit(probe_once, probe.spec, run.spec, self.cfg.node_ip)
+                    # A kubelet records a probe's result when it arrives, not at its next pass: wake for it.
+                    probe.pending.add_done_callback(lambda _: self.wake.set())
+
+    def _next_probe_in(self) -> float:
+        """Seconds until a probe is due, so one with periodSeconds 1 runs on time, not on the next tick."""
+        due = [p.next_at for run in self.runs if run.proc is not None for p in run.probes if p.pending is None]
+        return max(0.0, min(due, default=float("inf")) - time.monotonic())
 
     def _record_probe(self, run: ContainerRun, probe: ProbeState, ok: bool) -> None:
         if ok:
