@@ -18,9 +18,9 @@ host process. Each run measures, in alternating order:
             new kube-proxy to serve /healthz before it moves on. Caveat: kube-proxy's /healthz
             answers 200 while it is starting up (v1.37 pkg/proxy/healthcheck/proxy_health.go), so
             this waits for the process to be up and serving healthz, NOT for its first rule sync.
-            The node simulator starts a probe on one pass of its pod loop (every 0.5 s) and records
-            the result on the next, so a success reaches the pod's status up to ~0.5 s later than
-            a kubelet's would: per node, restart-ready here is pessimistic for the restart by that.
+            The node simulator runs a due probe on time and records its result when it arrives, as a
+            kubelet does (before 2026-11-30 19:10 UTC it waited for its next 0.5 s pass, which made
+            restart-ready ~0.5 s per node slower than a kubelet's).
             Adding the probe before and removing it after are rollouts of their own (not timed):
             migrate and revert always run against the unchanged baseline.
   migrate   a ProxyPolicy to nftables over the pool (maxUnavailable 1, no cordon/drain,

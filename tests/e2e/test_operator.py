@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 import pytest
-from operator_harness import IPTABLES_MODE_CHAINS, REVISION_LABEL, Harness, policy
+from operator_harness import IPTABLES_MODE_CHAINS, REVISION_LABEL, Harness, migration, policy
 
 pytestmark = pytest.mark.e2e
 
@@ -139,7 +139,12 @@ def test_gate_that_cannot_pass_rolls_back_then_retry_resumes(harness: Harness, t
     cond = h.wait_condition("blue-strict", "Degraded", 300)
     assert cond["reason"], cond
     first = BLUE[0]
-    h.wait_for(lambda: h.proxy_mode(first) == "iptables", 60, f"{first} back on iptables")
+    # Degraded comes with the rollback's start. The rollback ends once the old kube-proxy was probed after its
+    # first sync: RolledBack, or here Failed (RollbackGateFailed), as the same impossible gate judges it too.
+    # Only then is traffic promised, not as soon as the old kube-proxy answers /proxyMode (before its sync).
+    h.wait_for(lambda: migration(h.proxynodes()[first]).get("phase") in ("RolledBack", "Failed"), 120,
+               f"{first}'s rollback to end")
+    assert h.proxy_mode(first) == "iptables"
     assert REVISION_LABEL not in h.node_labels(first)
     assert h.nft_tables(first).isdisjoint({"ip kube-proxy", "ip6 kube-proxy"}), "target's leftovers flushed"
     assert h.proxy_mode(BLUE[1]) == "iptables", "the rollout halted before the second node"
