@@ -280,6 +280,17 @@ def test_auto_tells_every_step_for_a_small_policy_and_only_outcomes_for_a_fleet(
     assert emitted(101) == [("Node", "GateTimeout"), ("Node", "Migrated")]
 
 
+def test_a_plan_runs_node_by_node_in_order_and_the_policy_own_steps_last() -> None:
+    label = w.SetRevisionLabel(node="n1", revision="blue-1", reason="Switching")
+    said = w.Event(policy="blue", node="n1", type="Normal", reason="Switching", message="moving n1")
+    other = w.Uncordon(node="n2", reason="Uncordoned")
+    stage = w.Event(policy="blue", node=None, type="Normal", reason="StageCompleted", message="stage 1")
+    later = w.Cordon(node="n1", reason="Cordoned")
+    groups, rest = ex.by_node([label, stage, other, said, later])
+    assert groups == [[label, said, later], [other]]
+    assert rest == [stage]
+
+
 def test_plan_view_does_not_predict_a_failure_without_inventory() -> None:
     cm, ds = baseline()
     p = policy("blue", "nftables")

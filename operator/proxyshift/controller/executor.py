@@ -47,6 +47,24 @@ def announced_elsewhere(actions: list[w.Action]) -> set[tuple[str | None, str]]:
     return {(a.node, a.reason) for a in actions if isinstance(a, w.Event)}
 
 
+def by_node(actions: list[w.Action]) -> tuple[list[list[w.Action]], list[w.Action]]:
+    """The plan's actions as (one list per node, in plan order; the policy's own, in plan order).
+
+    A node's actions depend on each other (intent recorded before the label moves) and keep their
+    order; different nodes' do not, so they may run side by side. The policy's own actions (revisions,
+    its status, the finalizer) describe the plan's outcome and come after.
+    """
+    nodes: dict[str, list[w.Action]] = {}
+    rest: list[w.Action] = []
+    for action in actions:
+        node = getattr(action, "node", None)
+        if node:
+            nodes.setdefault(node, []).append(action)
+        else:
+            rest.append(action)
+    return list(nodes.values()), rest
+
+
 @dataclass
 class Executor:
     api: ClusterAPI

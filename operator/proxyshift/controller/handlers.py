@@ -28,7 +28,7 @@ from proxyshift.api.kubeproxy import KubeProxyConfiguration
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.api.proxynode import ProxyNode
 from proxyshift.controller import metrics
-from proxyshift.controller.executor import Executor, StepBlocked, Written, announced_elsewhere
+from proxyshift.controller.executor import Executor, StepBlocked, Written, announced_elsewhere, by_node
 from proxyshift.controller.kube import API_GROUP, API_VERSION, PROXYNODES, ClusterAPI, describe_api_error
 from proxyshift.controller.mirror import Mirror
 from proxyshift.controller.settings import CONFIG
@@ -344,12 +344,28 @@ async def step(name: str, indexes: dict[str, Any]) -> w.Plan:
     written: list[Written] = []
     executor.fleet[name] = int(plan.details.get("nodes") or 0)
     told = announced_elsewhere(plan.actions)
-    try:
-        for action in plan.actions:
+
+    def perform(actions: list[w.Action]) -> None:
+        # A node's steps in order, stopping at its first error (the next plan repeats from its record).
+        for action in actions:
             announce = (getattr(action, "node", None), action.reason) not in told
-            result = await asyncio.to_thread(executor.perform, action, world.policies, announce=announce)
+            result = executor.perform(action, world.policies, announce=announce)
             if result is not None:
                 written.append(result)
+
+    node_groups, policy_actions = by_node(plan.actions)
+    room = asyncio.Semaphore(max(1, CONFIG.node_concurrency))
+
+    async def perform_node(actions: list[w.Action]) -> None:
+        async with room:
+            await asyncio.to_thread(perform, actions)
+
+    try:
+        outcomes = await asyncio.gather(*(perform_node(g) for g in node_groups), return_exceptions=True)
+        failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        if failed is not None:
+            raise failed  # the policy's status must not describe steps that did not happen
+        await asyncio.to_thread(perform, policy_actions)
     finally:
         # The planner must never act on a world that lacks its own last writes (a stale view would
         # re-issue a switch and move switchedAt): wait for the watch streams to deliver them.

@@ -30,6 +30,9 @@ class OperatorConfig:
     # Warnings always.
     node_events: str = _env("PROXYSHIFT_NODE_EVENTS", "auto")
     step_events_max_nodes: int = int(_env("PROXYSHIFT_STEP_EVENTS_MAX_NODES", "100"))
+    # How many nodes' steps one plan performs at once (each node's own steps stay in order): at
+    # thousands of nodes a rollout is bound by API round trips, not by planning.
+    node_concurrency: int = int(_env("PROXYSHIFT_NODE_CONCURRENCY", "8"))
     metrics_port: int = int(_env("PROXYSHIFT_METRICS_PORT", "8080"))
     peering_name: str = _env("PROXYSHIFT_PEERING", "proxyshift")
     kopf_field: str = "kopf"
