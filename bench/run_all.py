@@ -27,7 +27,7 @@ BENCHES: list[tuple[str, list[str], list[str], bool]] = [
      False),
     ("bench_kube_proxy_modes.py", ["--services", "1000", "--runs", "1", "--changes", "3"],
      ["--services", "1000,5000,10000", "--runs", "3", "--changes", "5"], False),
-    ("bench_rollout_overhead.py", ["--runs", "1"], ["--runs", "3"], True),
+    ("bench_rollout_overhead.py", ["--runs", "1"], ["--runs", "5"], True),
     ("bench_controller_scale.py", ["--nodes", "500"], ["--nodes", "1000,5000", "--timeout", "2400"], False),
 ]
 
