@@ -50,7 +50,7 @@ import kubernetes  # noqa: E402
 import yaml  # noqa: E402
 from scale_harness import GROUP, POOL_LABEL, VERSION, Fleet  # noqa: E402
 
-from proxyshift.commands import CommandError, run  # noqa: E402
+from proxyshift.commands import CommandError, run, stop_child  # noqa: E402
 from proxyshift.localcluster import baseline, controlplane, pki  # noqa: E402
 from proxyshift.localcluster.build import build  # noqa: E402
 
@@ -97,13 +97,8 @@ class Procs:
 
     def stop(self, only: str | None = None) -> None:
         for name, proc in reversed(self.procs):
-            if (only is None or name == only) and proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=10)
+            if only is None or name == only:
+                stop_child(proc)
 
 
 def port_free(port: int) -> bool:

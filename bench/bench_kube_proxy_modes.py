@@ -48,7 +48,7 @@ from kube_proxy_runner import API_PORT, CONFIG, KUBECONFIG, find_kube_proxy  # n
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from ps_netns import Netns  # noqa: E402
 
-from proxyshift.commands import run  # noqa: E402
+from proxyshift.commands import run, stop_child  # noqa: E402
 
 HARNESS = ROOT / "bench" / "harness" / "live_apiserver.py"
 NODE, NODE_IP = "ps-node-1", "198.18.0.11"
@@ -172,13 +172,7 @@ class Node:
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=10)
+            stop_child(proc)
         for f in self.logs:
             f.close()
         self.ns.delete()

@@ -8,6 +8,7 @@ clear error instead of a traceback from subprocess.
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -70,3 +71,19 @@ def run(argv: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT_SECONDS, input:
         raise CommandError(full, f"exited {proc.returncode}: {tail}", returncode=proc.returncode,
                            stderr=proc.stderr)
     return Result(full, proc.returncode, proc.stdout, proc.stderr)
+
+
+def stop_child(proc: subprocess.Popen[bytes] | subprocess.Popen[str], *, grace: float = 15.0,
+               sig: int = signal.SIGTERM) -> None:
+    """Stop a child process: send `sig`, give it `grace` seconds to exit, then SIGKILL it.
+
+    Nothing happens when it has already exited; either way it is reaped, so no zombie is left.
+    """
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    proc.wait(timeout=15)

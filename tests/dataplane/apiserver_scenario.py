@@ -33,7 +33,7 @@ sys.path[:0] = [str(HERE), str(ROOT / "operator")]
 
 from kp_rules import iptables_mode_rules, kubelet_rules, user_rules  # noqa: E402
 
-from proxyshift.commands import run  # noqa: E402
+from proxyshift.commands import run, stop_child  # noqa: E402
 
 TOKEN = "proxyshift-test-token"
 GROUP, VERSION, PLURAL, NODE = "proxyshift.io", "v1alpha1", "proxynodes", "ps-node-1"
@@ -135,13 +135,7 @@ def main() -> int:
         return 0
     finally:
         for proc in reversed(procs):
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=20)
+            stop_child(proc, grace=20)
 
 
 if __name__ == "__main__":

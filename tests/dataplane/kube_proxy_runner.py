@@ -18,6 +18,8 @@ from typing import Any
 
 from ps_netns import Netns
 
+from proxyshift.commands import stop_child
+
 HERE = Path(__file__).resolve().parent
 OPERATOR = HERE.parents[1] / "operator"
 API_PORT = 16443
@@ -125,12 +127,6 @@ class KubeProxy:
 
     def stop(self) -> None:
         for proc in (self.proc, self.api):
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=10)
+            stop_child(proc, grace=10)
         self.log.close()
         self.api_log.close()

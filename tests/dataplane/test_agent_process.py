@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 from kp_rules import iptables_mode_rules, kubelet_rules, user_rules
 
+from proxyshift.commands import stop_child
+
 pytestmark = pytest.mark.dataplane
 
 HERE = Path(__file__).resolve().parent
@@ -50,13 +52,7 @@ class Processes:
         return proc
 
     def stop(self, proc: subprocess.Popen) -> None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=15)
+        stop_child(proc)
 
     def stop_all(self) -> None:
         for proc, out in self.procs:

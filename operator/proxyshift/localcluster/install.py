@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from proxyshift.commands import run
+from proxyshift.commands import run, stop_child
 from proxyshift.localcluster import paths
 
 AGENT_NAMESPACE = "proxyshift-system"
@@ -91,13 +91,7 @@ class OperatorProcess:
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
+        stop_child(self.proc, sig=sig)
         self.proc = None
 
     def stop(self) -> None:
