@@ -49,7 +49,7 @@ CRASHLOOP_GATE_TIMEOUT = 30
 END_TIMEOUT = 600
 IN_FLIGHT = {"Preflight", "Cordon", "Switch", "Gate", "Cleanup", "Verify", "Uncordon", "RollingBack"}
 CLOCK_SKEW = "+30s"
-MAX_ROUNDS = 3  # migrations per fault at most, to hit every step (see test_fault_at_every_step)
+MAX_ROUNDS = 5  # migrations per fault at most, to hit every step (see test_fault_at_every_step)
 LIBFAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
 
 

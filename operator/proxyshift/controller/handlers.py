@@ -11,6 +11,7 @@ continues from the API objects alone: no state lives only here.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -314,6 +315,16 @@ def _fleet() -> tuple[dict[str, w.NodeView], dict[str, ProxyNode], dict[str, lis
     return nodes, dict(_mirrors["proxynodes"].items), pods
 
 
+def _node_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads for node steps only: the default executor (min(32, CPUs + 4) threads, shared with every
+    other to_thread call) would cap PROXYSHIFT_NODE_CONCURRENCY below its setting on a small host."""
+    pool = _state.get("node_pool")
+    if pool is None:
+        pool = _state["node_pool"] = concurrent.futures.ThreadPoolExecutor(
+            max(1, CONFIG.node_concurrency), thread_name_prefix="node-steps")
+    return pool
+
+
 async def step(name: str, indexes: dict[str, Any]) -> w.Plan:
     """One level-triggered step: snapshot, plan, perform."""
     await mirrors_synced()
@@ -354,14 +365,11 @@ async def step(name: str, indexes: dict[str, Any]) -> w.Plan:
                 written.append(result)
 
     node_groups, policy_actions = by_node(plan.actions)
-    room = asyncio.Semaphore(max(1, CONFIG.node_concurrency))
-
-    async def perform_node(actions: list[w.Action]) -> None:
-        async with room:
-            await asyncio.to_thread(perform, actions)
-
+    loop, pool = asyncio.get_running_loop(), _node_pool()
     try:
-        outcomes = await asyncio.gather(*(perform_node(g) for g in node_groups), return_exceptions=True)
+        # The pool's size bounds how many nodes' steps run at once; each group is one task in it.
+        outcomes = await asyncio.gather(*(loop.run_in_executor(pool, perform, g) for g in node_groups),
+                                        return_exceptions=True)
         failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
         if failed is not None:
             raise failed  # the policy's status must not describe steps that did not happen
