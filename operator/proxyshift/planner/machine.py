@@ -495,10 +495,7 @@ def _probe_round(
     elif res.state == "Failed":
         verdict = GateVerdict("wait", "ProbeFailed", f"the agent's probe failed: {clip(res.message)}")
     else:
-        expected = list(op.params.get("services") or [])
-        connects = _connects(res.details, expected) if inp.spec.gate.probe_services else None
-        verdict = evaluate_gate(inp.proxynode.status.kube_proxy, inp.spec.gate, target_mode, switched, inp.now,
-                                connects)
+        verdict = _judge_report(inp, op, res, target_mode, switched)
     if verdict.result != "wait":
         return verdict, None, None
     since_last = seconds_since(res.finished_at, inp.now)
@@ -508,6 +505,15 @@ def _probe_round(
     if since_last is not None and 0 <= since_last < PROBE_INTERVAL_SECONDS:
         return verdict, None, PROBE_INTERVAL_SECONDS - since_last
     return verdict, _probe_op(inp, m, step_name, n + 1), None
+
+
+def _judge_report(inp: NodeInput, op: Operation, res: OperationStatus, target_mode: str,
+                  switched: datetime) -> GateVerdict:
+    """The gate on an agent's answer (a Probe's, or a Cleanup's taken after its flush): kube-proxy's facts
+    in the status and, when the gate asks, the connects to the Services the operation named."""
+    expected = [str(s) for s in op.params.get("services") or []]
+    connects = _connects(res.details, expected) if inp.spec.gate.probe_services else None
+    return evaluate_gate(inp.proxynode.status.kube_proxy, inp.spec.gate, target_mode, switched, inp.now, connects)
 
 
 def _gate(inp: NodeInput, m: NodeMigration) -> Step:
@@ -596,12 +602,9 @@ def _verify_from_cleanup(inp: NodeInput, m: NodeMigration, op: Operation,
     as does a verdict that is still "wait".
     """
     _, unresolved = _probe_params(inp)
-    expected = [str(s) for s in op.params.get("services") or []]
-    if unresolved or (expected and "connects" not in res.details):
+    if unresolved or (op.params.get("services") and "connects" not in res.details):
         return None
-    connects = _connects(res.details, expected) if inp.spec.gate.probe_services else None
-    verdict = evaluate_gate(inp.proxynode.status.kube_proxy, inp.spec.gate, m.to_mode or "",
-                            parse(m.switched_at) or inp.now, inp.now, connects)
+    verdict = _judge_report(inp, op, res, m.to_mode or "", parse(m.switched_at) or inp.now)
     return None if verdict.result == "wait" else verdict
 
 
