@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 import statistics
 import sys
@@ -463,12 +464,17 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def _comparable(a: float, b: float) -> bool:
+    """Both measured (a kind missing from a partial run is NaN) and a divisor above zero."""
+    return not (math.isnan(a) or math.isnan(b)) and b > 0
+
+
 def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if b > 0 and a == a and b == b else "-"
+    return f"{a / b:.2f}x" if _comparable(a, b) else "-"
 
 
 def _verdict(a: float, b: float) -> str:
-    if not (b > 0 and a == a and b == b):
+    if not _comparable(a, b):
         return "n/a"
     return "met" if a / b <= TARGET_RATIO else "MISSED"
 
@@ -488,7 +494,7 @@ def print_report(results: list[Result], nodes: int) -> None:
         rs, rr, mg, rv = (by.get((kind, run)) for kind in KINDS)
         sec = {k: (x.seconds if x else nan) for k, x in zip(KINDS, (rs, rr, mg, rv), strict=True)}
         floor = mg.kube_proxy if mg else nan
-        cells = [f"{v:.1f}" if v == v else "-" for v in (*sec.values(), floor)]
+        cells = ["-" if math.isnan(v) else f"{v:.1f}" for v in (*sec.values(), floor)]
         ratios = [_ratio(sec["migrate"], sec["restart"]), _ratio(sec["migrate"], sec["restart-ready"]),
                   _ratio(sec["migrate"], floor), _ratio(sec["revert"], sec["restart"])]
         print(f"| {run} | {' | '.join(cells)} | {' | '.join(ratios)} |")
@@ -526,7 +532,7 @@ def print_report(results: list[Result], nodes: int) -> None:
                   f"{median([n.phases.get('pod Ready', n.kube_proxy) for n in per_node]):.2f} | "
                   + " | ".join(cells) + " |")
 
-    def per_node(kind: str, node: str, key: str | None) -> str:
+    def node_median(kind: str, node: str, key: str | None) -> str:
         values = [n.kube_proxy if key is None else n.phases.get(key, nan)
                   for r in results if r.kind == kind for n in r.nodes if n.node == node]
         return f"{median(values):.2f}" if values else "-"
@@ -537,10 +543,10 @@ def print_report(results: list[Result], nodes: int) -> None:
     print("|---|---:|---:|---:|---:|---:|")
     nodes_seen = sorted({n.node for r in results for n in r.nodes})
     for node in nodes_seen:
-        print(f"| {node} | {per_node('restart', node, 'pod Ready')} | "
-              f"{per_node('restart-ready', node, 'pod Running')} | "
-              f"{per_node('restart-ready', node, 'pod Ready')} | {per_node('migrate', node, None)} | "
-              f"{per_node('migrate', node, 'pod Ready')} |")
+        print(f"| {node} | {node_median('restart', node, 'pod Ready')} | "
+              f"{node_median('restart-ready', node, 'pod Running')} | "
+              f"{node_median('restart-ready', node, 'pod Ready')} | {node_median('migrate', node, None)} | "
+              f"{node_median('migrate', node, 'pod Ready')} |")
 
 
 def main() -> int:
