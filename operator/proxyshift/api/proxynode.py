@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from proxyshift.api.behaviour import NodeBehaviour
 from proxyshift.api.common import KubeModel
 
 OperationType = Literal["Preflight", "Hold", "Cleanup", "Probe"]
@@ -152,6 +153,9 @@ class ProxyNodeStatus(KubeModel):
         default_factory=list, description="Modes other than the observed one that still have objects here."
     )
     last_operation: OperationStatus | None = Field(default=None, description="Result of the last operation.")
+    behaviour: NodeBehaviour | None = Field(
+        default=None, description="How the node served a sample of Services before the switch and after it."
+    )
     heartbeat: str | None = Field(default=None, description="Last time the agent wrote status (RFC 3339).")
     agent_version: str | None = Field(default=None, description="proxyshift version of the agent.")
 
