@@ -106,7 +106,8 @@ def test_nothing_listening_is_reported_as_an_error():
 
 def test_garbage_metrics_are_an_error_in_the_facts(server):
     addr, routes = server
-    routes.update({"/proxyMode": (200, "ipvs"), "/metrics": (200, "not { metrics"), "/healthz": (200, "")})
+    routes.update({"/proxyMode": (200, "ipvs"), "/metrics": (200, "process_start_time_seconds{ 1"),
+                   "/healthz": (200, "")})
     facts = facts_from_probe(probe(addr, addr))
     assert facts.proxy_mode == "ipvs" and "Prometheus text format" in facts.error
 

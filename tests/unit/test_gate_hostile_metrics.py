@@ -74,10 +74,13 @@ HOSTILE = {
     "start-time-in-year-3000": (healthy(process_start_time_seconds="32503680000"), "implausibly large"),
     "buckets-not-cumulative": (healthy(bucket_1="5", bucket_inf="3", count="3"), "not cumulative"),
     "inf-bucket-not-count": (healthy(count="7"), "differs from _count"),
-    "not-prometheus-text": ("<html><body>502 Bad Gateway</body></html>", "not in the Prometheus text format"),
-    "binary-garbage": ("\x00\xff\x01 {{{ }}} \ufffd" * 100, "not in the Prometheus text format"),
+    # Only the metrics the gate reads are parsed (linear time): text without them is "no kube-proxy metrics".
+    "not-prometheus-text": ("<html><body>502 Bad Gateway</body></html>", "no kube-proxy metrics"),
+    "binary-garbage": ("\x00\xff\x01 {{{ }}} \ufffd" * 100, "no kube-proxy metrics"),
+    "binary-garbage-long-line": ("\x00\xff\x01 {{{ }}} \ufffd" * 1000, "not kube-proxy's"),
     "no-kube-proxy-metrics": ("# TYPE go_goroutines gauge\ngo_goroutines 12\n", "no kube-proxy metrics"),
-    "label-injection": (healthy() + 'kubeproxy_x{le="1" 3\n', "not in the Prometheus text format"),
+    "label-injection": (healthy() + 'kubeproxy_sync_proxy_rules_duration_seconds_bucket{le="1" 3\n',
+                        "not in the Prometheus text format"),
 }
 
 

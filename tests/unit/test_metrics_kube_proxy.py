@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxyshift.planner.metrics import MetricsError, histogram_quantile, parse_kube_proxy_metrics
+from proxyshift.planner.metrics import (
+    MAX_LINE_BYTES,
+    MAX_SAMPLES,
+    MAX_TEXT_BYTES,
+    MetricsError,
+    histogram_quantile,
+    parse_kube_proxy_metrics,
+    select_lines,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -99,7 +108,8 @@ def test_no_syncs_yet_means_no_p99_and_zero_count():
     ("process_start_time_seconds +Inf\n", "infinite"),
     ("process_start_time_seconds 9e99\n", "implausibly large"),
     ("kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family=IPv4} 1\n", "Prometheus text format"),
-    ("this is { not metrics\n", "Prometheus text format"),
+    ("this is { not metrics\n", "no kube-proxy metrics"),
+    ("process_start_time_seconds{ 12\n", "Prometheus text format"),
     ("# TYPE go_goroutines gauge\ngo_goroutines 12\n", "no kube-proxy metrics"),
     (base(hist_text({"IPv4": [0] * 5 + [4] * 5 + [3] * 5 + [4]})), "not cumulative"),
 ])
@@ -148,3 +158,39 @@ def test_quantile_lies_inside_the_bucket_holding_the_rank(increments, inf_extra,
 def test_arbitrary_text_never_crashes_with_anything_but_metrics_error(text):
     with contextlib.suppress(MetricsError):
         parse_kube_proxy_metrics(text)
+
+
+# Generated worst cases for the parse's cost: prometheus_client's parser is quadratic in a line's labels.
+# Each must end as a MetricsError, and only bounded lines of the gate's own metrics may reach the parser
+# (that bound, not a timed assertion, is what keeps the parse linear; the time is printed for the record).
+_MANY_LABELS = ",".join(f'l{i}="v"' for i in range(230))  # a 1,975-byte line, under the limit
+WORST_CASES = {
+    "one-8MiB-line": "kubeproxy_sync_proxy_rules_last_timestamp_seconds{"
+                     + ",".join(f'l{i}="v"' for i in range(MAX_TEXT_BYTES // 8)) + "} 1\n",
+    "8MiB-of-long-lines": ("kubeproxy_x{" + _MANY_LABELS + "} 1\n") * (MAX_TEXT_BYTES // 1980)
+                          + "kubeproxy_x{" + _MANY_LABELS * 2 + "} 1\n",
+    "8MiB-of-wanted-samples": ('kubeproxy_sync_proxy_rules_duration_seconds_bucket{le="1",x="'
+                               + "y" * 1900 + '"} 1\n') * (MAX_TEXT_BYTES // 2000),
+}
+
+
+@pytest.mark.parametrize("text", WORST_CASES.values(), ids=WORST_CASES.keys())
+def test_hostile_worst_cases_end_in_a_metrics_error_without_reaching_the_quadratic_parser(text: str) -> None:
+    text = text[:MAX_TEXT_BYTES]
+    started = time.monotonic()
+    with pytest.raises(MetricsError) as caught:
+        parse_kube_proxy_metrics(text)
+    print(f"{len(text)} bytes refused in {time.monotonic() - started:.3f} s: {str(caught.value)[:80]}")
+
+
+@given(st.lists(st.text(max_size=200), max_size=50))
+def test_the_selected_text_is_bounded_by_line_and_sample_count(lines: list[str]) -> None:
+    text = "\n".join(lines)
+    try:
+        selected, _ = select_lines(text)
+    except MetricsError as exc:  # refusing is one of the two allowed outcomes; say which line
+        assert "line" in str(exc) or "samples" in str(exc)
+    else:
+        kept = selected.split("\n")
+        assert len(kept) <= len(text.split("\n")) + 1 and all(len(line) <= MAX_LINE_BYTES for line in kept)
+        assert sum(not line.startswith("#") and line != "" for line in kept) <= MAX_SAMPLES

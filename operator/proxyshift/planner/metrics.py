@@ -35,12 +35,58 @@ FAILURE_COUNTERS = (
 )
 
 MAX_TEXT_BYTES = 8 * 1024 * 1024
+# kube-proxy's longest line is under 600 bytes (a handful of labels): a longer one is not kube-proxy's.
+# The bound and the line selection below keep the parse linear: prometheus_client's parser is quadratic
+# in a line's labels (2.6 s for one 200 KB line here, hours for 8 MiB) and reads 8 MiB of ordinary text
+# in over a second, so only the short lines of the metrics the gate reads reach it.
+MAX_LINE_BYTES = 2048
+MAX_SAMPLES = 512  # both families' histograms with room to spare: kube-proxy exports about 40 of ours
 MAX_COUNTER = float(2**53)           # beyond this a float no longer counts exactly
 MAX_TIMESTAMP = 7258118400.0         # 2200-01-01: later is not a clock, it is garbage
 
 
 class MetricsError(ValueError):
     """The /metrics text is malformed or reports impossible values."""
+
+
+WANTED = frozenset({PROCESS_START, LAST_SYNC, *FAILURE_COUNTERS,
+                    *(SYNC_DURATION + suffix for suffix in ("_bucket", "_count", "_sum"))})
+WANTED_FAMILIES = frozenset({PROCESS_START, LAST_SYNC, SYNC_DURATION, *FAILURE_COUNTERS})
+
+
+def _metric_name(line: str) -> str:
+    end = len(line)
+    for stop in ("{", " ", "\t"):
+        found = line.find(stop)
+        if found != -1:
+            end = min(end, found)
+    return line[:end]
+
+
+def select_lines(text: str) -> tuple[str, bool]:
+    """The lines of the metrics proxyshift reads (with their TYPE/HELP), and whether any kube-proxy metric
+    appeared at all. Linear in the text; everything else kube-proxy exports is never parsed."""
+    kept: list[str] = []
+    seen_kube_proxy = False
+    samples = 0
+    for line in text.split("\n"):
+        if len(line) > MAX_LINE_BYTES:
+            raise MetricsError(f"a {len(line)}-byte line ({line[:60]!r}...) is not kube-proxy's "
+                               f"(limit {MAX_LINE_BYTES} bytes a line)")
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            if len(parts) >= 3 and parts[1] in ("TYPE", "HELP") and parts[2] in WANTED_FAMILIES:
+                kept.append(line)
+            continue
+        name = _metric_name(line)
+        seen_kube_proxy = seen_kube_proxy or name.startswith("kubeproxy_")
+        if name not in WANTED:
+            continue
+        samples += 1
+        if samples > MAX_SAMPLES:
+            raise MetricsError(f"more than {MAX_SAMPLES} samples of the metrics the gate reads")
+        kept.append(line)
+    return "\n".join(kept) + "\n", seen_kube_proxy
 
 
 def _family_key(labels: dict[str, str]) -> str:
@@ -95,13 +141,11 @@ def parse_kube_proxy_metrics(text: str, *, max_bytes: int = MAX_TEXT_BYTES) -> K
     counts: dict[str, float] = {}
     buckets: dict[str, dict[float, float]] = defaultdict(dict)
     failures: float | None = None
-    seen_kube_proxy = False
+    selected, seen_kube_proxy = select_lines(text)
     try:
-        for family in text_string_to_metric_families(text):
+        for family in text_string_to_metric_families(selected):
             for sample in family.samples:
                 name, labels, value = sample.name, sample.labels, float(sample.value)
-                if name.startswith("kubeproxy_"):
-                    seen_kube_proxy = True
                 if name == PROCESS_START:
                     start = _check_number(name, value, maximum=MAX_TIMESTAMP)
                 elif name == LAST_SYNC:
