@@ -41,8 +41,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"proxyshift: unknown command {args[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module, function, _ = entry
-    handler: Callable[[list[str]], int | None] = getattr(importlib.import_module(module), function)
-    return int(handler(args[1:]) or 0)
+    from proxyshift.manifest import UsageError
+
+    try:
+        # Importing reads the PROXYSHIFT_* settings: a bad one is a UsageError too.
+        handler: Callable[[list[str]], int | None] = getattr(importlib.import_module(module), function)
+        return int(handler(args[1:]) or 0)
+    except UsageError as exc:
+        print(f"proxyshift {args[0]}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from proxyshift.api.policy import ProxyPolicy
 from proxyshift.api.proxynode import NodeMigration, Operation
 from proxyshift.controller import executor as ex
 from proxyshift.controller import plan_view, snapshot, status_view
+from proxyshift.manifest import UsageError
 from proxyshift.planner import world as w
 from proxyshift.render import ANNOTATION_MODE, ANNOTATION_POLICY, render_revision
 
@@ -175,7 +176,7 @@ def test_plan_view_refuses_an_invalid_manifest_with_the_reason(tmp_path: Path) -
     bad.write_text(yaml.safe_dump({"apiVersion": "proxyshift.io/v1alpha1", "kind": "ProxyPolicy",
                                    "metadata": {"name": "x"}, "spec": {"nodeSelector": {}, "mode": "iptables",
                                                                         "ipvs": {"scheduler": "rr"}}}))
-    with pytest.raises(SystemExit, match="ipvs settings are only allowed with mode: ipvs"):
+    with pytest.raises(UsageError, match="ipvs settings are only allowed with mode: ipvs"):
         plan_view.read_policy(str(bad))
 
 

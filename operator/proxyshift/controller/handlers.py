@@ -120,7 +120,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.networking.request_timeout = 60
     # Replicas of equal priority all pause (kopf treats them as conflicting): a random priority
     # makes exactly one active, and a standby takes over when its peer's lease lapses.
-    settings.peering.priority = int(os.environ.get("PROXYSHIFT_PEERING_PRIORITY") or random.randint(1, 32767))
+    settings.peering.priority = CONFIG.peering_priority or random.randint(1, 32767)
     load_client_config()
     _state["api"] = ClusterAPI()
     peering = os.environ.get("PROXYSHIFT_PEERING_ACTIVE")

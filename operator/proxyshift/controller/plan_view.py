@@ -8,12 +8,10 @@ order and stages, and which will fail preflight.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
 import kubernetes
-import yaml
 from pydantic import ValidationError
 
 from proxyshift.api.common import API_GROUP, API_VERSION
@@ -22,6 +20,7 @@ from proxyshift.api.proxynode import ProxyNode
 from proxyshift.controller.settings import CONFIG
 from proxyshift.controller.snapshot import current_revisions, node_view, revision_view
 from proxyshift.controller.status_view import load_api
+from proxyshift.manifest import UsageError, read_manifest
 from proxyshift.planner.advice import advise
 from proxyshift.planner.preview import preview
 from proxyshift.planner.world import World
@@ -29,16 +28,15 @@ from proxyshift.render import LABEL_MANAGED_BY, MANAGED_BY
 
 
 def read_policy(path: str) -> ProxyPolicy:
-    text = sys.stdin.read() if path == "-" else open(path).read()  # noqa: SIM115 - one read
-    body = yaml.safe_load(text)
-    if not isinstance(body, dict) or body.get("kind") != "ProxyPolicy":
-        raise SystemExit(f"{path}: not a ProxyPolicy manifest")
-    body.setdefault("metadata", {}).setdefault("creationTimestamp", datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    body = read_manifest(path, "ProxyPolicy")
+    if not isinstance(body.get("metadata"), dict):
+        body["metadata"] = {}
+    body["metadata"].setdefault("creationTimestamp", datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
     try:
         return ProxyPolicy.model_validate(body)
     except ValidationError as exc:
-        lines = [f"  {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
-        raise SystemExit(f"{path}: the API server would refuse this policy:\n" + "\n".join(lines)) from exc
+        problems = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:10]]
+        raise UsageError(f"{path}: the API server would refuse this policy: " + "; ".join(problems)) from None
 
 
 def read_world(policy: ProxyPolicy) -> World:

@@ -14,15 +14,20 @@ import kubernetes
 from kubernetes.client.exceptions import ApiException
 
 from proxyshift.api.common import API_GROUP, API_VERSION
+from proxyshift.manifest import UsageError
 
 TERMINAL_PHASES = {"Ready", "Degraded"}
 
 
 def load_api(kubeconfig: str | None) -> kubernetes.client.CustomObjectsApi:
-    if kubeconfig or os.environ.get("KUBECONFIG") or not os.environ.get("KUBERNETES_SERVICE_HOST"):
-        kubernetes.config.load_kube_config(config_file=kubeconfig)
-    else:
-        kubernetes.config.load_incluster_config()
+    try:
+        if kubeconfig or os.environ.get("KUBECONFIG") or not os.environ.get("KUBERNETES_SERVICE_HOST"):
+            kubernetes.config.load_kube_config(config_file=kubeconfig)
+        else:
+            kubernetes.config.load_incluster_config()
+    except (kubernetes.config.ConfigException, OSError, ValueError) as exc:
+        where = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
+        raise UsageError(f"cannot load the cluster's kubeconfig ({where}): {' '.join(str(exc).split())}") from None
     return kubernetes.client.CustomObjectsApi()
 
 
