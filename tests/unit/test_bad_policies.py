@@ -232,8 +232,14 @@ def _valid_manifests() -> list[tuple[str, dict[str, Any]]]:
                  "probeServices": [{"namespace": "default", "name": "kubernetes", "port": 443}]},
         "cleanup": {"staleRules": False},
         "deletionPolicy": "Orphan",
+        "nodePortAddresses": ["primary", "198.18.0.0/15", "fd00::/8"],
+        "conntrack": {"tcpBeLiberal": True},
     }
-    found = [("nodeSelector-empty", minimal), ("every-field", full)]
+    full["spec"]["gate"]["behaviour"] = {"enabled": True, "samplePerKind": 8, "budgetSeconds": 2.5,
+                                         "allowChanges": ["LocalhostNodePorts", "NodePortAddresses"]}
+    localhost = copy.deepcopy(minimal)
+    localhost["spec"] |= {"nodePortAddresses": ["primary", "localhost"], "nftables": {"localhostNodePorts": True}}
+    found = [("nodeSelector-empty", minimal), ("every-field", full), ("nftables-localhost", localhost)]
     found += [(p.stem, yaml.safe_load(p.read_text())) for p in sorted(SAMPLES_DIR.glob("*.yaml"))]
     return found
 

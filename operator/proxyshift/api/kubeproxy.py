@@ -58,6 +58,9 @@ class KPConntrackConfiguration(_Preserving):
     min: int | None = None
     tcp_established_timeout: str | None = None
     tcp_close_wait_timeout: str | None = None
+    tcp_be_liberal: bool | None = None
+    udp_timeout: str | None = None
+    udp_stream_timeout: str | None = None
 
 
 class KubeProxyConfiguration(_Preserving):
@@ -68,6 +71,10 @@ class KubeProxyConfiguration(_Preserving):
     iptables: KPIPTablesConfiguration | None = None
     nftables: KPNFTablesConfiguration | None = None
     conntrack: KPConntrackConfiguration | None = None
+    feature_gates: dict[str, bool] | None = None
+    # CIDRs and the keywords primary, localhost, all. Unset: every local address in iptables and
+    # ipvs mode, the primary node IPs in nftables mode (kube-proxy 1.37's defaulting).
+    node_port_addresses: list[str] | None = None
     metrics_bind_address: str | None = None
     healthz_bind_address: str | None = None
 

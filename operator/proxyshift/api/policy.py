@@ -7,11 +7,13 @@ server refuses a bad spec with the same message.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from proxyshift.api.behaviour import CHANGE_NAMES, ChangeName
 from proxyshift.api.common import (
     Condition,
     Duration,
@@ -31,6 +33,30 @@ MAX_EXTRA_MODULES = 32
 MAX_EXCLUDE_CIDRS = 64
 MAX_PROBE_SERVICES = 16
 MODULE_NAME_PATTERN = "^[a-z0-9_]+$"
+MAX_NODE_PORT_ADDRESSES = 16
+# kube-proxy 1.37's keywords for nodePortAddresses (pkg/proxy/apis/config: primary, localhost, all).
+NODE_PORT_ADDRESS_KEYWORDS = ("primary", "localhost", "all")
+# IPv4 CIDRs exactly as ipaddress parses them (no leading zeros); IPv6 only roughly (the API server's
+# CEL here has no isCIDR we can test against), so the model parses every CIDR for real.
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+NODE_PORT_ADDRESS_PATTERN = (
+    rf"^(primary|localhost|all|({_OCTET}\.){{3}}{_OCTET}/(3[0-2]|[12]?[0-9])|[0-9a-fA-F:.]*:[0-9a-fA-F:.]*/"
+    r"(12[0-8]|1[01][0-9]|[1-9]?[0-9]))$"
+)
+NODE_PORT_ADDRESS_MESSAGE = "must be a CIDR (like 198.18.0.0/16) or one of the keywords primary, localhost, all"
+# kube-proxy's alpha feature gate (1.37) that serves TCP NodePorts on loopback in nftables mode
+# through a userspace proxy, when nodePortAddresses names loopback explicitly.
+NFTABLES_LOCALHOST_GATE = "KubeProxyNFTablesLocalhostNodePorts"
+NFTABLES_LOCALHOST_MESSAGE = (
+    "nftables.localhostNodePorts needs nodePortAddresses to name loopback (for example [primary, localhost]): "
+    "kube-proxy serves localhost NodePorts in nftables mode only when the list names it"
+)
+UNIQUE_MESSAGE = "must not list the same value twice"
+
+
+def names_loopback(address: str) -> bool:
+    """True for a nodePortAddresses entry that names loopback explicitly (what kube-proxy 1.37 looks for)."""
+    return address == "localhost" or address.startswith(("127.", "::1/"))
 
 
 def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
@@ -86,6 +112,13 @@ class NFTablesSettings(KubeModel):
     masquerade_all: bool | None = Field(default=None, description="SNAT all traffic sent to Service IPs.")
     masquerade_bit: int | None = Field(
         default=None, ge=0, le=31, description="fwmark bit used to mark packets for SNAT (0-31)."
+    )
+    localhost_node_ports: bool | None = Field(
+        default=None,
+        description="Serve TCP NodePorts on 127.0.0.1 as iptables mode does, through kube-proxy's userspace "
+        f"localhost proxy (the alpha feature gate {NFTABLES_LOCALHOST_GATE} of kube-proxy 1.37, rendered into "
+        "the revision's featureGates). Needs nodePortAddresses to name loopback, e.g. [primary, localhost]. "
+        "UDP NodePorts on localhost stay unserved in nftables mode.",
     )
 
 
@@ -226,6 +259,64 @@ class PreflightSettings(KubeModel):
         return names
 
 
+class ConntrackSettings(KubeModel):
+    """kube-proxy's conntrack settings (KubeProxyConfiguration.conntrack) the policy may set."""
+
+    tcp_be_liberal: bool | None = Field(
+        default=None,
+        description="Run conntrack in liberal mode for TCP (nf_conntrack_tcp_be_liberal): out-of-window packets "
+        "are not marked INVALID. iptables mode drops INVALID packets itself; nftables mode does not, so a "
+        "cluster that relied on that drop keeps its behaviour with tcpBeLiberal: true.",
+    )
+
+
+def _unique_rule(field: str) -> dict[str, str]:
+    # A list bounded to a few items: the quadratic check stays inside the API server's CEL cost budget.
+    return cel(f"!has(self.{field}) || self.{field}.all(x, self.{field}.exists_one(y, y == x))",
+               UNIQUE_MESSAGE, f".{field}")
+
+
+def _check_unique(values: list[Any] | None) -> list[Any] | None:
+    if values is not None and len(set(values)) != len(values):
+        raise ValueError(UNIQUE_MESSAGE)
+    return values
+
+
+class BehaviourGateSettings(KubeModel):
+    """The behaviour matrix: the node's Services must answer after the switch as they did before."""
+
+    model_config = KubeModel.model_config | {
+        "json_schema_extra": {"x-kubernetes-validations": [_unique_rule("allowChanges")]}
+    }
+
+    enabled: bool = Field(
+        default=True,
+        description="Probe a sample of the cluster's Services from the node and from a pod on it before the "
+        "switch and again in the gate; a Service that answered before and does not now fails the gate.",
+    )
+    sample_per_kind: int = Field(
+        default=2, ge=1, le=8,
+        description="Services probed per kind (ClusterIP TCP, ClusterIP UDP, NodePort, ClientIP affinity, "
+        "internal and external traffic policy Local, no endpoints), chosen in a stable order; the Services "
+        "named in gate.probeServices are always probed as well.",
+    )
+    allow_changes: list[ChangeName] | None = Field(
+        default=None,
+        max_length=len(CHANGE_NAMES),
+        description="Documented behaviour differences this policy accepts (docs/migration-guide.md, \"Service "
+        "behaviour\"), e.g. LocalhostNodePorts. A Service that simply stops answering (Reachability) can never "
+        "be allowed by name.",
+    )
+    budget_seconds: float = Field(
+        default=1.0, gt=0, le=30, description="Time the probe may take on one node, both paths together."
+    )
+
+    @field_validator("allow_changes")
+    @classmethod
+    def _unique_changes(cls, values: list[ChangeName] | None) -> list[ChangeName] | None:
+        return _check_unique(values)
+
+
 class ServiceRef(KubeModel):
     """A ClusterIP Service the gate connects to from the node."""
 
@@ -246,7 +337,12 @@ class GateSettings(KubeModel):
     probe_services: list[ServiceRef] | None = Field(
         default=None,
         max_length=MAX_PROBE_SERVICES,
-        description="ClusterIP Services that must accept a TCP connection from the node."
+        description="ClusterIP Services that must accept a TCP connection from the node; the behaviour probe "
+        "always includes them in its sample."
+    )
+    behaviour: BehaviourGateSettings = Field(
+        default_factory=BehaviourGateSettings,
+        description="The behaviour matrix compared before and after the switch.",
     )
 
 
@@ -270,6 +366,12 @@ class ProxyPolicySpec(KubeModel):
                     "iptables settings are only allowed with mode: iptables", ".iptables"),
                 cel("!has(self.nftables) || self.mode == 'nftables'",
                     "nftables settings are only allowed with mode: nftables", ".nftables"),
+                cel("!has(self.nftables) || !has(self.nftables.localhostNodePorts) || "
+                    "!self.nftables.localhostNodePorts || (has(self.nodePortAddresses) && "
+                    "self.nodePortAddresses.exists(a, a == 'localhost' || a.startsWith('127.') || "
+                    "a.startsWith('::1/')))",
+                    NFTABLES_LOCALHOST_MESSAGE, ".nftables.localhostNodePorts"),
+                _unique_rule("nodePortAddresses"),
             ]
         }
     }
@@ -291,6 +393,19 @@ class ProxyPolicySpec(KubeModel):
     nftables: NFTablesSettings | None = Field(
         default=None, description="nftables mode settings; only with mode: nftables."
     )
+    node_port_addresses: list[Annotated[str, Field(max_length=64)]] | None = Field(
+        default=None,
+        max_length=MAX_NODE_PORT_ADDRESSES,
+        description="Addresses kube-proxy serves NodePorts on (KubeProxyConfiguration.nodePortAddresses, every "
+        "mode): CIDRs and the keywords primary (the Node's own IPs), localhost, all. Unset keeps the "
+        "baseline's value; an unset value means every local address in iptables and ipvs mode but only the "
+        "primary node IPs in nftables mode. Set it (e.g. [0.0.0.0/0]) to keep iptables' NodePorts on every "
+        "address after a move to nftables.",
+        json_schema_extra={"items": {"type": "string", "maxLength": 64, "pattern": NODE_PORT_ADDRESS_PATTERN}},
+    )
+    conntrack: ConntrackSettings | None = Field(
+        default=None, description="kube-proxy's conntrack settings, for every mode."
+    )
     rollout: RolloutSettings = Field(default_factory=RolloutSettings, description="Pace of the rollout.")
     preflight: PreflightSettings = Field(default_factory=PreflightSettings, description="Node checks.")
     gate: GateSettings = Field(default_factory=GateSettings, description="What the new kube-proxy must prove.")
@@ -301,11 +416,32 @@ class ProxyPolicySpec(KubeModel):
         "Orphan leaves them where they are.",
     )
 
+    @field_validator("node_port_addresses")
+    @classmethod
+    def _node_port_addresses(cls, values: list[str] | None) -> list[str] | None:
+        for value in values or []:
+            if value in NODE_PORT_ADDRESS_KEYWORDS:
+                continue
+            try:
+                ipaddress.ip_network(value, strict=False)
+            except ValueError:
+                raise ValueError(f"{value!r} {NODE_PORT_ADDRESS_MESSAGE}") from None
+            if "/" not in value:
+                raise ValueError(f"{value!r} {NODE_PORT_ADDRESS_MESSAGE}")
+        return _check_unique(values)
+
     @model_validator(mode="after")
     def _settings_match_mode(self) -> ProxyPolicySpec:
         for name in ("ipvs", "iptables", "nftables"):
             if getattr(self, name) is not None and self.mode != name:
                 raise ValueError(f"{name} settings are only allowed with mode: {name}")
+        return self
+
+    @model_validator(mode="after")
+    def _nftables_localhost_needs_loopback(self) -> ProxyPolicySpec:
+        wanted = self.nftables is not None and self.nftables.localhost_node_ports
+        if wanted and not any(names_loopback(a) for a in self.node_port_addresses or []):
+            raise ValueError(NFTABLES_LOCALHOST_MESSAGE)
         return self
 
     @property

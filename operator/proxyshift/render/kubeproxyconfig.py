@@ -16,12 +16,13 @@ from typing import Any
 import yaml
 
 from proxyshift.api.kubeproxy import (
+    KPConntrackConfiguration,
     KPIPTablesConfiguration,
     KPIPVSConfiguration,
     KPNFTablesConfiguration,
     KubeProxyConfiguration,
 )
-from proxyshift.api.policy import IPVSSettings, ProxyPolicySpec
+from proxyshift.api.policy import NFTABLES_LOCALHOST_GATE, IPVSSettings, ProxyPolicySpec
 from proxyshift.render.names import HASH_LENGTH
 
 CONFIG_KEY = "config.conf"
@@ -54,7 +55,10 @@ def _overlay(target: Any, settings: Any) -> None:
 
 
 def render_config(spec: ProxyPolicySpec, baseline: KubeProxyConfiguration) -> KubeProxyConfiguration:
-    """Baseline config + the policy's mode and mode settings. The baseline is not modified."""
+    """Baseline config + the policy's mode, mode settings, nodePortAddresses and conntrack settings.
+
+    The baseline is not modified; what the policy leaves unset keeps the baseline's value.
+    """
     config = baseline.model_copy(deep=True)
     config.mode = spec.mode
     if spec.mode == "ipvs":
@@ -67,7 +71,17 @@ def render_config(spec: ProxyPolicySpec, baseline: KubeProxyConfiguration) -> Ku
         _overlay(config.iptables, spec.iptables)
     elif spec.mode == "nftables" and spec.nftables is not None:
         config.nftables = config.nftables or KPNFTablesConfiguration()
-        _overlay(config.nftables, spec.nftables)
+        # localhostNodePorts is not a KubeProxyConfiguration.nftables field: kube-proxy 1.37 reads it
+        # as a feature gate, so it goes there and nowhere else.
+        _overlay(config.nftables, spec.nftables.model_copy(update={"localhost_node_ports": None}))
+        if spec.nftables.localhost_node_ports is not None:
+            config.feature_gates = {**(config.feature_gates or {}),
+                                    NFTABLES_LOCALHOST_GATE: spec.nftables.localhost_node_ports}
+    if spec.node_port_addresses is not None:
+        config.node_port_addresses = list(spec.node_port_addresses)
+    if spec.conntrack is not None:
+        config.conntrack = config.conntrack or KPConntrackConfiguration()
+        _overlay(config.conntrack, spec.conntrack)
     return config
 
 
