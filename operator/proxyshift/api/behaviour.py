@@ -154,3 +154,23 @@ class BehaviourChange(KubeModel):
     )
     service: str = Field(max_length=127, description="namespace/name of the Service it was seen on.")
     message: str = Field(max_length=400, description="What changed and what keeps today's behaviour.")
+
+
+class ConntrackParams(KubeModel):
+    """Operation params of the conntrack step (Probe's `conntrack`): which destinations are Services.
+
+    A flow attempted while the node had no Service rules keeps a conntrack entry without DNAT, and its
+    retransmissions match that entry after the new rules exist (NAT is decided on a flow's first packet).
+    After the switch the agent deletes such entries (TCP SYN_SENT, unreplied UDP) whose original
+    destination is a Service address and whose reply comes from that same address, and only those.
+    """
+
+    service_cidrs: list[str] = Field(
+        default_factory=list, max_length=8, alias="serviceCIDRs",
+        description="The cluster's Service CIDRs (ServiceCIDR objects): destinations that are ClusterIPs.",
+    )
+    node_port_range: str | None = Field(
+        default="30000-32767", max_length=11, pattern=r"^[0-9]{1,5}-[0-9]{1,5}$",
+        description="Ports on the node's own addresses that are NodePorts (the API server's "
+        "--service-node-port-range); unset: NodePort entries are left alone.",
+    )

@@ -80,7 +80,11 @@ class KubeProxyConfiguration(_Preserving):
 
     @classmethod
     def from_yaml(cls, text: str) -> KubeProxyConfiguration:
-        data = yaml.safe_load(text) or {}
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            # A ValueError like every other unreadable baseline, with the parser's own line and column.
+            raise ValueError(f"kube-proxy config.conf is not valid YAML: {' '.join(str(exc).split())}") from exc
         if not isinstance(data, dict):
             raise ValueError("kube-proxy config.conf is not a YAML mapping")
         if data.get("kind", "KubeProxyConfiguration") != "KubeProxyConfiguration":

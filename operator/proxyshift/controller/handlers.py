@@ -32,6 +32,7 @@ from proxyshift.controller import metrics
 from proxyshift.controller.executor import Executor, StepBlocked, Written, announced_elsewhere, by_node
 from proxyshift.controller.kube import API_GROUP, API_VERSION, PROXYNODES, ClusterAPI, describe_api_error
 from proxyshift.controller.mirror import Mirror
+from proxyshift.controller.service_cache import service_mirrors, service_world
 from proxyshift.controller.settings import CONFIG
 from proxyshift.controller.snapshot import (
     build_world,
@@ -228,6 +229,7 @@ async def start_mirrors(**_: Any) -> None:
                               kwargs={"label_selector": CONFIG.kube_proxy_pod_label})
     _mirrors["proxynodes"] = Mirror("proxynodes", custom.list_cluster_custom_object, _proxynode_item,
                                     _on_proxynode, args=(API_GROUP, API_VERSION, PROXYNODES))
+    _mirrors.update(service_mirrors())
     loop = asyncio.get_running_loop()
     for mirror in _mirrors.values():
         mirror.start(loop)
@@ -347,7 +349,9 @@ async def step(name: str, indexes: dict[str, Any]) -> w.Plan:
         pods=pods,
         baseline_mode=baseline_mode(baseline_cm),
         current_revisions=targets,
+        render_errors=render_errors,
         service_ips=service_ips,
+        services=service_world(_mirrors),
     )
     plan = planner.plan(world, name)
     _state.setdefault("planning_seconds", {})[name] = time.monotonic() - planning_started

@@ -17,6 +17,9 @@ from proxyshift.render import (
     render_revision,
 )
 
+NODE_ADDRESS_TYPES = ("InternalIP", "ExternalIP")
+MAX_NODE_ADDRESSES = 8
+
 
 def parse_time(value: str | None) -> datetime | None:
     if not value:
@@ -29,8 +32,24 @@ def node_view(name: str, labels: Mapping[str, str], spec: Mapping[str, Any], sta
     ready = any(
         c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
     )
+    addresses = tuple(str(a["address"]) for a in (status.get("addresses") or [])[:MAX_NODE_ADDRESSES]
+                      if isinstance(a, Mapping) and a.get("type") in NODE_ADDRESS_TYPES and a.get("address"))
     return NodeView(name=name, labels=dict(labels), unschedulable=bool(spec.get("unschedulable")), ready=ready,
-                    resource_version=resource_version)
+                    addresses=addresses, resource_version=resource_version)
+
+
+def probe_pod_endpoint(body: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(node, "podIP:port") of a running, ready pod-network probe server; None for any other pod."""
+    meta, spec, status = body.get("metadata", {}), body.get("spec", {}), body.get("status", {})
+    node, ip = spec.get("nodeName"), status.get("podIP")
+    ready = status.get("phase") == "Running" and any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+    )
+    if not node or not ip or not ready or meta.get("deletionTimestamp") or spec.get("hostNetwork"):
+        return None
+    ports = [p.get("containerPort") for c in spec.get("containers") or [] for p in c.get("ports") or []]
+    port = next((p for p in ports if isinstance(p, int)), None)
+    return (str(node), f"{ip}:{port}") if port else None
 
 
 def observed(seen: str | None, written: str) -> bool:

@@ -21,10 +21,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from proxyshift.api.behaviour import BehaviourParams, ConntrackParams
 from proxyshift.api.common import parse_duration
 from proxyshift.api.policy import ProxyPolicySpec
 from proxyshift.api.proxynode import NodeMigration, Operation, OperationStatus, ProxyNode
 from proxyshift.api.requirements import startup_cleanup_drops_old_rules
+from proxyshift.planner.behaviour import compare_matrices
 from proxyshift.planner.gate import GateVerdict, evaluate_gate
 from proxyshift.planner.timeutil import fmt, parse, remaining, seconds_since
 from proxyshift.planner.world import (
@@ -75,6 +77,10 @@ class NodeInput:
     pods: Sequence[KubeProxyPodView]
     now: datetime
     service_ips: Mapping[str, str] = field(default_factory=dict)
+    # The Service-behaviour sample for this node (None: the policy turned the probe off, or there is
+    # nothing to sample) and the Service addresses whose un-NATed conntrack entries the agent deletes.
+    behaviour: BehaviourParams | None = None
+    conntrack: ConntrackParams | None = None
 
     @property
     def migration(self) -> NodeMigration | None:
@@ -240,8 +246,20 @@ def _preflight_op(inp: NodeInput, m: NodeMigration, scheduler: str | None) -> Op
             "scheduler": scheduler,
             "loadModules": inp.spec.preflight.load_modules,
             "extraModules": list(inp.spec.preflight.extra_modules or []),
-        },
+        } | _behaviour_param(inp),
     )
+
+
+def _behaviour_param(inp: NodeInput) -> dict[str, Any]:
+    if inp.behaviour is None or not inp.behaviour.targets:
+        return {}
+    return {"behaviour": inp.behaviour.model_dump(by_alias=True, exclude_none=True, mode="json")}
+
+
+def _conntrack_param(inp: NodeInput) -> dict[str, Any]:
+    if inp.conntrack is None:
+        return {}
+    return {"conntrack": inp.conntrack.model_dump(by_alias=True, exclude_none=True, mode="json")}
 
 
 def start(
@@ -463,6 +481,11 @@ def _probe_op(inp: NodeInput, m: NodeMigration, step_name: str, n: int) -> Opera
     mode = m.from_mode if step_name == "RollbackGate" else m.to_mode
     params |= {"awaitMode": mode, "awaitSyncs": inp.spec.gate.min_syncs,
                "awaitSeconds": min(AGENT_AWAIT_SECONDS, _timeout(inp).total_seconds())}
+    # Every probe after a switch (forward or back) clears un-NATed conntrack entries left from the gap;
+    # only the forward gate compares Service behaviour with the matrix taken before the switch.
+    params |= _conntrack_param(inp)
+    if step_name == "Gate":
+        params |= _behaviour_param(inp)
     return Operation(id=op_id(m, step_name, n), type="Probe", params=params)
 
 
@@ -513,7 +536,41 @@ def _judge_report(inp: NodeInput, op: Operation, res: OperationStatus, target_mo
     in the status and, when the gate asks, the connects to the Services the operation named."""
     expected = [str(s) for s in op.params.get("services") or []]
     connects = _connects(res.details, expected) if inp.spec.gate.probe_services else None
-    return evaluate_gate(inp.proxynode.status.kube_proxy, inp.spec.gate, target_mode, switched, inp.now, connects)
+    verdict = evaluate_gate(inp.proxynode.status.kube_proxy, inp.spec.gate, target_mode, switched, inp.now, connects)
+    if verdict.passed and "behaviour" in op.params:
+        return _judge_behaviour(inp, op, verdict)
+    return verdict
+
+
+# A difference is confirmed by a second probe round before it rolls the node back: one cell timing out
+# under load must not undo a good migration, and a real difference costs one probe interval more.
+BEHAVIOUR_CONFIRM_ROUNDS = 2
+
+
+def _judge_behaviour(inp: NodeInput, op: Operation, verdict: GateVerdict) -> GateVerdict:
+    """kube-proxy has proven itself; now the node's Services must answer as they did before the switch."""
+    m = inp.migration
+    recorded = inp.proxynode.status.behaviour
+    before = recorded.before if recorded else None
+    after = recorded.after if recorded else None
+    if m is None or before is None or not before.operation_id.startswith(op_prefix(m, "Preflight")):
+        # An agent that predates the behaviour probe, or a preflight taken before the policy asked for it.
+        return GateVerdict("pass", verdict.reason, f"{verdict.message}; Service behaviour not recorded before "
+                           "the switch, not compared")
+    if after is None or after.operation_id != op.id:
+        return GateVerdict("pass", verdict.reason, f"{verdict.message}; the agent reported no Service behaviour "
+                           "after the switch, not compared")
+    allow = set(inp.spec.gate.behaviour.allow_changes or [])
+    result = compare_matrices(before, after, allow, to_mode=m.to_mode or None)
+    if not result.passed:
+        rounds = int(op.id.rsplit(".", 1)[1]) + 1
+        outcome = "fail" if rounds >= BEHAVIOUR_CONFIRM_ROUNDS else "wait"
+        return GateVerdict(outcome, "BehaviourChanged", clip(f"{result.failing[0].service}: {result.reason}"))
+    summary = f"{result.compared} Service cells answer as before"
+    allowed = sorted({c.name for c in result.changes})
+    if allowed:
+        summary += "; allowed changes: " + ", ".join(allowed)
+    return GateVerdict("pass", verdict.reason, f"{verdict.message}; {summary}")
 
 
 def _gate(inp: NodeInput, m: NodeMigration) -> Step:

@@ -13,10 +13,12 @@ import math
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from proxyshift.api.behaviour import BehaviourParams, ConntrackParams
 from proxyshift.api.common import parse_duration
 from proxyshift.api.policy import NodeFailure, NodeProgress, ProxyPolicy
 from proxyshift.api.proxynode import ProxyNode
 from proxyshift.planner import machine
+from proxyshift.planner.behaviour import behaviour_params
 from proxyshift.planner.machine import FAILED, NodeInput, Target, is_in_flight
 from proxyshift.planner.ordering import node_key
 from proxyshift.planner.ownership import Ownership, compute_ownership, is_deleting, revision_policy
@@ -29,6 +31,7 @@ from proxyshift.planner.world import (
     EnsureProxyNode,
     EnsureRevision,
     Event,
+    NodeView,
     Plan,
     RecordStatus,
     RemoveFinalizer,
@@ -108,8 +111,28 @@ def _mode_of(world: World, revision: str | None) -> str:
 
 def _node_input(ctx: _Ctx, name: str, pn: ProxyNode) -> NodeInput:
     w = ctx.world
-    return NodeInput(policy=ctx.name, spec=ctx.policy.spec, node=w.nodes[name], proxynode=pn,
-                     pods=tuple(w.kube_proxy_pods.get(name, ())), now=ctx.now, service_ips=w.service_ips)
+    node = w.nodes[name]
+    return NodeInput(policy=ctx.name, spec=ctx.policy.spec, node=node, proxynode=pn,
+                     pods=tuple(w.kube_proxy_pods.get(name, ())), now=ctx.now, service_ips=w.service_ips,
+                     behaviour=_behaviour_sample(ctx, node), conntrack=_conntrack(ctx))
+
+
+def _behaviour_sample(ctx: _Ctx, node: NodeView) -> BehaviourParams | None:
+    """The node's Service sample: the same cluster gives the same sample before and after the switch."""
+    spec = ctx.policy.spec
+    if not spec.gate.behaviour.enabled:
+        return None
+    side = ctx.world.services
+    params = behaviour_params(side.services.values(), side.endpoints, node.name, list(node.addresses), spec,
+                              side.probe_pods.get(node.name))
+    return params if params.targets else None
+
+
+def _conntrack(ctx: _Ctx) -> ConntrackParams | None:
+    side = ctx.world.services
+    if not side.service_cidrs and side.node_port_range is None:
+        return None
+    return ConntrackParams(service_cidrs=list(side.service_cidrs), node_port_range=side.node_port_range)
 
 
 def _release(ctx: _Ctx, name: str, pn: ProxyNode) -> None:
@@ -402,6 +425,7 @@ def plan(world: World, policy_name: str) -> Plan:
         revision_missing=revision_missing,
         kube_proxy_crashlooping=sorted(crashlooping, key=lambda n: (node_key(n), n)),
         revision_since=revision_since,
+        render_error=None if deleting else world.render_errors.get(policy_name),
     )
     status = build_status(policy, summary, ctx.now)
     for reason, message, warning in transitions(policy.status, status):

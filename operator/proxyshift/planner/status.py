@@ -58,6 +58,7 @@ class Summary:
     revision_missing: bool = False
     revision_since: str | None = None
     kube_proxy_crashlooping: list[str] = field(default_factory=list)  # migrated nodes, in node order
+    render_error: str | None = None  # the revision cannot be rendered: no node starts
 
 
 def set_condition(
@@ -79,7 +80,7 @@ def _phase(s: Summary) -> str:
         return "Deleting"
     if s.revision_missing:
         return "Pending"
-    if s.halting or s.rolling_back or s.kube_proxy_crashlooping:
+    if s.halting or s.rolling_back or s.kube_proxy_crashlooping or s.render_error:
         return "Degraded"
     if s.selected == 0 and s.conflicting:
         return "Conflict"
@@ -93,7 +94,8 @@ def _phase(s: Summary) -> str:
 def build_status(policy: ProxyPolicy, s: Summary, now: datetime) -> ProxyPolicyStatus:
     old = policy.status.conditions
     gen = s.generation
-    complete = s.updated == s.selected and not s.in_flight and not s.deleting and not s.revision_missing
+    complete = (s.updated == s.selected and not s.in_flight and not s.deleting and not s.revision_missing
+                and not s.render_error)
     halted = bool(s.halting) or s.rolling_back > 0
 
     if complete:
@@ -109,7 +111,8 @@ def build_status(policy: ProxyPolicy, s: Summary, now: datetime) -> ProxyPolicyS
             ready = set_condition(old, "Ready", True, "RolloutComplete",
                                   f"all {s.selected} selected nodes run {s.mode} ({s.revision})", now, gen)
     else:
-        reason = ("Deleting" if s.deleting else "RevisionPending" if s.revision_missing
+        reason = ("Deleting" if s.deleting else "BaselineUnreadable" if s.render_error
+                  else "RevisionPending" if s.revision_missing
                   else "RolloutHalted" if halted else "RolloutInProgress")
         ready = set_condition(old, "Ready", False, reason, f"{s.updated}/{s.selected} nodes run {s.revision}",
                               now, gen)
@@ -137,6 +140,11 @@ def build_status(policy: ProxyPolicy, s: Summary, now: datetime) -> ProxyPolicyS
                    f"rollout halted: {s.rolling_back} node(s) rolling back; ")
         message += "edit the spec or set a new value on the proxyshift.io/retry annotation to retry"
         degraded = set_condition(old, "Degraded", True, reason, message, now, gen)
+    elif s.render_error:
+        degraded = set_condition(
+            old, "Degraded", True, "BaselineUnreadable",
+            f"{s.render_error}; no node starts until the baseline kube-proxy ConfigMap is fixed (nodes in "
+            "flight finish)", now, gen)
     elif s.kube_proxy_crashlooping:
         degraded = set_condition(
             old, "Degraded", True, "KubeProxyCrashLooping",

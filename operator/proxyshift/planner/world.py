@@ -14,6 +14,7 @@ from typing import Any
 
 from proxyshift.api.policy import ProxyPolicy, ProxyPolicyStatus
 from proxyshift.api.proxynode import NodeMigration, Operation, ProxyNode
+from proxyshift.planner.services import EndpointView, ServiceView
 
 REVISION_LABEL = "proxyshift.io/revision"
 RETRY_ANNOTATION = "proxyshift.io/retry"
@@ -34,6 +35,8 @@ class NodeView:
     unschedulable: bool = False
     ready: bool = True
     exists: bool = True
+    # status.addresses of type InternalIP/ExternalIP: a NodePort dialled there is a "nodeIP" cell.
+    addresses: tuple[str, ...] = ()
     # Lets the operator wait until its own writes are visible before planning again.
     resource_version: str = field(default="", compare=False)
 
@@ -93,8 +96,23 @@ class World:
     # policy name -> the revision its current spec renders to. A live policy missing here gets no new
     # starts (the operator could not render it); in-flight nodes still finish.
     current_revisions: dict[str, RevisionTarget] = field(default_factory=dict)
+    # policy name -> why its revision could not be rendered (an unreadable baseline kube-proxy config).
+    render_errors: dict[str, str] = field(default_factory=dict)
     # "namespace/name" -> ClusterIP of the Services named in gate.probeServices.
     service_ips: dict[str, str] = field(default_factory=dict)
+    # The Services side, for the behaviour sample and the conntrack step (controller/service_cache.py).
+    services: ServiceSide = field(default_factory=lambda: ServiceSide())
+
+
+@dataclass(frozen=True)
+class ServiceSide:
+    """The cluster's Services as the behaviour probe and the conntrack step need them."""
+
+    services: dict[str, ServiceView] = field(default_factory=dict)  # "namespace/name" -> view
+    endpoints: tuple[EndpointView, ...] = ()  # every EndpointSlice's endpoints; each names its Service
+    service_cidrs: tuple[str, ...] = ()
+    probe_pods: dict[str, str] = field(default_factory=dict)  # node -> "podIP:port" of its probe server
+    node_port_range: str | None = None  # the API server's --service-node-port-range, e.g. "30000-32767"
 
 
 # ---- actions: each is one idempotent API step the operator performs ----

@@ -1,0 +1,83 @@
+"""The Services side of the operator's world, mirrored: Services, EndpointSlices, ServiceCIDRs and the
+pod-network probe servers. They feed the Service-behaviour sample (which Services a node is probed
+with, which endpoints are local to it, where its pod path starts) and the conntrack step (which
+destinations are Service addresses).
+
+None of these changes wakes a rollout: a sample taken a moment late is still a sample, and waking every
+policy on every EndpointSlice update would turn a busy cluster's churn into planning load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import kubernetes
+
+from proxyshift.controller.mirror import Mirror
+from proxyshift.controller.settings import CONFIG
+from proxyshift.controller.snapshot import probe_pod_endpoint
+from proxyshift.planner.services import EndpointView, ServiceView, endpoints_from_slice, service_view_from_k8s
+from proxyshift.planner.world import ServiceSide
+
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+MAX_SERVICE_CIDRS = 8
+
+
+def _key(obj: Mapping[str, Any]) -> str:
+    meta = obj.get("metadata") or {}
+    return f"{meta.get('namespace')}/{meta.get('name')}"
+
+
+def _service_item(obj: dict[str, Any]) -> tuple[str, ServiceView] | None:
+    view = service_view_from_k8s(obj)
+    return (_key(obj), view) if view is not None else None
+
+
+def _slice_item(obj: dict[str, Any]) -> tuple[str, tuple[EndpointView, ...]] | None:
+    if not ((obj.get("metadata") or {}).get("labels") or {}).get(SERVICE_NAME_LABEL):
+        return None
+    return _key(obj), tuple(endpoints_from_slice(obj))
+
+
+def _cidr_item(obj: dict[str, Any]) -> tuple[str, tuple[str, ...]] | None:
+    name = (obj.get("metadata") or {}).get("name")
+    cidrs = (obj.get("spec") or {}).get("cidrs") or []
+    return (str(name), tuple(str(c) for c in cidrs if isinstance(c, str))) if name else None
+
+
+def _probe_item(obj: dict[str, Any]) -> tuple[str, tuple[str, str]] | None:
+    found = probe_pod_endpoint(obj)
+    return (_key(obj), found) if found is not None else None
+
+
+def _quiet(*_: Any) -> None:
+    pass
+
+
+def service_mirrors() -> dict[str, Mirror]:
+    core = kubernetes.client.CoreV1Api()
+    discovery = kubernetes.client.DiscoveryV1Api()
+    networking = kubernetes.client.NetworkingV1Api()
+    return {
+        "services": Mirror("services", core.list_service_for_all_namespaces, _service_item, _quiet),
+        "endpointslices": Mirror("endpointslices", discovery.list_endpoint_slice_for_all_namespaces,
+                                 _slice_item, _quiet),
+        "servicecidrs": Mirror("servicecidrs", networking.list_service_cidr, _cidr_item, _quiet),
+        "probepods": Mirror("probepods", core.list_namespaced_pod, _probe_item, _quiet,
+                            args=(CONFIG.probe_namespace,), kwargs={"label_selector": CONFIG.probe_pod_label}),
+    }
+
+
+def service_world(mirrors: Mapping[str, Mirror]) -> ServiceSide:
+    if "services" not in mirrors:
+        return ServiceSide()
+    endpoints = tuple(view for views in mirrors["endpointslices"].items.values() for view in views)
+    cidrs = sorted({c for found in mirrors["servicecidrs"].items.values() for c in found})[:MAX_SERVICE_CIDRS]
+    return ServiceSide(
+        services=dict(mirrors["services"].items),
+        endpoints=endpoints,
+        service_cidrs=tuple(cidrs),
+        probe_pods=dict(mirrors["probepods"].items.values()),
+        node_port_range=CONFIG.node_port_range or None,
+    )

@@ -1,0 +1,111 @@
+"""The state machine's use of the Service-behaviour matrix: taken with the preflight, compared in the gate."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from test_machine import REV, _good_facts, done, inp, mig, pod, writes
+
+from proxyshift.api.behaviour import (
+    BehaviourCell,
+    BehaviourMatrix,
+    BehaviourParams,
+    BehaviourTarget,
+    ConntrackParams,
+    NodeBehaviour,
+)
+from proxyshift.api.proxynode import Operation
+from proxyshift.planner import machine
+from proxyshift.planner.machine import NodeInput, Target
+from proxyshift.planner.world import Event
+
+pytestmark = pytest.mark.unit
+
+SAMPLE = BehaviourParams(targets=[BehaviourTarget(service="web/np", kind="NodePort", port=30080)],
+                         node_ips=["198.18.0.11"])
+CONNTRACK = ConntrackParams(service_cidrs=["198.19.0.0/16"])
+PREFLIGHT_ID = f"{REV}.1.0.Preflight.0"
+
+
+def cell(address: str, role: str, outcome: str = "answered") -> BehaviourCell:
+    return BehaviourCell(service="web/np", kind="NodePort", protocol="TCP", port=30080, address=address,
+                         address_role=role, path="node", outcome=outcome,
+                         endpoints=["198.18.1.1"] if outcome == "answered" else [])
+
+
+BEFORE = BehaviourMatrix(operation_id=PREFLIGHT_ID, mode="iptables",
+                         cells=[cell("198.18.0.11", "nodeIP"), cell("127.0.0.1", "localhost")])
+
+
+def after(op_id: str, localhost: str = "answered") -> BehaviourMatrix:
+    return BehaviourMatrix(operation_id=op_id, mode="nftables",
+                           cells=[cell("198.18.0.11", "nodeIP"), cell("127.0.0.1", "localhost", localhost)])
+
+
+def with_behaviour(base: NodeInput, before: BehaviourMatrix | None, later: BehaviourMatrix | None) -> NodeInput:
+    pn = base.proxynode.model_copy(deep=True)
+    pn.status.behaviour = NodeBehaviour(before=before, after=later)
+    return replace(base, proxynode=pn, behaviour=SAMPLE, conntrack=CONNTRACK)
+
+
+def gate_step(n: int, later: BehaviourMatrix | None, before: BehaviourMatrix | None = BEFORE,
+              **policy: Any) -> machine.Step:
+    op = Operation(id=f"{REV}.1.0.Gate.{n}", type="Probe",
+                   params={"behaviour": SAMPLE.model_dump(by_alias=True, mode="json")})
+    base = inp(mig("Gate"), label=REV, pods=[pod(f"kube-proxy-{REV}")], op=op, last=done(op), facts=_good_facts(),
+               now_plus=30, **policy)
+    return machine.step(with_behaviour(base, before, later))
+
+
+def test_the_preflight_asks_for_the_matrix_and_only_when_there_is_a_sample() -> None:
+    start = machine.start(replace(inp(), behaviour=SAMPLE), Target(REV, "nftables"), from_mode="iptables",
+                          generation=1, retry_token=None)
+    params = writes(start)[0].operation.params
+    assert BehaviourParams.model_validate(params["behaviour"]) == SAMPLE
+    plain = machine.start(inp(), Target(REV, "nftables"), from_mode="iptables", generation=1, retry_token=None)
+    assert "behaviour" not in writes(plain)[0].operation.params
+
+
+def test_the_gate_probe_carries_the_sample_and_the_conntrack_step_the_rollback_probe_only_conntrack() -> None:
+    base = replace(inp(mig("Gate")), behaviour=SAMPLE, conntrack=CONNTRACK)
+    gate = machine._probe_op(base, mig("Gate"), "Gate", 0)
+    assert "behaviour" in gate.params and gate.params["conntrack"]["serviceCIDRs"] == ["198.19.0.0/16"]
+    back = machine._probe_op(base, mig("RollingBack"), "RollbackGate", 0)
+    assert "behaviour" not in back.params and "conntrack" in back.params
+
+
+def said(step: machine.Step) -> str:
+    """What the step tells a person: its Events and its message."""
+    return " | ".join([a.message for a in step.actions if isinstance(a, Event)] + [step.message])
+
+
+def test_an_unchanged_matrix_passes_the_gate() -> None:
+    step = gate_step(0, after(f"{REV}.1.0.Gate.0"))
+    assert step.phase in ("Cleanup", "Done", "Uncordon"), step.message
+    assert "2 Service cells answer as before" in said(step)
+
+
+def test_a_difference_is_probed_again_then_rolls_the_node_back_naming_the_change() -> None:
+    first = gate_step(0, after(f"{REV}.1.0.Gate.0", localhost="refused"))
+    assert first.phase == "Gate" and "LocalhostNodePorts" in first.message
+    second = gate_step(1, after(f"{REV}.1.0.Gate.1", localhost="refused"))
+    assert second.phase == "RollingBack"
+    m = writes(second)[0].migration
+    assert m.reason == "BehaviourChanged"
+    assert "127.0.0.1" in m.message and "refused" in m.message and "LocalhostNodePorts" in m.message
+
+
+def test_an_allowed_change_passes_and_says_so() -> None:
+    step = gate_step(1, after(f"{REV}.1.0.Gate.1", localhost="refused"),
+                     gate={"behaviour": {"allowChanges": ["LocalhostNodePorts"]}})
+    assert step.phase in ("Cleanup", "Done", "Uncordon"), step.message
+    assert "allowed changes: LocalhostNodePorts" in said(step)
+
+
+def test_an_agent_without_the_matrix_is_not_held_to_it() -> None:
+    older = gate_step(1, None, before=None)
+    assert older.phase in ("Cleanup", "Done", "Uncordon") and "not recorded before the switch" in said(older)
+    stale = gate_step(1, after(f"{REV}.1.0.Gate.0", localhost="refused"))  # an earlier round's matrix
+    assert stale.phase in ("Cleanup", "Done", "Uncordon") and "no Service behaviour after" in said(stale)
