@@ -172,7 +172,8 @@ def compatibility(
         findings.append(_finding(
             "NodePortFirewall",
             f"{from_mode} mode adds filter rules that accept NodePort traffic; nftables mode opens nothing, so a "
-            "host firewall that drops by default now drops NodePort traffic",
+            "host firewall that drops by default now drops NodePort traffic (open the NodePort range, 30000-32767 by "
+            "default, in it)",
             node_port, None))
         if _drops_invalid(from_mode, from_config):
             findings.append(_finding(
@@ -186,7 +187,8 @@ def compatibility(
         findings.append(_finding(
             "ForeignIPVSFlush",
             "every start of an nftables kube-proxy flushes every IPVS virtual server on the node, ones that are "
-            "not kube-proxy's too (its ipvs cleanup has no exclusions)",
+            "not kube-proxy's too (its ipvs cleanup has no exclusions): keep your own virtual servers off these "
+            "nodes, or recreate them after the switch",
             [], None))
 
     if (from_mode == "ipvs") != (to_mode == "ipvs"):
