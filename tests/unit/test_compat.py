@@ -153,3 +153,21 @@ def test_report_properties(cluster: tuple[list[ServiceView], list[EndpointView]]
         assert list(finding.services) == sorted(finding.services)
     if source == target:
         assert findings == []
+
+
+def test_compat_summary_for_a_condition() -> None:
+    from proxyshift.planner.compat import compat_summary
+
+    findings = compatibility("iptables", None, "nftables", config("nftables", conntrack={"tcpBeLiberal": True}),
+                             SERVICES, ENDPOINTS)
+    text = compat_summary("nftables", findings)
+    assert text.startswith("nftables mode changes: LocalhostNodePorts for default/np, default/syslog, "
+                           "metallb/ingress (keep with nftables.localhostNodePorts: true")
+    more = [ServiceView("default", f"np{i}", type="NodePort", cluster_ips=(f"198.19.1.{i}",),
+                        ports=(ServicePortView("", "TCP", 80, 30100 + i),)) for i in range(5)]
+    assert "LocalhostNodePorts for default/np0, default/np1, default/np2 and 2 more (" in compat_summary(
+        "nftables", compatibility("iptables", None, "nftables", None, more, []))
+    assert "ConntrackInvalid" not in text  # kept by the target config
+    assert "ForeignIPVSFlush (no setting keeps it)" in text
+    assert len(compat_summary("nftables", findings, limit=80)) == 80
+    assert compat_summary("nftables", []) == ""

@@ -217,3 +217,25 @@ def compatibility(
             "strictARP the node answers ARP for them (MetalLB's L2 mode needs strictARP)",
             [s for s in dialable if s.type == "LoadBalancer"], "ipvs.strictARP: true", preserved=strict))
     return findings
+
+
+CONDITION_MESSAGE_LENGTH = 1024
+
+
+def compat_summary(to_mode: str, findings: Iterable[CompatFinding], limit: int = CONDITION_MESSAGE_LENGTH) -> str:
+    """One bounded line for a policy condition or Event: each change not already kept, the Services it
+    affects, and what keeps today's behaviour. Empty when nothing changes."""
+    parts = []
+    for finding in findings:
+        if finding.preserved:
+            continue
+        services = ""
+        if finding.service_count:
+            more = finding.service_count - len(finding.services[:3])
+            services = f" for {', '.join(finding.services[:3])}" + (f" and {more} more" if more > 0 else "")
+        keep = f"keep with {finding.preserving}" if finding.preserving else "no setting keeps it"
+        parts.append(f"{finding.change}{services} ({keep})")
+    if not parts:
+        return ""
+    text = f"{to_mode} mode changes: " + "; ".join(parts)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
