@@ -302,6 +302,7 @@ def test_serves_node_ports_on() -> None:
     assert serves_node_ports_on("198.18.200.11", "otherAddress", "nftables", ["all"])
     assert not serves_node_ports_on("198.18.200.11", "otherAddress", "nftables", ["primary"])
     assert serves_node_ports_on("198.18.200.11", "otherAddress", "nftables", ["198.18.0.0/16"])
+    assert serves_node_ports_on("198.18.200.11", "otherAddress", "nftables", ["fd00::/8"])  # IPv4 gets 0.0.0.0/0
 
 
 @settings(max_examples=200, deadline=None)

@@ -129,6 +129,10 @@ def test_localhost_protocols() -> None:
     assert localhost_protocols("iptables", None) == {"TCP", "UDP"}
     assert localhost_protocols("iptables", config("iptables", nodePortAddresses=["198.18.0.0/16"])) == set()
     assert localhost_protocols("iptables", config("iptables", nodePortAddresses=["127.0.0.0/8"])) == {"TCP", "UDP"}
+    assert localhost_protocols("iptables", config("iptables", nodePortAddresses=["0.0.0.0/0"])) == {"TCP", "UDP"}
+    assert localhost_protocols("iptables", config("iptables", nodePortAddresses=["0.0.0.0/8"])) == set()
+    # An IPv6-only list leaves IPv4 with kube-proxy's zero CIDR: every IPv4 address.
+    assert localhost_protocols("iptables", config("iptables", nodePortAddresses=["fd00::/8"])) == {"TCP", "UDP"}
     assert localhost_protocols("ipvs", None) == set()
     assert localhost_protocols("nftables", None) == set()
     assert localhost_protocols("nftables", config("nftables", featureGates={NFTABLES_LOCALHOST_GATE: True})) == set()

@@ -231,7 +231,11 @@ def serves_node_ports_on(address: str, role: str, mode: str | None, node_port_ad
         ip = ipaddress.ip_address(address)
     except ValueError:
         return True  # not ours to judge
-    for entry in node_port_addresses:
+    same_family = [e for e in node_port_addresses if e in ("primary", "localhost", "all") or (":" in e) == (
+        ip.version == 6)]
+    if not same_family:
+        return True  # kube-proxy gives a family the list leaves out its zero CIDR
+    for entry in same_family:
         if entry == "all" or (entry == "primary" and role == "nodeIP") or (entry == "localhost" and ip.is_loopback):
             return True
         try:
@@ -258,8 +262,8 @@ def _localhost_cause(cell: BehaviourCell, to_mode: str | None, to_config: KubePr
                     "kube-proxy's log; or allow the change LocalhostNodePorts)")
         if cell.protocol == "TCP":
             return ("nftables mode serves no localhost NodePorts (set nftables.localhostNodePorts: true with "
-                    "nodePortAddresses [primary, localhost], allow the change LocalhostNodePorts, or keep this pool "
-                    "on iptables)")
+                    "localhost in nodePortAddresses, allow the change LocalhostNodePorts, or keep this pool on "
+                    "iptables)")
         return ("nftables mode serves no UDP NodePorts on localhost (allow the change LocalhostNodePorts, or keep "
                 "this pool on iptables)")
     if to_mode == "iptables":

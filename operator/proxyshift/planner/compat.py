@@ -58,7 +58,11 @@ def _finding(change: ChangeName, summary: str, affected: Iterable[ServiceView], 
 
 
 def _addresses(config: KubeProxyConfiguration | None) -> list[str]:
-    return list((config.node_port_addresses if config else None) or [])
+    """nodePortAddresses as IPv4 sees it: kube-proxy filters the list per family, and a family left
+    with no entry gets its zero CIDR (pkg/proxy/util NewNodePortAddresses). Empty: unset."""
+    listed = list((config.node_port_addresses if config else None) or [])
+    ipv4 = [a for a in listed if a in ("primary", "localhost", "all") or ":" not in a]
+    return ipv4 or (["0.0.0.0/0"] if listed else [])
 
 
 def _covers_everything(mode: str, config: KubeProxyConfiguration | None) -> bool:
@@ -77,6 +81,13 @@ def _covers_everything(mode: str, config: KubeProxyConfiguration | None) -> bool
     return False
 
 
+def _contains_loopback(entry: str) -> bool:
+    try:
+        return ipaddress.ip_address("127.0.0.1") in ipaddress.ip_network(entry, strict=False)
+    except ValueError:
+        return False  # a keyword, or another family
+
+
 def _effective_addresses(mode: str, config: KubeProxyConfiguration | None) -> list[str]:
     return _addresses(config) or (["primary"] if mode == "nftables" else ["all"])
 
@@ -86,8 +97,7 @@ def localhost_protocols(mode: str, config: KubeProxyConfiguration | None) -> set
     addresses = _addresses(config)
     if mode == "iptables":
         enabled = not (config and config.iptables and config.iptables.localhost_node_ports is False)
-        covered = not addresses or any(
-            names_loopback(a) or a == "all" or a.startswith("0.0.0.0/") for a in addresses)
+        covered = not addresses or any(a in ("all", "localhost") or _contains_loopback(a) for a in addresses)
         return {"TCP", "UDP"} if enabled and covered else set()
     if mode == "nftables":
         gates = (config.feature_gates if config else None) or {}
@@ -137,8 +147,8 @@ def compatibility(
             summary = ("nftables mode serves localhost NodePorts for TCP only: UDP NodePorts on 127.0.0.1 stop "
                        "answering")
         elif to_mode == "nftables":
-            preserving = ("nftables.localhostNodePorts: true with nodePortAddresses [primary, localhost] (TCP only; "
-                          f"kube-proxy's alpha feature gate {NFTABLES_LOCALHOST_GATE})")
+            preserving = ("nftables.localhostNodePorts: true with localhost in nodePortAddresses, e.g. [0.0.0.0/0, "
+                          f"localhost] (TCP only; kube-proxy's alpha feature gate {NFTABLES_LOCALHOST_GATE})")
             summary = "nftables mode serves no NodePorts on 127.0.0.1 (iptables mode does, through route_localnet)"
         elif to_mode == "iptables":
             preserving = "iptables.localhostNodePorts: true (and loopback in nodePortAddresses, if set)"
