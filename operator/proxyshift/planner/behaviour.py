@@ -65,7 +65,8 @@ def _pick(service: ServiceView, kind: ServiceKind, protocol: str, ready: Sequenc
         return None  # nothing to dial: DNS answers with the endpoints themselves
     address = service.cluster_ips[0] if service.cluster_ips else None
     plain = service.session_affinity == "None"
-    local = [e.address for e in ready if e.node_name == node_name][:MAX_LOCAL_ENDPOINTS]
+    # Sorted and unique: EndpointSlices list their endpoints in no fixed order, and the sample must not move.
+    local = sorted({e.address for e in ready if e.node_name == node_name})[:MAX_LOCAL_ENDPOINTS]
     if kind == "NoEndpoints":
         port = _first_port(service, protocol)
         if ready or address is None or port is None:

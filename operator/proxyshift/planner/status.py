@@ -87,8 +87,8 @@ def behaviour_changes_condition(old: list[Condition], s: Summary, now: datetime,
     a documented change affects Services here and is neither preserved by a setting nor allowed."""
     if s.compat is None:
         previous = next((c for c in old if c.type == "BehaviourChanges"), None)
-        if previous is not None and previous.status != "Unknown":
-            return previous  # the report is retaken later; keep what it said
+        if previous is not None:
+            return previous  # the report is taken again later; until then what it last said stands
         return Condition(type="BehaviourChanges", status="Unknown", reason="NotAssessed",
                          message="the compatibility report is taken once the policy's revision renders",
                          last_transition_time=fmt(now), observed_generation=generation)
