@@ -13,6 +13,7 @@ NodePorts answer on every local address (nodePortAddresses unset) and on 127.0.0
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections.abc import Iterator
@@ -344,3 +345,100 @@ def test_pod_without_host_network_runs_in_the_pod_namespace(cluster: Any, kube: 
         return run_in_netns(other.pod_netns, get)
 
     assert wait_for(from_other_pod, 30, "the pod's Service from another node's pod") == (200, f"{PODNET_POD}\n")
+
+
+@pytest.fixture
+def podnet_daemonset(kube: Any) -> Iterator[str]:
+    """A DaemonSet shaped like the pod-network probe server's: proxyshift image, no hostNetwork,
+    a readiness probe on its port (tcpSocket here; the pod test above covers httpGet)."""
+    name, path = "ps-podnet-ds", "/apis/apps/v1/namespaces/default/daemonsets"
+    labels = {"app": "ps-podnet-ds"}
+    kube.post(path, {
+        "apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": name, "namespace": "default"},
+        "spec": {"selector": {"matchLabels": labels}, "template": {"metadata": {"labels": labels}, "spec": {
+            "terminationGracePeriodSeconds": 1, "containers": [{
+                "name": "serve", "image": "ghcr.io/proxyshift/proxyshift:dev",
+                "command": ["proxyshift", "localcluster", "serve", "--listen", f"0.0.0.0:{PODNET_PORT + 1}"],
+                "ports": [{"name": "probe", "containerPort": PODNET_PORT + 1}],
+                "readinessProbe": {"tcpSocket": {"port": "probe"}, "periodSeconds": 1}}]}}}})
+    yield name
+    kube.delete(f"{path}/{name}")
+    pods = kube.get("/api/v1/namespaces/default/pods", labelSelector="app=ps-podnet-ds")["items"]
+    for pod in pods:
+        with contextlib.suppress(Exception):
+            kube.delete(f"/api/v1/namespaces/default/pods/{pod['metadata']['name']}")
+
+
+def test_daemonset_without_host_network_gets_each_node_s_pod_address(behaviour: BehaviourWorkloads, kube: Any,
+                                                                     podnet_daemonset: str, wait_for: Any) -> None:
+    def ready_pods() -> dict[str, dict[str, Any]] | None:
+        pods = kube.get("/api/v1/namespaces/default/pods", labelSelector=f"app={podnet_daemonset}")["items"]
+        ready = {p["spec"].get("nodeName"): p for p in pods
+                 if any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or [])}
+        return ready if set(ready) >= {n.name for n in behaviour.nodes} else None
+
+    pods = wait_for(ready_pods, 90, f"DaemonSet {podnet_daemonset} Ready on every node")
+    for node in behaviour.nodes:
+        pod = pods[node.name]
+        assert pod["status"]["podIP"] == node.pod_ip and pod["status"]["hostIP"] == node.ip
+        # The agent (hostNetwork, in the node) reaches the probe server at its pod address.
+        status, body = workloads.http_get(node.name, f"http://{node.pod_ip}:{PODNET_PORT + 1}/")
+        assert (status, body) == (200, f"{pod['metadata']['name']}\n")
+
+
+KUBE_PROXY_CM = "/api/v1/namespaces/kube-system/configmaps/kube-proxy"
+
+
+def _set_baseline_mode(kube: Any, cluster: Any, mode: str) -> None:
+    config = yaml.safe_load(kube.get(KUBE_PROXY_CM)["data"]["config.conf"])
+    config["mode"] = mode
+    kube.merge_patch(KUBE_PROXY_CM, {"data": {"config.conf": yaml.safe_dump(config, sort_keys=False)}})
+    cluster.kubectl("-n", "kube-system", "rollout", "restart", "daemonset/kube-proxy")
+    cluster.kubectl("-n", "kube-system", "rollout", "status", "daemonset/kube-proxy", "--timeout=180s", timeout=200)
+
+
+def _modes(behaviour: BehaviourWorkloads) -> set[str]:
+    modes = set()
+    for node in behaviour.nodes:
+        try:
+            modes.add(workloads.http_get(node.name, "http://127.0.0.1:10249/proxyMode", timeout=1.0)[1].strip())
+        except OSError as exc:
+            modes.add(type(exc).__name__)
+    return modes
+
+
+def _key(cell: Cell) -> tuple[str, str, str, str, int, str]:
+    return (cell.node, cell.path, cell.service, cell.address, cell.port, cell.protocol)
+
+
+def _judged(cell: Cell) -> tuple[str, bool | None]:
+    """What the gate compares: the outcome and, with affinity, stickiness (not which endpoint)."""
+    return cell.outcome, (len(cell.endpoints) == 1) if cell.service == "affinity" else None
+
+
+def test_the_bed_shows_what_nftables_changes(behaviour: BehaviourWorkloads, matrix: list[Cell], kube: Any,
+                                             cluster: Any, wait_for: Any) -> None:
+    """The differences the gate must catch are real here: with the baseline switched to nftables
+    (nodePortAddresses unset), NodePorts stop answering on 127.0.0.1 and on the second address,
+    and every other cell of the matrix stays as it was."""
+    before = {_key(c): c for c in matrix}
+    nodeports = {s.node_port for s in behaviour.services if s.node_port}
+    expected = {k for k, c in before.items() if c.port in nodeports and
+                (c.address == "127.0.0.1" or c.address in {n.second_address for n in behaviour.nodes})}
+    try:
+        _set_baseline_mode(kube, cluster, "nftables")
+        wait_for(lambda: _modes(behaviour) == {"nftables"}, 90, "/proxyMode nftables on every node")
+        deadline = time.monotonic() + SYNC_TIMEOUT
+        while True:
+            after = {_key(c): c for c in observe(behaviour)}
+            changed = {k for k in before if _judged(before[k]) != _judged(after[k])}
+            if changed == expected or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+        print("\ncells nftables changed:\n" + table([after[k] for k in sorted(changed)]))
+        assert changed == expected, (f"unexpected: {sorted(changed - expected)}; "
+                                     f"unchanged but expected to change: {sorted(expected - changed)}")
+        assert all(after[k].outcome != "answered" for k in expected)
+    finally:
+        _set_baseline_mode(kube, cluster, "iptables")
+        wait_for(lambda: _modes(behaviour) == {"iptables"}, 90, "/proxyMode back to iptables on every node")
