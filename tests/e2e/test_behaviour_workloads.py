@@ -92,21 +92,14 @@ def observe(made: BehaviourWorkloads) -> list[Cell]:
     return cells
 
 
-def expected_problems(made: BehaviourWorkloads, cells: list[Cell]) -> list[str]:
-    """Every cell that differs from what the baseline iptables kube-proxy does (empty: all as expected)."""
-    every = {e.name for e in made.endpoints}
+def expected_problems(made: BehaviourWorkloads, cells: list[Cell],
+                      mode: behaviour_workloads.ProxyMode = "iptables") -> list[str]:
+    """Every cell that differs from what kube-proxy in `mode` does here (empty: all as expected)."""
     problems = []
     for cell in cells:
         svc = made.service(cell.service)
-        local = set(made.local_endpoints(svc.name, cell.node))
-        if svc.kind == "NoEndpoints":
-            want, allowed = "refused", set()
-        elif svc.internal_traffic_policy == "Local" and cell.address == svc.cluster_ip and not local:
-            want, allowed = "timeout", set()  # filter DROP "has no local endpoints"
-        elif svc.internal_traffic_policy == "Local" and cell.address == svc.cluster_ip:
-            want, allowed = "answered", local
-        else:
-            want, allowed = "answered", set(svc.endpoints) & every
+        path = "pod" if cell.path == "pod" else "node"
+        want, allowed = behaviour_workloads.expected_outcome(made, cell.service, cell.node, path, cell.address, mode)
         if cell.outcome != want:
             problems.append(f"{cell}: want {want}")
         elif cell.endpoints and not set(cell.endpoints) <= allowed:
@@ -432,12 +425,14 @@ def test_the_bed_shows_what_nftables_changes(behaviour: BehaviourWorkloads, matr
         while True:
             after = {_key(c): c for c in observe(behaviour)}
             changed = {k for k in before if _judged(before[k]) != _judged(after[k])}
-            if changed == expected or time.monotonic() > deadline:
+            problems = expected_problems(behaviour, list(after.values()), "nftables")
+            if (changed == expected and not problems) or time.monotonic() > deadline:
                 break
             time.sleep(1.0)
         print("\ncells nftables changed:\n" + table([after[k] for k in sorted(changed)]))
         assert changed == expected, (f"unexpected: {sorted(changed - expected)}; "
                                      f"unchanged but expected to change: {sorted(expected - changed)}")
+        assert not problems, "\n".join(problems)
         assert all(after[k].outcome != "answered" for k in expected)
     finally:
         _set_baseline_mode(kube, cluster, "iptables")

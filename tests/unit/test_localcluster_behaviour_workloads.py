@@ -117,3 +117,30 @@ def test_cli_has_workloads_and_serve() -> None:
     assert parser.parse_args(["serve", "--listen", "0.0.0.0:9090"]).listen == "0.0.0.0:9090"
     with pytest.raises(SystemExit):
         parser.parse_args(["workloads"])  # --behaviour is the only kind there is
+
+
+def test_expected_outcome_is_what_kube_proxy_does_here() -> None:
+    m = made()
+    services = {s.name: bw.BehaviourService(**{**vars(s), "cluster_ip": f"198.19.0.{i}"})
+                for i, s in enumerate(m.services, 10)}
+    m = bw.BehaviourWorkloads(m.namespace, m.nodes, m.endpoints, tuple(services.values()))
+    every = frozenset(ENDPOINTS)
+    n1, n3 = m.node("ps-node-1"), m.node("ps-node-3")
+    ip = {name: svc.cluster_ip or "" for name, svc in services.items()}
+    assert bw.expected_outcome(m, "clusterip-udp", n1.name, "pod", ip["clusterip-udp"]) == ("answered", every)
+    assert bw.expected_outcome(m, "internal-local", n1.name, "node", ip["internal-local"]) == \
+        ("answered", frozenset({"ps-ep-1", "ps-ep-3"}))
+    assert bw.expected_outcome(m, "internal-local", n3.name, "pod", ip["internal-local"]) == ("timeout", frozenset())
+    for name in ("not-ready", "no-endpoints"):
+        assert bw.expected_outcome(m, name, n1.name, "pod", ip[name]) == ("refused", frozenset())
+    # External Local on the node without a local endpoint: short-circuited to every endpoint.
+    assert bw.expected_outcome(m, "external-local", n3.name, "node", n3.ip) == ("answered", every)
+    for address in (n1.second_address, bw.LOCALHOST):
+        assert bw.expected_outcome(m, "nodeport-tcp", n1.name, "node", address) == ("answered", every)
+        assert bw.expected_outcome(m, "nodeport-tcp", n1.name, "node", address, "nftables") == \
+            ("refused", frozenset())
+    assert bw.expected_outcome(m, "nodeport-tcp", n1.name, "pod", n1.ip, "nftables") == ("answered", every)
+    with pytest.raises(ValueError):
+        bw.expected_outcome(m, "nodeport-tcp", n1.name, "pod", bw.LOCALHOST)
+    with pytest.raises(ValueError):
+        bw.expected_outcome(m, "clusterip-tcp", n1.name, "node", n3.ip)  # not a NodePort

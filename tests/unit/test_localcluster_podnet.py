@@ -109,3 +109,33 @@ def test_udp_answerer_answers_every_datagram_on_loopback() -> None:
             server.close()
 
     assert asyncio.run(exchange()) == [b"ps-ep-9\na", b"ps-ep-9\nb"]
+
+
+def _worker(host_network: bool | None, pod_netns: str = "ps-node-1-pod") -> nodesim.PodWorker:
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    cfg = nodesim.SimConfig(node="ps-node-1", node_ip="198.18.0.11", pool="p", kubeconfig=Path("k"),
+                            bin_dir=Path("b"), state_dir=Path("/nonexistent"), api_host="198.18.0.1", api_port=6443,
+                            kubelet_version="v1.37.2", backoff_base=1.0, backoff_max=2.0, pod_netns=pod_netns,
+                            pod_ip="198.18.32.2" if pod_netns else "")
+    spec: dict[str, object] = {"nodeName": "ps-node-1", "containers": [{"name": "c", "image": "x"}]}
+    if host_network is not None:
+        spec["hostNetwork"] = host_network
+    pod = {"metadata": {"name": "p", "namespace": "n", "uid": "0123456789"}, "spec": spec}
+    return nodesim.PodWorker(SimpleNamespace(cfg=cfg), pod)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("host_network", "netns", "ip"), [
+    (True, "ps-node-1", "198.18.0.11"),
+    (False, "ps-node-1-pod", "198.18.32.2"),
+    (None, "ps-node-1-pod", "198.18.32.2"),  # unset means false, as in the API
+])
+def test_a_pod_runs_in_the_namespace_its_host_network_says(host_network: bool | None, netns: str, ip: str) -> None:
+    worker = _worker(host_network)
+    assert (worker.netns, worker.pod_ip) == (netns, ip)
+
+
+def test_without_a_pod_namespace_every_pod_runs_in_the_node() -> None:
+    worker = _worker(False, pod_netns="")
+    assert (worker.netns, worker.pod_ip) == ("ps-node-1", "198.18.0.11")

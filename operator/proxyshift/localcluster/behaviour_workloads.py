@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from proxyshift.api.behaviour import Protocol, ServiceKind
+from proxyshift.api.behaviour import Outcome, ProbePath, Protocol, ServiceKind
 from proxyshift.localcluster import network, podnet, workloads
 from proxyshift.localcluster.nodesim import Kube, KubeError
 
@@ -59,6 +59,8 @@ AFFINITY_TIMEOUT_SECONDS = 60
 MANAGED_BY = workloads.MANAGED_BY
 
 TrafficPolicy = Literal["Cluster", "Local"]
+ProxyMode = Literal["iptables", "nftables"]
+LOCALHOST = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -287,6 +289,31 @@ def create(state_dir: Path, kube: Kube | Path | str, *, nodes: list[str] | None 
         services = list(pool.map(lambda svc: _apply(client, svc, endpoints), planned))
     return BehaviourWorkloads(namespace, tuple(behaviour_node(n) for n in node_names),
                               tuple(endpoints[n] for n in names), tuple(services))
+
+
+def expected_outcome(made: BehaviourWorkloads, service: str, node: str, path: ProbePath, address: str,
+                     mode: ProxyMode = "iptables") -> tuple[Outcome, frozenset[str]]:
+    """What kube-proxy 1.37 does with one cell here, with the baseline's settings (nodePortAddresses and
+    localhostNodePorts unset): the outcome, and the endpoints allowed to answer.
+
+    A test oracle for this bed only (every client address is inside the clusterCIDR, so an
+    external Local policy is always short-circuited), seen in tests/e2e/test_behaviour_workloads.py.
+    """
+    svc, where = made.service(service), made.node(node)
+    if svc.kind == "NoEndpoints":
+        return "refused", frozenset()  # filter REJECT: "has no endpoints"
+    if address == svc.cluster_ip:
+        if svc.internal_traffic_policy == "Local":
+            local = frozenset(made.local_endpoints(service, node))
+            return ("answered", local) if local else ("timeout", frozenset())  # DROP: "has no local endpoints"
+        return "answered", frozenset(svc.endpoints)
+    if svc.node_port is None or address not in (where.ip, where.second_address, LOCALHOST):
+        raise ValueError(f"{address} is neither {service}'s ClusterIP nor one of {node}'s NodePort addresses")
+    if path == "pod" and address == LOCALHOST:
+        raise ValueError("127.0.0.1 in a pod is the pod's own loopback")
+    if mode == "nftables" and address != where.ip:
+        return "refused", frozenset()  # only the Node's primary IPs; never 127.0.0.1
+    return "answered", frozenset(svc.endpoints)
 
 
 def delete(kube: Kube | Path | str, namespace: str = NAMESPACE) -> None:
