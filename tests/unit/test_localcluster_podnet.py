@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given
@@ -111,19 +113,39 @@ def test_udp_answerer_answers_every_datagram_on_loopback() -> None:
     assert asyncio.run(exchange()) == [b"ps-ep-9\na", b"ps-ep-9\nb"]
 
 
-def _worker(host_network: bool | None, pod_netns: str = "ps-node-1-pod") -> nodesim.PodWorker:
-    from pathlib import Path
-    from types import SimpleNamespace
-
+def _worker(host_network: bool | None, pod_netns: str = "ps-node-1-pod", *, ports: tuple[int, ...] = (),
+            name: str = "p", sim: object | None = None) -> nodesim.PodWorker:
     cfg = nodesim.SimConfig(node="ps-node-1", node_ip="198.18.0.11", pool="p", kubeconfig=Path("k"),
                             bin_dir=Path("b"), state_dir=Path("/nonexistent"), api_host="198.18.0.1", api_port=6443,
                             kubelet_version="v1.37.2", backoff_base=1.0, backoff_max=2.0, pod_netns=pod_netns,
                             pod_ip="198.18.32.2" if pod_netns else "")
-    spec: dict[str, object] = {"nodeName": "ps-node-1", "containers": [{"name": "c", "image": "x"}]}
+    container = {"name": "c", "image": "x", "ports": [{"containerPort": p} for p in ports]}
+    spec: dict[str, object] = {"nodeName": "ps-node-1", "containers": [container]}
     if host_network is not None:
         spec["hostNetwork"] = host_network
-    pod = {"metadata": {"name": "p", "namespace": "n", "uid": "0123456789"}, "spec": spec}
-    return nodesim.PodWorker(SimpleNamespace(cfg=cfg), pod)  # type: ignore[arg-type]
+    pod = {"metadata": {"name": name, "namespace": "n", "uid": f"{name}-0123456789"}, "spec": spec}
+    sim = sim or SimpleNamespace(cfg=cfg, workers={})
+    worker = nodesim.PodWorker(sim, pod)  # type: ignore[arg-type]
+    sim.workers[worker.uid] = worker  # type: ignore[attr-defined]
+    return worker
+
+
+def _running(worker: nodesim.PodWorker) -> nodesim.PodWorker:
+    worker.runs[0].proc = SimpleNamespace(poll=lambda: None)  # type: ignore[assignment]
+    return worker
+
+
+def test_a_port_taken_in_the_shared_pod_namespace_is_refused_with_a_reason() -> None:
+    sim = SimpleNamespace(cfg=_worker(False).cfg, workers={})
+    operator = _running(_worker(False, ports=(8080, 8081), name="operator", sim=sim))
+    _running(_worker(True, ports=(9090,), name="agent", sim=sim))  # hostNetwork: its own (the node's) namespace
+    probe = _worker(False, ports=(8081, 9090), name="probe", sim=sim)
+    with pytest.raises(nodesim.PodError, match=r"8081/TCP already declared by pod n/operator") as err:
+        probe._check_shared_ports()
+    assert err.value.reason == "PortConflict"
+    _worker(False, ports=(9091,), name="other", sim=sim)._check_shared_ports()  # no overlap: fine
+    operator.finished = True
+    probe._check_shared_ports()  # the holder is gone
 
 
 @pytest.mark.parametrize(("host_network", "netns", "ip"), [

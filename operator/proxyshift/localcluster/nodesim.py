@@ -827,12 +827,38 @@ class PodWorker(threading.Thread):
                 binds.append(f"{package}:{package}:ro")
         return binds
 
+    @property
+    def declared_ports(self) -> set[tuple[int, str]]:
+        """(containerPort, protocol) of every container: what the pod says it listens on."""
+        return {(int(p["containerPort"]), p.get("protocol", "TCP")) for c in self.pod["spec"]["containers"]
+                for p in c.get("ports") or [] if "containerPort" in p}
+
+    def _check_shared_ports(self) -> None:
+        """Refuse, for now, a port another running pod already declared in the node's one pod namespace.
+
+        A real node gives each pod its own namespace; here they share one, so the second
+        listener would die with EADDRINUSE and crash-loop with a message that names nothing.
+        """
+        mine = self.declared_ports
+        for other in list(self.sim.workers.values()):
+            if other is self or other.host_network or other.finished or \
+                    not any(r.proc is not None for r in other.runs):
+                continue
+            taken = mine & other.declared_ports
+            if taken:
+                ports = ", ".join(f"{port}/{proto}" for port, proto in sorted(taken))
+                raise PodError("PortConflict", f"{ports} already declared by pod {other.namespace}/"
+                                               f"{other.pod_name}: non-hostNetwork pods on a local-cluster node "
+                                               f"share one pod namespace ({self.netns})")
+
     def _start(self, run: ContainerRun) -> None:
         container = run.spec
         env = self._env(container)
         argv = self._argv(container, env)
         if not (NETNS_DIR / self.netns).exists():
             raise PodError("NetworkNotReady", f"network is not ready: no pod namespace {self.netns} on this node")
+        if not self.host_network:
+            self._check_shared_ports()
         launcher = [sys.executable, "-m", "proxyshift.localcluster.container", "--netns", self.netns,
                     "--created-log", str(self.cfg.created_paths_file),
                     "--workdir", container.get("workingDir") or "/"]
