@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ps_netns import Netns
 
-from proxyshift.commands import run, stop_child
+from proxyshift.commands import stop_child
 from proxyshift.localcluster.container import run_in_netns
 
 NODE_IP = "198.18.201.1"  # the Node object's InternalIP
@@ -144,9 +144,6 @@ class Topology:
     probe_server: subprocess.Popen[bytes] | None = None
     made: list[Netns] = field(default_factory=list)
 
-    def node_run(self, argv: list[str], **kw: object):  # type: ignore[no-untyped-def]
-        return self.node.run(argv, **kw)
-
     def in_node(self, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
         return run_in_netns(self.node.name, fn, *args, **kwargs)
 
@@ -163,7 +160,7 @@ class Topology:
     def start_probe_server(self) -> str:
         """`proxyshift probe-server` as its own process in the pod namespace; returns its ip:port."""
         env = {**os.environ, "PYTHONPATH": str(ROOT / "operator")}
-        self.probe_server = subprocess.Popen(  # noqa: S603 - argument list
+        self.probe_server = subprocess.Popen(
             ["ip", "netns", "exec", self.pod.name, sys.executable, "-m", "proxyshift.cli", "probe-server",
              "--listen", f"{POD_IP}:{PROBE_PORT}"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 15
@@ -222,10 +219,3 @@ def build(*, rules: bool = True) -> Topology:
             ns.delete()
         raise
 
-
-def ip_runner(netns: Netns):  # type: ignore[no-untyped-def]
-    """A commands.run that runs in the namespace, for the code under test."""
-    return netns.run
-
-
-__all__ = ["build", "Topology", "run", "ip_runner"]
