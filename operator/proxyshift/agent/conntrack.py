@@ -139,13 +139,9 @@ def list_flows(protocol: Protocol, *, source: str | None = None, state: str | No
                runner: Runner = run, timeout: float = LIST_TIMEOUT_SECONDS) -> tuple[list[Flow], bool]:
     """The table's flows of one protocol, optionally only those from `source` (an address) or in a
     TCP `state`: the kernel filters, so a busy node's table is not printed whole."""
-    argv = ["conntrack", "-L", "-p", PROTOCOL_NAMES[protocol], "-o", "xml"]
-    if source:
-        argv += ["-s", source]
-    if state:
-        argv += ["--state", state]
+    filters = [*(["-s", source] if source else []), *(["--state", state] if state else [])]
     # conntrack exits 0 with an empty table; non-zero means it could not read it.
-    result = runner(argv, timeout=timeout)
+    result = runner(["conntrack", "-L", "-p", PROTOCOL_NAMES[protocol], "-o", "xml", *filters], timeout=timeout)
     return parse_flows(result.stdout)
 
 
