@@ -221,16 +221,16 @@ def run_jobs(jobs: Sequence[DialJob], *, attempt_timeout: float, deadline: float
 
     def one(job: DialJob) -> list[Attempt]:
         out: list[Attempt] = []
-        tries = job.attempts
-        while len(out) < tries:
+        retried = False
+        while len(out) < job.attempts:
             left = deadline - clock()
             if left <= 0.01:
                 cut.set()
                 break
             attempt = dialer(job.address, job.port, job.protocol, min(attempt_timeout, left))
-            if (RETRY_TIMEOUTS and attempt.outcome == "timeout" and job.attempts == 1 and tries == 1
+            if (RETRY_TIMEOUTS and attempt.outcome == "timeout" and job.attempts == 1 and not retried
                     and deadline - clock() >= attempt_timeout):
-                tries = 2  # one more try; the second answer is what counts
+                retried = True  # one more try; the second answer is what counts
                 continue
             out.append(attempt)
         return out
