@@ -16,7 +16,7 @@ from ps_netns import need_root
 
 from proxyshift.agent.behaviour import run_behaviour
 from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams, BehaviourTarget
-from proxyshift.commands import ToolMissingError
+from proxyshift.commands import ToolMissingError, run
 
 pytestmark = pytest.mark.dataplane
 
@@ -42,8 +42,9 @@ def target(service: str, address: str | None, port: int = 80, **kw: object) -> B
 
 
 def probe(topo: bt.Topology, targets: list[BehaviourTarget], *, runner=None, **kw: object) -> BehaviourMatrix:  # type: ignore[no-untyped-def]
+    # Plain `run`, as the agent has it: the tools start from the probe's thread, which is in the node.
     params = BehaviourParams(targets=targets, node_ips=[bt.NODE_IP], **kw)  # type: ignore[arg-type]
-    return topo.in_node(run_behaviour, params, mode="iptables", runner=runner or topo.node.run)
+    return topo.in_node(run_behaviour, params, mode="iptables", runner=runner or run)
 
 
 def cells(matrix: BehaviourMatrix, service: str, path: str = "node") -> list:  # type: ignore[type-arg]
@@ -87,7 +88,7 @@ def test_identity_falls_back_to_the_payload_without_conntrack(topo: bt.Topology)
     def no_conntrack(argv, **kw):  # type: ignore[no-untyped-def]
         if argv[0] == "conntrack":
             raise ToolMissingError(argv, "not found on PATH")
-        return topo.node.run(argv, **kw)
+        return run(argv, **kw)
 
     m = probe(topo, [target("d/udp", bt.SVC_UDP, 53, protocol="UDP"),
                      target("d/np", None, bt.NODE_PORT, kind="NodePort", local_endpoints=[bt.EP_A])],

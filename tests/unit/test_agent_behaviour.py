@@ -237,7 +237,20 @@ def test_jobs_stop_at_the_deadline_and_say_so():
     assert cut and sum(len(r) for r in results) == 4 and clock.t <= 101.0
 
 
-def test_a_lone_timeout_is_tried_once_more_and_a_refusal_never():
+def test_no_retry_by_default():
+    tries: list[str] = []
+
+    def dial(address, port, protocol, timeout):
+        tries.append(address)
+        return bh.Attempt("timeout")
+
+    bh.run_jobs([bh.DialJob("198.19.0.1", 80, "TCP", 1)], attempt_timeout=0.25, deadline=110.0, dialer=dial,
+                clock=FakeTime(), workers=1)
+    assert tries == ["198.19.0.1"]
+
+
+def test_with_retries_on_a_lone_timeout_is_tried_once_more_and_a_refusal_never(monkeypatch):
+    monkeypatch.setattr(bh, "RETRY_TIMEOUTS", True)
     clock = FakeTime()
     tries: list[str] = []
 
