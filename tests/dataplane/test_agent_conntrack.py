@@ -161,3 +161,24 @@ def test_step_leaves_a_nated_udp_flow(topo: bt.Topology) -> None:
     report = clean_unnated(PARAMS, LOCAL, runner=topo.node.run)
     flows, _ = list_flows("UDP", runner=topo.node.run)
     assert report.deleted_udp == 0 and any(f.dst == bt.SVC_UDP and f.nated for f in flows), flows
+
+
+def test_the_agents_own_checks_read_the_node_addresses_for_nodeports(topo: bt.Topology) -> None:
+    """KernelServiceChecks (what the agent loop runs) finds an un-NATed NodePort entry on a node address."""
+    from proxyshift.agent.loop import KernelServiceChecks
+
+    def send_from_pod() -> None:
+        # A UDP NodePort nobody serves yet, on the node's second address, from a fixed port: the node
+        # answers ICMP port unreachable and keeps an unreplied, un-NATed entry.
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.bind((bt.POD_IP, 40081))
+            for _ in range(3):
+                sock.sendto(b"q\n", (bt.NODE_OTHER[0], 30081))
+                time.sleep(0.05)
+
+    topo.in_pod(send_from_pod)
+    report = topo.in_node(KernelServiceChecks().conntrack, ConntrackParams(node_ports=[30081]))
+    assert report.error is None and report.deleted_udp == 1 and report.deleted_tcp == 0, report
+    assert report.entries == [f"udp {bt.POD_IP}:40081 -> {bt.NODE_OTHER[0]}:30081"]
+    flows, _ = list_flows("UDP", runner=topo.node.run)
+    assert not [f for f in flows if f.dport == 30081]
