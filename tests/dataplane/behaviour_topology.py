@@ -85,15 +85,18 @@ COMMIT
 class Listeners:
     """TCP 8080 and UDP 5353 in each endpoint namespace, answering the endpoint's name."""
 
-    def __init__(self, endpoints: dict[str, str]) -> None:
+    def __init__(self, endpoints: dict[str, str], *, udp_addresses: list[str] | None = None) -> None:
+        """udp_addresses: bind UDP on each of these instead of the wildcard, so that a reply leaves
+        from the address the request came to (a wildcard socket answers from the primary address,
+        which conntrack does not match to a NATed flow's reply tuple)."""
         self.stop = threading.Event()
         self.sockets: list[socket.socket] = []
         self.threads: list[threading.Thread] = []
         for netns, name in endpoints.items():
             tcp = run_in_netns(netns, _bound, socket.SOCK_STREAM, 8080)
-            udp = run_in_netns(netns, _bound, socket.SOCK_DGRAM, 5353)
-            self.sockets += [tcp, udp]
-            for target, sock in ((self._tcp, tcp), (self._udp, udp)):
+            udps = [run_in_netns(netns, _bound, socket.SOCK_DGRAM, 5353, a) for a in udp_addresses or ["0.0.0.0"]]
+            self.sockets += [tcp, *udps]
+            for target, sock in ((self._tcp, tcp), *((self._udp, u) for u in udps)):
                 t = threading.Thread(target=target, args=(sock, name.encode() + b"\n"), daemon=True)
                 t.start()
                 self.threads.append(t)
@@ -127,10 +130,10 @@ class Listeners:
             s.close()
 
 
-def _bound(kind: int, port: int) -> socket.socket:
+def _bound(kind: int, port: int, address: str = "0.0.0.0") -> socket.socket:
     sock = socket.socket(socket.AF_INET, kind)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("0.0.0.0", port))
+    sock.bind((address, port))
     return sock
 
 
