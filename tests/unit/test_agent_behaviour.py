@@ -302,3 +302,37 @@ def test_the_probe_server_answers_over_http_and_the_agent_reads_it():
         ps.ProbeHandler.dialer = staticmethod(bh.dial)  # type: ignore[assignment]
         server.shutdown()
         server.server_close()
+
+
+JOBS = [bh.DialJob("198.19.0.10", 80, "TCP", 2), bh.DialJob("198.19.0.11", 53, "UDP", 1)]
+attempt_json = st.fixed_dictionaries({"outcome": st.sampled_from(["answered", "refused", "timeout"]),
+                                      "detail": st.text(max_size=300), "payload": st.none() | st.text(max_size=100),
+                                      "source": st.none() | st.text(max_size=70)})
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.lists(attempt_json, max_size=5), min_size=2, max_size=2), st.sampled_from([True, False, "yes"]))
+def test_a_pod_answer_is_bounded_and_checked(results, truncated):
+    answer = bh.parse_pod_answer(json.dumps({"results": results, "truncated": truncated}).encode(), JOBS)
+    assert [len(r) for r in answer.results] == [min(len(results[0]), 2), min(len(results[1]), 1)]
+    assert answer.truncated is (truncated is True)
+    for attempts in answer.results:
+        for a in attempts:
+            assert len(a.detail) <= 200 and (a.payload is None or len(a.payload) <= 64)
+            assert a.source is None or (len(a.source[0]) <= 45 and 0 < a.source[1] < 65536)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.binary(max_size=200))
+def test_a_garbage_pod_answer_is_a_value_error(data):
+    try:
+        bh.parse_pod_answer(data, JOBS)
+    except ValueError:
+        return
+
+
+def test_a_pod_answer_of_the_wrong_shape_is_refused():
+    for bad in [b"[]", b'{"results": [[]]}', b"[" * 100_000, b'{"results": [[{"outcome": "maybe"}], []]}',
+                b"x" * (bh.MAX_POD_ANSWER_BYTES + 1)]:
+        with pytest.raises(ValueError):
+            bh.parse_pod_answer(bad, JOBS)

@@ -18,6 +18,7 @@ what is measured), the matrix keeps to MAX_CELLS cells, the pod answer and `ip -
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import ipaddress
 import json
@@ -95,10 +96,11 @@ class Attempt:
             raise ValueError(f"bad outcome {outcome!r}")
         source = None
         raw = data.get("source")
-        if isinstance(raw, str) and ":" in raw:
+        if isinstance(raw, str) and ":" in raw and len(raw) <= 64:
             host, _, port = raw.rpartition(":")
-            if port.isdigit() and 0 < int(port) < 65536:
-                source = (host[:45], int(port))
+            with contextlib.suppress(ValueError):
+                if port.isdigit() and 0 < int(port) < 65536:
+                    source = (str(ipaddress.ip_address(host.strip("[]"))), int(port))
         payload = data.get("payload")
         return cls(outcome, str(data.get("detail") or "")[:200],
                    printable_line(payload.encode()) if isinstance(payload, str) else None, source)
@@ -422,15 +424,23 @@ def ask_pod(pod_probe: str, jobs: Sequence[DialJob], *, attempt_timeout: float, 
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(request, timeout=budget + 0.5) as response:
         data = response.read(MAX_POD_ANSWER_BYTES + 1)
+    return parse_pod_answer(data, jobs)
+
+
+def parse_pod_answer(data: bytes, jobs: Sequence[DialJob]) -> PodAnswer:
+    """The probe server's answer, checked: a pod is not trusted to be well-formed. Raises ValueError."""
     if len(data) > MAX_POD_ANSWER_BYTES:
         raise ValueError(f"the probe server's answer is over {MAX_POD_ANSWER_BYTES} bytes")
-    answer = json.loads(data)
+    try:
+        answer = json.loads(data)  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except RecursionError:
+        raise ValueError("the probe server's answer is nested too deep") from None
     results = answer.get("results") if isinstance(answer, dict) else None
     if not isinstance(results, list) or len(results) != len(jobs):
         raise ValueError("the probe server answered another number of jobs than it was asked")
-    parsed = [[Attempt.from_json(a) for a in (r if isinstance(r, list) else [])][:j.attempts]
+    parsed = [[Attempt.from_json(a) for a in (r if isinstance(r, list) else [])[:j.attempts]]
               for r, j in zip(results, jobs, strict=True)]
-    return PodAnswer(parsed, bool(answer.get("truncated")))
+    return PodAnswer(parsed, answer.get("truncated") is True)
 
 
 # ---- the probe ----
