@@ -162,18 +162,8 @@ class Topology:
 
     def start_probe_server(self) -> str:
         """`proxyshift probe-server` as its own process in the pod namespace; returns its ip:port."""
-        env = {**os.environ, "PYTHONPATH": str(ROOT / "operator")}
-        self.probe_server = subprocess.Popen(
-            ["ip", "netns", "exec", self.pod.name, sys.executable, "-m", "proxyshift.cli", "probe-server",
-             "--listen", f"{POD_IP}:{PROBE_PORT}"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            if self.probe_server.poll() is not None:
-                raise AssertionError(f"probe server exited: {self.probe_server.stderr.read()!r}")  # type: ignore[union-attr]
-            if self.in_node(_connects, POD_IP, PROBE_PORT):
-                return f"{POD_IP}:{PROBE_PORT}"
-            time.sleep(0.1)
-        raise AssertionError("probe server did not start listening")
+        self.probe_server = start_probe_server(self.pod, POD_IP, self.node)
+        return f"{POD_IP}:{PROBE_PORT}"
 
     def close(self) -> None:
         if self.probe_server is not None:
@@ -182,6 +172,23 @@ class Topology:
             self.listeners.close()
         for ns in self.made:
             ns.delete()
+
+
+def start_probe_server(pod: Netns, address: str, reach_from: Netns) -> subprocess.Popen[bytes]:
+    """`proxyshift probe-server --listen ADDRESS:9810` in `pod`, waited for from `reach_from`."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "operator")}
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", pod.name, sys.executable, "-m", "proxyshift.cli", "probe-server",
+         "--listen", f"{address}:{PROBE_PORT}"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"probe server exited: {proc.stderr.read()!r}")  # type: ignore[union-attr]
+        if run_in_netns(reach_from.name, _connects, address, PROBE_PORT):
+            return proc
+        time.sleep(0.1)
+    stop_child(proc, grace=5)
+    raise AssertionError("probe server did not start listening")
 
 
 def _connects(address: str, port: int) -> bool:
