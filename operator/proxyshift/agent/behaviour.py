@@ -64,6 +64,8 @@ MAX_POD_ANSWER_BYTES = 512 * 1024
 MAX_WORKERS = 16
 # Share of the budget the dials may use; the rest is for the conntrack look-up and the pod's answer.
 DIAL_SHARE = 0.75
+# The look-ups end by this share: a process start on a loaded node can overrun its timeout a little.
+LOOKUP_SHARE = 0.9
 # Interfaces whose addresses are Service addresses, not the node's: ipvs binds every ClusterIP on it.
 SERVICE_INTERFACES = frozenset({"kube-ipvs0"})
 # Whether a lone attempt that timed out is tried once more (while the budget allows). Measured on the
@@ -498,7 +500,8 @@ def run_behaviour(params: BehaviourParams, *, mode: str | None, operation_id: st
         for a in attempts:
             if a.outcome == "answered" and a.source:
                 keys.add((cell.target.protocol, a.source[0], a.source[1], cell.address, cell.target.port))
-    known = conntrack_identities(keys, runner=runner, deadline=start + params.budget_seconds, clock=clock)
+    known = conntrack_identities(keys, runner=runner, deadline=start + params.budget_seconds * LOOKUP_SHARE,
+                                 clock=clock)
     by_cell = {id(cell): attempts for cell, attempts in taken}
     cells = [build_cell(c, by_cell[id(c)], known) for c in planned if id(c) in by_cell]
     return BehaviourMatrix(operation_id=operation_id[:253], mode=mode, taken_at=taken_at,
