@@ -7,6 +7,10 @@ the node's PREROUTING chain as it does on a real node.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -166,3 +170,21 @@ def test_pod_path_error_keeps_the_node_cells(topo: bt.Topology) -> None:
     m = probe(topo, [target("d/udp", bt.SVC_UDP, 53, protocol="UDP")], pod_probe=f"{bt.POD_IP}:9")
     assert m.pod_path_error and "probe server" in m.pod_path_error
     assert [(c.path, c.outcome) for c in m.cells] == [("node", "answered")]
+
+
+def test_the_one_shot_commands_for_a_person(topo: bt.Topology) -> None:
+    env = {**os.environ, "PYTHONPATH": str(bt.ROOT / "operator")}
+    params = BehaviourParams(targets=[target("d/udp", bt.SVC_UDP, 53, protocol="UDP"),
+                                      target("d/none", bt.SVC_NO_ENDPOINTS, kind="NoEndpoints")])
+    done = subprocess.run(["ip", "netns", "exec", topo.node.name, sys.executable, "-m", "proxyshift.cli", "agent",
+                           "behaviour", "--params", params.model_dump_json(by_alias=True)],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    matrix = BehaviourMatrix.model_validate(json.loads(done.stdout))
+    assert [(c.service, c.outcome, c.endpoints) for c in matrix.cells] == [
+        ("d/udp", "answered", [bt.EP_A]), ("d/none", "refused", [])]
+    done = subprocess.run(["ip", "netns", "exec", topo.node.name, sys.executable, "-m", "proxyshift.cli", "agent",
+                           "conntrack", "--service-cidr", bt.SERVICE_CIDR], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["deletedTcp"] == 0
