@@ -336,3 +336,19 @@ def test_a_pod_answer_of_the_wrong_shape_is_refused():
                 b"x" * (bh.MAX_POD_ANSWER_BYTES + 1)]:
         with pytest.raises(ValueError):
             bh.parse_pod_answer(bad, JOBS)
+
+
+def test_the_step_lists_each_ip_family_the_service_destinations_are_in():
+    calls: list[list[str]] = []
+
+    def runner(argv, **kw):
+        calls.append(list(argv))
+        return Result(list(argv), 0, "", "")
+
+    ct.clean_unnated(ConntrackParams(service_cidrs=["198.19.0.0/16", "fd00:19::/108"], protocols=["TCP"]),
+                     ["198.18.1.2"], runner=runner)
+    assert [("-f" in c and c[c.index("-f") + 1]) for c in calls] == [False, "ipv6"]
+    v6 = ct.Flow("tcp", "fd00:18::2", "fd00:19::a", 40000, 80, "fd00:19::a", "fd00:18::2", 80, 40000, "SYN_SENT", True)
+    assert ct.delete_argv(v6)[:4] == ["conntrack", "-D", "-f", "ipv6"]
+    ct.clean_unnated(ConntrackParams(node_ports=[30080], protocols=["UDP"]), [], runner=runner)
+    assert calls[-1][-2:] == ["-o", "xml"]  # NodePorts with no known address: IPv4 (loopback)

@@ -339,9 +339,10 @@ def conntrack_identities(keys: set[FlowKey], *, runner: Runner = run, deadline: 
         if left < 0.05:
             return []
         try:
-            return conntrack_mod.list_flows(group[0], source=group[1], runner=runner,  # type: ignore[arg-type]
-                                            timeout=left)[0]
-        except (CommandError, conntrack_mod.ConntrackOutputError):
+            family = ipaddress.ip_address(group[1]).version
+            return conntrack_mod.list_flows(group[0], source=group[1], family=family,  # type: ignore[arg-type]
+                                            runner=runner, timeout=left)[0]
+        except (CommandError, conntrack_mod.ConntrackOutputError, ValueError):
             return []
 
     found: dict[FlowKey, str] = {}

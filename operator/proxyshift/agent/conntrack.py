@@ -135,11 +135,13 @@ def parse_flows(text: str, *, max_flows: int = MAX_FLOWS,
     return flows, truncated
 
 
-def list_flows(protocol: Protocol, *, source: str | None = None, state: str | None = None,
+def list_flows(protocol: Protocol, *, source: str | None = None, state: str | None = None, family: int = 4,
                runner: Runner = run, timeout: float = LIST_TIMEOUT_SECONDS) -> tuple[list[Flow], bool]:
-    """The table's flows of one protocol, optionally only those from `source` (an address) or in a
-    TCP `state`: the kernel filters, so a busy node's table is not printed whole."""
-    filters = [*(["-s", source] if source else []), *(["--state", state] if state else [])]
+    """The table's flows of one protocol and IP family (conntrack lists IPv4 unless told), optionally
+    only those from `source` (an address) or in a TCP `state`: the kernel filters, so a busy node's
+    table is not printed whole."""
+    filters = [*(["-f", "ipv6"] if family == 6 else []), *(["-s", source] if source else []),
+               *(["--state", state] if state else [])]
     # conntrack exits 0 with an empty table; non-zero means it could not read it.
     result = runner(["conntrack", "-L", "-p", PROTOCOL_NAMES[protocol], "-o", "xml", *filters], timeout=timeout)
     return parse_flows(result.stdout)
@@ -153,6 +155,14 @@ class ServiceDestinations:
         self.addresses = {ipaddress.ip_address(a) for a in params.service_ips}
         self.node_ports = set(params.node_ports)
         self.local = {ipaddress.ip_address(a) for a in local_addresses}
+
+    @property
+    def families(self) -> list[int]:
+        """The IP families the Service destinations are in: the table is listed once per family."""
+        found = {n.version for n in self.networks} | {a.version for a in self.addresses}
+        if self.node_ports:
+            found |= {a.version for a in self.local} or {4}
+        return sorted(found)
 
     def __contains__(self, dest: tuple[str, int | None]) -> bool:
         address, port = dest
@@ -182,7 +192,8 @@ def stale_flows(flows: Iterable[Flow], services: ServiceDestinations, protocol: 
 def delete_argv(flow: Flow) -> list[str]:
     """Delete exactly this entry: its full original tuple, and a reply source equal to the original
     destination, so a NATed entry made meanwhile by a retransmission for the same tuple stays."""
-    return ["conntrack", "-D", "-p", flow.protocol, "-s", flow.src, "-d", flow.dst,
+    family = ["-f", "ipv6"] if ":" in flow.dst else []
+    return ["conntrack", "-D", *family, "-p", flow.protocol, "-s", flow.src, "-d", flow.dst,
             "--sport", str(flow.sport), "--dport", str(flow.dport), "-r", flow.dst]
 
 
@@ -195,9 +206,10 @@ def clean_unnated(params: ConntrackParams, local_addresses: Sequence[str], *,
     except ValueError as exc:
         return report.model_copy(update={"error": f"bad conntrack params: {exc}"[:300]})
     budget = params.max_deletions
-    for protocol in params.protocols:
+    for protocol, family in ((p, f) for p in params.protocols for f in services.families):
         try:
-            flows, cut = list_flows(protocol, state="SYN_SENT" if protocol == "TCP" else None, runner=runner)
+            flows, cut = list_flows(protocol, state="SYN_SENT" if protocol == "TCP" else None, family=family,
+                                    runner=runner)
         except (CommandError, ConntrackOutputError) as exc:
             return report.model_copy(update={"error": str(exc)[:300]})
         candidates = stale_flows(flows, services, protocol)
