@@ -78,8 +78,15 @@ import kubernetes  # noqa: E402
 from kubernetes import watch  # noqa: E402
 from kubernetes.client.exceptions import ApiException  # noqa: E402
 
-from proxyshift.localcluster import baseline, controlplane, install, paths  # noqa: E402
+from proxyshift.localcluster import (  # noqa: E402
+    baseline,
+    behaviour_workloads,
+    controlplane,
+    install,
+    paths,
+)
 from proxyshift.localcluster import cli as cluster_cli  # noqa: E402
+from proxyshift.localcluster.nodesim import Kube  # noqa: E402
 
 GROUP, VERSION = "proxyshift.io", "v1alpha1"
 POLICY = "bench-overhead"
@@ -90,6 +97,8 @@ REVISION_LABEL = "proxyshift.io/revision"
 METRICS_PORT, HEALTH_PORT = 18180, 18181
 TARGET_RATIO = 1.5
 KINDS = ("restart", "restart-ready", "migrate", "revert")
+NO_MATRIX = "migrate-no-matrix"  # the same migration with gate.behaviour.enabled false (--matrix-cost)
+MATRIX_TARGET_RATIO = 1.35  # issue 13: the rollout with the behaviour matrix on, against the sync floor
 JSON_PATCH, STRATEGIC_MERGE_PATCH = "application/json-patch+json", "application/strategic-merge-patch+json"
 
 # Unix time - monotonic time, to place the agent's (Unix) kube-proxy timestamps on the bench's clock.
@@ -367,11 +376,15 @@ class Bench:
 
     # ---- proxyshift ----
 
-    def policy_body(self) -> dict[str, Any]:
+    def policy_body(self, matrix: bool = True) -> dict[str, Any]:
+        # The behaviour workloads' NodePorts change in nftables mode (localhost, the second address): the
+        # policy accepts those two documented changes, so the matrix is probed and compared in full and
+        # the rollout still completes.
+        behaviour = {"enabled": matrix, "allowChanges": ["LocalhostNodePorts", "NodePortAddresses"]}
         return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ProxyPolicy", "metadata": {"name": POLICY},
                 "spec": {"nodeSelector": {"matchLabels": {"pool": POOL}}, "mode": "nftables",
                          "rollout": {"maxUnavailable": 1, "cordon": False, "drain": False},
-                         "gate": {"timeout": "2m", "minSyncs": 1}}}
+                         "gate": {"timeout": "2m", "minSyncs": 1, "behaviour": behaviour}}}
 
     def _splits(self, t0: float, end: float) -> list[NodeSplit]:
         """Per node: the migration's phases as the ProxyNode watch saw them, newer than t0."""
@@ -422,15 +435,16 @@ class Bench:
                 if name == node and at >= t0:
                     print(f"  {at - t0:7.2f}  {phase:<9} {op:<12} {state:<60} {message}")
 
-    def migrate(self, run: int) -> Result:
+    def migrate(self, run: int, matrix: bool = True) -> Result:
         self.wait_settled()
         t0 = time.monotonic()
-        created = self.custom.create_cluster_custom_object(GROUP, VERSION, "proxypolicies", self.policy_body())
+        created = self.custom.create_cluster_custom_object(GROUP, VERSION, "proxypolicies",
+                                                           self.policy_body(matrix))
         key = f"{POLICY}/{created['metadata']['uid']}"
         end = self.seen.wait(lambda: self.seen.policy_ready.get(key), self.timeout, "the policy's Ready")
         if self.show_timeline:
             self.timeline(t0, self.nodes[0])
-        return Result("migrate", run, end - t0, self._splits(t0, end))
+        return Result("migrate" if matrix else NO_MATRIX, run, end - t0, self._splits(t0, end))
 
     def revert(self, run: int) -> Result:
         t0 = time.monotonic()
@@ -477,6 +491,35 @@ def _verdict(a: float, b: float) -> str:
     if not _comparable(a, b):
         return "n/a"
     return "met" if a / b <= TARGET_RATIO else "MISSED"
+
+
+def print_matrix_cost(results: list[Result], nodes: int) -> None:
+    """The behaviour matrix's share: the same migration with it on and off, each against its own floor."""
+    with_matrix = [r for r in results if r.kind == "migrate"]
+    without = [r for r in results if r.kind == NO_MATRIX]
+    if not with_matrix or not without:
+        return
+    on, off = median([r.seconds for r in with_matrix]), median([r.seconds for r in without])
+    floor_on, floor_off = median([r.kube_proxy for r in with_matrix]), median([r.kube_proxy for r in without])
+
+    def phase(rows: list[Result], name: str) -> float:
+        return median([n.phases.get(name, 0.0) for r in rows for n in r.nodes])
+
+    print("\nbehaviour matrix on (migrate) and off (migrate-no-matrix), side by side (medians over runs):\n")
+    print("| rollout | total s | sync floor s | total/floor | Preflight per node s | Gate per node s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for kind, rows, total, floor in (("migrate", with_matrix, on, floor_on), (NO_MATRIX, without, off, floor_off)):
+        print(f"| {kind} | {total:.1f} | {floor:.1f} | {_ratio(total, floor)} | {phase(rows, 'Preflight'):.2f} | "
+              f"{phase(rows, 'Gate'):.2f} |")
+    verdict = _verdict_at(on, floor_on, MATRIX_TARGET_RATIO)
+    print(f"\nthe matrix's cost per node: {(on - off) / max(nodes, 1):.2f} s "
+          f"(target: migrate within {MATRIX_TARGET_RATIO}x of its sync floor: {verdict})")
+
+
+def _verdict_at(a: float, b: float, target: float) -> str:
+    if not _comparable(a, b):
+        return "not measured"
+    return f"{'met' if a <= target * b else 'missed'} ({a / b:.2f}x)"
 
 
 def print_report(results: list[Result], nodes: int) -> None:
@@ -537,6 +580,8 @@ def print_report(results: list[Result], nodes: int) -> None:
                   for r in results if r.kind == kind for n in r.nodes if n.node == node]
         return f"{median(values):.2f}" if values else "-"
 
+    print_matrix_cost(results, nodes)
+
     print("\neach node, median over runs (seconds; restarts: from the old pod deleted; migrate: from the switch):\n")
     print("| node | restart pod Ready | restart-ready pod Running | restart-ready pod Ready "
           "| migrate kube-proxy (to first sync) | migrate pod Ready |")
@@ -557,6 +602,9 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="leave the cluster up afterwards")
     parser.add_argument("--no-warmup", action="store_true")
     parser.add_argument("--timeline", action="store_true", help="print one node's ProxyNode states per migration")
+    parser.add_argument("--matrix-cost", action="store_true",
+                        help="also migrate with the behaviour matrix off, side by side, and create the behaviour "
+                        "workloads (every Service kind) so the matrix probes all of them")
     args = parser.parse_args()
 
     state_dir = paths.default_state_dir()
@@ -571,21 +619,28 @@ def main() -> int:
         operator.wait_healthy()
         nodes = [f"ps-node-{i}" for i in range(1, args.nodes + 1)]
         bench = Bench(info.kubeconfig, info.bin_dir, nodes, args.timeout)
+        if args.matrix_cost:
+            say("creating the behaviour workloads (every Service kind the matrix samples)")
+            behaviour_workloads.create(state_dir, Kube(info.kubeconfig, pool_size=16), nodes=nodes)
         bench.show_timeline = args.timeline
         if not args.no_warmup:
             say("warm-up: migrate + revert (adds the baseline affinity; not counted)")
             bench.migrate(0)
             bench.revert(0)
         measure: dict[str, Callable[[int], Result]] = {
-            "restart": bench.restart, "restart-ready": bench.restart_ready, "migrate": bench.migrate}
+            "restart": bench.restart, "restart-ready": bench.restart_ready, "migrate": bench.migrate,
+            NO_MATRIX: lambda run: bench.migrate(run, matrix=False)}
         for run in range(1, args.runs + 1):
             # the restarts and the migration alternate which goes first; restart-ready is next to restart
-            order = ("restart", "restart-ready", "migrate") if run % 2 else ("migrate", "restart-ready", "restart")
+            order: tuple[str, ...] = (("restart", "restart-ready", "migrate") if run % 2
+                                      else ("migrate", "restart-ready", "restart"))
+            if args.matrix_cost:
+                order = (NO_MATRIX, *order) if run % 2 else (*order, NO_MATRIX)
             for kind in order:
                 result = measure[kind](run)
                 say(f"run {run}: {kind} {result.seconds:.1f}s")
                 results.append(result)
-                if kind == "migrate":
+                if kind in ("migrate", NO_MATRIX):
                     result = bench.revert(run)
                     say(f"run {run}: revert {result.seconds:.1f}s")
                     results.append(result)

@@ -113,8 +113,10 @@ def test_a_default_policy_stops_on_the_nodeport_changes_then_passes_when_they_ar
         return found if any(migration(found[n]).get("phase") in ("RolledBack", "Failed") for n in BLUE) else None
 
     pns = h.wait_for(rolled_back, 300, "a blue node to end its migration rolled back")
-    degraded = h.wait_condition(name, "Degraded", 60)
-    assert "BehaviourChanged" in degraded["message"], degraded
+    # The policy's status follows the node's record within a plan or two.
+    degraded = h.wait_for(lambda: (c := h.condition(name, "Degraded")) and c["reason"] == "NodeRolledBack" and c,
+                          60, "the policy to say the node was rolled back")
+    assert degraded["status"] == "True" and "BehaviourChanged" in degraded["message"], degraded
     failed = [n for n in BLUE if migration(pns[n]).get("reason") == "BehaviourChanged"]
     assert len(failed) == 1, {n: migration(pns[n]) for n in BLUE}
     node = failed[0]

@@ -79,8 +79,11 @@ def _pick(service: ServiceView, kind: ServiceKind, protocol: str, ready: Sequenc
         wanted = "Local" if kind == "ExternalLocal" else "Cluster"
         if port is None or service.external_traffic_policy != wanted or not plain:
             return None
-        return BehaviourTarget(service=service.key, kind=kind, protocol=protocol, port=port.node_port or 0,
-                               local_endpoints=local if kind == "ExternalLocal" else None)
+        # Locality of an external Local policy is never judged from here: kube-proxy sends traffic from the
+        # node itself and from the cluster's own pods to every endpoint in every mode (pkg/proxy's
+        # short-circuit for local and cluster-CIDR sources), so which endpoint answers a probe is chance.
+        # What the cell still shows is whether the NodePort answers at all.
+        return BehaviourTarget(service=service.key, kind=kind, protocol=protocol, port=port.node_port or 0)
     port = _first_port(service, protocol)
     if address is None or port is None:
         return None
