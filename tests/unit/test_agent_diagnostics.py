@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import re
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxyshift.agent import diagnostics as diag
+from proxyshift.agent.loop import Agent, AgentConfig
 from proxyshift.api.diagnostics import DiagnosePort, DiagnoseRequest, DiagnoseService
+from proxyshift.api.proxynode import KubeProxyFacts
 from proxyshift.commands import CommandError, Result
 
 pytestmark = pytest.mark.unit
@@ -180,8 +184,7 @@ def test_oversized_output_is_cut_at_the_bound_and_marked_truncated(monkeypatch: 
 
 def test_pending_request_is_served_once_per_id() -> None:
     body = {"spec": {"diagnose": {"id": "d1", "services": [SVC12.to_k8s()]}}}
-    request = diag.pending_request(body, None)
-    assert request is not None and request.services[0].key == "ns2/svc12"
+    assert diag.pending_request(body, None) == body["spec"]["diagnose"]
     assert diag.pending_request(body, "d1") is None
     assert diag.pending_request({**body, "status": {"diagnostics": {"id": "d1"}}}, None) is None
     assert diag.pending_request({"spec": {}}, None) is None
@@ -189,6 +192,41 @@ def test_pending_request_is_served_once_per_id() -> None:
 
 def test_answer_patch_carries_the_id_and_every_service() -> None:
     node = FakeNode({"conntrack": CONNTRACK})
-    patch = diag.answer_patch(DiagnoseRequest(id="d2", services=[SVC12]), "nftables", node.readers)
+    patch = diag.answer_patch(DiagnoseRequest(id="d2", services=[SVC12]).to_k8s(), "nftables", node.readers)
     assert patch["diagnostics"]["id"] == "d2" and patch["diagnostics"]["mode"] == "nftables"
     assert patch["diagnostics"]["services"][0]["service"] == "ns2/svc12"
+
+
+def test_a_request_the_models_refuse_is_answered_with_the_reason() -> None:
+    patch = diag.answer_patch({"id": "d3", "services": "not a list"}, "iptables")
+    assert patch["diagnostics"]["id"] == "d3" and "ValidationError" in patch["diagnostics"]["error"]
+
+
+class StatusAPI:
+    def __init__(self, obj: dict[str, Any]) -> None:
+        self.obj, self.patches = obj, []
+
+    def get(self, name: str) -> dict[str, Any]:
+        return self.obj
+
+    def watch(self, name: str, rv: str | None, timeout: int) -> Iterator[tuple[str, dict]]:
+        return iter(())
+
+    def patch_status(self, name: str, status: dict[str, Any]) -> dict[str, Any]:
+        self.patches.append(status)
+        self.obj = {**self.obj, "status": {**self.obj.get("status", {}), **status}}
+        return self.obj
+
+
+def test_the_agent_answers_spec_diagnose_once_beside_its_operations() -> None:
+    obj = {"metadata": {"name": "n1"}, "spec": {"diagnose": {"id": "d1", "services": [SVC12.to_k8s()]}}}
+    api = StatusAPI(obj)
+    node = FakeNode({"iptables-save": with_counters(KUBE_PROXY_SAVE, {"198.18.16.26:8080": 4}), "conntrack": ""})
+    agent = Agent(AgentConfig(node="n1"), api, probe_fn=lambda: KubeProxyFacts(proxy_mode="iptables"),
+                  diagnostics_readers=node.readers)
+    agent.handle(obj)
+    agent.handle(api.obj)  # the same id again (the watch echoes our own write): no second answer
+    answers = [p["diagnostics"] for p in api.patches if "diagnostics" in p]
+    assert len(answers) == 1 and answers[0]["mode"] == "iptables"
+    flows = {e["address"]: e["flows"] for e in answers[0]["services"][0]["endpoints"]}
+    assert flows == {"198.18.16.25": 0, "198.18.16.26": 4, "198.18.16.27": 0}

@@ -366,23 +366,21 @@ def serve(request: DiagnoseRequest, mode: str | None, readers: Readers | None = 
                            duration_seconds=round(max(0.0, clock() - started), 3), services=services)
 
 
-def pending_request(obj: dict[str, Any], answered: str | None) -> DiagnoseRequest | None:
-    """The ProxyNode's spec.diagnose if this agent has not answered its id yet (in status or in memory)."""
+def pending_request(obj: dict[str, Any], answered: str | None) -> dict[str, Any] | None:
+    """The ProxyNode's spec.diagnose if its id is not answered yet (in status, or by this agent in memory)."""
     body = (obj.get("spec") or {}).get("diagnose")
-    if not isinstance(body, dict):
+    if not isinstance(body, dict) or not isinstance(body.get("id"), str):
         return None
     done = ((obj.get("status") or {}).get("diagnostics") or {}).get("id")
-    if body.get("id") in (done, answered):
-        return None
-    return DiagnoseRequest.model_validate(body)
+    return None if body["id"] in (done, answered) else body
 
 
-def answer_patch(request: DiagnoseRequest, mode: str | None, readers: Readers | None = None) -> dict[str, Any]:
-    """The status patch for a request; a bad request is answered with its error rather than ignored."""
+def answer_patch(body: dict[str, Any], mode: str | None, readers: Readers | None = None) -> dict[str, Any]:
+    """The status patch answering a request; a bad request is answered with its error rather than ignored."""
     try:
-        answer = serve(request, mode, readers)
-    except Exception as exc:  # an answer must come, whatever the node says
-        answer = NodeDiagnostics(id=request.id, mode=mode, error=f"{exc.__class__.__name__}: {exc}"[:400])
-    # The whole object, so no field of the previous answer survives the merge patch.
-    data = answer.model_dump(by_alias=True, mode="json")
-    return {"diagnostics": data}
+        answer = serve(DiagnoseRequest.model_validate(body), mode, readers)
+    except Exception as exc:  # an answer must come, whatever the request or the node says
+        answer = NodeDiagnostics(id=str(body.get("id"))[:253], mode=mode,
+                                 error=f"{exc.__class__.__name__}: {exc}"[:400])
+    # The whole object with nulls, so no field of the previous answer survives the merge patch.
+    return {"diagnostics": answer.model_dump(by_alias=True, mode="json")}
