@@ -40,7 +40,9 @@ CauseName = Literal[
     "Unknown",  # uneven, and none of the above explains it
 ]
 
-ALPHA = 0.01  # p below this: the counts are not what the expected shares give by chance
+# p below this: the counts are not what the expected shares give by chance. 0.001 rather than the
+# customary 0.01: a diagnosis that calls a healthy Service uneven once in a hundred runs is noise.
+ALPHA = 0.001
 # "Balanced" is claimed only with enough flows to know each share within half its size at 99%
 # confidence (normal bound: Z * sqrt(p(1-p)/n) <= REL * p): 27 flows for two endpoints, 80 for four.
 Z_99 = 2.576
