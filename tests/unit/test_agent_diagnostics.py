@@ -197,6 +197,13 @@ def test_answer_patch_carries_the_id_and_every_service() -> None:
     assert patch["diagnostics"]["services"][0]["service"] == "ns2/svc12"
 
 
+def test_a_recorded_request_goes_to_the_distribution_and_counts_as_answered() -> None:
+    request = DiagnoseRequest(id="n1-before", record="before", services=[SVC12]).to_k8s()
+    patch = diag.answer_patch(request, "iptables", FakeNode({"iptables-save": "", "conntrack": ""}).readers)
+    assert set(patch) == {"distribution"} and patch["distribution"]["before"]["id"] == "n1-before"
+    assert diag.pending_request({"spec": {"diagnose": request}, "status": patch}, None) is None
+
+
 def test_a_request_the_models_refuse_is_answered_with_the_reason() -> None:
     patch = diag.answer_patch({"id": "d3", "services": "not a list"}, "iptables")
     assert patch["diagnostics"]["id"] == "d3" and "ValidationError" in patch["diagnostics"]["error"]

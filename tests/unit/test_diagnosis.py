@@ -6,8 +6,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxyshift.api.diagnostics import EndpointCounters, ServiceCounters
-from proxyshift.planner.diagnosis import chi_square_p, combine, diagnose, request_service
+from proxyshift.api.diagnostics import MAX_DIAGNOSE_SERVICES, EndpointCounters, NodeDiagnostics, ServiceCounters
+from proxyshift.planner.diagnosis import (
+    chi_square_p,
+    combine,
+    diagnose,
+    distribution_change,
+    migration_request,
+    request_service,
+)
 from proxyshift.planner.services import EndpointView, ServicePortView, ServiceView
 
 pytestmark = pytest.mark.unit
@@ -150,3 +157,34 @@ def test_request_service_names_what_the_node_needs() -> None:
     request = request_service(view, endpoints(2) + endpoints(1))
     assert request.key == "ns/web" and request.endpoints == ["198.18.1.1", "198.18.1.2"]
     assert request.ports[0].node_port == 30080 and request.cluster_ips == ["198.19.0.20"]
+
+
+def _svc(name: str, **kw: object) -> ServiceView:
+    return service(name=name, **kw)
+
+
+def test_migration_request_is_deterministic_named_first_and_bounded() -> None:
+    views = [_svc(f"s{i}") for i in range(20)] + [_svc("headless", headless=True, cluster_ips=())]
+    eps = {v.key: [EndpointView(service=v.key, address=f"198.18.1.{j}", ready=True) for j in (1, 2)] for v in views}
+    eps["ns/s3"] = eps["ns/s3"][:1]  # one endpoint: nothing to share, not recorded
+    request = migration_request(views, eps, "n1-before", "before", named=["ns/s7", "ns/s3"])
+    assert request is not None and request.record == "before" and request.id == "n1-before"
+    keys = [f"{s.namespace}/{s.name}" for s in request.services]
+    assert keys[0] == "ns/s7" and "ns/s3" not in keys and "ns/headless" not in keys
+    assert len(keys) == MAX_DIAGNOSE_SERVICES
+    again = migration_request(list(reversed(views)), eps, "n2-before", "before", named=["ns/s7"])
+    assert again is not None and [f"{s.namespace}/{s.name}" for s in again.services] == keys
+    assert migration_request([], {}, "x", "after") is None
+
+
+def test_distribution_change_judges_each_side_on_its_own_basis() -> None:
+    view = service()
+    eps = endpoints(2)
+    before = NodeDiagnostics(id="b", mode="iptables", services=[counters([60, 61])])
+    after = NodeDiagnostics(id="a", mode="nftables",
+                            services=[counters([3, 0], source="conntrack", established=[3, 0])])
+    line = distribution_change(view, eps, NODE, before, after)
+    assert line == ("ns/web on ps-node-1: before balanced (50%/50% of 121 new flows, iptables) -> "
+                    "after too-few (100%/0% of 3 conntrack entries, nftables)")
+    assert distribution_change(view, eps, NODE, None, None) is None
+    assert "before not recorded" in (distribution_change(view, eps, NODE, None, after) or "")

@@ -371,16 +371,21 @@ def pending_request(obj: dict[str, Any], answered: str | None) -> dict[str, Any]
     body = (obj.get("spec") or {}).get("diagnose")
     if not isinstance(body, dict) or not isinstance(body.get("id"), str):
         return None
-    done = ((obj.get("status") or {}).get("diagnostics") or {}).get("id")
-    return None if body["id"] in (done, answered) else body
+    status = obj.get("status") or {}
+    distribution = status.get("distribution") or {}
+    done = {(status.get("diagnostics") or {}).get("id"), (distribution.get("before") or {}).get("id"),
+            (distribution.get("after") or {}).get("id"), answered}
+    return None if body["id"] in done else body
 
 
 def answer_patch(body: dict[str, Any], mode: str | None, readers: Readers | None = None) -> dict[str, Any]:
     """The status patch answering a request; a bad request is answered with its error rather than ignored."""
+    record = body.get("record") if body.get("record") in ("before", "after") else None
     try:
         answer = serve(DiagnoseRequest.model_validate(body), mode, readers)
     except Exception as exc:  # an answer must come, whatever the request or the node says
         answer = NodeDiagnostics(id=str(body.get("id"))[:253], mode=mode,
                                  error=f"{exc.__class__.__name__}: {exc}"[:400])
     # The whole object with nulls, so no field of the previous answer survives the merge patch.
-    return {"diagnostics": answer.model_dump(by_alias=True, mode="json")}
+    data = answer.model_dump(by_alias=True, mode="json")
+    return {"distribution": {record: data}} if record else {"diagnostics": data}

@@ -64,6 +64,11 @@ class DiagnoseRequest(KubeModel):
     services: list[DiagnoseService] = Field(default_factory=list, max_length=MAX_DIAGNOSE_SERVICES,
                                             description="The Services to read.")
     requested_at: str | None = Field(default=None, max_length=40, description="RFC 3339.")
+    record: Literal["before", "after"] | None = Field(
+        default=None,
+        description="Set by the operator around a migration: the answer goes to status.distribution.before or "
+        ".after (kept for proxyshift status) instead of status.diagnostics.",
+    )
 
 
 class EndpointCounters(KubeModel):
@@ -113,3 +118,10 @@ class NodeDiagnostics(KubeModel):
     services: list[ServiceCounters] = Field(default_factory=list, max_length=MAX_DIAGNOSE_SERVICES,
                                             description="Per Service.")
     error: str | None = Field(default=None, max_length=400, description="Why the request could not be served.")
+
+
+class NodeDistribution(KubeModel):
+    """status.distribution: the node's counters recorded before and after its migration. Written by the agent."""
+
+    before: NodeDiagnostics | None = Field(default=None, description="Recorded with the migration's Preflight.")
+    after: NodeDiagnostics | None = Field(default=None, description="Recorded once the node runs the target mode.")

@@ -13,7 +13,7 @@ from pydantic import Field
 
 from proxyshift.api.behaviour import NodeBehaviour
 from proxyshift.api.common import KubeModel
-from proxyshift.api.diagnostics import DiagnoseRequest, NodeDiagnostics
+from proxyshift.api.diagnostics import DiagnoseRequest, NodeDiagnostics, NodeDistribution
 
 OperationType = Literal["Preflight", "Hold", "Cleanup", "Probe"]
 
@@ -162,6 +162,9 @@ class ProxyNodeStatus(KubeModel):
     )
     diagnostics: NodeDiagnostics | None = Field(
         default=None, description="The answer to spec.diagnose: each endpoint's share from the kernel's counters."
+    )
+    distribution: NodeDistribution | None = Field(
+        default=None, description="spec.diagnose answers the operator recorded before and after the migration."
     )
     heartbeat: str | None = Field(default=None, description="Last time the agent wrote status (RFC 3339).")
     agent_version: str | None = Field(default=None, description="proxyshift version of the agent.")

@@ -14,17 +14,21 @@ expected share decides; with fewer connections than the test needs, the verdict 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from proxyshift.api.diagnostics import (
+    MAX_DIAGNOSE_SERVICES,
     MAX_ENDPOINTS,
     DiagnosePort,
+    DiagnoseRequest,
     DiagnoseService,
     EndpointCounters,
+    NodeDiagnostics,
     ServiceCounters,
 )
+from proxyshift.planner.behaviour import stable_rank
 from proxyshift.planner.services import EndpointView, ServiceView
 
 Verdict = Literal["balanced", "uneven", "too-few", "no-traffic", "no-endpoints"]
@@ -321,3 +325,48 @@ def request_service(service: ServiceView, endpoints: Iterable[EndpointView]) -> 
                for p in service.ports[:16]],
         endpoints=list(dict.fromkeys(e.address for e in endpoints))[:MAX_ENDPOINTS],
     )
+
+
+# ---- around a migration (for the planner; the lead wires it) ----
+
+def migration_request(services: Iterable[ServiceView], endpoints: Mapping[str, Sequence[EndpointView]],
+                      request_id: str, record: Literal["before", "after"], *, named: Sequence[str] = (),
+                      limit: int = MAX_DIAGNOSE_SERVICES) -> DiagnoseRequest | None:
+    """The request the operator puts in ProxyNode.spec.diagnose before (with Preflight) or after a node's move.
+
+    Services worth a distribution: a ClusterIP and at least two endpoints to share between. The
+    policy's named ones first, then the others in the behaviour sample's stable order, so every node
+    of a cluster records the same Services and a re-plan asks for the same again. None: nothing to record.
+    """
+    by_key = {s.key: s for s in services if s.cluster_ips and not s.headless}
+    eligible = [k for k, s in by_key.items() if len(endpoints.get(k, ())) >= 2]
+    chosen = [k for k in dict.fromkeys(named) if k in eligible]
+    chosen += sorted((k for k in eligible if k not in chosen), key=stable_rank)
+    chosen = chosen[:min(limit, MAX_DIAGNOSE_SERVICES)]
+    if not chosen:
+        return None
+    return DiagnoseRequest(id=request_id, record=record,
+                           services=[request_service(by_key[k], endpoints.get(k, ())) for k in chosen])
+
+
+def _summary(d: Diagnosis) -> str:
+    shares = "/".join(_pct(s.share) for s in d.shares) if d.total else "-"
+    return f"{d.verdict} ({shares} of {d.total} {d.basis}, {d.mode or d.source})"
+
+
+def distribution_change(service: ServiceView, endpoints: Sequence[EndpointView], node: str,
+                        before: NodeDiagnostics | None, after: NodeDiagnostics | None) -> str | None:
+    """One line for `proxyshift status`: how a Service's load on a node looked before and after the move.
+
+    Counters restart with the new mode's rules (and nftables keeps none per endpoint, so its side is
+    conntrack), so each side is judged on its own basis; the line says which.
+    """
+    def side(answer: NodeDiagnostics | None) -> str:
+        counters = next((c for c in (answer.services if answer else []) if c.service == service.key), None)
+        if answer is None or counters is None:
+            return "not recorded"
+        return _summary(diagnose(service, endpoints, node, counters, answer.mode))
+
+    if before is None and after is None:
+        return None
+    return f"{service.key} on {node}: before {side(before)} -> after {side(after)}"
