@@ -4,7 +4,7 @@
 FROM python:3.11-slim-bookworm AS base
 
 RUN apt-get update \
- && apt-get install -y --no-install-recommends iptables nftables ipset ipvsadm kmod iproute2 \
+ && apt-get install -y --no-install-recommends iptables nftables ipset ipvsadm kmod iproute2 conntrack \
  && rm -rf /var/lib/apt/lists/*
 
 COPY requirements.lock /tmp/requirements.lock

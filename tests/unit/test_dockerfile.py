@@ -40,6 +40,7 @@ TOOL_PACKAGES = {
     "ipset": "ipset",
     "ipvsadm": "ipvsadm",
     "modprobe": "kmod",
+    "conntrack": "conntrack",
 }
 # A program name: what argv[0] looks like (no flags, no paths, no spaces).
 PROGRAM = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
