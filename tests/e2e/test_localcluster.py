@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
-from proxyshift.localcluster import network, nodesim
+from proxyshift.commands import run
+from proxyshift.localcluster import network, nodesim, podnet
 
 pytestmark = pytest.mark.e2e
 
@@ -412,10 +413,14 @@ def test_a_node_can_join_and_leave(cluster: Any, kube: Any, wait_for: Any) -> No
         assert node["metadata"]["labels"]["pool"] == "red"
         wait_for(lambda: (p := kube_proxy_pods(kube).get("ps-node-4")) and is_ready(p), 60,
                  "kube-proxy Ready on the new node")
+        # The new node's pod range is routed (host-gw) from the nodes that were there before it.
+        assert f"{podnet.pod_cidr(4)} via {network.node_ip(4)}" in run(["ip", "-n", "ps-node-1", "route"]).stdout
     finally:
         network.remove_node(cluster.state_dir, info, "ps-node-4")
     assert kube.get_or_none("/api/v1/nodes/ps-node-4") is None
-    assert "ps-node-4" not in network.list_namespaces()
+    assert not {"ps-node-4", podnet.pod_netns("ps-node-4")} & set(network.list_namespaces())
+    for netns in ("ps-node-1", *network.endpoint_namespaces()):
+        assert str(podnet.pod_cidr(4)) not in run(["ip", "-n", netns, "route"]).stdout, netns
     wait_for(lambda: kube.get(DS_PATH)["status"].get("desiredNumberScheduled") == 3, 60,
              "the DaemonSet back to 3 nodes")
 

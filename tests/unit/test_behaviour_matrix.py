@@ -9,10 +9,17 @@ from behaviour_strategies import NODES, clusters, matrices
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxyshift.api.behaviour import CHANGE_NAMES, MAX_TARGETS, BehaviourCell, BehaviourMatrix
+from proxyshift.api.behaviour import CHANGE_NAMES, MAX_CELLS, MAX_TARGETS, BehaviourCell, BehaviourMatrix
 from proxyshift.api.kubeproxy import KubeProxyConfiguration
 from proxyshift.api.policy import NFTABLES_LOCALHOST_GATE, ProxyPolicySpec
-from proxyshift.planner.behaviour import behaviour_params, compare_matrices, serves_node_ports_on, stable_rank
+from proxyshift.planner.behaviour import (
+    behaviour_params,
+    compare_matrices,
+    estimated_cells,
+    node_ips_from_k8s,
+    serves_node_ports_on,
+    stable_rank,
+)
 from proxyshift.planner.services import EndpointView, ServicePortView, ServiceView
 
 pytestmark = pytest.mark.unit
@@ -125,8 +132,9 @@ def test_sampling_properties(cluster: tuple[list[ServiceView], list[EndpointView
     seed.shuffle(shuffled_s)
     seed.shuffle(shuffled_e)
     assert behaviour_params(shuffled_s, shuffled_e, node, NODE_IPS, policy, None) == params
-    # Bounded: per kind and in total.
+    # Bounded: per kind, in targets and in the cells the agent will write.
     assert len(params.targets) <= MAX_TARGETS
+    assert sum(estimated_cells(t, NODE_IPS) for t in params.targets) <= MAX_CELLS
     for kind in ("ClusterIP", "NodePort", "Affinity", "InternalLocal", "ExternalLocal", "NoEndpoints"):
         for protocol in ("TCP", "UDP"):
             assert sum(1 for t in params.targets if (t.kind, t.protocol) == (kind, protocol)) <= per_kind
@@ -141,6 +149,32 @@ def test_sampling_properties(cluster: tuple[list[ServiceView], list[EndpointView
     for target in params.targets:
         for address in target.local_endpoints or []:
             assert (target.service, address) in ready_here
+
+
+def test_a_large_cluster_is_cut_at_the_cell_bound_with_every_kind_in() -> None:
+    many = []
+    endpoints = []
+    for i in range(1, 60):
+        many.append(svc(f"np{i}", ip=f"198.19.3.{i}", type="NodePort",
+                        ports=(ServicePortView("", "TCP", 80, 30000 + i),)))
+        many.append(svc(f"web{i}", ip=f"198.19.4.{i}"))
+        many.append(svc(f"dns{i}", ip=f"198.19.5.{i}", ports=(ServicePortView("", "UDP", 53),)))
+        endpoints += [ep(f"np{i}", "198.18.1.1"), ep(f"web{i}", "198.18.1.2"), ep(f"dns{i}", "198.18.1.3")]
+    node_ips = [f"198.18.0.{i}" for i in range(11, 19)]  # 8: a NodePort is 19 cells
+    params = behaviour_params(many, endpoints, "ps-node-1", node_ips, spec(behaviour={"samplePerKind": 8}), None)
+    assert sum(estimated_cells(t, node_ips) for t in params.targets) <= MAX_CELLS
+    assert 0 < sum(1 for t in params.targets if t.kind == "NodePort") < 8  # cut by cells, not by samplePerKind
+    assert {("ClusterIP", "TCP"), ("ClusterIP", "UDP"), ("NodePort", "TCP")} <= {(t.kind, t.protocol)
+                                                                               for t in params.targets}
+
+
+def test_node_ips_from_the_node_object() -> None:
+    node = {"status": {"addresses": [{"type": "Hostname", "address": "ps-node-1"},
+                                     {"type": "InternalIP", "address": "198.18.0.11"},
+                                     {"type": "ExternalIP", "address": "198.18.100.11"},
+                                     {"type": "InternalIP", "address": "198.18.0.11"}, "junk"]}}
+    assert node_ips_from_k8s(node) == ["198.18.0.11", "198.18.100.11"]
+    assert node_ips_from_k8s({}) == [] and node_ips_from_k8s({"status": {"addresses": "x"}}) == []
 
 
 # ---- comparison -------------------------------------------------------------------------------
@@ -268,6 +302,7 @@ def test_serves_node_ports_on() -> None:
     assert serves_node_ports_on("198.18.200.11", "otherAddress", "nftables", ["all"])
     assert not serves_node_ports_on("198.18.200.11", "otherAddress", "nftables", ["primary"])
     assert serves_node_ports_on("198.18.200.11", "otherAddress", "nftables", ["198.18.0.0/16"])
+    assert serves_node_ports_on("198.18.200.11", "otherAddress", "nftables", ["fd00::/8"])  # IPv4 gets 0.0.0.0/0
 
 
 @settings(max_examples=200, deadline=None)

@@ -10,6 +10,7 @@ revision or the baseline, and a kube-proxy DaemonSet whose pod runs there).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,7 +18,9 @@ from hypothesis import strategies as st
 from simulator import Faults, Sim, edit, make_policy
 
 from proxyshift.api.policy import ProxyPolicy
+from proxyshift.controller.executor import by_node
 from proxyshift.planner.planner import plan
+from proxyshift.planner.world import Action, World
 
 pytestmark = pytest.mark.unit
 
@@ -123,6 +126,22 @@ def user_action(sim: Sim, draw: st.DrawFn) -> None:
         sim.policies[target] = p.model_copy(update={"metadata": meta})
 
 
+def crash_while_performing(sim: Sim, name: str, world: World, actions: list[Action], draw: Any) -> None:
+    """What a crash leaves, as the executor performs a plan: each node's steps in order but the nodes side
+    by side, so any subset of the nodes got any prefix of their steps; the policy's own steps (revisions,
+    status, finalizer) run only after every node's steps succeeded, and a crash may cut those short too."""
+    node_groups, policy_steps = by_node(actions)
+    every_node_done = True
+    for group in node_groups:
+        done = draw(st.integers(0, len(group)))
+        for action in group[:done]:
+            sim.apply(name, action, world)
+        every_node_done = every_node_done and done == len(group)
+    if every_node_done:
+        for action in policy_steps[: draw(st.integers(0, len(policy_steps)))]:
+            sim.apply(name, action, world)
+
+
 @PROPS
 @given(data=st.data())
 def test_safety_under_random_faults_and_user_actions(data: st.DataObject) -> None:
@@ -133,13 +152,11 @@ def test_safety_under_random_faults_and_user_actions(data: st.DataObject) -> Non
         if i % 20 == 10:
             user_action(sim, data.draw)
         crash = data.draw(st.integers(0, 9)) == 0
-        if crash:  # the operator dies after some of the plan's actions
+        if crash:  # the operator dies part-way through performing a plan
             name = data.draw(st.sampled_from(sorted(sim.policies)))
             if name not in sim.finalized:
                 world = sim.world()
-                actions = plan(world, name).actions
-                for action in actions[: data.draw(st.integers(0, len(actions)))]:
-                    sim.apply(name, action, world)
+                crash_while_performing(sim, name, world, plan(world, name).actions, data.draw)
                 sim.check_invariants()
         else:
             sim.step()

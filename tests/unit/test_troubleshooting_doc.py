@@ -31,7 +31,7 @@ REASON_ARG = {"_fail": 2, "_start_rollback": 2, "abandon": 1, "_event": 1, "even
               "set_condition": 3}
 # CamelCase strings in these files that are not reasons: the steps inside operation ids, and the one
 # condition type of two words (the doc's condition column names it).
-NOT_REASONS = {"RollbackCleanup", "RollbackGate", "ControlPlaneSkipped"}
+NOT_REASONS = {"RollbackCleanup", "RollbackGate", "ControlPlaneSkipped", "BehaviourChanges"}
 
 
 def _strings(node: ast.AST) -> set[str]:

@@ -292,7 +292,7 @@ def read_service(service: DiagnoseService, mode: str | None, readers: Readers | 
                 text, cut = readers.text([tool, "-c", "-t", "nat"], MAX_SAVE_BYTES)
                 counted = parse_iptables_counters(text, key)
                 truncated |= cut or counted.truncated
-                rules += [f"{chain} ({n} rules)" for chain, n in counted.chains.items()]
+                rules += [f"{chain[:80]} ({n} rules)" for chain, n in counted.chains.items()]
                 for endpoint, n in counted.flows.items():
                     flows[endpoint] = flows.get(endpoint, 0) + n
             except (CommandError, DiagnosticsOutputError) as exc:
@@ -312,8 +312,8 @@ def read_service(service: DiagnoseService, mode: str | None, readers: Readers | 
                     vs = virtual.get(vkey)
                     if vs is None:
                         continue
-                    rules.append(f"{vs.protocol} {vs.address} {vs.scheduler or '?'}"
-                                 + (f" persistent {vs.persistence_seconds}" if vs.persistence_seconds else ""))
+                    rules.append((f"{vs.protocol} {vs.address} {vs.scheduler or '?'}"
+                                  + (f" persistent {vs.persistence_seconds}" if vs.persistence_seconds else ""))[:96])
                     scheduler = scheduler or vs.scheduler
                     persistence = persistence or vs.persistence_seconds
                     for real in vs.real_servers.values():

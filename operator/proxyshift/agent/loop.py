@@ -37,7 +37,7 @@ from proxyshift.agent import preflight as preflight_mod
 from proxyshift.agent import probe as probe_mod
 from proxyshift.agent.ownership import MODES
 from proxyshift.api.common import API_GROUP, API_VERSION
-from proxyshift.api.proxynode import KubeProxyFacts, Operation, OperationStatus, ProxyNodeSpec
+from proxyshift.api.proxynode import KubeProxyFacts, Operation, OperationStatus, ProxyNodeSpec, clip_status
 
 log = logging.getLogger("proxyshift.agent")
 
@@ -270,7 +270,7 @@ class Agent:
         from proxyshift import __version__
 
         status = {**status, "heartbeat": now_rfc3339(self.clock), "agentVersion": __version__}
-        self.api.patch_status(self.cfg.node, status)
+        self.api.patch_status(self.cfg.node, clip_status(status))
         self._last_status = self.clock()
 
     # ---- operations ----

@@ -13,7 +13,7 @@ and a person asking why a Service is uneven must never displace a Preflight or a
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -26,6 +26,9 @@ MAX_RULES = 32
 MAX_ERRORS = 4
 
 CounterSource = Literal["iptables", "ipvs", "conntrack", "none"]
+Address = Annotated[str, Field(max_length=64)]  # ip, ip:port or [v6]:port
+RuleText = Annotated[str, Field(max_length=96)]
+ErrorText = Annotated[str, Field(max_length=200)]
 
 
 class DiagnosePort(KubeModel):
@@ -42,11 +45,11 @@ class DiagnoseService(KubeModel):
 
     namespace: str = Field(max_length=63, description="The Service's namespace.")
     name: str = Field(max_length=63, description="The Service's name.")
-    cluster_ips: list[str] = Field(default_factory=list, max_length=2, alias="clusterIPs",
+    cluster_ips: list[Address] = Field(default_factory=list, max_length=2, alias="clusterIPs",
                                    description="The Service's ClusterIPs (one per family).")
     ports: list[DiagnosePort] = Field(default_factory=list, max_length=MAX_SERVICE_PORTS,
                                       description="The Service's ports.")
-    endpoints: list[str] = Field(
+    endpoints: list[Address] = Field(
         default_factory=list, max_length=MAX_ENDPOINTS,
         description="Endpoints from the EndpointSlices, ready or not, as ip:port (ip alone when the slice "
         "names no port): conntrack entries are counted for these.",
@@ -94,7 +97,7 @@ class ServiceCounters(KubeModel):
         description="Where `flows` came from: iptables rule counters, ipvs stats, or conntrack alone "
         "(nftables mode keeps no per-endpoint counters), none if nothing was found."
     )
-    rules: list[str] = Field(
+    rules: list[RuleText] = Field(
         default_factory=list, max_length=MAX_RULES,
         description="The Service's kube-proxy chains with their rule counts, or its IPVS virtual servers.",
     )
@@ -103,7 +106,7 @@ class ServiceCounters(KubeModel):
                                             description="IPVS persistence (ClientIP affinity in ipvs mode).")
     endpoints: list[EndpointCounters] = Field(default_factory=list, max_length=MAX_ENDPOINTS,
                                               description="Per endpoint.")
-    errors: list[str] = Field(default_factory=list, max_length=MAX_ERRORS,
+    errors: list[ErrorText] = Field(default_factory=list, max_length=MAX_ERRORS,
                               description="What could not be read, for a person.")
     truncated: bool = Field(default=False, description="Output was larger than the agent reads; counts are partial.")
 

@@ -7,7 +7,7 @@ agent (what is really there). `kubectl get proxynodes` is the fleet view.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -16,6 +16,16 @@ from proxyshift.api.common import KubeModel
 from proxyshift.api.diagnostics import DiagnoseRequest, NodeDiagnostics, NodeDistribution
 
 OperationType = Literal["Preflight", "Hold", "Cleanup", "Probe"]
+
+# Bounds of what an agent writes (status), in the CRD and in the agent's own writes (clip_status), so a
+# broken or hostile agent cannot grow a ProxyNode without limit, and a good one is never refused.
+STATUS_TEXT_LIMIT = 256  # versions, kernel release, mode names, timestamps
+STATUS_MESSAGE_LIMIT = 4000  # operation messages, probe errors
+MAX_STATUS_MODULES = 128
+MAX_STATUS_TOOLS = 16
+MAX_STATUS_OBJECTS = 8
+MAX_STATUS_LEFTOVERS = 8
+OBJECT_SUMMARY_LIMIT = 1024
 
 
 class Operation(KubeModel):
@@ -105,9 +115,11 @@ class KubeProxyFacts(KubeModel):
     sync_failures: int | None = Field(
         default=None, description="iptables-restore failures plus nftables sync failures, as counted."
     )
-    error: str | None = Field(default=None, description="Why the probe could not read kube-proxy, if it failed.")
+    error: str | None = Field(default=None, max_length=STATUS_MESSAGE_LIMIT,
+                              description="Why the probe could not read kube-proxy, if it failed.")
     metrics_invalid: str | None = Field(
         default=None,
+        max_length=STATUS_MESSAGE_LIMIT,
         description="Why kube-proxy's /metrics answer was refused (malformed, oversized, NaN, negative or "
         "impossible values), if it was. The gate fails on it: a kube-proxy reporting nonsense is not proven.",
     )
@@ -117,9 +129,10 @@ class KubeProxyFacts(KubeModel):
 class ModeObjects(KubeModel):
     """kube-proxy objects of one mode found on the node."""
 
-    mode: str = Field(description="iptables, ipvs or nftables.")
+    mode: str = Field(max_length=16, description="iptables, ipvs or nftables.")
     count: int = Field(description="Number of objects (chains, tables, virtual servers, sets, interfaces).")
-    summary: str = Field(default="", description="e.g. 'nat: 2011 chains; filter: 6 chains'.")
+    summary: str = Field(default="", max_length=OBJECT_SUMMARY_LIMIT,
+                         description="e.g. 'nat: 2011 chains; filter: 6 chains'.")
 
 
 class OperationStatus(KubeModel):
@@ -130,7 +143,8 @@ class OperationStatus(KubeModel):
     id: str = Field(description="Id of the operation (spec.operation.id).")
     type: str = Field(description="Preflight, Hold, Cleanup or Probe.")
     state: Literal["Running", "Succeeded", "Failed"] = Field(description="Running, Succeeded or Failed.")
-    message: str = Field(default="", description="Result for a person: what passed, what is missing.")
+    message: str = Field(default="", max_length=STATUS_MESSAGE_LIMIT,
+                         description="Result for a person: what passed, what is missing.")
     started_at: str | None = Field(default=None, description="RFC 3339.")
     finished_at: str | None = Field(default=None, description="RFC 3339.")
     details: dict[str, Any] = Field(
@@ -145,16 +159,22 @@ class ProxyNodeStatus(KubeModel):
 
     model_config = KubeModel.model_config | {"extra": "ignore"}
 
-    observed_mode: str | None = Field(default=None, description="kube-proxy's own /proxyMode answer.")
-    kernel_release: str | None = Field(default=None, description="uname -r of the node.")
-    modules: list[str] = Field(default_factory=list, description="Proxy-relevant kernel modules present.")
-    tools: dict[str, str] = Field(
-        default_factory=dict, description="Versions: nft, iptables, iptablesBackend, ipset, ipvsadm."
+    observed_mode: str | None = Field(default=None, max_length=STATUS_TEXT_LIMIT,
+                                      description="kube-proxy's own /proxyMode answer.")
+    kernel_release: str | None = Field(default=None, max_length=STATUS_TEXT_LIMIT, description="uname -r of the node.")
+    modules: list[Annotated[str, Field(max_length=64)]] = Field(
+        default_factory=list, max_length=MAX_STATUS_MODULES, description="Proxy-relevant kernel modules present."
+    )
+    tools: dict[str, Annotated[str, Field(max_length=STATUS_TEXT_LIMIT)]] = Field(
+        default_factory=dict, max_length=MAX_STATUS_TOOLS,
+        description="Versions: nft, iptables, iptablesBackend, ipset, ipvsadm.",
     )
     kube_proxy: KubeProxyFacts | None = Field(default=None, description="Latest kube-proxy probe.")
-    objects: list[ModeObjects] = Field(default_factory=list, description="kube-proxy objects per mode on the node.")
-    leftovers: list[str] = Field(
-        default_factory=list, description="Modes other than the observed one that still have objects here."
+    objects: list[ModeObjects] = Field(default_factory=list, max_length=MAX_STATUS_OBJECTS,
+                                       description="kube-proxy objects per mode on the node.")
+    leftovers: list[Annotated[str, Field(max_length=16)]] = Field(
+        default_factory=list, max_length=MAX_STATUS_LEFTOVERS,
+        description="Modes other than the observed one that still have objects here.",
     )
     last_operation: OperationStatus | None = Field(default=None, description="Result of the last operation.")
     behaviour: NodeBehaviour | None = Field(
@@ -166,8 +186,10 @@ class ProxyNodeStatus(KubeModel):
     distribution: NodeDistribution | None = Field(
         default=None, description="spec.diagnose answers the operator recorded before and after the migration."
     )
-    heartbeat: str | None = Field(default=None, description="Last time the agent wrote status (RFC 3339).")
-    agent_version: str | None = Field(default=None, description="proxyshift version of the agent.")
+    heartbeat: str | None = Field(default=None, max_length=STATUS_TEXT_LIMIT,
+                                  description="Last time the agent wrote status (RFC 3339).")
+    agent_version: str | None = Field(default=None, max_length=STATUS_TEXT_LIMIT,
+                                      description="proxyshift version of the agent.")
 
 
 class ProxyNode(KubeModel):
@@ -184,3 +206,30 @@ class ProxyNode(KubeModel):
     @property
     def name(self) -> str:
         return str(self.metadata.get("name", ""))
+
+
+def _clip(value: Any, limit: int) -> Any:
+    return value[:limit] if isinstance(value, str) else value
+
+
+def clip_status(status: dict[str, Any]) -> dict[str, Any]:
+    """An agent's status patch cut to the CRD's bounds: a long kernel string or tool version is shortened
+    rather than the whole write refused (which would leave the node without a heartbeat)."""
+    out = dict(status)
+    for key in ("observedMode", "kernelRelease", "heartbeat", "agentVersion"):
+        if key in out:
+            out[key] = _clip(out[key], STATUS_TEXT_LIMIT)
+    if isinstance(out.get("modules"), list):
+        out["modules"] = [_clip(m, 64) for m in out["modules"][:MAX_STATUS_MODULES]]
+    if isinstance(out.get("tools"), dict):
+        out["tools"] = {k: _clip(v, STATUS_TEXT_LIMIT) for k, v in list(out["tools"].items())[:MAX_STATUS_TOOLS]}
+    if isinstance(out.get("objects"), list):
+        out["objects"] = [dict(o, summary=_clip(o.get("summary", ""), OBJECT_SUMMARY_LIMIT))
+                          if isinstance(o, dict) else o for o in out["objects"][:MAX_STATUS_OBJECTS]]
+    if isinstance(out.get("leftovers"), list):
+        out["leftovers"] = out["leftovers"][:MAX_STATUS_LEFTOVERS]
+    for key, field in (("kubeProxy", "error"), ("kubeProxy", "metricsInvalid"), ("lastOperation", "message")):
+        part = out.get(key)
+        if isinstance(part, dict) and field in part:
+            out[key] = dict(part, **{field: _clip(part[field], STATUS_MESSAGE_LIMIT)})
+    return out

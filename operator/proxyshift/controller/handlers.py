@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import os
 import random
@@ -29,6 +30,7 @@ from proxyshift.api.kubeproxy import KubeProxyConfiguration
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.api.proxynode import ProxyNode
 from proxyshift.controller import metrics
+from proxyshift.controller.compat_report import CompatCache
 from proxyshift.controller.executor import Executor, StepBlocked, Written, announced_elsewhere, by_node
 from proxyshift.controller.kube import API_GROUP, API_VERSION, PROXYNODES, ClusterAPI, describe_api_error
 from proxyshift.controller.mirror import Mirror
@@ -317,6 +319,13 @@ def _fleet() -> tuple[dict[str, w.NodeView], dict[str, ProxyNode], dict[str, lis
     return nodes, dict(_mirrors["proxynodes"].items), pods
 
 
+def _compat_cache() -> CompatCache:
+    cache = _state.get("compat")
+    if cache is None:
+        cache = _state["compat"] = CompatCache()
+    return cache
+
+
 def _node_pool() -> concurrent.futures.ThreadPoolExecutor:
     """Threads for node steps only: the default executor (min(32, CPUs + 4) threads, shared with every
     other to_thread call) would cap PROXYSHIFT_NODE_CONCURRENCY below its setting on a small host."""
@@ -353,6 +362,9 @@ async def step(name: str, indexes: dict[str, Any]) -> w.Plan:
         service_ips=service_ips,
         services=service_world(_mirrors),
     )
+    report = _compat_cache().report(world, name, baseline_cm) if policy else None
+    if report is not None:
+        world = dataclasses.replace(world, compat={name: report})
     plan = planner.plan(world, name)
     _state.setdefault("planning_seconds", {})[name] = time.monotonic() - planning_started
     metrics.record_plan(name, world, plan.actions)

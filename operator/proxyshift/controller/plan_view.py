@@ -2,19 +2,24 @@
 
 Reads Nodes, ProxyNodes (the agents' inventory), existing policies and the
 baseline kube-proxy, then asks the pure planner's preview: which nodes, in what
-order and stages, and which will fail preflight.
+order and stages, and which will fail preflight. Then the compatibility report:
+per mode the selected nodes run now, every behaviour the target mode changes for
+this cluster's Services (read from Services and EndpointSlices) and the setting
+that keeps today's behaviour.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
+from typing import Any
 
 import kubernetes
 from pydantic import ValidationError
 
 from proxyshift.api.common import API_GROUP, API_VERSION
+from proxyshift.api.kubeproxy import KubeProxyConfiguration
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.api.proxynode import ProxyNode
 from proxyshift.controller.settings import CONFIG
@@ -22,9 +27,17 @@ from proxyshift.controller.snapshot import current_revisions, node_view, revisio
 from proxyshift.controller.status_view import load_api
 from proxyshift.manifest import UsageError, read_manifest
 from proxyshift.planner.advice import advise
-from proxyshift.planner.preview import preview
+from proxyshift.planner.compat import CompatFinding
+from proxyshift.planner.preview import BASELINE_SOURCE, CompatGroup, compat_preview, preview
+from proxyshift.planner.services import EndpointView, ServiceView, endpoints_from_slice, service_view_from_k8s
 from proxyshift.planner.world import World
 from proxyshift.render import LABEL_MANAGED_BY, MANAGED_BY
+from proxyshift.render.kubeproxyconfig import baseline_config, render_config
+from proxyshift.render.names import revision_object_names
+
+# Bounds of what `plan` reads: pages of the list calls, and the most objects it looks at.
+LIST_PAGE = 500
+MAX_LISTED = 20_000
 
 
 def read_policy(path: str) -> ProxyPolicy:
@@ -98,6 +111,88 @@ def render_preview(policy: ProxyPolicy, world: World) -> str:
     return "\n".join(lines)
 
 
+def _finding_lines(finding: CompatFinding) -> list[str]:
+    if finding.preserved:
+        return [f"  {finding.change:<20} kept by {finding.preserving}: {finding.summary}"]
+    lines = [f"  {finding.change:<20} {finding.summary}"]
+    if finding.service_count:
+        more = finding.service_count - len(finding.services)
+        names = ", ".join(finding.services) + (f" and {more} more" if more else "")
+        lines.append(f"  {'':<20} affects {finding.service_count} Service(s): {names}")
+    elif finding.change != "ForeignIPVSFlush":
+        lines.append(f"  {'':<20} affects no Service in this cluster today")
+    keep = f"keep today's behaviour with {finding.preserving}" if finding.preserving else (
+        "no kube-proxy setting keeps today's behaviour")
+    lines.append(f"  {'':<20} {keep}; or accept it with gate.behaviour.allowChanges: [{finding.change}]"
+                 if finding.change in _GATED else f"  {'':<20} {keep}")
+    return lines
+
+
+# The changes the behaviour gate can see on a node (the others it cannot probe).
+_GATED = {"LocalhostNodePorts", "NodePortAddresses", "SessionAffinity", "TrafficPolicyLocal"}
+
+
+def render_compat(policy: ProxyPolicy, groups: Sequence[CompatGroup]) -> str:
+    """The compatibility report `plan -f` prints after the stage table."""
+    if not groups:
+        return "compatibility: no node would change mode or configuration"
+    lines = []
+    for group in groups:
+        source = "the baseline kube-proxy" if group.source == BASELINE_SOURCE else f"revision {group.source}"
+        shown = ", ".join(group.nodes[:5]) + (f" and {len(group.nodes) - 5} more" if len(group.nodes) > 5 else "")
+        lines.append(f"compatibility: {group.mode} -> {policy.spec.mode} for {len(group.nodes)} node(s) on {source} "
+                     f"({shown})")
+        if not group.findings:
+            lines.append("  no known behaviour difference")
+        for finding in group.findings:
+            lines.extend(_finding_lines(finding))
+    return "\n".join(lines)
+
+
+def _list_all(call: Callable[..., Any]) -> list[dict[str, Any]]:
+    """Every item of a list call, page by page, up to MAX_LISTED."""
+    client = kubernetes.client.ApiClient()
+    items: list[dict[str, Any]] = []
+    token = None
+    while len(items) < MAX_LISTED:
+        page = call(limit=LIST_PAGE, _continue=token) if token else call(limit=LIST_PAGE)
+        items += [client.sanitize_for_serialization(i) for i in page.items or []]
+        token = page.metadata._continue if page.metadata else None
+        if not token:
+            break
+    return items[:MAX_LISTED]
+
+
+def read_services() -> tuple[list[ServiceView], list[EndpointView]]:
+    services = [v for b in _list_all(kubernetes.client.CoreV1Api().list_service_for_all_namespaces)
+                if (v := service_view_from_k8s(b)) is not None]
+    endpoints = [e for b in _list_all(kubernetes.client.DiscoveryV1Api().list_endpoint_slice_for_all_namespaces)
+                 for e in endpoints_from_slice(b)]
+    return services, endpoints
+
+
+def read_configs(world: World) -> dict[str, KubeProxyConfiguration | None]:
+    """The KubeProxyConfiguration each source runs: the baseline's, and every known revision's."""
+    core, client = kubernetes.client.CoreV1Api(), kubernetes.client.ApiClient()
+    ns = CONFIG.kube_proxy_namespace
+    configs: dict[str, KubeProxyConfiguration | None] = {}
+    names = {BASELINE_SOURCE: CONFIG.baseline_configmap} | {r: revision_object_names(r)[0] for r in world.revisions}
+    for source, name in names.items():
+        try:
+            configs[source] = baseline_config(client.sanitize_for_serialization(
+                core.read_namespaced_config_map(name, ns)))
+        except (kubernetes.client.ApiException, ValueError, KeyError):
+            configs[source] = None  # unknown: the report assumes kube-proxy's defaults for that mode
+    return configs
+
+
+def compat_report(policy: ProxyPolicy, world: World, services: Sequence[ServiceView],
+                  endpoints: Sequence[EndpointView], configs: dict[str, KubeProxyConfiguration | None]) -> str:
+    baseline = configs.get(BASELINE_SOURCE)
+    to_config = render_config(policy.spec, baseline) if baseline is not None else None
+    return render_compat(policy, compat_preview(world, policy.name, configs, to_config, services, endpoints))
+
+
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="proxyshift plan", description="Show what a policy would do.")
     parser.add_argument("-f", "--filename", required=True, help="ProxyPolicy manifest ('-' for stdin)")
@@ -107,15 +202,11 @@ def main(argv: Sequence[str]) -> int:
     load_api(args.kubeconfig)
     world = read_world(policy)
     print(render_preview(policy, world))
-    tip = advise(*cluster_size(), world.baseline_mode)
+    services, endpoints = read_services()
+    print(compat_report(policy, world, services, endpoints, read_configs(world)))
+    # (Services, endpoints): what a full kube-proxy sync has to write.
+    tip = advise(len(services), len(endpoints), world.baseline_mode)
     if tip:
         print(f"advice: {tip}")
     return 0
-
-
-def cluster_size() -> tuple[int, int]:
-    """(Services, endpoints) of the cluster: what a full kube-proxy sync has to write."""
-    services = kubernetes.client.CoreV1Api().list_service_for_all_namespaces().items
-    slices = kubernetes.client.DiscoveryV1Api().list_endpoint_slice_for_all_namespaces().items
-    return len(services), sum(len(s.endpoints or []) for s in slices)
 

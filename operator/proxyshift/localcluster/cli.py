@@ -1,4 +1,4 @@
-"""`localcluster up|down|status|build|kubeconfig`: the local cluster from the command line.
+"""`localcluster up|down|status|build|kubeconfig|workloads|serve`: the local cluster from the command line.
 
 Also reachable as `proxyshift localcluster ...` (the main CLI hands its
 remaining arguments to `main`).
@@ -106,7 +106,35 @@ def build_parser() -> argparse.ArgumentParser:
     build_parser_ = sub.add_parser("build", help="build the pinned binaries; print their folder")
     build_parser_.add_argument("--force", action="store_true")
     sub.add_parser("kubeconfig", help="print the admin kubeconfig path")
+    workloads_parser = sub.add_parser("workloads", help="make test workloads in the running cluster")
+    workloads_parser.add_argument("--behaviour", action="store_true", required=True,
+                                  help="one Service of every kind the behaviour gate judges, in ps-behaviour")
+    workloads_parser.add_argument("--json", action="store_true", help="print what was made as JSON")
+    serve_parser = sub.add_parser("serve", help="(in a test pod) answer every HTTP GET with $HOSTNAME")
+    serve_parser.add_argument("--listen", default="0.0.0.0:8080", metavar="HOST:PORT")
     return parser
+
+
+def make_workloads(state_dir: Path, as_json: bool) -> int:
+    from proxyshift.localcluster import behaviour_workloads  # the kubernetes client: only when asked
+
+    info = controlplane.load_info(state_dir)
+    if info is None:
+        print(f"no cluster in {state_dir} (run `localcluster up`)", file=sys.stderr)
+        return 1
+    made = behaviour_workloads.create(state_dir, info.kubeconfig)
+    if as_json:
+        print(json.dumps(made.to_dict(), indent=2))
+        return 0
+    for svc in made.services:
+        address = svc.cluster_ip or "-"
+        node_port = f" nodePort {svc.node_port}" if svc.node_port else ""
+        print(f"{svc.key:<32} {svc.kind or '-':<14} {svc.protocol} {address}:{svc.port}{node_port}  "
+              f"endpoints: {', '.join(f'{e}@{made.endpoint(e).node}' for e in svc.endpoints) or 'none'}")
+    for node in made.nodes:
+        print(f"{node.name}: {node.ip} (second address {node.second_address}), pod {node.pod_ip} in "
+              f"{node.pod_netns}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,6 +164,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"no cluster in {state_dir} (run `localcluster up`)", file=sys.stderr)
                 return 1
             print(info.kubeconfig)
+        elif args.command == "workloads":
+            return make_workloads(state_dir, args.json)
+        elif args.command == "serve":
+            from proxyshift.localcluster import identity_server
+
+            identity_server.serve(args.listen)
     except (UsageError, build.BuildError, controlplane.ControlPlaneError, CommandError, TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         if args.command == "up" and state_dir.exists():

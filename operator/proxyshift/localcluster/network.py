@@ -4,7 +4,9 @@ Layout (docs/architecture.md, "Local cluster contracts"):
 
 - bridge `psbr0` in the root namespace, 198.18.0.1/16 (the apiserver advertises it);
 - node i: namespace `ps-node-<i>`, veth `psn<i>` <-> `eth0`, 198.18.0.<10+i>/16;
-- endpoint n: namespace `ps-ep-<n>`, veth `pse<n>` <-> `eth0`, 198.18.1.<n>/16.
+- endpoint n: namespace `ps-ep-<n>`, veth `pse<n>` <-> `eth0`, 198.18.1.<n>/16;
+- node i's pod namespace `ps-node-<i>-pod` (pod range a /27 in 198.18.32.0/19) and its
+  second address 198.18.2.<10+i>/32: see proxyshift.localcluster.podnet.
 
 No namespace gets a default route. A node does need *some* route to the
 Service CIDR, because a locally generated packet is routed before the OUTPUT
@@ -29,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from proxyshift.commands import CommandError, run
-from proxyshift.localcluster import paths
+from proxyshift.localcluster import paths, podnet
 
 NODE_PREFIX = "ps-node-"
 ENDPOINT_PREFIX = "ps-ep-"
@@ -164,8 +166,19 @@ def _ensure_netns(netns: str, veth: str, address: str) -> None:
     run(["ip", "link", "set", "lo", "up"], netns=netns)
 
 
+def node_indices() -> list[int]:
+    """Indices of the nodes whose namespaces exist (ps-node-<i>, not their pod namespaces)."""
+    return sorted(int(n[len(NODE_PREFIX):]) for n in list_namespaces((NODE_PREFIX,))
+                  if n[len(NODE_PREFIX):].isdigit())
+
+
+def endpoint_namespaces() -> list[str]:
+    return [n for n in list_namespaces((ENDPOINT_PREFIX,)) if n[len(ENDPOINT_PREFIX):].isdigit()]
+
+
 def create_node_netns(index: int) -> str:
-    """The network side of node `index`: namespace, veth, address, service sink route, sysctls."""
+    """The network side of node `index`: namespace, veth, address, service sink route, sysctls,
+    its pod namespace and second address (podnet), and host-gw routes to and from its pod range."""
     netns, ip = node_name(index), node_ip(index)
     _ensure_netns(netns, f"{NODE_VETH_PREFIX}{index}", ip)
     links = run(["ip", "-o", "link", "show"], netns=netns).stdout
@@ -175,12 +188,22 @@ def create_node_netns(index: int) -> str:
         run(["ip", "link", "set", link, "up"], netns=netns)
     run(["ip", "route", "replace", paths.SERVICE_CIDR, "dev", SINK_LINK, "src", ip], netns=netns)
     run(["sysctl", "-q", "-w", *NODE_SYSCTLS], netns=netns)
+    podnet.create_pod_netns(netns, index)
+    podnet.add_second_address(netns, index)
+    nodes = node_indices()
+    ips = {i: node_ip(i) for i in nodes}
+    podnet.route_pod_ranges(netns, nodes, ips, skip=index)
+    for neighbour in [None, *endpoint_namespaces(), *(node_name(i) for i in nodes if i != index)]:
+        podnet.route_pod_ranges(neighbour, [index], ips)
     return netns
 
 
 def create_endpoint_netns(n: int) -> str:
+    """Endpoint `n`'s namespace on the bridge, with host-gw routes to every node's pod range."""
     netns = endpoint_name(n)
     _ensure_netns(netns, f"{ENDPOINT_VETH_PREFIX}{n}", endpoint_ip(n))
+    nodes = node_indices()
+    podnet.route_pod_ranges(netns, nodes, {i: node_ip(i) for i in nodes})
     return netns
 
 
@@ -268,9 +291,12 @@ def remove_node(state_dir: Path, cluster_info: Any, node: str) -> None:
     index = node_index(node)
     simulator = simulator_pid(state_dir, node)
     _kill_all([simulator] if simulator else [], grace=5.0)
-    if node in list_namespaces((node,)):
-        _kill_all(_namespace_pids(node), grace=5.0)
-        run(["ip", "netns", "del", node], check=False)
+    for netns in (podnet.pod_netns(node), node):
+        if netns in list_namespaces((netns,)):
+            _kill_all(_namespace_pids(netns), grace=5.0)
+            run(["ip", "netns", "del", netns], check=False)
+    for neighbour in [None, *endpoint_namespaces(), *(node_name(i) for i in node_indices())]:
+        podnet.unroute_pod_range(neighbour, index)
     if f"{NODE_VETH_PREFIX}{index}" in _links():
         run(["ip", "link", "del", f"{NODE_VETH_PREFIX}{index}"], check=False)
     kube = nodesim.api_client(cluster_access(cluster_info).kubeconfig)

@@ -6,8 +6,10 @@
 It keeps the Node Ready and its Lease renewed, watches the pods bound to the
 node and runs the two images it knows (docs/architecture.md): kube-proxy as
 the real binary and the proxyshift image as `python -m proxyshift.cli`, each
-through `proxyshift.localcluster.container` (node network namespace + private
-mount namespace with the pod's volumes bound at their mountPaths). It reports
+through `proxyshift.localcluster.container` (the node's network namespace for a
+hostNetwork pod, the node's one pod namespace (podnet) for any other, with status.podIP
+that namespace's address; plus a private mount namespace with the pod's volumes bound at
+their mountPaths). It reports
 pod status, restarts crashed containers with back-off, runs readiness and
 liveness probes inside the node, and stops a pod's processes when the pod is
 deleted or terminating, then finalises the pod.
@@ -45,8 +47,8 @@ from pathlib import Path
 from typing import Any
 
 import proxyshift
-from proxyshift.localcluster import paths
-from proxyshift.localcluster.container import setns
+from proxyshift.localcluster import paths, podnet
+from proxyshift.localcluster.container import NETNS_DIR, setns
 
 log = logging.getLogger("proxyshift.nodesim")
 
@@ -305,13 +307,15 @@ def expand(text: str, env: dict[str, str]) -> str:
     return "".join(out)
 
 
-def field_value(pod: dict[str, Any], field_path: str, node_ip: str) -> str:
+def field_value(pod: dict[str, Any], field_path: str, node_ip: str, pod_ip: str | None = None) -> str:
+    """A downward-API field; `pod_ip` is the pod namespace's address (default: hostNetwork, the node's)."""
     meta, spec = pod["metadata"], pod["spec"]
+    pod_ip = pod_ip or node_ip
     simple = {
         "metadata.name": meta.get("name", ""), "metadata.namespace": meta.get("namespace", ""),
         "metadata.uid": meta.get("uid", ""), "spec.nodeName": spec.get("nodeName", ""),
         "spec.serviceAccountName": spec.get("serviceAccountName", "default"),
-        "status.podIP": node_ip, "status.hostIP": node_ip, "status.podIPs": node_ip, "status.hostIPs": node_ip,
+        "status.podIP": pod_ip, "status.hostIP": node_ip, "status.podIPs": pod_ip, "status.hostIPs": node_ip,
     }
     if field_path in simple:
         return simple[field_path]
@@ -426,6 +430,9 @@ class SimConfig:
     kubelet_version: str
     backoff_base: float
     backoff_max: float
+    # The node's pod namespace and its address (podnet); unset: every pod runs in the node's own.
+    pod_netns: str = ""
+    pod_ip: str = ""
 
     @property
     def node_dir(self) -> Path:
@@ -458,6 +465,10 @@ class PodWorker(threading.Thread):
         self.init_runs = [ContainerRun(c, init=True) for c in spec.get("initContainers") or []]
         self.runs = [ContainerRun(c, restart_count=previous.get(c["name"], 0)) for c in spec["containers"]]
         self.start_time = (pod.get("status") or {}).get("startTime") or now_rfc3339()
+        # hostNetwork pods run in the node's namespace; the others in the node's one pod namespace.
+        self.host_network = bool(spec.get("hostNetwork")) or not self.cfg.pod_netns
+        self.netns = self.cfg.node if self.host_network else self.cfg.pod_netns
+        self.pod_ip = self.cfg.node_ip if self.host_network else self.cfg.pod_ip
         self.transitions: dict[str, tuple[str, str]] = {}
         self.last_status: dict[str, Any] | None = None
         self.volumes: dict[str, Path] = {}
@@ -643,7 +654,7 @@ class PodWorker(threading.Thread):
         for item in spec.get("items") or []:
             if "fieldRef" not in item:
                 raise PodError("CreateContainerConfigError", "downwardAPI resourceFieldRef not supported")
-            value = field_value(self.pod, item["fieldRef"]["fieldPath"], self.cfg.node_ip)
+            value = field_value(self.pod, item["fieldRef"]["fieldPath"], self.cfg.node_ip, self.pod_ip)
             out[item["path"]] = (value.encode(), item.get("mode", mode))
         return out
 
@@ -729,7 +740,7 @@ class PodWorker(threading.Thread):
         env: dict[str, str] = {
             "PATH": os.environ.get("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"),
             "HOME": "/root",
-            "HOSTNAME": self.cfg.node if pod["spec"].get("hostNetwork") else self.pod_name,
+            "HOSTNAME": self.cfg.node if self.host_network else self.pod_name,
             "KUBERNETES_SERVICE_HOST": self.cfg.api_host,
             "KUBERNETES_SERVICE_PORT": str(self.cfg.api_port),
             "KUBERNETES_SERVICE_PORT_HTTPS": str(self.cfg.api_port),
@@ -756,7 +767,7 @@ class PodWorker(threading.Thread):
                 continue
             source = item["valueFrom"]
             if "fieldRef" in source:
-                env[item["name"]] = field_value(pod, source["fieldRef"]["fieldPath"], self.cfg.node_ip)
+                env[item["name"]] = field_value(pod, source["fieldRef"]["fieldPath"], self.cfg.node_ip, self.pod_ip)
             elif "configMapKeyRef" in source or "secretKeyRef" in source:
                 secret = "secretKeyRef" in source
                 ref = source["secretKeyRef" if secret else "configMapKeyRef"]
@@ -816,11 +827,39 @@ class PodWorker(threading.Thread):
                 binds.append(f"{package}:{package}:ro")
         return binds
 
+    @property
+    def declared_ports(self) -> set[tuple[int, str]]:
+        """(containerPort, protocol) of every container: what the pod says it listens on."""
+        return {(int(p["containerPort"]), p.get("protocol", "TCP")) for c in self.pod["spec"]["containers"]
+                for p in c.get("ports") or [] if "containerPort" in p}
+
+    def _check_shared_ports(self) -> None:
+        """Refuse, for now, a port another running pod already declared in the node's one pod namespace.
+
+        A real node gives each pod its own namespace; here they share one, so the second
+        listener would die with EADDRINUSE and crash-loop with a message that names nothing.
+        """
+        mine = self.declared_ports
+        for other in list(self.sim.workers.values()):
+            if other is self or other.host_network or other.finished or \
+                    not any(r.proc is not None for r in other.runs):
+                continue
+            taken = mine & other.declared_ports
+            if taken:
+                ports = ", ".join(f"{port}/{proto}" for port, proto in sorted(taken))
+                raise PodError("PortConflict", f"{ports} already declared by pod {other.namespace}/"
+                                               f"{other.pod_name}: non-hostNetwork pods on a local-cluster node "
+                                               f"share one pod namespace ({self.netns})")
+
     def _start(self, run: ContainerRun) -> None:
         container = run.spec
         env = self._env(container)
         argv = self._argv(container, env)
-        launcher = [sys.executable, "-m", "proxyshift.localcluster.container", "--netns", self.cfg.node,
+        if not (NETNS_DIR / self.netns).exists():
+            raise PodError("NetworkNotReady", f"network is not ready: no pod namespace {self.netns} on this node")
+        if not self.host_network:
+            self._check_shared_ports()
+        launcher = [sys.executable, "-m", "proxyshift.localcluster.container", "--netns", self.netns,
                     "--created-log", str(self.cfg.created_paths_file),
                     "--workdir", container.get("workingDir") or "/"]
         for bind in self._binds(container):
@@ -870,7 +909,8 @@ class PodWorker(threading.Thread):
                         break
                 if now >= probe.next_at:
                     probe.next_at = now + float(probe.spec.get("periodSeconds", 10))
-                    probe.pending = self.sim.probe_pool.submit(probe_once, probe.spec, run.spec, self.cfg.node_ip)
+                    # From the node, as the kubelet probes: to the pod's address (its pod namespace's).
+                    probe.pending = self.sim.probe_pool.submit(probe_once, probe.spec, run.spec, self.pod_ip)
                     # A kubelet records a probe's result when it arrives, not at its next pass: wake for it.
                     probe.pending.add_done_callback(lambda _: self.wake.set())
 
@@ -997,7 +1037,7 @@ class PodWorker(threading.Thread):
         ip = self.cfg.node_ip
         status: dict[str, Any] = {
             "phase": self._phase(), "conditions": others + conditions, "hostIP": ip, "hostIPs": [{"ip": ip}],
-            "podIP": ip, "podIPs": [{"ip": ip}], "startTime": self.start_time,
+            "podIP": self.pod_ip, "podIPs": [{"ip": self.pod_ip}], "startTime": self.start_time,
             "containerStatuses": [self._container_status(r) for r in self.runs],
         }
         if self.init_runs:
@@ -1290,7 +1330,8 @@ class Simulator:
         """Kill processes a previous simulator left in the node (they would hold ports and rules)."""
         from proxyshift.commands import run
 
-        pids = [int(p) for p in run(["ip", "netns", "pids", self.cfg.node], check=False).stdout.split()
+        pids = [int(p) for netns in (self.cfg.node, self.cfg.pod_netns) if netns
+                for p in run(["ip", "netns", "pids", netns], check=False).stdout.split()
                 if p.isdigit() and int(p) != os.getpid()]
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
@@ -1316,6 +1357,8 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--node", required=True)
     parser.add_argument("--node-ip", help="default: from the node name (ps-node-<i> -> 198.18.0.<10+i>)")
+    parser.add_argument("--pod-ip", help="the node's pod namespace address (default: from the node name, "
+                                         "see proxyshift.localcluster.podnet)")
     parser.add_argument("--pool", default="default")
     parser.add_argument("--kubeconfig", type=Path, required=True)
     parser.add_argument("--bin-dir", type=Path, required=True)
@@ -1333,12 +1376,18 @@ def main(argv: list[str] | None = None) -> None:
         from proxyshift.localcluster.network import node_ip as ip_of
 
         node_ip = ip_of(node_index(args.node))
+    pod_ip = args.pod_ip
+    if pod_ip is None:
+        from proxyshift.localcluster.network import node_index
+
+        pod_ip = podnet.pod_ip(node_index(args.node))
     rest = args.api_url.split("://", 1)[-1].split("/", 1)[0]
     host, _, port = rest.rpartition(":")
     cfg = SimConfig(node=args.node, node_ip=node_ip, pool=args.pool, kubeconfig=args.kubeconfig,
                     bin_dir=args.bin_dir, state_dir=args.state_dir, api_host=host or rest,
                     api_port=int(port) if host else 443, kubelet_version=args.kubelet_version,
-                    backoff_base=args.backoff_base, backoff_max=args.backoff_max)
+                    backoff_base=args.backoff_base, backoff_max=args.backoff_max,
+                    pod_netns=podnet.pod_netns(args.node), pod_ip=pod_ip)
     Simulator(cfg).run()
 
 

@@ -39,6 +39,7 @@ class Endpoint:
     name: str  # also its network namespace, and what its listener answers
     ip: str
     ports: tuple[int, ...]
+    udp_ports: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,10 @@ def _kube(kube: Kube | Path | str) -> Kube:
 
 
 def create_endpoints(state_dir: Path, count: int, *, ports: tuple[int, ...] = (DEFAULT_TARGET_PORT,),
-                     start: int | None = None) -> list[Endpoint]:
+                     udp_ports: tuple[int, ...] = (), start: int | None = None) -> list[Endpoint]:
     """Endpoint namespaces start..start+count-1 and one listener process for them (recorded in state.json).
+
+    TCP `ports` answer each connection with the endpoint's name, `udp_ports` each datagram.
 
     Without `start`, numbering continues after the highest existing ps-ep-<n>, so
     each call adds fresh endpoints.
@@ -75,7 +78,7 @@ def create_endpoints(state_dir: Path, count: int, *, ports: tuple[int, ...] = (D
     endpoints = []
     for n in range(start, start + count):
         network.create_endpoint_netns(n)
-        endpoints.append(Endpoint(network.endpoint_name(n), network.endpoint_ip(n), tuple(ports)))
+        endpoints.append(Endpoint(network.endpoint_name(n), network.endpoint_ip(n), tuple(ports), tuple(udp_ports)))
     if not endpoints:
         return endpoints
     name = f"listener-{start}-{start + count - 1}"
@@ -86,7 +89,10 @@ def create_endpoints(state_dir: Path, count: int, *, ports: tuple[int, ...] = (D
     ready.unlink(missing_ok=True)
     argv = [sys.executable, "-m", "proxyshift.localcluster.listener", "--ready-file", str(ready)]
     for endpoint in endpoints:
-        argv += ["--endpoint", f"{endpoint.name}:{','.join(map(str, ports))}"]
+        if ports:
+            argv += ["--endpoint", f"{endpoint.name}:{','.join(map(str, ports))}"]
+        if udp_ports:
+            argv += ["--udp-endpoint", f"{endpoint.name}:{','.join(map(str, udp_ports))}"]
     proc = state.spawn(state_dir, name, argv)
     deadline = time.monotonic() + LISTENER_START_TIMEOUT
     while not ready.exists():
@@ -201,6 +207,42 @@ def connect_once(ip: str, port: int, timeout: float) -> tuple[bool, str]:
         return False, type(exc).__name__ + (f": {exc.strerror}" if exc.strerror else "")
 
 
+def udp_once(ip: str, port: int, timeout: float, *, payload: bytes = b"ping", source_port: int = 0) -> tuple[bool, str]:
+    """One UDP request/response: (True, endpoint name) or (False, error). Call from inside a namespace.
+
+    A fixed `source_port` keeps the flow (and its conntrack entry) the same across calls.
+    A refused port shows up as ConnectionRefusedError only because the socket is connected.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.settimeout(timeout)
+        try:
+            sock.bind(("0.0.0.0", source_port))
+            sock.connect((ip, port))
+            sock.send(payload)
+            data = sock.recv(2048)
+        except OSError as exc:
+            return False, type(exc).__name__ + (f": {exc.strerror}" if exc.strerror else "")
+    name = data.split(b"\n", 1)[0].decode(errors="replace").strip()
+    return (True, name) if name else (False, "empty answer")
+
+
+def udp_probe(netns: str, ip: str, port: int, count: int = 1, *, timeout: float = 2.0,
+              source_port: int = 0) -> ProbeResult:
+    """`count` UDP requests to ip:port from inside `netns` (a node's or its pod namespace), one after another."""
+
+    def loop() -> ProbeResult:
+        result = ProbeResult()
+        for _ in range(count):
+            ok, detail = udp_once(ip, port, timeout, source_port=source_port)
+            result.ok += ok
+            result.failed += not ok
+            (result.served_by if ok else result.errors)[detail] += 1
+        return result
+
+    return run_in_netns(netns, loop)
+
+
 def _probe_loop(ip: str, port: int, count: int, timeout: float) -> ProbeResult:
     result = ProbeResult()
     for _ in range(count):
@@ -215,7 +257,8 @@ def _probe_loop(ip: str, port: int, count: int, timeout: float) -> ProbeResult:
 
 
 def tcp_probe(node: str, ip: str, port: int, count: int = 10, *, timeout: float = 2.0) -> ProbeResult:
-    """Open `count` TCP connections to ip:port from inside `node`'s namespace, one after another."""
+    """Open `count` TCP connections to ip:port from inside `node`'s namespace (or any namespace,
+    e.g. its pod namespace `ps-node-<i>-pod`), one after another."""
     return run_in_netns(node, _probe_loop, ip, port, count, timeout)
 
 

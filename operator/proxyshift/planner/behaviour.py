@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from proxyshift.api.behaviour import (
+    MAX_CELLS,
     MAX_LOCAL_ENDPOINTS,
     MAX_TARGETS,
     BehaviourCell,
@@ -64,7 +65,8 @@ def _pick(service: ServiceView, kind: ServiceKind, protocol: str, ready: Sequenc
         return None  # nothing to dial: DNS answers with the endpoints themselves
     address = service.cluster_ips[0] if service.cluster_ips else None
     plain = service.session_affinity == "None"
-    local = [e.address for e in ready if e.node_name == node_name][:MAX_LOCAL_ENDPOINTS]
+    # Sorted and unique: EndpointSlices list their endpoints in no fixed order, and the sample must not move.
+    local = sorted({e.address for e in ready if e.node_name == node_name})[:MAX_LOCAL_ENDPOINTS]
     if kind == "NoEndpoints":
         port = _first_port(service, protocol)
         if ready or address is None or port is None:
@@ -93,6 +95,30 @@ def _pick(service: ServiceView, kind: ServiceKind, protocol: str, ready: Sequenc
     return None
 
 
+def node_ips_from_k8s(node: Mapping[str, Any]) -> list[str]:
+    """The Node object's InternalIP and ExternalIP addresses (BehaviourParams.node_ips), bounded."""
+    addresses = (node.get("status") or {}).get("addresses") if isinstance(node.get("status"), Mapping) else None
+    found: list[str] = []
+    for entry in addresses if isinstance(addresses, list) else []:
+        if not isinstance(entry, Mapping) or entry.get("type") not in ("InternalIP", "ExternalIP"):
+            continue
+        address = entry.get("address")
+        if isinstance(address, str) and len(address) <= 45 and address not in found:
+            found.append(address)
+        if len(found) == MAX_NODE_IPS:
+            break
+    return found
+
+
+def estimated_cells(target: BehaviourTarget, node_ips: Sequence[str]) -> int:
+    """Cells a target gives at most: a NodePort is dialled on each node IP, one other address (the
+    operator cannot see the node's other addresses; one is what the test bed adds) and 127.0.0.1."""
+    if target.address is not None:
+        return len(target.paths)
+    per_path = len(node_ips) + 1
+    return per_path * len(target.paths) + ("node" in target.paths)
+
+
 def _target_id(target: BehaviourTarget) -> tuple[str, str | None, int, str]:
     return (target.service, target.address, target.port, target.protocol)
 
@@ -109,7 +135,9 @@ def behaviour_params(
 
     Named Services (gate.probeServices) come first, then the kinds in turn (the first Service of
     every kind, then the second of every kind...), so when MAX_TARGETS cuts the list every kind is
-    still in it. A Service stands for each kind it qualifies for, but a port is dialled once.
+    still in it. A Service stands for each kind it qualifies for, but a port is dialled once. The
+    sample stops at MAX_TARGETS targets and at what fits in MAX_CELLS cells, so the matrix the agent
+    writes to the ProxyNode status stays bounded whatever the cluster holds.
     """
     settings = spec.gate.behaviour
     params = BehaviourParams(node_ips=list(node_ips)[:MAX_NODE_IPS], pod_probe=pod_probe,
@@ -122,11 +150,16 @@ def behaviour_params(
 
     chosen: list[BehaviourTarget] = []
     seen: set[tuple[str, str | None, int, str]] = set()
+    cells = 0
 
     def add(target: BehaviourTarget) -> None:
-        if _target_id(target) not in seen and len(chosen) < MAX_TARGETS:
-            seen.add(_target_id(target))
-            chosen.append(target)
+        nonlocal cells
+        cost = estimated_cells(target, params.node_ips)
+        if _target_id(target) in seen or len(chosen) == MAX_TARGETS or cells + cost > MAX_CELLS:
+            return
+        seen.add(_target_id(target))
+        chosen.append(target)
+        cells += cost
 
     for ref in spec.gate.probe_services or []:
         service = by_key.get(f"{ref.namespace}/{ref.name}")
@@ -199,7 +232,11 @@ def serves_node_ports_on(address: str, role: str, mode: str | None, node_port_ad
         ip = ipaddress.ip_address(address)
     except ValueError:
         return True  # not ours to judge
-    for entry in node_port_addresses:
+    same_family = [e for e in node_port_addresses if e in ("primary", "localhost", "all") or (":" in e) == (
+        ip.version == 6)]
+    if not same_family:
+        return True  # kube-proxy gives a family the list leaves out its zero CIDR
+    for entry in same_family:
         if entry == "all" or (entry == "primary" and role == "nodeIP") or (entry == "localhost" and ip.is_loopback):
             return True
         try:
@@ -226,8 +263,8 @@ def _localhost_cause(cell: BehaviourCell, to_mode: str | None, to_config: KubePr
                     "kube-proxy's log; or allow the change LocalhostNodePorts)")
         if cell.protocol == "TCP":
             return ("nftables mode serves no localhost NodePorts (set nftables.localhostNodePorts: true with "
-                    "nodePortAddresses [primary, localhost], allow the change LocalhostNodePorts, or keep this pool "
-                    "on iptables)")
+                    "localhost in nodePortAddresses, allow the change LocalhostNodePorts, or keep this pool on "
+                    "iptables)")
         return ("nftables mode serves no UDP NodePorts on localhost (allow the change LocalhostNodePorts, or keep "
                 "this pool on iptables)")
     if to_mode == "iptables":

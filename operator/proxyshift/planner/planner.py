@@ -426,6 +426,8 @@ def plan(world: World, policy_name: str) -> Plan:
         kube_proxy_crashlooping=sorted(crashlooping, key=lambda n: (node_key(n), n)),
         revision_since=revision_since,
         render_error=None if deleting else world.render_errors.get(policy_name),
+        compat=None if deleting else world.compat.get(policy_name),
+        allowed_changes=tuple(policy.spec.gate.behaviour.allow_changes or ()),
     )
     status = build_status(policy, summary, ctx.now)
     for reason, message, warning in transitions(policy.status, status):

@@ -7,15 +7,21 @@ kernel, tool versions); the real preflight on the node stays the authority.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from proxyshift.api.kubeproxy import KubeProxyConfiguration
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.api.proxynode import ProxyNode
 from proxyshift.api.requirements import NFTABLES_MIN_KERNEL, NFTABLES_MIN_NFT
+from proxyshift.planner.compat import CompatFinding, compatibility
 from proxyshift.planner.ordering import node_key
 from proxyshift.planner.ownership import compute_ownership
 from proxyshift.planner.planner import stage_targets
+from proxyshift.planner.services import EndpointView, ServiceView
 from proxyshift.planner.world import World
+
+BASELINE_SOURCE = "baseline"
 
 
 @dataclass(frozen=True)
@@ -94,3 +100,50 @@ def preview(world: World, policy_name: str) -> list[PreviewStage]:
                 failures[name] = problems
         result.append(PreviewStage(index + 1, target, pause, batch, failures))
     return result
+
+
+@dataclass(frozen=True)
+class CompatGroup:
+    """The nodes that would move from one source (the baseline or a revision), and what the move changes."""
+
+    source: str  # BASELINE_SOURCE or the revision name the nodes run now
+    mode: str  # the source's kube-proxy mode
+    nodes: list[str]
+    findings: list[CompatFinding]
+
+
+def node_source(world: World, name: str) -> tuple[str, str]:
+    """(source, mode) a node runs now: its revision when the operator knows it, else the baseline."""
+    revision = world.nodes[name].revision
+    if revision and revision in world.revisions:
+        return revision, world.revisions[revision].mode or world.baseline_mode
+    return BASELINE_SOURCE, world.baseline_mode
+
+
+def compat_preview(
+    world: World,
+    policy_name: str,
+    configs: Mapping[str, KubeProxyConfiguration | None],
+    to_config: KubeProxyConfiguration | None,
+    services: Iterable[ServiceView],
+    endpoints: Iterable[EndpointView],
+) -> list[CompatGroup]:
+    """The compatibility report per source among the nodes the policy would move.
+
+    `configs` maps a source (BASELINE_SOURCE or a revision name) to the KubeProxyConfiguration its
+    nodes run, None where it is unknown (kube-proxy's defaults are assumed); a baseline config's
+    own mode wins over world.baseline_mode.
+    """
+    services, endpoints = list(services), list(endpoints)
+    policy_mode = world.policies[policy_name].spec.mode
+    groups: dict[tuple[str, str], list[str]] = {}
+    for stage in preview(world, policy_name):
+        for name in stage.nodes:
+            source, mode = node_source(world, name)
+            if source == BASELINE_SOURCE and (baseline := configs.get(BASELINE_SOURCE)) is not None:
+                mode = baseline.mode or "iptables"  # kube-proxy's default on Linux
+            groups.setdefault((source, mode), []).append(name)
+    to_mode = (to_config.mode if to_config else None) or policy_mode
+    return [CompatGroup(source, mode, nodes,
+                        compatibility(mode, configs.get(source), to_mode, to_config, services, endpoints))
+            for (source, mode), nodes in sorted(groups.items())]

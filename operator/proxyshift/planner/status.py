@@ -9,16 +9,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from proxyshift.api.common import Condition
 from proxyshift.api.policy import NodeCounts, NodeFailure, NodeProgress, ProxyPolicy, ProxyPolicyStatus
 from proxyshift.planner.timeutil import fmt
 
+if TYPE_CHECKING:  # preview imports the planner, which imports this module
+    from proxyshift.planner.preview import CompatGroup
+
 LIST_LIMIT = 20  # entries in inFlight, failed and conflictingNodes
 NODE_MESSAGE_LIMIT = 120
 CONDITION_MESSAGE_LIMIT = 400
 NAMES_IN_MESSAGE = 5
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Paused", "Conflict", "ControlPlaneSkipped")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Paused", "Conflict", "ControlPlaneSkipped",
+                   "BehaviourChanges")
 
 
 def clip(text: str | None, limit: int) -> str:
@@ -59,6 +64,8 @@ class Summary:
     revision_since: str | None = None
     kube_proxy_crashlooping: list[str] = field(default_factory=list)  # migrated nodes, in node order
     render_error: str | None = None  # the revision cannot be rendered: no node starts
+    compat: list[CompatGroup] | None = None  # the compatibility report; None: not taken (yet)
+    allowed_changes: tuple[str, ...] = ()  # gate.behaviour.allowChanges
 
 
 def set_condition(
@@ -73,6 +80,36 @@ def set_condition(
         type=type_, status=value, reason=reason, message=clip(message, CONDITION_MESSAGE_LIMIT),
         last_transition_time=since, observed_generation=generation,
     )
+
+
+def behaviour_changes_condition(old: list[Condition], s: Summary, now: datetime, generation: int | None) -> Condition:
+    """What the target mode changes for this cluster's Services, told when the policy is applied: True while
+    a documented change affects Services here and is neither preserved by a setting nor allowed."""
+    if s.compat is None:
+        previous = next((c for c in old if c.type == "BehaviourChanges"), None)
+        if previous is not None:
+            return previous  # the report is taken again later; until then what it last said stands
+        return Condition(type="BehaviourChanges", status="Unknown", reason="NotAssessed",
+                         message="the compatibility report is taken once the policy's revision renders",
+                         last_transition_time=fmt(now), observed_generation=generation)
+    ahead: dict[str, set[str]] = {}
+    counts: dict[str, int] = {}
+    for group in s.compat:
+        for f in group.findings:
+            if f.preserved or f.service_count == 0 or f.change in s.allowed_changes:
+                continue
+            ahead.setdefault(f.change, set()).update(f.services)
+            counts[f.change] = max(counts.get(f.change, 0), f.service_count)
+    if ahead:
+        told = [f"{change} ({name_list(sorted(services), counts[change])})" for change, services in ahead.items()]
+        return set_condition(old, "BehaviourChanges", True, "BehaviourChangesAhead",
+                             "the target mode changes how Services here are served: " + "; ".join(told)
+                             + ". `proxyshift plan -f` names the setting that keeps each; the gate rolls back a "
+                             "node whose Services answer differently unless gate.behaviour.allowChanges names it",
+                             now, generation)
+    return set_condition(old, "BehaviourChanges", False, "NoBehaviourChanges",
+                         "the target mode changes nothing this cluster's Services use that is not preserved or "
+                         "allowed", now, generation)
 
 
 def _phase(s: Summary) -> str:
@@ -176,6 +213,8 @@ def build_status(policy: ProxyPolicy, s: Summary, now: datetime) -> ProxyPolicyS
     else:
         skipped = set_condition(old, "ControlPlaneSkipped", False, "NoControlPlaneNodes", "", now, gen)
 
+    changes = behaviour_changes_condition(old, s, now, gen)
+
     failures = sorted(s.failures, key=lambda f: f.at, reverse=True)[:LIST_LIMIT]
     return ProxyPolicyStatus(
         observed_generation=gen,
@@ -195,7 +234,7 @@ def build_status(policy: ProxyPolicy, s: Summary, now: datetime) -> ProxyPolicyS
         failed=[f.model_copy(update={"message": clip(f.message, NODE_MESSAGE_LIMIT)}) for f in failures],
         conflicting_nodes=s.conflicting[:LIST_LIMIT],
         retry_token=s.retry_token,
-        conditions=[ready, progressing, degraded, paused, conflict, skipped],
+        conditions=[ready, progressing, degraded, paused, conflict, skipped, changes],
     )
 
 
@@ -204,6 +243,7 @@ _EVENTFUL = {
     ("Ready", "True"): False, ("Degraded", "True"): True, ("Degraded", "False"): False,
     ("Conflict", "True"): True, ("ControlPlaneSkipped", "True"): True,
     ("Paused", "True"): False, ("Paused", "False"): False,
+    ("BehaviourChanges", "True"): True,
 }
 
 

@@ -96,6 +96,9 @@ class World:
     # policy name -> the revision its current spec renders to. A live policy missing here gets no new
     # starts (the operator could not render it); in-flight nodes still finish.
     current_revisions: dict[str, RevisionTarget] = field(default_factory=dict)
+    # policy name -> its compatibility report: what the target mode changes for this cluster's Services,
+    # per source of its nodes (controller/compat_report.py; None or missing: not taken).
+    compat: dict[str, Any] = field(default_factory=dict)
     # policy name -> why its revision could not be rendered (an unreadable baseline kube-proxy config).
     render_errors: dict[str, str] = field(default_factory=dict)
     # "namespace/name" -> ClusterIP of the Services named in gate.probeServices.

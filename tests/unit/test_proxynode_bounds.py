@@ -1,0 +1,63 @@
+"""ProxyNode status is bounded: in the CRD, in the agent's writes, and in what the operator accepts."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxyshift.api.proxynode import (
+    MAX_STATUS_MODULES,
+    STATUS_MESSAGE_LIMIT,
+    STATUS_TEXT_LIMIT,
+    ProxyNodeStatus,
+    clip_status,
+)
+from proxyshift.controller.handlers import _proxynode_item
+
+pytestmark = pytest.mark.unit
+
+
+def _schema() -> dict:
+    with open("crds/proxynode.yaml") as fh:
+        crd = yaml.safe_load(fh)
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+
+
+def test_every_agent_written_string_and_list_is_bounded_in_the_crd() -> None:
+    status = _schema()
+    assert status["kernelRelease"]["maxLength"] == STATUS_TEXT_LIMIT
+    assert status["modules"]["maxItems"] == MAX_STATUS_MODULES and status["modules"]["items"]["maxLength"] == 64
+    assert status["tools"]["maxProperties"] == 16
+    assert status["lastOperation"]["properties"]["message"]["maxLength"] == STATUS_MESSAGE_LIMIT
+    assert status["kubeProxy"]["properties"]["error"]["maxLength"] == STATUS_MESSAGE_LIMIT
+    assert status["objects"]["maxItems"] == 8 and status["leftovers"]["maxItems"] == 8
+
+
+huge = st.text(min_size=0, max_size=6000)
+
+
+@given(kernel=huge, message=huge, error=huge, modules=st.lists(st.text(max_size=80), max_size=300),
+       tools=st.dictionaries(st.text(max_size=10), huge, max_size=30))
+def test_an_agent_patch_clipped_to_the_bounds_always_validates(kernel: str, message: str, error: str,
+                                                               modules: list[str], tools: dict[str, str]) -> None:
+    patch = {"kernelRelease": kernel, "modules": modules, "tools": tools,
+             "kubeProxy": {"error": error},
+             "lastOperation": {"id": "x", "type": "Probe", "state": "Succeeded", "message": message},
+             "objects": [{"mode": "iptables", "count": 1, "summary": message}] * 12,
+             "leftovers": ["ipvs"] * 12}
+    ProxyNodeStatus.model_validate(clip_status(patch))
+
+
+def test_the_operator_ignores_a_proxynode_it_cannot_read_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    body = {"apiVersion": "proxyshift.io/v1alpha1", "kind": "ProxyNode", "metadata": {"name": "n1"},
+            "spec": {}, "status": {"kernelRelease": "x" * (STATUS_TEXT_LIMIT + 1)}}
+    with caplog.at_level(logging.WARNING, logger="proxyshift.operator"):
+        assert _proxynode_item(body) is None
+    assert "ProxyNode n1 is invalid and is ignored" in caplog.text
+    good = dict(body, status={"kernelRelease": "6.1.0-18-amd64"})
+    found = _proxynode_item(good)
+    assert found is not None and found[0] == "n1"
