@@ -1,4 +1,4 @@
-"""`proxyshift diagnose`'s node side on real iptables rules: counters after real connections.
+"""`proxyshift diagnose`'s node side on real iptables and nftables rules: counters after real connections.
 
 A namespace of the test's own with only a loopback device: endpoint addresses 198.18.200.1-3 and a
 client address on lo, a route for the ClusterIP 198.19.200.10 into lo (nothing leaves the namespace),
@@ -155,3 +155,37 @@ def test_affinity_and_a_not_ready_endpoint_are_named_from_real_counters(node: Ne
     assert d.verdict == "uneven"
     assert {c.name for c in d.causes} == {"ClientIPAffinity", "EndpointNotReady"}, d.causes
     print("\n" + "\n".join(f"{c.name}: {c.message}" for c in d.causes))
+
+
+def nft_rules(endpoints: list[str]) -> str:
+    """kube-proxy 1.37's nftables shape for one Service port (one dnat over a numgen map, no counters).
+
+    `numgen inc` where kube-proxy has `numgen random`, for the same reason as the iptables rules' nth.
+    """
+    elements = ", ".join(f"{i} : {ep} . 8080" for i, ep in enumerate(endpoints))
+    return f"""table ip kube-proxy {{
+	chain service-DIAGTEST-ps-diag/web/tcp/http {{
+		meta l4proto tcp dnat ip to numgen inc mod {len(endpoints)} map {{ {elements} }}
+	}}
+	chain nat-output {{
+		type nat hook output priority -100; policy accept;
+		ip daddr {CLUSTER_IP} tcp dport 80 goto service-DIAGTEST-ps-diag/web/tcp/http
+	}}
+}}
+"""
+
+
+def test_nftables_mode_counts_conntrack_entries_by_endpoint(node: Netns) -> None:
+    node.run(["nft", "-f", "-"], input=nft_rules(ENDPOINTS))
+    seen, client = connect(node, 60, 2)  # 53 flows are the floor of "balanced" over three endpoints
+    try:
+        counters = read_service(SERVICE, "nftables", Readers(runner=node.run))
+    finally:
+        stop_child(client, grace=5)
+    assert counters.source == "conntrack" and not counters.errors, counters
+    # Closed connections stay in conntrack (TIME_WAIT) for minutes: every flow is still there.
+    assert {e.address: e.conntrack_entries for e in counters.endpoints} == {ep: seen.get(ep, 0) for ep in ENDPOINTS}
+    assert sum(e.conntrack_established for e in counters.endpoints) == 2
+    slices = [EndpointView(service=KEY, address=ep, ready=True) for ep in ENDPOINTS]
+    d = diagnose(view(), slices, "ps-test", counters, "nftables")
+    assert d.basis == "conntrack entries" and d.verdict == "balanced", d
