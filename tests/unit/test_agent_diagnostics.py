@@ -48,7 +48,7 @@ def test_iptables_counters_of_a_real_kube_proxy_dump_are_the_dnat_rules_packets(
     # The Service's own chains: its SVC chain (masquerade + two endpoint jumps), EXT chain, two SEP chains.
     assert counted.chains == {"KUBE-SVC-HAAXGVVJ3FYQTALW": 3, "KUBE-EXT-HAAXGVVJ3FYQTALW": 1,
                               "KUBE-SEP-DATOQU4GOKQ3JWJD": 2, "KUBE-SEP-BQVF2Y5464GH74YC": 2}
-    assert not counted.truncated
+    assert not counted.chains_cut
 
 
 def test_a_service_whose_name_is_a_prefix_of_another_gets_only_its_own_rules() -> None:
@@ -92,6 +92,17 @@ def test_conntrack_reading_stops_at_its_bound_and_says_so(lines: int, bound: int
     counts = diag.parse_conntrack(text * lines, max_lines=bound)
     assert sum(counts.entries.values()) == min(lines, bound)
     assert counts.truncated == (lines > bound)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(min_value=0, max_value=200))
+def test_the_chains_listed_for_one_service_are_bounded_and_every_flow_counted(chains: int) -> None:
+    text = "".join(f'[1:60] -A KUBE-SEP-{i:016d} -p tcp -m comment --comment "ns/svc:http" -m tcp '
+                   f"-j DNAT --to-destination 198.18.{i // 250}.{i % 250}:8080\n" for i in range(chains))
+    counted = diag.parse_iptables_counters(text, "ns/svc")
+    assert len(counted.chains) == min(chains, diag.MAX_RULES)
+    assert counted.chains_cut == (chains > diag.MAX_RULES)
+    assert len(counted.flows) == chains and sum(counted.flows.values()) == chains  # every endpoint counted
 
 
 @settings(max_examples=100, deadline=None)

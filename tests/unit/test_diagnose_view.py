@@ -100,11 +100,11 @@ def test_render_names_mode_rules_shares_readiness_and_both_causes() -> None:
                                endpoints=[EndpointCounters(address="198.18.1.1", flows=50),
                                           EndpointCounters(address="198.18.1.2", flows=0),
                                           EndpointCounters(address="198.18.1.3", flows=0)])
-    answers = {"ps-node-1": NodeDiagnostics(id="d", mode="iptables", services=[counters]),
+    answers = {"ps-node-1": NodeDiagnostics(id="d", mode="iptables", duration_seconds=0.05, services=[counters]),
                "ps-node-2": NodeDiagnostics(id="d", mode="iptables", services=[counters]),
                "ps-node-3": None}
     text = diagnose_view.render(service, endpoints, answers, 15)
-    assert "node ps-node-1: mode iptables, counters from iptables" in text
+    assert "node ps-node-1: mode iptables, counters from iptables (read in 0.05s)" in text
     assert "rules: KUBE-SVC-X (4 rules)" in text
     assert "EndpointSlices: 2/3 endpoints ready" in text
     assert "node ps-node-3: no answer within 15s" in text

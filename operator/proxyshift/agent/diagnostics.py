@@ -66,7 +66,7 @@ def _names_service(comment: str, key: str) -> bool:
 class IptablesCounters:
     chains: dict[str, int] = field(default_factory=dict)  # chain -> rules of this Service in it
     flows: dict[str, int] = field(default_factory=dict)  # endpoint ip:port -> DNAT rule packets
-    truncated: bool = False
+    chains_cut: bool = False  # more chains than MAX_RULES: the list is cut, the flows are whole
 
 
 def parse_iptables_counters(text: str, service_key: str) -> IptablesCounters:
@@ -87,10 +87,11 @@ def parse_iptables_counters(text: str, service_key: str) -> IptablesCounters:
         comment = _COMMENT.search(rest)
         if comment is None or not _names_service(comment.group(1), service_key):
             continue
-        if chain not in out.chains and len(out.chains) >= MAX_RULES:
-            out.truncated = True
-            continue
-        out.chains[chain] = out.chains.get(chain, 0) + 1
+        # The list of chains is for a person and bounded; every endpoint's flows are counted regardless.
+        if chain in out.chains or len(out.chains) < MAX_RULES:
+            out.chains[chain] = out.chains.get(chain, 0) + 1
+        else:
+            out.chains_cut = True
         dnat = _TO_DESTINATION.search(rest)
         if chain.startswith("KUBE-SEP-") and dnat is not None:
             endpoint = dnat.group(1)
@@ -291,8 +292,10 @@ def read_service(service: DiagnoseService, mode: str | None, readers: Readers | 
             try:
                 text, cut = readers.text([tool, "-c", "-t", "nat"], MAX_SAVE_BYTES)
                 counted = parse_iptables_counters(text, key)
-                truncated |= cut or counted.truncated
+                truncated |= cut
                 rules += [f"{chain[:80]} ({n} rules)" for chain, n in counted.chains.items()]
+                if counted.chains_cut:
+                    rules.append(f"... more than {MAX_RULES} chains of it in {tool}, not listed")
                 for endpoint, n in counted.flows.items():
                     flows[endpoint] = flows.get(endpoint, 0) + n
             except (CommandError, DiagnosticsOutputError) as exc:
@@ -347,12 +350,14 @@ def read_service(service: DiagnoseService, mode: str | None, readers: Readers | 
             conntrack_entries=total(conntrack.entries),
             conntrack_established=total(conntrack.established),
         ))
+    if len(rules) > MAX_RULES:
+        rules = [*rules[:MAX_RULES - 1], f"... {len(rules) - MAX_RULES + 1} more not listed"]
     if len(endpoints) > MAX_ENDPOINTS:
         endpoints, truncated = endpoints[:MAX_ENDPOINTS], True
     if not rules and not flows and mode in ("iptables", "ipvs") and not errors:
         errors.append(f"no {mode} rules for {key} on this node")
     return ServiceCounters(service=key, source=source if (rules or flows or conntrack.entries) else "none",
-                           rules=rules[:MAX_RULES], scheduler=scheduler, persistence_seconds=persistence,
+                           rules=rules, scheduler=scheduler, persistence_seconds=persistence,
                            endpoints=endpoints, errors=errors[:MAX_ERRORS], truncated=truncated)
 
 

@@ -118,6 +118,8 @@ def render(service: ServiceView, endpoints: Sequence[EndpointView], answers: dic
             continue
         answered.append(counters)
         head = f"node {node}: mode {answer.mode or 'unknown'}, counters from {counters.source}"
+        if answer.duration_seconds is not None:
+            head += f" (read in {answer.duration_seconds:g}s)"
         if counters.scheduler:
             head += f", ipvs scheduler {counters.scheduler}"
         if counters.persistence_seconds:
