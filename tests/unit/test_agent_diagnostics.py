@@ -208,6 +208,14 @@ def test_answer_patch_carries_the_id_and_every_service() -> None:
     assert patch["diagnostics"]["services"][0]["service"] == "ns2/svc12"
 
 
+def test_one_request_runs_each_tool_once_and_the_next_request_again() -> None:
+    node = FakeNode({"iptables-save": with_counters(KUBE_PROXY_SAVE, {}), "conntrack": ""})
+    other = SVC12.model_copy(update={"name": "svc29"})
+    for _ in range(2):
+        diag.serve(DiagnoseRequest(id="d", services=[SVC12, other]), "iptables", node.readers)
+    assert [c[0] for c in node.calls].count("iptables-save") == 2
+
+
 def test_a_recorded_request_goes_to_the_distribution_and_counts_as_answered() -> None:
     request = DiagnoseRequest(id="n1-before", record="before", services=[SVC12]).to_k8s()
     patch = diag.answer_patch(request, "iptables", FakeNode({"iptables-save": "", "conntrack": ""}).readers)
