@@ -12,6 +12,7 @@ from proxyshift.planner.diagnosis import (
     combine,
     diagnose,
     distribution_change,
+    distribution_lines,
     migration_request,
     request_service,
 )
@@ -188,3 +189,11 @@ def test_distribution_change_judges_each_side_on_its_own_basis() -> None:
                     "after too-few (100%/0% of 3 conntrack entries, nftables)")
     assert distribution_change(view, eps, NODE, None, None) is None
     assert "before not recorded" in (distribution_change(view, eps, NODE, None, after) or "")
+
+
+def test_distribution_lines_cover_every_recorded_service_that_still_exists() -> None:
+    view, eps = service(), endpoints(2)
+    gone = counters([1, 1]).model_copy(update={"service": "x/gone"})
+    before = NodeDiagnostics(id="b", mode="iptables", services=[counters([60, 61]), gone])
+    lines = distribution_lines(NODE, before, None, {"ns/web": view}, {"ns/web": eps})
+    assert lines == ["ns/web on ps-node-1: before balanced (50%/50% of 121 new flows, iptables) -> after not recorded"]

@@ -370,3 +370,21 @@ def distribution_change(service: ServiceView, endpoints: Sequence[EndpointView],
     if before is None and after is None:
         return None
     return f"{service.key} on {node}: before {side(before)} -> after {side(after)}"
+
+
+def distribution_lines(node: str, before: NodeDiagnostics | None, after: NodeDiagnostics | None,
+                       services: Mapping[str, ServiceView],
+                       endpoints: Mapping[str, Sequence[EndpointView]]) -> list[str]:
+    """Every recorded Service of a node's status.distribution as `distribution_change` lines, in record order.
+
+    A Service deleted since it was recorded is skipped: there is nothing left to judge it against.
+    """
+    keys = [c.service for c in (before.services if before else [])]
+    keys += [c.service for c in (after.services if after else []) if c.service not in keys]
+    lines = []
+    for key in keys:
+        view = services.get(key)
+        line = distribution_change(view, endpoints.get(key, ()), node, before, after) if view else None
+        if line:
+            lines.append(line)
+    return lines
