@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "operator": ("proxyshift.controller.main", "main", "run the operator (kopf)"),
     "agent": ("proxyshift.agent.loop", "main", "run the node agent for one node"),
+    "probe-server": ("proxyshift.agent.probe_server", "main",
+                     "serve the behaviour probe's pod path (runs in the proxyshift-probe DaemonSet)"),
     "status": ("proxyshift.controller.status_view", "main", "show a policy's rollout"),
     "plan": ("proxyshift.controller.plan_view", "main", "show what a policy would do, change nothing"),
     "diagnose": ("proxyshift.controller.diagnose_view", "main",

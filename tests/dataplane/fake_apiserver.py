@@ -26,8 +26,9 @@ from fake_http import JsonHandler
 RV = "100"
 
 
-def world(node: str, node_ip: str, services: int) -> dict[str, list[dict[str, Any]]]:
-    """The objects: one Node, `services` ClusterIP Services (every 4th a NodePort), 2 endpoints each."""
+def world(node: str, node_ip: str, services: int, udp_services: int = 0) -> dict[str, list[dict[str, Any]]]:
+    """The objects: one Node, `services` ClusterIP Services (every 4th a NodePort), 2 endpoints each;
+    then `udp_services` UDP ClusterIP Services udp<i> (port 53 -> 5353) after them, 2 endpoints each."""
     svcs, slices = [], []
     for i in range(services):
         name, ns = f"svc{i}", f"ns{i % 5}"
@@ -54,6 +55,27 @@ def world(node: str, node_ip: str, services: int) -> dict[str, list[dict[str, An
             "endpoints": [{"addresses": [ip], "conditions": {"ready": True, "serving": True, "terminating": False},
                            "nodeName": node} for ip in eps],
             "ports": [{"name": "http", "protocol": "TCP", "port": 8080}],
+        })
+    for j in range(udp_services):
+        i = services + j
+        cip = str(ipaddress.IPv4Address("198.19.0.10") + i)
+        svcs.append({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": f"udp{j}", "namespace": "ns0", "uid": f"svc-{i}", "resourceVersion": RV},
+            "spec": {"type": "ClusterIP", "clusterIP": cip, "clusterIPs": [cip], "ipFamilies": ["IPv4"],
+                     "ipFamilyPolicy": "SingleStack", "sessionAffinity": "None", "internalTrafficPolicy": "Cluster",
+                     "ports": [{"name": "dns", "protocol": "UDP", "port": 53, "targetPort": 5353}]},
+        })
+        eps = [str(ipaddress.IPv4Address("198.18.16.1") + 2 * i + k) for k in range(2)]
+        slices.append({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": f"udp{j}-abcde", "namespace": "ns0", "uid": f"eps-{i}", "resourceVersion": RV,
+                         "labels": {"kubernetes.io/service-name": f"udp{j}",
+                                    "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}},
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": [ip], "conditions": {"ready": True, "serving": True, "terminating": False},
+                           "nodeName": node} for ip in eps],
+            "ports": [{"name": "dns", "protocol": "UDP", "port": 5353}],
         })
     node_obj = {
         "apiVersion": "v1", "kind": "Node",
@@ -127,8 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--node", default="ps-node-1")
     p.add_argument("--node-ip", default="198.18.0.11")
     p.add_argument("--services", type=int, default=20)
+    p.add_argument("--udp-services", type=int, default=0)
     args = p.parse_args(argv)
-    srv = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(world(args.node, args.node_ip, args.services)))
+    srv = ThreadingHTTPServer(("127.0.0.1", args.port),
+                              make_handler(world(args.node, args.node_ip, args.services, args.udp_services)))
     srv.daemon_threads = True
     srv.serve_forever()
     return 0

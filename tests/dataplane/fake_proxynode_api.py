@@ -84,8 +84,10 @@ def main(argv: list[str] | None = None) -> int:
                 return
             with lock:
                 current = obj()
+                # current["status"] is `status` itself: merge first, then replace its contents.
+                merged = merge_patch(current["status"], body.get("status", {}))
                 status.clear()
-                status.update(merge_patch(current["status"], body.get("status", {})))
+                status.update(merged)
                 version[0] += 1
                 current = obj()
                 tmp = args.state / "object.json.tmp"

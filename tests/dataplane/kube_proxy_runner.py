@@ -84,7 +84,7 @@ class KubeProxy:
     """A fake API server and a real kube-proxy in `ns`, stopped by stop()."""
 
     def __init__(self, ns: Netns, workdir: Path, mode: str, *, services: int = 20, node: str = "ps-node-1",
-                 node_ip: str = "198.18.0.11", binary: Path | None = None) -> None:
+                 node_ip: str = "198.18.0.11", binary: Path | None = None, udp_services: int = 0) -> None:
         self.ns, self.dir, self.mode = ns, workdir, mode
         self.binary = binary or find_kube_proxy()
         if self.binary is None:
@@ -99,7 +99,8 @@ class KubeProxy:
         self.api_log = open(workdir / "apiserver.log", "w")  # noqa: SIM115 - closed in stop()
         self.api = subprocess.Popen(
             [*prefix, sys.executable, str(HERE / "fake_apiserver.py"), "--port", str(API_PORT), "--node", node,
-             "--node-ip", node_ip, "--services", str(services)], stdout=self.api_log, stderr=subprocess.STDOUT)
+             "--node-ip", node_ip, "--services", str(services), "--udp-services", str(udp_services)],
+            stdout=self.api_log, stderr=subprocess.STDOUT)
         time.sleep(0.5)
         self.log = open(workdir / "kube-proxy.log", "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen([*prefix, str(self.binary), "--config", str(workdir / "config.yaml"),

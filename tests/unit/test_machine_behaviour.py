@@ -71,7 +71,7 @@ def test_the_preflight_asks_for_the_matrix_and_only_when_there_is_a_sample() -> 
 def test_the_gate_probe_carries_the_sample_and_the_conntrack_step_the_rollback_probe_only_conntrack() -> None:
     base = replace(inp(mig("Gate")), behaviour=SAMPLE, conntrack=CONNTRACK)
     gate = machine._probe_op(base, mig("Gate"), "Gate", 0)
-    assert "behaviour" in gate.params and gate.params["conntrack"]["serviceCIDRs"] == ["198.19.0.0/16"]
+    assert "behaviour" in gate.params and gate.params["conntrack"]["serviceCidrs"] == ["198.19.0.0/16"]
     back = machine._probe_op(base, mig("RollingBack"), "RollbackGate", 0)
     assert "behaviour" not in back.params and "conntrack" in back.params
 

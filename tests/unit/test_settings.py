@@ -18,7 +18,6 @@ BAD = {
     "PROXYSHIFT_MIN_REQUEUE_SECONDS": ("-1", "out of range"),
     "PROXYSHIFT_METRICS_PORT": ("80800", "out of range"),
     "PROXYSHIFT_NODE_EVENTS": ("all", "use one of auto, steps, outcomes"),
-    "PROXYSHIFT_NODE_PORT_RANGE": ("32767-30000", "not a port range"),
 }
 
 
@@ -36,7 +35,7 @@ def test_defaults_are_valid_and_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in BAD:
         monkeypatch.delenv(name.strip(), raising=False)
     config = settings.OperatorConfig()
-    assert (config.node_concurrency, config.node_events, config.node_port_range) == (8, "auto", "30000-32767")
+    assert (config.node_concurrency, config.node_events, config.metrics_port) == (8, "auto", 8080)
 
 
 def test_the_operator_command_refuses_to_start_in_one_line() -> None:

@@ -29,6 +29,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+from proxyshift.agent import behaviour as behaviour_mod
+from proxyshift.agent import conntrack as conntrack_mod
 from proxyshift.agent import diagnostics as diagnostics_mod
 from proxyshift.agent import flush as flush_mod
 from proxyshift.agent import hold as hold_mod
@@ -36,8 +38,10 @@ from proxyshift.agent import inventory as inventory_mod
 from proxyshift.agent import preflight as preflight_mod
 from proxyshift.agent import probe as probe_mod
 from proxyshift.agent.ownership import MODES
+from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams, ConntrackParams, ConntrackReport
 from proxyshift.api.common import API_GROUP, API_VERSION
 from proxyshift.api.proxynode import KubeProxyFacts, Operation, OperationStatus, ProxyNodeSpec, clip_status
+from proxyshift.commands import CommandError, run
 
 log = logging.getLogger("proxyshift.agent")
 
@@ -142,6 +146,34 @@ class HoldRecord:
 ORPHAN_HOLD_TTL = 120.0
 
 
+class ServiceChecks(Protocol):
+    """What a Preflight or Probe does to judge Services: the behaviour probe and the conntrack step."""
+
+    def behaviour(self, params: BehaviourParams, *, mode: str | None, operation_id: str) -> BehaviourMatrix: ...
+
+    def conntrack(self, params: ConntrackParams) -> ConntrackReport: ...
+
+
+class KernelServiceChecks:
+    """The real ones, on this node (agent/behaviour.py, agent/conntrack.py)."""
+
+    def behaviour(self, params: BehaviourParams, *, mode: str | None, operation_id: str) -> BehaviourMatrix:
+        return behaviour_mod.run_behaviour(params, mode=mode, operation_id=operation_id)
+
+    def conntrack(self, params: ConntrackParams) -> ConntrackReport:
+        try:
+            local = [a for a, _ in behaviour_mod.parse_ip_addr(
+                run(["ip", "-j", "-4", "addr", "show"], timeout=2.0).stdout)]
+        except (CommandError, ValueError) as exc:
+            return ConntrackReport(error=f"the node's addresses could not be read: {exc}"[:300])
+        return conntrack_mod.clean_unnated(params, local)
+
+
+def matrix_patch(matrix: BehaviourMatrix) -> dict[str, Any]:
+    """Every field, with nulls: a merge patch must not keep an old matrix's podPathError."""
+    return matrix.model_dump(by_alias=True, mode="json")
+
+
 @dataclass
 class AgentConfig:
     node: str
@@ -171,6 +203,7 @@ class Agent:
     hold_fn: Callable[[str], hold_mod.HoldReport] | None = None
     release_fn: Callable[[], hold_mod.HoldReport] | None = None
     present_fn: Callable[[], bool] | None = None
+    service_checks: ServiceChecks = field(default_factory=KernelServiceChecks)
     hold: HoldRecord | None = None
     _hold_checked: bool = False
     facts: KubeProxyFacts | None = None
@@ -342,7 +375,23 @@ class Agent:
         self._node_facts = None if report.loaded else self._node_facts
         extra = {"kernelRelease": report.kernel_release, "modules": report.present_modules(),
                  "tools": report.tools.as_status()}
-        return self._done(op, started, report.ok, report.message(), report.details()), extra
+        message, details = report.message(), report.details()
+        behaviour = self._behaviour_params(op)
+        if report.ok and behaviour is not None:
+            # The "before" of this migration; an "after" of an earlier one means nothing any more.
+            matrix = self._take_behaviour(op, behaviour)
+            extra["behaviour"] = {"before": matrix_patch(matrix), "after": None}
+            message += f"; {_matrix_summary(matrix)}"
+        return self._done(op, started, report.ok, message, details), extra
+
+    @staticmethod
+    def _behaviour_params(op: Operation) -> BehaviourParams | None:
+        raw = op.params.get("behaviour")
+        return None if raw is None else BehaviourParams.model_validate(raw)
+
+    def _take_behaviour(self, op: Operation, params: BehaviourParams) -> BehaviourMatrix:
+        mode = self.facts.proxy_mode if self.facts is not None and self.facts.proxy_mode in MODES else None
+        return self.service_checks.behaviour(params, mode=mode, operation_id=op.id)
 
     @staticmethod
     def _str_list(op: Operation, key: str) -> list[str]:
@@ -398,6 +447,12 @@ class Agent:
                 extra = self.observe(inventory=False)
         services = self._str_list(op, "services")
         connects = self.connect_fn(services) if services else {}
+        behaviour = self._behaviour_params(op)
+        raw_conntrack = op.params.get("conntrack")
+        conntrack = None if raw_conntrack is None else ConntrackParams.model_validate(raw_conntrack)
+        # The conntrack step first: a flow left un-NATed from the switch's gap would fail the probe.
+        cleaned = self.service_checks.conntrack(conntrack) if conntrack is not None else None
+        matrix = self._take_behaviour(op, behaviour) if behaviour is not None else None
         facts = self.facts or KubeProxyFacts()
         parts = [f"kube-proxy mode {facts.proxy_mode or 'unknown'}", f"healthz {facts.healthz_status}"]
         if facts.error:
@@ -405,7 +460,14 @@ class Agent:
         if services:
             ok = sum(1 for v in connects.values() if v is True)
             parts.append(f"{ok}/{len(services)} service connects ok")
-        details = {"connects": connects} if services else {}
+        details: dict[str, Any] = {"connects": connects} if services else {}
+        if cleaned is not None:
+            details["conntrack"] = cleaned.to_k8s()
+            parts.append(f"conntrack: {cleaned.deleted_tcp} TCP and {cleaned.deleted_udp} UDP un-NATed entries "
+                         "deleted" + (f" ({cleaned.error})" if cleaned.error else ""))
+        if matrix is not None:
+            extra = {**extra, "behaviour": {"after": matrix_patch(matrix)}}
+            parts.append(_matrix_summary(matrix))
         return self._done(op, started, True, "; ".join(parts), details), extra
 
     def _recover(self, op: Operation, last: dict[str, Any]) -> None:
@@ -514,6 +576,16 @@ class Agent:
                 rv = None
                 stop.wait(backoff)
                 backoff = min(backoff * 2, 30.0)
+
+
+def _matrix_summary(matrix: BehaviourMatrix) -> str:
+    answered = sum(1 for c in matrix.cells if c.outcome == "answered")
+    text = f"behaviour: {answered}/{len(matrix.cells)} cells answered in {matrix.duration_seconds or 0:.2f}s"
+    if matrix.truncated:
+        text += " (cut by the budget)"
+    if matrix.pod_path_error:
+        text += f"; pod path: {matrix.pod_path_error}"
+    return text
 
 
 def _settled(facts: KubeProxyFacts | None, mode: str, syncs: int) -> bool:

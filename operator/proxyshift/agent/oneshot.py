@@ -4,6 +4,8 @@
     proxyshift agent preflight --mode ipvs [--scheduler mh] [--load-modules] [--extra-module M ...]
     proxyshift agent cleanup --remove iptables [--remove ipvs] --target nftables [--dry-run]
     proxyshift agent probe [--metrics-address A] [--health-address A] [--service IP:PORT ...]
+    proxyshift agent behaviour --params '{"targets": [...], "nodeIps": [...]}'   (BehaviourParams as JSON)
+    proxyshift agent conntrack --service-cidr CIDR [--service-ip IP ...] [--node-port N ...]
 
 Each prints JSON (the same shapes the agent writes to ProxyNode status) and
 exits 0 when all is well, 1 otherwise. The image has no shell; these are the
@@ -18,13 +20,17 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from proxyshift.agent import behaviour as behaviour_mod
+from proxyshift.agent import conntrack as conntrack_mod
 from proxyshift.agent import flush as flush_mod
 from proxyshift.agent import inventory as inventory_mod
 from proxyshift.agent import preflight as preflight_mod
 from proxyshift.agent import probe as probe_mod
 from proxyshift.agent.ownership import MODES
+from proxyshift.api.behaviour import BehaviourParams, ConntrackParams
+from proxyshift.commands import run
 
-COMMANDS = ("inventory", "preflight", "cleanup", "probe")
+COMMANDS = ("inventory", "preflight", "cleanup", "probe", "behaviour", "conntrack")
 
 
 def _print(doc: dict[str, Any]) -> None:
@@ -51,7 +57,31 @@ def main(argv: Sequence[str]) -> int:
     prb.add_argument("--metrics-address", default=probe_mod.DEFAULT_METRICS_ADDRESS)
     prb.add_argument("--health-address", default=probe_mod.DEFAULT_HEALTH_ADDRESS)
     prb.add_argument("--service", action="append", default=[], help="ClusterIP:port to TCP-connect to")
+    beh = sub.add_parser("behaviour", help="probe a sample of Services from this node (the gate's matrix)")
+    beh.add_argument("--params", required=True, help="BehaviourParams as JSON (targets, nodeIps, podProbe, ...)")
+    ct = sub.add_parser("conntrack", help="delete un-NATed conntrack entries to Service addresses")
+    ct.add_argument("--service-cidr", action="append", default=[])
+    ct.add_argument("--service-ip", action="append", default=[])
+    ct.add_argument("--node-port", action="append", type=int, default=[])
     args = p.parse_args(list(argv))
+
+    if args.command == "behaviour":
+        try:
+            params = BehaviourParams.model_validate_json(args.params)
+        except ValueError as exc:
+            p.error(f"--params: {exc}")
+        facts = probe_mod.facts_from_probe(probe_mod.probe())
+        matrix = behaviour_mod.run_behaviour(params, mode=facts.proxy_mode if facts.proxy_mode in MODES else None,
+                                             operation_id="oneshot")
+        _print(matrix.to_k8s())
+        return 1 if matrix.truncated or matrix.pod_path_error else 0
+    if args.command == "conntrack":
+        local = [a for a, _ in behaviour_mod.parse_ip_addr(run(["ip", "-j", "-4", "addr", "show"], timeout=2.0).stdout)]
+        report = conntrack_mod.clean_unnated(ConntrackParams(service_cidrs=args.service_cidr,
+                                                             service_ips=args.service_ip, node_ports=args.node_port),
+                                             local)
+        _print(report.to_k8s())
+        return 1 if report.error else 0
 
     if args.command == "inventory":
         found = inventory_mod.take_inventory()

@@ -156,21 +156,42 @@ class BehaviourChange(KubeModel):
     message: str = Field(max_length=400, description="What changed and what keeps today's behaviour.")
 
 
-class ConntrackParams(KubeModel):
-    """Operation params of the conntrack step (Probe's `conntrack`): which destinations are Services.
+MAX_SERVICE_ADDRESSES = 256
+MAX_NODE_PORTS = 256
+MAX_CONNTRACK_DELETIONS = 512
+MAX_REPORTED_ENTRIES = 16
 
-    A flow attempted while the node had no Service rules keeps a conntrack entry without DNAT, and its
-    retransmissions match that entry after the new rules exist (NAT is decided on a flow's first packet).
-    After the switch the agent deletes such entries (TCP SYN_SENT, unreplied UDP) whose original
-    destination is a Service address and whose reply comes from that same address, and only those.
+
+class ConntrackParams(KubeModel):
+    """Probe's `conntrack`: which destinations are Service addresses, for the post-switch conntrack step.
+
+    Only entries whose original destination is one of these and that carry no DNAT (reply source equals
+    original destination) are deleted: TCP in SYN_SENT, UDP unreplied.
     """
 
-    service_cidrs: list[str] = Field(
-        default_factory=list, max_length=8, alias="serviceCIDRs",
-        description="The cluster's Service CIDRs (ServiceCIDR objects): destinations that are ClusterIPs.",
+    service_cidrs: list[str] = Field(default_factory=list, max_length=4,
+                                     description="The cluster's Service CIDRs (ClusterIP ranges).")
+    service_ips: list[str] = Field(
+        default_factory=list, max_length=MAX_SERVICE_ADDRESSES,
+        description="Further Service addresses outside the CIDRs: externalIPs, LoadBalancer ingress IPs.",
     )
-    node_port_range: str | None = Field(
-        default="30000-32767", max_length=11, pattern=r"^[0-9]{1,5}-[0-9]{1,5}$",
-        description="Ports on the node's own addresses that are NodePorts (the API server's "
-        "--service-node-port-range); unset: NodePort entries are left alone.",
+    node_ports: list[int] = Field(
+        default_factory=list, max_length=MAX_NODE_PORTS,
+        description="NodePorts in use; an entry to one of them on a local address of the node counts too.",
     )
+    protocols: list[Protocol] = Field(default_factory=lambda: ["TCP", "UDP"], max_length=2,
+                                      description="TCP (SYN_SENT entries), UDP (unreplied entries).")
+    max_deletions: int = Field(default=MAX_CONNTRACK_DELETIONS, ge=1, le=MAX_CONNTRACK_DELETIONS,
+                               description="At most this many entries are deleted in one step.")
+
+
+class ConntrackReport(KubeModel):
+    """What the conntrack step did; the agent puts it in the Probe's details as `conntrack`."""
+
+    scanned: int = Field(default=0, ge=0, description="Entries to Service destinations looked at.")
+    deleted_tcp: int = Field(default=0, ge=0, description="Un-NATed TCP SYN_SENT entries deleted.")
+    deleted_udp: int = Field(default=0, ge=0, description="Un-NATed unreplied UDP entries deleted.")
+    entries: list[str] = Field(default_factory=list, max_length=MAX_REPORTED_ENTRIES,
+                               description="The first deleted entries, as 'tcp SRC:PORT -> DST:PORT'.")
+    truncated: bool = Field(default=False, description="More entries matched than maxDeletions allowed.")
+    error: str | None = Field(default=None, max_length=300, description="Why the step failed, if it did.")

@@ -35,9 +35,11 @@ class Operation(KubeModel):
     type: OperationType = Field(description="Preflight, Hold, Cleanup or Probe.")
     params: dict[str, Any] = Field(
         default_factory=dict,
-        description="Operation parameters: mode, scheduler, loadModules, extraModules (Preflight); "
+        description="Operation parameters: mode, scheduler, loadModules, extraModules, behaviour (Preflight); "
         "fromMode, toMode, ttlSeconds (Hold); removeModes, targetMode, services (Cleanup); "
-        "services as ip:port (Probe).",
+        "services as ip:port, awaitMode, awaitSyncs, awaitSeconds, conntrack, behaviour (Probe). behaviour is a "
+        "BehaviourParams (the Service sample to probe), conntrack a ConntrackParams (the Service destinations "
+        "whose un-NATed entries are deleted after the switch).",
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
     )
 

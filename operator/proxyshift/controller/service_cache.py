@@ -79,5 +79,4 @@ def service_world(mirrors: Mapping[str, Mirror]) -> ServiceSide:
         endpoints=endpoints,
         service_cidrs=tuple(cidrs),
         probe_pods=dict(mirrors["probepods"].items.values()),
-        node_port_range=CONFIG.node_port_range or None,
     )

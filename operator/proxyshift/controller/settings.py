@@ -44,14 +44,6 @@ def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
     return value
 
 
-def _port_range(name: str, default: str) -> str:
-    value = _env(name, default).strip()
-    low, sep, high = value.partition("-")
-    if not (sep and low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high) <= 65535):
-        raise SettingsError(f"{name}={value!r} is not a port range like 30000-32767")
-    return value
-
-
 @dataclass(frozen=True)
 class OperatorConfig:
     """Where the baseline kube-proxy lives and how the operator paces itself."""
@@ -87,8 +79,6 @@ class OperatorConfig:
     probe_pod_label: str = field(
         default_factory=lambda: _env("PROXYSHIFT_PROBE_POD_LABEL", "app.kubernetes.io/name=proxyshift-probe")
     )
-    # The API server's --service-node-port-range: NodePort destinations for the conntrack step.
-    node_port_range: str = field(default_factory=lambda: _port_range("PROXYSHIFT_NODE_PORT_RANGE", "30000-32767"))
     peering_name: str = field(default_factory=lambda: _env("PROXYSHIFT_PEERING", "proxyshift"))
     # kopf peering priority of this replica; unset: a random one, so two replicas never tie.
     peering_priority: int | None = field(

@@ -565,7 +565,7 @@ def _judge_behaviour(inp: NodeInput, op: Operation, verdict: GateVerdict) -> Gat
     if not result.passed:
         rounds = int(op.id.rsplit(".", 1)[1]) + 1
         outcome = "fail" if rounds >= BEHAVIOUR_CONFIRM_ROUNDS else "wait"
-        return GateVerdict(outcome, "BehaviourChanged", clip(f"{result.failing[0].service}: {result.reason}"))
+        return GateVerdict(outcome, "BehaviourChanged", clip(result.reason))  # the reason names the Service
     summary = f"{result.compared} Service cells answer as before"
     allowed = sorted({c.name for c in result.changes})
     if allowed:

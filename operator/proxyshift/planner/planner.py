@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from proxyshift.api.behaviour import BehaviourParams, ConntrackParams
+from proxyshift.api.behaviour import MAX_NODE_PORTS, MAX_SERVICE_ADDRESSES, BehaviourParams, ConntrackParams
 from proxyshift.api.common import parse_duration
 from proxyshift.api.policy import NodeFailure, NodeProgress, ProxyPolicy
 from proxyshift.api.proxynode import ProxyNode
@@ -128,11 +128,18 @@ def _behaviour_sample(ctx: _Ctx, node: NodeView) -> BehaviourParams | None:
     return params if params.targets else None
 
 
+MAX_CONNTRACK_CIDRS = 4  # ConntrackParams.service_cidrs
+
+
 def _conntrack(ctx: _Ctx) -> ConntrackParams | None:
+    """Which destinations are Services, for the conntrack step after a switch; None: none known."""
     side = ctx.world.services
-    if not side.service_cidrs and side.node_port_range is None:
+    node_ports = sorted({p.node_port for s in side.services.values() for p in s.ports if p.node_port})
+    lb_ips = sorted({ip for s in side.services.values() for ip in s.load_balancer_ips})
+    if not side.service_cidrs and not node_ports and not lb_ips:
         return None
-    return ConntrackParams(service_cidrs=list(side.service_cidrs), node_port_range=side.node_port_range)
+    return ConntrackParams(service_cidrs=list(side.service_cidrs[:MAX_CONNTRACK_CIDRS]),
+                           service_ips=lb_ips[:MAX_SERVICE_ADDRESSES], node_ports=node_ports[:MAX_NODE_PORTS])
 
 
 def _release(ctx: _Ctx, name: str, pn: ProxyNode) -> None:

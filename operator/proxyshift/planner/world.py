@@ -115,7 +115,6 @@ class ServiceSide:
     endpoints: tuple[EndpointView, ...] = ()  # every EndpointSlice's endpoints; each names its Service
     service_cidrs: tuple[str, ...] = ()
     probe_pods: dict[str, str] = field(default_factory=dict)  # node -> "podIP:port" of its probe server
-    node_port_range: str | None = None  # the API server's --service-node-port-range, e.g. "30000-32767"
 
 
 # ---- actions: each is one idempotent API step the operator performs ----
