@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from proxyshift.agent import conntrack as conntrack_mod
 from proxyshift.agent import diagnostics as diag
 from proxyshift.agent.loop import Agent, AgentConfig
 from proxyshift.api.diagnostics import DiagnosePort, DiagnoseRequest, DiagnoseService
@@ -76,22 +77,17 @@ def test_ipvs_stats_it_does_not_understand_is_an_error_not_a_guess(text: str) ->
         diag.parse_ipvs_stats(text)
 
 
-CONNTRACK = (FIXTURES / "conntrack" / "service-flows.txt").read_text()
+CONNTRACK_TCP = (FIXTURES / "conntrack" / "service-tcp.xml").read_text()
+CONNTRACK_UDP = (FIXTURES / "conntrack" / "service-udp.xml").read_text()
 
 
 def test_conntrack_entries_are_counted_by_the_endpoint_they_were_natted_to() -> None:
-    counts = diag.parse_conntrack(CONNTRACK)
-    assert counts.entries == {"198.18.16.25:8080": 2, "198.18.16.26:8080": 1, "198.18.16.30:53": 2}
-    assert counts.established == {"198.18.16.25:8080": 1, "198.18.16.26:8080": 1, "198.18.16.30:53": 1}
-
-
-@settings(max_examples=50, deadline=None)
-@given(st.integers(min_value=0, max_value=3000), st.integers(min_value=1, max_value=500))
-def test_conntrack_reading_stops_at_its_bound_and_says_so(lines: int, bound: int) -> None:
-    text = CONNTRACK.splitlines()[0] + "\n"
-    counts = diag.parse_conntrack(text * lines, max_lines=bound)
-    assert sum(counts.entries.values()) == min(lines, bound)
-    assert counts.truncated == (lines > bound)
+    counts = diag.count_flows(conntrack_mod.parse_flows(CONNTRACK_TCP)[0])
+    # Five connections: three closed (TIME_WAIT), two kept open (ESTABLISHED).
+    assert counts.entries == {"198.18.200.1:8080": 3, "198.18.200.2:8080": 2}
+    assert sum(counts.established.values()) == 2
+    diag.count_flows(conntrack_mod.parse_flows(CONNTRACK_UDP)[0], counts)
+    assert counts.entries["198.18.200.2:5353"] == 1 and counts.established["198.18.200.2:5353"] == 1
 
 
 @settings(max_examples=30, deadline=None)
@@ -109,12 +105,12 @@ def test_the_chains_listed_for_one_service_are_bounded_and_every_flow_counted(ch
 @given(st.text(max_size=400))
 def test_no_text_makes_the_parsers_raise_anything_but_their_own_error(text: str) -> None:
     diag.parse_iptables_counters(text, "ns/svc")
-    diag.parse_conntrack(text)
     for parse in (diag.parse_ipvs_stats, lambda t: diag.merge_ipvs_save({}, t)):
         with contextlib.suppress(diag.DiagnosticsOutputError):
             parse(text)
 
 
+EMPTY_CONNTRACK = '<?xml version="1.0" encoding="utf-8"?>\n<conntrack>\n</conntrack>\n'
 SVC12 = DiagnoseService(namespace="ns2", name="svc12", cluster_ips=["198.19.0.22"],
                         ports=[DiagnosePort(name="http", port=80, node_port=30012)],
                         endpoints=["198.18.16.25", "198.18.16.26", "198.18.16.27"])
@@ -137,22 +133,31 @@ class FakeNode:
 
 def test_read_service_in_iptables_mode_has_rule_flows_and_conntrack_for_every_listed_endpoint() -> None:
     node = FakeNode({"iptables-save": with_counters(KUBE_PROXY_SAVE, {"198.18.16.25:8080": 7}),
-                     "conntrack": CONNTRACK})
+                     "conntrack": EMPTY_CONNTRACK})
     counters = diag.read_service(SVC12, "iptables", node.readers)
     assert counters.source == "iptables" and not counters.errors
-    rows = {e.address: (e.flows, e.conntrack_entries, e.conntrack_established) for e in counters.endpoints}
-    # The conntrack fake answers every query with the same text, hence the ClusterIP and nodePort query both count.
-    assert rows == {"198.18.16.25": (7, 4, 2), "198.18.16.26": (0, 2, 2), "198.18.16.27": (0, 0, 0),
-                    "198.18.16.30:53": (0, 4, 2)}
+    rows = {e.address: (e.flows, e.conntrack_entries) for e in counters.endpoints}
+    assert rows == {"198.18.16.25": (7, 0), "198.18.16.26": (0, 0), "198.18.16.27": (0, 0)}
     assert ["iptables-save", "-c", "-t", "nat"] in node.calls
-    assert ["conntrack", "-L", "-f", "ipv4", "-p", "tcp", "--orig-dst", "198.19.0.22", "--orig-port-dst",
-            "80"] in node.calls
+    assert ["conntrack", "-L", "-f", "ipv4", "-p", "tcp", "-o", "xml", "--orig-dst", "198.19.0.22",
+            "--orig-port-dst", "80"] in node.calls
+    assert ["conntrack", "-L", "-p", "tcp", "-o", "xml", "--orig-port-dst", "30012"] in node.calls
+
+
+WEB = DiagnoseService(namespace="ps-diag", name="web", cluster_ips=["198.19.200.10"],
+                      ports=[DiagnosePort(name="http", port=80)], endpoints=["198.18.200.1", "198.18.200.2"])
 
 
 def test_read_service_in_nftables_mode_uses_conntrack_alone() -> None:
-    counters = diag.read_service(SVC12, "nftables", FakeNode({"conntrack": CONNTRACK}).readers)
-    assert counters.source == "conntrack"
-    assert all(e.flows is None for e in counters.endpoints)
+    counters = diag.read_service(WEB, "nftables", FakeNode({"conntrack": CONNTRACK_TCP}).readers)
+    assert counters.source == "conntrack" and not counters.errors
+    assert {e.address: (e.flows, e.conntrack_entries) for e in counters.endpoints} == {
+        "198.18.200.1": (None, 3), "198.18.200.2": (None, 2)}
+
+
+def test_conntrack_output_that_is_not_its_xml_is_an_error_in_the_answer() -> None:
+    counters = diag.read_service(WEB, "nftables", FakeNode({"conntrack": "tcp 6 117 TIME_WAIT src=..."}).readers)
+    assert counters.errors and counters.errors[0].startswith("conntrack:")
 
 
 def test_read_service_in_ipvs_mode_without_ipvs_in_the_kernel_says_so_and_never_runs_ipvsadm() -> None:
@@ -202,7 +207,7 @@ def test_pending_request_is_served_once_per_id() -> None:
 
 
 def test_answer_patch_carries_the_id_and_every_service() -> None:
-    node = FakeNode({"conntrack": CONNTRACK})
+    node = FakeNode({"conntrack": CONNTRACK_TCP})
     patch = diag.answer_patch(DiagnoseRequest(id="d2", services=[SVC12]).to_k8s(), "nftables", node.readers)
     assert patch["diagnostics"]["id"] == "d2" and patch["diagnostics"]["mode"] == "nftables"
     assert patch["diagnostics"]["services"][0]["service"] == "ns2/svc12"

@@ -7,8 +7,9 @@ Per mode, the counters that exist:
 - ipvs: `ipvsadm -Ln --stats --exact` (Conns, InPkts per real server) and `ipvsadm -Sn` (scheduler,
   persistence, weights). Asked only when /proc/net/ip_vs exists: ipvsadm would otherwise load ip_vs.
 - nftables: kube-proxy's rules keep no per-endpoint counters, so conntrack is the source there.
-Everywhere conntrack is read as a second source: entries by reply source (the endpoint the flow was
-NATed to), and how many are ESTABLISHED (long-lived connections pin load where they first landed).
+Everywhere conntrack is read as a second source (`conntrack -L -o xml`, parsed by agent/conntrack.py):
+entries by reply source (the endpoint the flow was NATed to), and how many are ESTABLISHED
+(long-lived connections pin load where they first landed).
 
 Read-only, every tool an argument list with a timeout; output read up to a bound and parsed with
 linear scans, so a node with 10,000 Services answers in bounded time and size.
@@ -20,12 +21,13 @@ import dataclasses
 import ipaddress
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from proxyshift.agent import conntrack as conntrack_mod
 from proxyshift.agent.flush.base import Runner
 from proxyshift.api.diagnostics import (
     MAX_DIAGNOSE_SERVICES,
@@ -41,7 +43,7 @@ from proxyshift.api.diagnostics import (
 from proxyshift.commands import CommandError, run
 
 MAX_SAVE_BYTES = 64 * 1024 * 1024  # iptables-save of 10,000 Services is ~20 MiB
-MAX_CONNTRACK_LINES = 50_000  # per query; the table's default max is 262,144 for the whole node
+MAX_CONNTRACK_FLOWS = 20_000  # per query (one Service address and port); the XML is cut at 8 MiB anyway
 MAX_IPVS_BYTES = 16 * 1024 * 1024
 TOOL_TIMEOUT_SECONDS = 20.0
 ERROR_LENGTH = 200
@@ -200,34 +202,17 @@ class ConntrackCounts:
     truncated: bool = False
 
 
-def parse_conntrack(text: str, counts: ConntrackCounts | None = None,
-                    max_lines: int = MAX_CONNTRACK_LINES) -> ConntrackCounts:
-    """Entries by the endpoint they were NATed to (the reply direction's source), from `conntrack -L`.
+def count_flows(flows: Iterable[conntrack_mod.Flow], counts: ConntrackCounts | None = None) -> ConntrackCounts:
+    """Entries by the endpoint they were NATed to: the reply direction's source.
 
-    Both the plain and the `-o extended` layouts: key=value words, the first src/sport of the original
-    direction and the second of the reply. A state word (ESTABLISHED, SYN_SENT, ...) is TCP's;
-    an ASSURED UDP flow (answered both ways and kept) counts as established too.
+    ESTABLISHED is TCP's state; a UDP flow that has seen its reply counts as established too (it is
+    what keeps a UDP client on one endpoint).
     """
     counts = counts if counts is not None else ConntrackCounts()
-    for index, raw in enumerate(text.splitlines()):
-        if index >= max_lines:
-            counts.truncated = True
-            break
-        srcs: list[str] = []
-        sports: list[str] = []
-        established = False
-        for word in raw.split():
-            if word.startswith("src="):
-                srcs.append(word[4:])
-            elif word.startswith("sport="):
-                sports.append(word[6:])
-            elif word in ("ESTABLISHED", "[ASSURED]") and not established:
-                established = word == "ESTABLISHED" or " udp " in f" {raw} "
-        if len(srcs) < 2:
-            continue
-        endpoint = _host_port(srcs[1], int(sports[1])) if len(sports) >= 2 and sports[1].isdigit() else srcs[1]
+    for flow in flows:
+        endpoint = _host_port(flow.reply_src, flow.reply_sport) if flow.reply_sport is not None else flow.reply_src
         counts.entries[endpoint] = counts.entries.get(endpoint, 0) + 1
-        if established:
+        if flow.state == "ESTABLISHED" or (flow.protocol == "udp" and not flow.unreplied):
             counts.established[endpoint] = counts.established.get(endpoint, 0) + 1
     return counts
 
@@ -238,11 +223,12 @@ def conntrack_queries(service: DiagnoseService) -> list[list[str]]:
     for ip in service.cluster_ips:
         family = "ipv6" if ipaddress.ip_address(ip).version == 6 else "ipv4"
         for p in service.ports:
-            queries.append(["conntrack", "-L", "-f", family, "-p", p.protocol.lower(), "--orig-dst", ip,
-                            "--orig-port-dst", str(p.port)])
+            queries.append(["conntrack", "-L", "-f", family, "-p", p.protocol.lower(), "-o", "xml", "--orig-dst",
+                            ip, "--orig-port-dst", str(p.port)])
     for p in service.ports:
         if p.node_port:
-            queries.append(["conntrack", "-L", "-p", p.protocol.lower(), "--orig-port-dst", str(p.node_port)])
+            queries.append(["conntrack", "-L", "-p", p.protocol.lower(), "-o", "xml", "--orig-port-dst",
+                            str(p.node_port)])
     return queries
 
 
@@ -338,10 +324,12 @@ def read_service(service: DiagnoseService, mode: str | None, readers: Readers | 
     conntrack = ConntrackCounts()
     try:
         for argv in conntrack_queries(service):
+            # conntrack_mod.parse_flows cuts at its own byte and flow bounds, at a whole flow.
             text, cut = readers.text(argv, MAX_SAVE_BYTES)
-            parse_conntrack(text, conntrack)
-            truncated |= cut or conntrack.truncated
-    except CommandError as exc:
+            flows_seen, cut_flows = conntrack_mod.parse_flows(text, max_flows=MAX_CONNTRACK_FLOWS)
+            count_flows(flows_seen, conntrack)
+            truncated |= cut or cut_flows
+    except (CommandError, conntrack_mod.ConntrackOutputError) as exc:
         errors.append(_error("conntrack", exc))
     counted = [*flows, *conntrack.entries]
     # Listed endpoints first (a request may name one by ip alone); then anything the kernel still sends
