@@ -15,6 +15,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
                      "serve the behaviour probe's pod path (runs in the proxyshift-probe DaemonSet)"),
     "status": ("proxyshift.controller.status_view", "main", "show a policy's rollout"),
     "plan": ("proxyshift.controller.plan_view", "main", "show what a policy would do, change nothing"),
+    "diagnose": ("proxyshift.controller.diagnose_view", "main",
+                 "a Service's load per endpoint from the nodes' kernel counters, and why it is uneven"),
     "crds": ("proxyshift.api.crdgen", "main", "generate (or --check) the CRD YAML under crds/"),
     "restore-baseline": ("proxyshift.controller.restore", "main",
                          "uninstall: undo the affinity proxyshift added to the baseline kube-proxy"),

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 from proxyshift.agent import behaviour as behaviour_mod
 from proxyshift.agent import conntrack as conntrack_mod
+from proxyshift.agent import diagnostics as diagnostics_mod
 from proxyshift.agent import flush as flush_mod
 from proxyshift.agent import hold as hold_mod
 from proxyshift.agent import inventory as inventory_mod
@@ -216,6 +217,9 @@ class Agent:
     node_seen: bool = False
     # An operation result the API server did not take yet: retried before anything else.
     _unsent: dict[str, Any] | None = None
+    # spec.diagnose (proxyshift diagnose): the node's tools as a seam, and the last id answered.
+    diagnostics_readers: diagnostics_mod.Readers | None = None
+    _diagnosed: str | None = None
 
     # ---- node facts ----
 
@@ -307,6 +311,7 @@ class Agent:
     def handle(self, obj: dict[str, Any]) -> None:
         """React to the current ProxyNode: run its operation if it is new."""
         self.node_seen = True
+        self._serve_diagnose(obj)
         spec = ProxyNodeSpec.model_validate(obj.get("spec") or {})
         op = spec.operation
         if op is None or op.id in self._started:
@@ -327,6 +332,16 @@ class Agent:
         result, extra = self._execute(op, started)
         log.info("operation %s %s: %s", op.id, result.state, result.message)
         self._send_result({**extra, "lastOperation": operation_patch(result)})
+
+    def _serve_diagnose(self, obj: dict[str, Any]) -> None:
+        """spec.diagnose is a channel of its own beside operations: read-only, answered once per id."""
+        body = diagnostics_mod.pending_request(obj, self._diagnosed)
+        if body is None:
+            return
+        facts = self.facts or self._probe()
+        mode = facts.proxy_mode if facts.proxy_mode in MODES else None
+        self.write(diagnostics_mod.answer_patch(body, mode, self.diagnostics_readers))
+        self._diagnosed = body["id"]
 
     def _send_result(self, status: dict[str, Any]) -> None:
         self._unsent = status

@@ -13,6 +13,7 @@ from pydantic import Field
 
 from proxyshift.api.behaviour import NodeBehaviour
 from proxyshift.api.common import KubeModel
+from proxyshift.api.diagnostics import DiagnoseRequest, NodeDiagnostics, NodeDistribution
 
 OperationType = Literal["Preflight", "Hold", "Cleanup", "Probe"]
 
@@ -91,6 +92,9 @@ class ProxyNodeSpec(KubeModel):
     scheduler: str | None = Field(default=None, description="Target IPVS scheduler (mode ipvs).")
     migration: NodeMigration | None = Field(default=None, description="Progress of this node's migration.")
     operation: Operation | None = Field(default=None, description="The operation the agent should perform.")
+    diagnose: DiagnoseRequest | None = Field(
+        default=None, description="Kernel counters to read for some Services (proxyshift diagnose), once per id."
+    )
 
 
 class KubeProxyFacts(KubeModel):
@@ -177,6 +181,12 @@ class ProxyNodeStatus(KubeModel):
     last_operation: OperationStatus | None = Field(default=None, description="Result of the last operation.")
     behaviour: NodeBehaviour | None = Field(
         default=None, description="How the node served a sample of Services before the switch and after it."
+    )
+    diagnostics: NodeDiagnostics | None = Field(
+        default=None, description="The answer to spec.diagnose: each endpoint's share from the kernel's counters."
+    )
+    distribution: NodeDistribution | None = Field(
+        default=None, description="spec.diagnose answers the operator recorded before and after the migration."
     )
     heartbeat: str | None = Field(default=None, max_length=STATUS_TEXT_LIMIT,
                                   description="Last time the agent wrote status (RFC 3339).")

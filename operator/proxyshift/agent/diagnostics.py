@@ -1,0 +1,394 @@
+"""Node side of `proxyshift diagnose`: what this node's kernel itself counted for a Service, per endpoint.
+
+Per mode, the counters that exist:
+- iptables: `iptables-save -c -t nat`. Only a flow's first packet traverses the nat table, so the packet
+  counter of a KUBE-SEP- chain's DNAT rule is the number of new flows kube-proxy sent to that endpoint
+  since the rule was written. kube-proxy's rule comments name the Service port (`ns/name:port`).
+- ipvs: `ipvsadm -Ln --stats --exact` (Conns, InPkts per real server) and `ipvsadm -Sn` (scheduler,
+  persistence, weights). Asked only when /proc/net/ip_vs exists: ipvsadm would otherwise load ip_vs.
+- nftables: kube-proxy's rules keep no per-endpoint counters, so conntrack is the source there.
+Everywhere conntrack is read as a second source (`conntrack -L -o xml`, parsed by agent/conntrack.py):
+entries by reply source (the endpoint the flow was NATed to), and how many are ESTABLISHED
+(long-lived connections pin load where they first landed).
+
+Read-only, every tool an argument list with a timeout; output read up to a bound and parsed with
+linear scans, so a node with 10,000 Services answers in bounded time and size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from proxyshift.agent import conntrack as conntrack_mod
+from proxyshift.agent.flush.base import Runner
+from proxyshift.api.diagnostics import (
+    MAX_DIAGNOSE_SERVICES,
+    MAX_ENDPOINTS,
+    MAX_ERRORS,
+    MAX_RULES,
+    DiagnoseRequest,
+    DiagnoseService,
+    EndpointCounters,
+    NodeDiagnostics,
+    ServiceCounters,
+)
+from proxyshift.commands import CommandError, run
+
+MAX_SAVE_BYTES = 64 * 1024 * 1024  # iptables-save of 10,000 Services is ~20 MiB
+MAX_CONNTRACK_FLOWS = 20_000  # per query (one Service address and port); the XML is cut at 8 MiB anyway
+MAX_IPVS_BYTES = 16 * 1024 * 1024
+TOOL_TIMEOUT_SECONDS = 20.0
+ERROR_LENGTH = 200
+
+_COUNTED_RULE = re.compile(r"^\[(\d+):(\d+)\] -A (\S+) (.*)$")
+_COMMENT = re.compile(r'--comment "((?:[^"\\]|\\.)*)"')
+_TO_DESTINATION = re.compile(r"-j DNAT .*--to-destination (\S+)")
+SERVICE_CHAIN_PREFIXES = ("KUBE-SVC-", "KUBE-SVL-", "KUBE-EXT-", "KUBE-FW-", "KUBE-SEP-")
+
+
+class DiagnosticsOutputError(ValueError):
+    """A tool printed something this parser does not understand."""
+
+
+# ---- iptables ----
+
+def _names_service(comment: str, key: str) -> bool:
+    """kube-proxy's comments carry the ServicePortName as one word: `ns/name:port`, or `ns/name` unnamed."""
+    return any(word == key or word.startswith(key + ":") for word in comment.split())
+
+
+@dataclass
+class IptablesCounters:
+    chains: dict[str, int] = field(default_factory=dict)  # chain -> rules of this Service in it
+    flows: dict[str, int] = field(default_factory=dict)  # endpoint ip:port -> DNAT rule packets
+    chains_cut: bool = False  # more chains than MAX_RULES: the list is cut, the flows are whole
+
+
+def parse_iptables_counters(text: str, service_key: str) -> IptablesCounters:
+    """Flows per endpoint of one Service from `iptables-save -c -t nat` text.
+
+    Only lines that mention the Service are looked at closely; everything else costs one substring test.
+    """
+    out = IptablesCounters()
+    for raw in text.splitlines():
+        if service_key not in raw:
+            continue
+        match = _COUNTED_RULE.match(raw)
+        if match is None:
+            continue
+        packets, chain, rest = int(match.group(1)), match.group(3), match.group(4)
+        if not chain.startswith(SERVICE_CHAIN_PREFIXES):
+            continue
+        comment = _COMMENT.search(rest)
+        if comment is None or not _names_service(comment.group(1), service_key):
+            continue
+        # The list of chains is for a person and bounded; every endpoint's flows are counted regardless.
+        if chain in out.chains or len(out.chains) < MAX_RULES:
+            out.chains[chain] = out.chains.get(chain, 0) + 1
+        else:
+            out.chains_cut = True
+        dnat = _TO_DESTINATION.search(rest)
+        if chain.startswith("KUBE-SEP-") and dnat is not None:
+            endpoint = dnat.group(1)
+            out.flows[endpoint] = out.flows.get(endpoint, 0) + packets
+    return out
+
+
+# ---- ipvs ----
+
+@dataclass
+class RealServer:
+    address: str
+    conns: int = 0
+    in_packets: int = 0
+    weight: int | None = None
+
+
+@dataclass
+class VirtualService:
+    protocol: str  # TCP, UDP, SCTP or FWM
+    address: str  # ip:port ([v6]:port), or the fwmark
+    scheduler: str | None = None
+    persistence_seconds: int | None = None
+    real_servers: dict[str, RealServer] = field(default_factory=dict)
+
+
+_SUFFIX = {"K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4}
+_IPVS_PROTOCOLS = {"TCP", "UDP", "SCTP", "FWM"}
+_SAVE_FLAGS = {"-t": "TCP", "-u": "UDP", "--sctp-service": "SCTP", "-f": "FWM"}
+
+
+def _ipvs_number(token: str) -> int:
+    """ipvsadm's counters, exact (--exact) or with its K/M/G/T suffixes (powers of 1000)."""
+    if token and token[-1] in _SUFFIX:
+        return int(token[:-1]) * _SUFFIX[token[-1]]
+    return int(token)
+
+
+def parse_ipvs_stats(text: str) -> dict[tuple[str, str], VirtualService]:
+    """`ipvsadm -Ln --stats [--exact]`: (protocol, address) -> virtual service with Conns/InPkts per real server."""
+    services: dict[tuple[str, str], VirtualService] = {}
+    current: VirtualService | None = None
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith(("IP Virtual Server", "Prot ", "-> RemoteAddress")):
+            continue
+        tokens = line.split()
+        try:
+            if tokens[0] in _IPVS_PROTOCOLS and len(tokens) >= 7:
+                for token in tokens[2:7]:
+                    _ipvs_number(token)
+                key = (tokens[0], tokens[1])
+                current = services.setdefault(key, VirtualService(tokens[0], tokens[1]))
+            elif tokens[0] == "->" and len(tokens) >= 7 and current is not None:
+                numbers = [_ipvs_number(t) for t in tokens[2:7]]
+                server = current.real_servers.setdefault(tokens[1], RealServer(tokens[1]))
+                server.conns, server.in_packets = numbers[0], numbers[1]
+            else:
+                raise DiagnosticsOutputError(f"ipvsadm --stats line {lineno}: {line[:80]!r}")
+        except ValueError as exc:
+            raise DiagnosticsOutputError(f"ipvsadm --stats line {lineno}: {line[:80]!r} ({exc})") from None
+    return services
+
+
+def merge_ipvs_save(services: dict[tuple[str, str], VirtualService], text: str) -> None:
+    """Add scheduler, persistence and weights from `ipvsadm -Sn` to what --stats found."""
+    current: VirtualService | None = None
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        tokens = raw.split()
+        if not tokens:
+            continue
+        if len(tokens) < 3 or tokens[0] not in ("-A", "-a") or tokens[1] not in _SAVE_FLAGS:
+            raise DiagnosticsOutputError(f"ipvsadm -Sn line {lineno}: {raw[:80]!r}")
+        key = (_SAVE_FLAGS[tokens[1]], tokens[2])
+        opts = dict(zip(tokens[3::2], tokens[4::2], strict=False))
+        try:
+            if tokens[0] == "-A":
+                current = services.setdefault(key, VirtualService(*key))
+                current.scheduler = opts.get("-s")
+                current.persistence_seconds = int(opts["-p"]) if "-p" in opts else None
+            elif current is not None and "-r" in tokens:
+                real = tokens[tokens.index("-r") + 1]
+                server = current.real_servers.setdefault(real, RealServer(real))
+                weight = tokens[tokens.index("-w") + 1] if "-w" in tokens else None
+                server.weight = int(weight) if weight is not None else None
+        except (ValueError, IndexError) as exc:
+            raise DiagnosticsOutputError(f"ipvsadm -Sn line {lineno}: {raw[:80]!r} ({exc})") from None
+
+
+def _host_port(ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def service_virtual_addresses(service: DiagnoseService) -> set[tuple[str, str]]:
+    """(protocol, ip:port) of the Service's ClusterIP virtual servers."""
+    return {(p.protocol, _host_port(ip, p.port)) for ip in service.cluster_ips for p in service.ports}
+
+
+# ---- conntrack ----
+
+@dataclass
+class ConntrackCounts:
+    entries: dict[str, int] = field(default_factory=dict)  # reply source ip:port -> entries
+    established: dict[str, int] = field(default_factory=dict)
+    truncated: bool = False
+
+
+def count_flows(flows: Iterable[conntrack_mod.Flow], counts: ConntrackCounts | None = None) -> ConntrackCounts:
+    """Entries by the endpoint they were NATed to: the reply direction's source.
+
+    ESTABLISHED is TCP's state; a UDP flow that has seen its reply counts as established too (it is
+    what keeps a UDP client on one endpoint).
+    """
+    counts = counts if counts is not None else ConntrackCounts()
+    for flow in flows:
+        endpoint = _host_port(flow.reply_src, flow.reply_sport) if flow.reply_sport is not None else flow.reply_src
+        counts.entries[endpoint] = counts.entries.get(endpoint, 0) + 1
+        if flow.state == "ESTABLISHED" or (flow.protocol == "udp" and not flow.unreplied):
+            counts.established[endpoint] = counts.established.get(endpoint, 0) + 1
+    return counts
+
+
+def conntrack_queries(service: DiagnoseService) -> list[list[str]]:
+    """One `conntrack -L` per ClusterIP and port, and one per nodePort (any node address)."""
+    queries: list[list[str]] = []
+    for ip in service.cluster_ips:
+        family = "ipv6" if ipaddress.ip_address(ip).version == 6 else "ipv4"
+        for p in service.ports:
+            queries.append(["conntrack", "-L", "-f", family, "-p", p.protocol.lower(), "-o", "xml", "--orig-dst",
+                            ip, "--orig-port-dst", str(p.port)])
+    for p in service.ports:
+        if p.node_port:
+            queries.append(["conntrack", "-L", "-p", p.protocol.lower(), "-o", "xml", "--orig-port-dst",
+                            str(p.node_port)])
+    return queries
+
+
+# ---- one Service ----
+
+def _endpoint_matches(listed: str, counted: str) -> bool:
+    """A request's endpoint (ip:port, or ip alone) and a counted ip:port name the same endpoint."""
+    if listed == counted:
+        return True
+    ip = counted.rsplit(":", 1)[0].strip("[]")
+    return listed.strip("[]") == ip
+
+
+def _error(tool: str, exc: Exception) -> str:
+    return f"{tool}: {exc}"[:ERROR_LENGTH]
+
+
+@dataclass
+class Readers:
+    """The node's tools, as seams: tests give text, the agent runs the programs.
+
+    Within one request each command runs once (serve() gives every request a fresh cache): eight
+    Services on a node with 10,000 must not cost eight iptables-save dumps.
+    """
+
+    runner: Runner = run
+    proc_root: Path = Path("/proc")
+    _cache: dict[tuple[str, ...], tuple[str, bool]] = field(default_factory=dict, init=False, repr=False)
+
+    def text(self, argv: list[str], limit: int) -> tuple[str, bool]:
+        key = tuple(argv)
+        if key not in self._cache:
+            out = self.runner(argv, timeout=TOOL_TIMEOUT_SECONDS).stdout
+            self._cache[key] = (out[:limit], True) if len(out) > limit else (out, False)
+        return self._cache[key]
+
+
+def read_service(service: DiagnoseService, mode: str | None, readers: Readers | None = None) -> ServiceCounters:
+    """What the kernel counted for one Service on this node; errors are reported, never raised."""
+    readers = readers or Readers()
+    key = service.key
+    errors: list[str] = []
+    truncated = False
+    rules: list[str] = []
+    flows: dict[str, int] = {}
+    packets: dict[str, int] = {}
+    weights: dict[str, int] = {}
+    scheduler: str | None = None
+    persistence: int | None = None
+    source = "conntrack"
+    if mode == "iptables":
+        source = "iptables"
+        families = {ipaddress.ip_address(ip).version for ip in service.cluster_ips} or {4}
+        for version in sorted(families):
+            tool = "iptables-save" if version == 4 else "ip6tables-save"
+            try:
+                text, cut = readers.text([tool, "-c", "-t", "nat"], MAX_SAVE_BYTES)
+                counted = parse_iptables_counters(text, key)
+                truncated |= cut
+                rules += [f"{chain[:80]} ({n} rules)" for chain, n in counted.chains.items()]
+                if counted.chains_cut:
+                    rules.append(f"... more than {MAX_RULES} chains of it in {tool}, not listed")
+                for endpoint, n in counted.flows.items():
+                    flows[endpoint] = flows.get(endpoint, 0) + n
+            except (CommandError, DiagnosticsOutputError) as exc:
+                errors.append(_error(tool, exc))
+    elif mode == "ipvs":
+        source = "ipvs"
+        if not (readers.proc_root / "net" / "ip_vs").exists():
+            errors.append("ipvs: the kernel has no IPVS (/proc/net/ip_vs is missing)")
+        else:
+            try:
+                text, cut = readers.text(["ipvsadm", "-Ln", "--stats", "--exact"], MAX_IPVS_BYTES)
+                virtual = parse_ipvs_stats(text)
+                save, cut2 = readers.text(["ipvsadm", "-Sn"], MAX_IPVS_BYTES)
+                merge_ipvs_save(virtual, save)
+                truncated |= cut or cut2
+                for vkey in sorted(service_virtual_addresses(service)):
+                    vs = virtual.get(vkey)
+                    if vs is None:
+                        continue
+                    rules.append((f"{vs.protocol} {vs.address} {vs.scheduler or '?'}"
+                                  + (f" persistent {vs.persistence_seconds}" if vs.persistence_seconds else ""))[:96])
+                    scheduler = scheduler or vs.scheduler
+                    persistence = persistence or vs.persistence_seconds
+                    for real in vs.real_servers.values():
+                        flows[real.address] = flows.get(real.address, 0) + real.conns
+                        packets[real.address] = packets.get(real.address, 0) + real.in_packets
+                        if real.weight is not None:
+                            weights[real.address] = real.weight
+            except (CommandError, DiagnosticsOutputError) as exc:
+                errors.append(_error("ipvsadm", exc))
+    conntrack = ConntrackCounts()
+    try:
+        for argv in conntrack_queries(service):
+            # conntrack_mod.parse_flows cuts at its own byte and flow bounds, at a whole flow.
+            text, cut = readers.text(argv, MAX_SAVE_BYTES)
+            flows_seen, cut_flows = conntrack_mod.parse_flows(text, max_flows=MAX_CONNTRACK_FLOWS)
+            count_flows(flows_seen, conntrack)
+            truncated |= cut or cut_flows
+    except (CommandError, conntrack_mod.ConntrackOutputError) as exc:
+        errors.append(_error("conntrack", exc))
+    counted = [*flows, *conntrack.entries]
+    # Listed endpoints first (a request may name one by ip alone); then anything the kernel still sends
+    # to that no EndpointSlice lists any more (a stale rule or old flows), which is worth seeing.
+    strays = [c for c in counted if not any(_endpoint_matches(e, c) for e in service.endpoints)]
+    endpoints: list[EndpointCounters] = []
+    for name in dict.fromkeys([*service.endpoints, *strays]):
+        def total(table: dict[str, int], name: str = name) -> int:
+            return sum(v for k, v in table.items() if _endpoint_matches(name, k))
+        endpoints.append(EndpointCounters(
+            address=name[:64],
+            flows=total(flows) if source != "conntrack" else None,
+            packets=total(packets) if packets else None,
+            weight=next((w for k, w in weights.items() if _endpoint_matches(name, k)), None),
+            conntrack_entries=total(conntrack.entries),
+            conntrack_established=total(conntrack.established),
+        ))
+    if len(rules) > MAX_RULES:
+        rules = [*rules[:MAX_RULES - 1], f"... {len(rules) - MAX_RULES + 1} more not listed"]
+    if len(endpoints) > MAX_ENDPOINTS:
+        endpoints, truncated = endpoints[:MAX_ENDPOINTS], True
+    if not rules and not flows and mode in ("iptables", "ipvs") and not errors:
+        errors.append(f"no {mode} rules for {key} on this node")
+    return ServiceCounters(service=key, source=source if (rules or flows or conntrack.entries) else "none",
+                           rules=rules, scheduler=scheduler, persistence_seconds=persistence,
+                           endpoints=endpoints, errors=errors[:MAX_ERRORS], truncated=truncated)
+
+
+def serve(request: DiagnoseRequest, mode: str | None, readers: Readers | None = None,
+          clock: Callable[[], float] = time.time) -> NodeDiagnostics:
+    """Answer one request: every Service in it, read from the kernel now."""
+    started = clock()
+    fresh = dataclasses.replace(readers) if readers is not None else Readers()
+    services = [read_service(s, mode, fresh) for s in request.services[:MAX_DIAGNOSE_SERVICES]]
+    return NodeDiagnostics(id=request.id, mode=mode,
+                           taken_at=datetime.fromtimestamp(clock(), UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                           duration_seconds=round(max(0.0, clock() - started), 3), services=services)
+
+
+def pending_request(obj: dict[str, Any], answered: str | None) -> dict[str, Any] | None:
+    """The ProxyNode's spec.diagnose if its id is not answered yet (in status, or by this agent in memory)."""
+    body = (obj.get("spec") or {}).get("diagnose")
+    if not isinstance(body, dict) or not isinstance(body.get("id"), str):
+        return None
+    status = obj.get("status") or {}
+    distribution = status.get("distribution") or {}
+    done = {(status.get("diagnostics") or {}).get("id"), (distribution.get("before") or {}).get("id"),
+            (distribution.get("after") or {}).get("id"), answered}
+    return None if body["id"] in done else body
+
+
+def answer_patch(body: dict[str, Any], mode: str | None, readers: Readers | None = None) -> dict[str, Any]:
+    """The status patch answering a request; a bad request is answered with its error rather than ignored."""
+    record = body.get("record") if body.get("record") in ("before", "after") else None
+    try:
+        answer = serve(DiagnoseRequest.model_validate(body), mode, readers)
+    except Exception as exc:  # an answer must come, whatever the request or the node says
+        answer = NodeDiagnostics(id=str(body.get("id"))[:253], mode=mode,
+                                 error=f"{exc.__class__.__name__}: {exc}"[:400])
+    # The whole object with nulls, so no field of the previous answer survives the merge patch.
+    data = answer.model_dump(by_alias=True, mode="json")
+    return {"distribution": {record: data}} if record else {"diagnostics": data}
