@@ -16,6 +16,7 @@ from proxyshift.api.behaviour import (
     ConntrackParams,
     NodeBehaviour,
 )
+from proxyshift.api.diagnostics import DiagnoseRequest, DiagnoseService
 from proxyshift.api.proxynode import Operation
 from proxyshift.planner import machine
 from proxyshift.planner.machine import NodeInput, Target
@@ -109,3 +110,25 @@ def test_an_agent_without_the_matrix_is_not_held_to_it() -> None:
     assert older.phase in ("Cleanup", "Done", "Uncordon") and "not recorded before the switch" in said(older)
     stale = gate_step(1, after(f"{REV}.1.0.Gate.0", localhost="refused"))  # an earlier round's matrix
     assert stale.phase in ("Cleanup", "Done", "Uncordon") and "no Service behaviour after" in said(stale)
+
+
+DISTRIBUTION = DiagnoseRequest(id="", services=[DiagnoseService(namespace="web", name="shop",
+                                                                cluster_ips=["198.19.0.10"], endpoints=["198.18.1.1",
+                                                                                                        "198.18.1.2"])])
+
+
+def test_the_distribution_is_recorded_with_the_preflight_and_at_done_and_carried_between() -> None:
+    start = machine.start(replace(inp(), distribution=DISTRIBUTION), Target(REV, "nftables"), from_mode="iptables",
+                          generation=1, retry_token=None)
+    before = writes(start)[0].diagnose
+    assert before is not None and before.record == "before" and before.id.endswith(".before")
+    assert [s.name for s in before.services] == ["shop"]
+    # A step in between replaces the spec whole: the unanswered request goes along unchanged.
+    pn_with_request = inp(mig("Gate")).proxynode.model_copy(deep=True)
+    pn_with_request.spec.diagnose = before
+    between = machine._forward_write(replace(inp(mig("Gate")), proxynode=pn_with_request), mig("Gate"), None)
+    assert between.diagnose == before
+    done = machine._done(replace(inp(mig("Uncordon")), proxynode=pn_with_request, distribution=DISTRIBUTION),
+                         mig("Uncordon"), "ok")
+    after = writes(done)[0].diagnose
+    assert after is not None and after.record == "after" and after.id.endswith(".after") and after.id != before.id

@@ -197,6 +197,7 @@ class Executor:
             "scheduler": action.scheduler,
             "migration": action.migration.to_k8s() if action.migration else None,
             "operation": action.operation.to_k8s() if action.operation else None,
+            "diagnose": action.diagnose.to_k8s() if action.diagnose else None,
         }
         # ensure_proxynode replaces the spec of the existing ProxyNode (or creates it): None removes a
         # field, so a finished operation is cleared explicitly.

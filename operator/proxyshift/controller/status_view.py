@@ -12,9 +12,13 @@ from typing import Any
 
 import kubernetes
 from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
 
 from proxyshift.api.common import API_GROUP, API_VERSION
+from proxyshift.api.diagnostics import NodeDistribution
 from proxyshift.manifest import UsageError
+from proxyshift.planner.diagnosis import distribution_lines
+from proxyshift.planner.services import EndpointView, ServiceView, endpoints_from_slice, service_view_from_k8s
 
 TERMINAL_PHASES = {"Ready", "Degraded"}
 
@@ -100,7 +104,55 @@ def snapshot(api: kubernetes.client.CustomObjectsApi, policy: str | None) -> tup
         return render_policies(items) if items else "no ProxyPolicies", None
     body = api.get_cluster_custom_object(API_GROUP, API_VERSION, "proxypolicies", policy)
     nodes = api.list_cluster_custom_object(API_GROUP, API_VERSION, "proxynodes")["items"]
-    return render_policy(body, nodes, now), (body.get("status") or {}).get("phase")
+    text = render_policy(body, nodes, now)
+    lines = distribution_section([n for n in nodes if (n.get("spec") or {}).get("policy") == policy])
+    return text + ("\n\n" + "\n".join(lines) if lines else ""), (body.get("status") or {}).get("phase")
+
+
+MAX_DISTRIBUTION_NODES = 10  # status shows the move's effect on the first nodes that recorded it
+
+
+def distribution_section(proxynodes: list[dict[str, Any]]) -> list[str]:
+    """How each recorded Service's load looked on a node before and after its move (status.distribution)."""
+    recorded: list[tuple[str, NodeDistribution]] = []
+    for pn in sorted(proxynodes, key=lambda n: n["metadata"]["name"]):
+        raw = (pn.get("status") or {}).get("distribution")
+        if raw:
+            try:
+                recorded.append((pn["metadata"]["name"], NodeDistribution.model_validate(raw)))
+            except ValidationError:
+                continue  # an agent's malformed record is left out, not shown half
+    recorded = recorded[:MAX_DISTRIBUTION_NODES]
+    keys = {c.service for _, d in recorded for side in (d.before, d.after) if side for c in side.services}
+    if not keys:
+        return []
+    services, endpoints = _read_services(sorted(keys))
+    lines = ["traffic distribution before -> after the move:"]
+    for node, d in recorded:
+        lines += ["  " + line for line in distribution_lines(node, d.before, d.after, services, endpoints)]
+    return lines if len(lines) > 1 else []
+
+
+def _read_services(keys: list[str]) -> tuple[dict[str, ServiceView], dict[str, list[EndpointView]]]:
+    core, discovery = kubernetes.client.CoreV1Api(), kubernetes.client.DiscoveryV1Api()
+    client = kubernetes.client.ApiClient()
+    services: dict[str, ServiceView] = {}
+    endpoints: dict[str, list[EndpointView]] = {}
+    for key in keys:
+        namespace, name = key.split("/", 1)
+        try:
+            view = service_view_from_k8s(client.sanitize_for_serialization(
+                core.read_namespaced_service(name, namespace)))
+            slices = discovery.list_namespaced_endpoint_slice(
+                namespace, label_selector=f"kubernetes.io/service-name={name}").items
+        except ApiException as exc:
+            if exc.status == 404:
+                continue  # deleted since it was recorded
+            raise
+        if view is not None:
+            services[key] = view
+            endpoints[key] = [e for s in slices for e in endpoints_from_slice(client.sanitize_for_serialization(s))]
+    return services, endpoints
 
 
 def main(argv: Sequence[str]) -> int:

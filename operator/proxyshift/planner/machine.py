@@ -23,6 +23,7 @@ from typing import Any
 
 from proxyshift.api.behaviour import BehaviourParams, ConntrackParams
 from proxyshift.api.common import parse_duration
+from proxyshift.api.diagnostics import DiagnoseRequest
 from proxyshift.api.policy import ProxyPolicySpec
 from proxyshift.api.proxynode import NodeMigration, Operation, OperationStatus, ProxyNode
 from proxyshift.api.requirements import startup_cleanup_drops_old_rules
@@ -55,6 +56,7 @@ AGENT_AWAIT_SECONDS = 10.0  # how long one probe may wait on the node for kube-p
 CRASHLOOP_RESTARTS = 3  # a new kube-proxy pod restarting this often is not going to come up
 HOLD_WAIT_SECONDS = 20.0  # how long the switch waits for the agent's rule hold before going without
 MESSAGE_LIMIT = 400  # agent messages are copied into API objects: keep them bounded
+KEEP = object()  # _write: carry the ProxyNode's current spec.diagnose over
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,9 @@ class NodeInput:
     # nothing to sample) and the Service addresses whose un-NATed conntrack entries the agent deletes.
     behaviour: BehaviourParams | None = None
     conntrack: ConntrackParams | None = None
+    # The Services whose distribution the node records before and after its move (id and record are set
+    # by the machine); None: nothing worth recording.
+    distribution: DiagnoseRequest | None = None
 
     @property
     def migration(self) -> NodeMigration | None:
@@ -144,7 +149,10 @@ def _write(
     revision: str | None,
     mode: str | None,
     scheduler: str | None = None,
+    diagnose: DiagnoseRequest | object | None = KEEP,
 ) -> SetMigration:
+    # The spec is replaced whole: a diagnose request the agent has not answered yet (a distribution
+    # record, or a person's `proxyshift diagnose`) goes along unless this step asks for another.
     return SetMigration(
         node=inp.node.name,
         policy=inp.policy,
@@ -153,7 +161,16 @@ def _write(
         scheduler=scheduler,
         migration=m,
         operation=operation,
+        diagnose=inp.proxynode.spec.diagnose if diagnose is KEEP else diagnose,  # type: ignore[arg-type]
     )
+
+
+def _distribution(inp: NodeInput, m: NodeMigration, record: str) -> DiagnoseRequest | object | None:
+    """Record the node's traffic distribution before its move (with the Preflight) and after it (at Done),
+    so `proxyshift status` can show the move's effect; with nothing worth recording, keep what is there."""
+    if inp.distribution is None:
+        return KEEP
+    return inp.distribution.model_copy(update={"id": f"{attempt_key(m)}.{record}", "record": record})
 
 
 def _forward_write(inp: NodeInput, m: NodeMigration, operation: Operation | None) -> SetMigration:
@@ -289,7 +306,8 @@ def start(
     where = target.revision or "the baseline kube-proxy"
     return Step(
         [
-            _write(inp, m, op, revision=target.revision, mode=target.mode, scheduler=target.scheduler),
+            _write(inp, m, op, revision=target.revision, mode=target.mode, scheduler=target.scheduler,
+                   diagnose=_distribution(inp, m, "before")),
             _event(inp, "MigrationStarted", f"attempt {attempt}: {from_mode} -> {target.mode} ({where}); preflight"),
         ],
         "Preflight",
@@ -624,9 +642,9 @@ def _finish_forward(inp: NodeInput, m: NodeMigration, why: str) -> Step:
 
 def _done(inp: NodeInput, m: NodeMigration, why: str) -> Step:
     nxt = _enter(inp, m, "Done", message=None, reason=None, finished_at=fmt(inp.now))
-    return Step(
-        [_forward_write(inp, nxt, None), _event(inp, "Migrated", f"now running {m.to_mode}: {why}")], "Done", why
-    )
+    write = _write(inp, nxt, None, revision=nxt.to_revision, mode=nxt.to_mode, scheduler=inp.proxynode.spec.scheduler,
+                   diagnose=_distribution(inp, nxt, "after"))
+    return Step([write, _event(inp, "Migrated", f"now running {m.to_mode}: {why}")], "Done", why)
 
 
 def _cleanup(inp: NodeInput, m: NodeMigration) -> Step:

@@ -9,19 +9,23 @@ docs/planner.md states the rules in prose.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from proxyshift.api.behaviour import MAX_NODE_PORTS, MAX_SERVICE_ADDRESSES, BehaviourParams, ConntrackParams
 from proxyshift.api.common import parse_duration
+from proxyshift.api.diagnostics import DiagnoseRequest
 from proxyshift.api.policy import NodeFailure, NodeProgress, ProxyPolicy
 from proxyshift.api.proxynode import ProxyNode
 from proxyshift.planner import machine
 from proxyshift.planner.behaviour import behaviour_params
+from proxyshift.planner.diagnosis import migration_request
 from proxyshift.planner.machine import FAILED, NodeInput, Target, is_in_flight
 from proxyshift.planner.ordering import node_key
 from proxyshift.planner.ownership import Ownership, compute_ownership, is_deleting, revision_policy
+from proxyshift.planner.services import EndpointView
 from proxyshift.planner.status import Summary, build_status, transitions
 from proxyshift.planner.timeutil import fmt, parse, utc
 from proxyshift.planner.world import (
@@ -97,6 +101,15 @@ class _Ctx:
         self.actions.append(Event(policy=self.name, node=None, type="Warning" if warning else "Normal",
                                   reason=reason, message=message))
 
+    @functools.cached_property
+    def conntrack(self) -> ConntrackParams | None:
+        return _conntrack(self)
+
+    @functools.cached_property
+    def distribution(self) -> DiagnoseRequest | None:
+        """The same for every node of the plan: taken once."""
+        return _distribution_request(self)
+
     def wake(self, seconds: float | None) -> None:
         if seconds is not None:
             self.requeue.append(max(0.0, seconds))
@@ -114,7 +127,17 @@ def _node_input(ctx: _Ctx, name: str, pn: ProxyNode) -> NodeInput:
     node = w.nodes[name]
     return NodeInput(policy=ctx.name, spec=ctx.policy.spec, node=node, proxynode=pn,
                      pods=tuple(w.kube_proxy_pods.get(name, ())), now=ctx.now, service_ips=w.service_ips,
-                     behaviour=_behaviour_sample(ctx, node), conntrack=_conntrack(ctx))
+                     behaviour=_behaviour_sample(ctx, node), conntrack=ctx.conntrack, distribution=ctx.distribution)
+
+
+def _distribution_request(ctx: _Ctx) -> DiagnoseRequest | None:
+    """The Services whose traffic distribution every node records around its move (the same on each)."""
+    side = ctx.world.services
+    named = [f"{ref.namespace}/{ref.name}" for ref in ctx.policy.spec.gate.probe_services or []]
+    by_service: dict[str, list[EndpointView]] = {}
+    for endpoint in side.endpoints:
+        by_service.setdefault(endpoint.service, []).append(endpoint)
+    return migration_request(side.services.values(), by_service, "", "before", named=named)
 
 
 def _behaviour_sample(ctx: _Ctx, node: NodeView) -> BehaviourParams | None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from proxyshift.api.diagnostics import DiagnoseRequest
 from proxyshift.api.policy import ProxyPolicy, ProxyPolicyStatus
 from proxyshift.api.proxynode import NodeMigration, Operation, ProxyNode
 from proxyshift.planner.services import EndpointView, ServiceView
@@ -162,6 +163,9 @@ class SetMigration(Action):
     scheduler: str | None
     migration: NodeMigration | None
     operation: Operation | None
+    # spec.diagnose: kernel counters the agent reads once per id (a distribution record, or a person's
+    # `proxyshift diagnose`); the machine carries the current one over, as the spec is replaced whole.
+    diagnose: DiagnoseRequest | None = None
 
 
 @dataclass(frozen=True)
