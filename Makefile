@@ -15,8 +15,9 @@ setup: deps ## install system packages and Python dependencies (idempotent)
 deps:
 	@./hack/install-deps.sh
 
-lint: ## ruff over the whole tree
+lint: ## ruff over the whole tree, mypy over the pure core (api, planner, render)
 	$(PYTHON) -m ruff check .
+	$(PYTHON) -m mypy
 
 crds: ## regenerate crds/ and docs/crd-reference.md from the pydantic models
 	$(PYTHON) -m proxyshift.cli crds

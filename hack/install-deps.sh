@@ -20,7 +20,7 @@ else
   echo "==> Debian packages present: ${DEBIAN_PACKAGES[*]}"
 fi
 
-if python3 -c 'import proxyshift, pytest, hypothesis, celpy, kopf' 2>/dev/null \
+if python3 -c 'import proxyshift, pytest, hypothesis, celpy, kopf, mypy' 2>/dev/null \
    && python3 -m pip show proxyshift 2>/dev/null | grep "Editable project location: $(pwd)$" >/dev/null; then
   echo "==> python package proxyshift installed (editable, from $(pwd))"
 else

@@ -14,7 +14,7 @@ change across a restart (affinity state does not survive one).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field
 
@@ -28,6 +28,8 @@ ProbePath = Literal["node", "pod"]
 # or 127.0.0.1.
 AddressRole = Literal["clusterIP", "nodeIP", "otherAddress", "localhost"]
 Outcome = Literal["answered", "refused", "timeout", "unreachable", "error"]
+BOTH_PATHS: tuple[ProbePath, ...] = ("node", "pod")
+BOTH_PROTOCOLS: tuple[Protocol, ...] = ("TCP", "UDP")
 
 # Named, documented behaviour differences a policy may accept (gate.behaviour.allowChanges).
 # Each is one of KEP-3866's or the ipvs docs' known differences; docs/migration-guide.md lists them
@@ -43,7 +45,7 @@ ChangeName = Literal[
     "StrictARP",  # ipvs binds Service addresses on kube-ipvs0; MetalLB needs strictARP
     "ForeignIPVSFlush",  # an nftables kube-proxy deletes every IPVS virtual server, a user's too
 ]
-CHANGE_NAMES: tuple[ChangeName, ...] = ChangeName.__args__  # type: ignore[attr-defined]
+CHANGE_NAMES: tuple[ChangeName, ...] = get_args(ChangeName)
 
 MAX_TARGETS = 48
 MAX_CELLS = 128
@@ -76,7 +78,7 @@ class BehaviourTarget(KubeModel):
         description="Endpoint addresses on this node (Local traffic policies): every answer must come from "
         "one of them. Unset: locality is not judged.",
     )
-    paths: list[ProbePath] = Field(default_factory=lambda: ["node", "pod"], max_length=2,
+    paths: list[ProbePath] = Field(default_factory=lambda: list(BOTH_PATHS), max_length=2,
                                    description="node (the node's own namespace), pod (from a pod on the node).")
 
 
@@ -179,7 +181,7 @@ class ConntrackParams(KubeModel):
         default_factory=list, max_length=MAX_NODE_PORTS,
         description="NodePorts in use; an entry to one of them on a local address of the node counts too.",
     )
-    protocols: list[Protocol] = Field(default_factory=lambda: ["TCP", "UDP"], max_length=2,
+    protocols: list[Protocol] = Field(default_factory=lambda: list(BOTH_PROTOCOLS), max_length=2,
                                       description="TCP (SYN_SENT entries), UDP (unreplied entries).")
     max_deletions: int = Field(default=MAX_CONNTRACK_DELETIONS, ge=1, le=MAX_CONNTRACK_DELETIONS,
                                description="At most this many entries are deleted in one step.")

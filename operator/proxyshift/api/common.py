@@ -12,6 +12,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
+from pydantic.config import JsonValue
 
 API_GROUP = "proxyshift.io"
 API_VERSION = "v1alpha1"
@@ -83,14 +84,16 @@ class KubeModel(BaseModel):
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
 
 
+def with_rules(*rules: dict[str, str]) -> ConfigDict:
+    """KubeModel's config plus the CEL rules the CRD carries for the model (x-kubernetes-validations)."""
+    validations: list[JsonValue] = [dict(rule) for rule in rules]
+    return ConfigDict(**KubeModel.model_config, json_schema_extra={"x-kubernetes-validations": validations})
+
+
 class LabelSelectorRequirement(KubeModel):
     """One expression of a label selector, as in Kubernetes' LabelSelector."""
 
-    model_config = KubeModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [{"rule": _VALUES_RULE, "message": _VALUES_MESSAGE, "fieldPath": ".values"}]
-        }
-    }
+    model_config = with_rules({"rule": _VALUES_RULE, "message": _VALUES_MESSAGE, "fieldPath": ".values"})
 
     key: str = Field(max_length=317, description="The label key the selector applies to.")
     operator: Literal["In", "NotIn", "Exists", "DoesNotExist"] = Field(

@@ -19,6 +19,7 @@ from proxyshift.api.common import (
     Duration,
     KubeModel,
     LabelSelector,
+    with_rules,
 )
 
 ProxyMode = Literal["iptables", "ipvs", "nftables"]
@@ -125,13 +126,9 @@ class NFTablesSettings(KubeModel):
 class Stage(KubeModel):
     """One step of a staged rollout: how far to go, then how long to wait."""
 
-    model_config = KubeModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                cel("has(self.nodes) != has(self.percent)", "a stage sets exactly one of nodes or percent"),
-            ]
-        }
-    }
+    model_config = with_rules(
+        cel("has(self.nodes) != has(self.percent)", "a stage sets exactly one of nodes or percent"),
+    )
 
     nodes: int | None = Field(
         default=None, ge=1, description="Migrate this many nodes in total by the end of the stage."
@@ -160,26 +157,22 @@ def _check_max_unavailable(value: int | str) -> int | str:
 class RolloutSettings(KubeModel):
     """How fast the policy moves through its nodes."""
 
-    model_config = KubeModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                cel(
-                    "type(self.maxUnavailable) == int ? self.maxUnavailable >= 1 : "
-                    f"self.maxUnavailable.matches('{PERCENT_PATTERN}')",
-                    MAX_UNAVAILABLE_MESSAGE,
-                    ".maxUnavailable",
-                ),
-                cel(
-                    "!has(self.stages) || (size(self.stages) > 0 && "
-                    "has(self.stages[size(self.stages) - 1].percent) && "
-                    "self.stages[size(self.stages) - 1].percent == 100)",
-                    "stages must not be empty and the last stage must be percent: 100",
-                    ".stages",
-                ),
-                cel("!self.drain || self.cordon", "drain needs cordon: set cordon: true", ".drain"),
-            ]
-        }
-    }
+    model_config = with_rules(
+        cel(
+            "type(self.maxUnavailable) == int ? self.maxUnavailable >= 1 : "
+            f"self.maxUnavailable.matches('{PERCENT_PATTERN}')",
+            MAX_UNAVAILABLE_MESSAGE,
+            ".maxUnavailable",
+        ),
+        cel(
+            "!has(self.stages) || (size(self.stages) > 0 && "
+            "has(self.stages[size(self.stages) - 1].percent) && "
+            "self.stages[size(self.stages) - 1].percent == 100)",
+            "stages must not be empty and the last stage must be percent: 100",
+            ".stages",
+        ),
+        cel("!self.drain || self.cordon", "drain needs cordon: set cordon: true", ".drain"),
+    )
 
     max_unavailable: int | str = Field(
         default=1,
@@ -285,9 +278,7 @@ def _check_unique(values: list[Any] | None) -> list[Any] | None:
 class BehaviourGateSettings(KubeModel):
     """The behaviour matrix: the node's Services must answer after the switch as they did before."""
 
-    model_config = KubeModel.model_config | {
-        "json_schema_extra": {"x-kubernetes-validations": [_unique_rule("allowChanges")]}
-    }
+    model_config = with_rules(_unique_rule("allowChanges"))
 
     enabled: bool = Field(
         default=True,
@@ -357,24 +348,20 @@ class CleanupSettings(KubeModel):
 class ProxyPolicySpec(KubeModel):
     """Desired kube-proxy mode for a pool of nodes, and how to get there."""
 
-    model_config = KubeModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                cel("!has(self.ipvs) || self.mode == 'ipvs'", "ipvs settings are only allowed with mode: ipvs",
-                    ".ipvs"),
-                cel("!has(self.iptables) || self.mode == 'iptables'",
-                    "iptables settings are only allowed with mode: iptables", ".iptables"),
-                cel("!has(self.nftables) || self.mode == 'nftables'",
-                    "nftables settings are only allowed with mode: nftables", ".nftables"),
-                cel("!has(self.nftables) || !has(self.nftables.localhostNodePorts) || "
-                    "!self.nftables.localhostNodePorts || (has(self.nodePortAddresses) && "
-                    "self.nodePortAddresses.exists(a, a == 'localhost' || a.startsWith('127.') || "
-                    "a.startsWith('::1/')))",
-                    NFTABLES_LOCALHOST_MESSAGE, ".nftables.localhostNodePorts"),
-                _unique_rule("nodePortAddresses"),
-            ]
-        }
-    }
+    model_config = with_rules(
+        cel("!has(self.ipvs) || self.mode == 'ipvs'", "ipvs settings are only allowed with mode: ipvs",
+            ".ipvs"),
+        cel("!has(self.iptables) || self.mode == 'iptables'",
+            "iptables settings are only allowed with mode: iptables", ".iptables"),
+        cel("!has(self.nftables) || self.mode == 'nftables'",
+            "nftables settings are only allowed with mode: nftables", ".nftables"),
+        cel("!has(self.nftables) || !has(self.nftables.localhostNodePorts) || "
+            "!self.nftables.localhostNodePorts || (has(self.nodePortAddresses) && "
+            "self.nodePortAddresses.exists(a, a == 'localhost' || a.startsWith('127.') || "
+            "a.startsWith('::1/')))",
+            NFTABLES_LOCALHOST_MESSAGE, ".nftables.localhostNodePorts"),
+        _unique_rule("nodePortAddresses"),
+    )
 
     node_selector: LabelSelector = Field(
         description="The pool: nodes whose labels match. {} selects every node."

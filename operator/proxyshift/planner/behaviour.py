@@ -26,6 +26,7 @@ from proxyshift.api.behaviour import (
     BehaviourParams,
     BehaviourTarget,
     ChangeName,
+    Protocol,
     ServiceKind,
 )
 from proxyshift.api.kubeproxy import KubeProxyConfiguration
@@ -58,7 +59,7 @@ def _first_port(service: ServiceView, protocol: str, *, node_port: bool = False)
     return None
 
 
-def _pick(service: ServiceView, kind: ServiceKind, protocol: str, ready: Sequence[EndpointView],
+def _pick(service: ServiceView, kind: ServiceKind, protocol: Protocol, ready: Sequence[EndpointView],
           node_name: str) -> BehaviourTarget | None:
     """The target `service` stands for as `kind`, or None when it cannot stand for that kind."""
     if service.headless or service.type == "ExternalName":

@@ -173,7 +173,7 @@ def _pct(value: float) -> str:
 def _weights(candidates: Sequence[str], counters: dict[str, EndpointCounters], scheduler: str | None) -> list[float]:
     """Expected shares over `candidates`: equal, or by ipvs weight where the scheduler weighs."""
     if scheduler in WEIGHTED_SCHEDULERS:
-        raw = [float(counters[a].weight) if counters[a].weight is not None else 1.0 for a in candidates]
+        raw = [float(weight) if (weight := counters[a].weight) is not None else 1.0 for a in candidates]
     else:
         raw = [1.0] * len(candidates)
     total = sum(raw)
@@ -320,7 +320,8 @@ def combine(parts: Sequence[ServiceCounters]) -> ServiceCounters:
 def request_service(service: ServiceView, endpoints: Iterable[EndpointView]) -> DiagnoseService:
     """The part of a DiagnoseRequest that names one Service: what the node needs to find its counters."""
     return DiagnoseService(
-        namespace=service.namespace, name=service.name, cluster_ips=list(service.cluster_ips),
+        namespace=service.namespace, name=service.name, clusterIPs=list(service.cluster_ips),
+        # ServicePortView keeps the API's protocol as text (SCTP too); DiagnosePort validates it at run time.
         ports=[DiagnosePort(name=p.name, port=p.port, protocol=p.protocol, node_port=p.node_port)  # type: ignore[arg-type]
                for p in service.ports[:16]],
         endpoints=list(dict.fromkeys(e.address for e in endpoints))[:MAX_ENDPOINTS],

@@ -16,6 +16,7 @@ re-issues a step sends the same id and the agent (which runs each id once) does 
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -29,6 +30,7 @@ from proxyshift.api.proxynode import NodeMigration, Operation, OperationStatus, 
 from proxyshift.api.requirements import startup_cleanup_drops_old_rules
 from proxyshift.planner.behaviour import compare_matrices
 from proxyshift.planner.gate import GateVerdict, evaluate_gate
+from proxyshift.planner.gate import Result as GateResult
 from proxyshift.planner.timeutil import fmt, parse, remaining, seconds_since
 from proxyshift.planner.world import (
     Action,
@@ -56,7 +58,13 @@ AGENT_AWAIT_SECONDS = 10.0  # how long one probe may wait on the node for kube-p
 CRASHLOOP_RESTARTS = 3  # a new kube-proxy pod restarting this often is not going to come up
 HOLD_WAIT_SECONDS = 20.0  # how long the switch waits for the agent's rule hold before going without
 MESSAGE_LIMIT = 400  # agent messages are copied into API objects: keep them bounded
-KEEP = object()  # _write: carry the ProxyNode's current spec.diagnose over
+class _Keep(enum.Enum):
+    """_write's default for `diagnose`: carry the ProxyNode's current spec.diagnose over."""
+
+    KEEP = "keep"
+
+
+KEEP = _Keep.KEEP
 
 
 @dataclass(frozen=True)
@@ -149,7 +157,7 @@ def _write(
     revision: str | None,
     mode: str | None,
     scheduler: str | None = None,
-    diagnose: DiagnoseRequest | object | None = KEEP,
+    diagnose: DiagnoseRequest | _Keep | None = KEEP,
 ) -> SetMigration:
     # The spec is replaced whole: a diagnose request the agent has not answered yet (a distribution
     # record, or a person's `proxyshift diagnose`) goes along unless this step asks for another.
@@ -161,11 +169,11 @@ def _write(
         scheduler=scheduler,
         migration=m,
         operation=operation,
-        diagnose=inp.proxynode.spec.diagnose if diagnose is KEEP else diagnose,  # type: ignore[arg-type]
+        diagnose=inp.proxynode.spec.diagnose if isinstance(diagnose, _Keep) else diagnose,
     )
 
 
-def _distribution(inp: NodeInput, m: NodeMigration, record: str) -> DiagnoseRequest | object | None:
+def _distribution(inp: NodeInput, m: NodeMigration, record: str) -> DiagnoseRequest | _Keep | None:
     """Record the node's traffic distribution before its move (with the Preflight) and after it (at Done),
     so `proxyshift status` can show the move's effect; with nothing worth recording, keep what is there."""
     if inp.distribution is None:
@@ -410,8 +418,8 @@ def _cordon(inp: NodeInput, m: NodeMigration) -> Step:
         # The operator's Drain raises while PodDisruptionBudgets block evictions, which stops the
         # action list here: the switch is only recorded after the drain went through.
         actions.append(Drain(node=inp.node.name, reason="Drained"))
-    nxt = _enter_switch(inp, m, "node cordoned" + (" and drained" if inp.spec.rollout.drain else ""))
-    return Step(actions + nxt.actions, nxt.phase, nxt.message, nxt.requeue_after)
+    switch = _enter_switch(inp, m, "node cordoned" + (" and drained" if inp.spec.rollout.drain else ""))
+    return Step(actions + switch.actions, switch.phase, switch.message, switch.requeue_after)
 
 
 def holds_rules(inp: NodeInput, m: NodeMigration) -> bool:
@@ -582,7 +590,7 @@ def _judge_behaviour(inp: NodeInput, op: Operation, verdict: GateVerdict) -> Gat
     result = compare_matrices(before, after, allow, to_mode=m.to_mode or None)
     if not result.passed:
         rounds = int(op.id.rsplit(".", 1)[1]) + 1
-        outcome = "fail" if rounds >= BEHAVIOUR_CONFIRM_ROUNDS else "wait"
+        outcome: GateResult = "fail" if rounds >= BEHAVIOUR_CONFIRM_ROUNDS else "wait"
         return GateVerdict(outcome, "BehaviourChanged", clip(result.reason))  # the reason names the Service
     summary = f"{result.compared} Service cells answer as before"
     allowed = sorted({c.name for c in result.changes})
@@ -749,9 +757,10 @@ def _rolling_back(inp: NodeInput, m: NodeMigration) -> Step:
         remove = _modes_to_remove(inp, m.from_mode or "", m.to_mode if m.to_mode != m.from_mode else None)
         if inp.spec.cleanup.stale_rules and remove:
             nxt = m.model_copy(update={"rollback_step": "Cleanup", "phase_since": fmt(inp.now)})
-            op = Operation(id=op_id(nxt, "RollbackCleanup", 0), type="Cleanup",
-                           params={"removeModes": remove, "targetMode": m.from_mode})
-            return Step([_rollback_write(inp, nxt, op)], "RollingBack", "cleaning up the target mode", POLL_SECONDS)
+            cleanup = Operation(id=op_id(nxt, "RollbackCleanup", 0), type="Cleanup",
+                                params={"removeModes": remove, "targetMode": m.from_mode})
+            return Step([_rollback_write(inp, nxt, cleanup)], "RollingBack", "cleaning up the target mode",
+                        POLL_SECONDS)
         return _enter_rollback_gate(inp, m)
     if sub == "Cleanup":
         op = inp.proxynode.spec.operation
@@ -789,8 +798,8 @@ def _rolling_back(inp: NodeInput, m: NodeMigration) -> Step:
                                          f"the gate either ({why}); left cordoned if we cordoned it"))
             return Step([_rollback_write(inp, failed, None),
                          _event(inp, "RollbackGateFailed", failed.message or "", warning=True)], "Failed", why)
-        actions: list[Action] = [_rollback_write(inp, m, next_op)] if next_op is not None else []
-        return Step(actions, "RollingBack", waiting, min(wait or POLL_SECONDS, left))
+        probe: list[Action] = [_rollback_write(inp, m, next_op)] if next_op is not None else []
+        return Step(probe, "RollingBack", waiting, min(wait or POLL_SECONDS, left))
     if sub == "Uncordon":
         if m.cordoned_by_us and inp.node.unschedulable:
             return Step([Uncordon(node=inp.node.name, reason="Uncordoned")], "RollingBack", "uncordoning",

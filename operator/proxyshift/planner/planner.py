@@ -319,7 +319,7 @@ def plan(world: World, policy_name: str) -> Plan:
 
     # 2. the revision of the current spec must exist before any node can move to it.
     revision_missing = False
-    if current is not None and current.revision not in world.revisions:
+    if current is not None and current.revision is not None and current.revision not in world.revisions:
         revision_missing = True
         ctx.actions.append(EnsureRevision(policy=policy_name, revision=current.revision, reason="RevisionCreated",
                                           message=f"kube-proxy {current.mode} revision {current.revision}"))
@@ -393,7 +393,7 @@ def plan(world: World, policy_name: str) -> Plan:
 
     # 5. revisions nobody uses any more; deletion.
     in_use = _revisions_in_use(world)
-    if current is not None:
+    if current is not None and current.revision is not None:
         in_use.add(current.revision)
     mine = sorted(r.name for r in world.revisions.values() if r.policy == policy_name)
     orphan = deleting and policy.spec.deletion_policy == "Orphan"

@@ -95,7 +95,7 @@ def service_view_from_k8s(body: Mapping[str, Any]) -> ServiceView | None:
         port = _port(raw.get("port"))
         if port is None:
             continue
-        protocol = raw.get("protocol") if raw.get("protocol") in ("TCP", "UDP", "SCTP") else "TCP"
+        protocol = str(raw["protocol"]) if raw.get("protocol") in ("TCP", "UDP", "SCTP") else "TCP"
         ports.append(ServicePortView(name=_text(raw.get("name"), 63) or "", protocol=protocol, port=port,
                                      node_port=_port(raw.get("nodePort"))))
         if len(ports) == MAX_PORTS:
@@ -108,7 +108,7 @@ def service_view_from_k8s(body: Mapping[str, Any]) -> ServiceView | None:
     return ServiceView(
         namespace=namespace,
         name=name,
-        type=spec.get("type") if spec.get("type") in ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
+        type=str(spec["type"]) if spec.get("type") in ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
         else "ClusterIP",
         cluster_ips=() if headless else cluster_ips,
         headless=headless,

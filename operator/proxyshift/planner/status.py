@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from proxyshift.api.common import Condition
 from proxyshift.api.policy import NodeCounts, NodeFailure, NodeProgress, ProxyPolicy, ProxyPolicyStatus
@@ -73,7 +73,7 @@ def set_condition(
     generation: int | None,
 ) -> Condition:
     """A condition whose lastTransitionTime moves only when its status changes."""
-    value = "True" if status else "False"
+    value: Literal["True", "False"] = "True" if status else "False"
     previous = next((c for c in old if c.type == type_), None)
     since = previous.last_transition_time if previous is not None and previous.status == value else fmt(now)
     return Condition(
