@@ -182,4 +182,19 @@ def test_node_port_addresses_in_the_policy_keep_the_second_address(
         assert h.proxy_mode(n) == "nftables"
         assert _outcome(_cells(pns[n], "after"), "nodeport-tcp", here.second_address) == "answered"
         assert _outcome(_cells(pns[n], "after"), "nodeport-tcp", "127.0.0.1") == "refused"
+
+    # Each node recorded its traffic distribution before and after its move, and status shows it.
+    def recorded() -> bool:
+        found = h.proxynodes()
+        return all(((found[n].get("status") or {}).get("distribution") or {}).get(side) for n in BLUE
+                   for side in ("before", "after"))
+
+    h.wait_for(recorded, 60, "both blue nodes' distribution before and after the move")
+    shown = subprocess.run([sys.executable, "-m", "proxyshift.cli", "status", "blue-addresses",
+                            "--kubeconfig", str(cluster.kubeconfig)], capture_output=True, text=True, timeout=120,
+                           check=False)
+    print(shown.stdout)
+    assert shown.returncode == 0, shown.stderr
+    assert "traffic distribution before -> after the move:" in shown.stdout
+    assert "ps-behaviour/clusterip-tcp on ps-node-1: before " in shown.stdout
     _wait_back_on_baseline(h, "blue-addresses")

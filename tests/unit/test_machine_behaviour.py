@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any
 
 import pytest
+from simulator import T0
 from test_machine import REV, _good_facts, done, inp, mig, pod, writes
 
 from proxyshift.api.behaviour import (
@@ -20,6 +22,7 @@ from proxyshift.api.diagnostics import DiagnoseRequest, DiagnoseService
 from proxyshift.api.proxynode import Operation
 from proxyshift.planner import machine
 from proxyshift.planner.machine import NodeInput, Target
+from proxyshift.planner.timeutil import fmt
 from proxyshift.planner.world import Event
 
 pytestmark = pytest.mark.unit
@@ -52,11 +55,13 @@ def with_behaviour(base: NodeInput, before: BehaviourMatrix | None, later: Behav
 
 
 def gate_step(n: int, later: BehaviourMatrix | None, before: BehaviourMatrix | None = BEFORE,
-              **policy: Any) -> machine.Step:
+              differs_since: float | None = None, **policy: Any) -> machine.Step:
+    """One gate step 30 s after T0; `differs_since`: seconds after T0 the gate first saw a difference."""
     op = Operation(id=f"{REV}.1.0.Gate.{n}", type="Probe",
                    params={"behaviour": SAMPLE.model_dump(by_alias=True, mode="json")})
-    base = inp(mig("Gate"), label=REV, pods=[pod(f"kube-proxy-{REV}")], op=op, last=done(op), facts=_good_facts(),
-               now_plus=30, **policy)
+    since = fmt(T0 + timedelta(seconds=differs_since)) if differs_since is not None else None
+    base = inp(mig("Gate", behaviour_differs_since=since), label=REV, pods=[pod(f"kube-proxy-{REV}")], op=op,
+               last=done(op), facts=_good_facts(), now_plus=30, **policy)
     return machine.step(with_behaviour(base, before, later))
 
 
@@ -88,10 +93,15 @@ def test_an_unchanged_matrix_passes_the_gate() -> None:
     assert "2 Service cells answer as before" in said(step)
 
 
-def test_a_difference_is_probed_again_then_rolls_the_node_back_naming_the_change() -> None:
-    first = gate_step(0, after(f"{REV}.1.0.Gate.0", localhost="refused"))
-    assert first.phase == "Gate" and "LocalhostNodePorts" in first.message
-    second = gate_step(1, after(f"{REV}.1.0.Gate.1", localhost="refused"))
+def test_a_difference_is_confirmed_for_a_while_then_rolls_the_node_back_naming_the_change() -> None:
+    first = gate_step(0, after(f"{REV}.1.0.Gate.0", localhost="refused"), gate={"timeout": "2m"})
+    assert first.phase == "Gate" and "LocalhostNodePorts" in first.message and "confirming for 30s" in first.message
+    seen = writes(first)  # the next probe goes out with the moment the difference was first seen
+    assert seen and seen[-1].migration.behaviour_differs_since == fmt(T0 + timedelta(seconds=30))
+    # Still there 10 s later: not yet confirmed (a Service down for a reason of its own recovers).
+    early = gate_step(1, after(f"{REV}.1.0.Gate.1", localhost="refused"), differs_since=20)
+    assert early.phase == "Gate"
+    second = gate_step(1, after(f"{REV}.1.0.Gate.1", localhost="refused"), differs_since=0)
     assert second.phase == "RollingBack"
     m = writes(second)[0].migration
     assert m.reason == "BehaviourChanged"
@@ -99,7 +109,7 @@ def test_a_difference_is_probed_again_then_rolls_the_node_back_naming_the_change
 
 
 def test_an_allowed_change_passes_and_says_so() -> None:
-    step = gate_step(1, after(f"{REV}.1.0.Gate.1", localhost="refused"),
+    step = gate_step(1, after(f"{REV}.1.0.Gate.1", localhost="refused"), differs_since=0,
                      gate={"behaviour": {"allowChanges": ["LocalhostNodePorts"]}})
     assert step.phase in ("Cleanup", "Done", "Uncordon"), step.message
     assert "allowed changes: LocalhostNodePorts" in said(step)
@@ -108,7 +118,7 @@ def test_an_allowed_change_passes_and_says_so() -> None:
 def test_an_agent_without_the_matrix_is_not_held_to_it() -> None:
     older = gate_step(1, None, before=None)
     assert older.phase in ("Cleanup", "Done", "Uncordon") and "not recorded before the switch" in said(older)
-    stale = gate_step(1, after(f"{REV}.1.0.Gate.0", localhost="refused"))  # an earlier round's matrix
+    stale = gate_step(1, after(f"{REV}.1.0.Gate.0", localhost="refused"), differs_since=0)  # an earlier round's
     assert stale.phase in ("Cleanup", "Done", "Uncordon") and "no Service behaviour after" in said(stale)
 
 

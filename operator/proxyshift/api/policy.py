@@ -301,6 +301,12 @@ class BehaviourGateSettings(KubeModel):
     budget_seconds: float = Field(
         default=1.0, gt=0, le=30, description="Time the probe may take on one node, both paths together."
     )
+    confirm: Duration = Field(
+        default="30s",
+        description="How long a difference must last, probe after probe, before it rolls the node back: a "
+        "Service briefly down for a reason of its own (an API server restarting, an endpoint rolling) must not "
+        "undo a good migration. A difference the mode makes lasts; within gate.timeout it is confirmed.",
+    )
 
     @field_validator("allow_changes")
     @classmethod

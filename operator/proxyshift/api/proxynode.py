@@ -77,6 +77,10 @@ class NodeMigration(KubeModel):
     reverted_at: str | None = Field(
         default=None, description="When the revision label was moved back to fromRevision (RFC 3339)."
     )
+    behaviour_differs_since: str | None = Field(
+        default=None, description="When the gate first saw the node's Services answer differently than before "
+        "the switch (RFC 3339); the difference rolls the node back once it has lasted gate.behaviour.confirm.",
+    )
 
 
 class ProxyNodeSpec(KubeModel):

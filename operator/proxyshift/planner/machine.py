@@ -568,8 +568,9 @@ def _judge_report(inp: NodeInput, op: Operation, res: OperationStatus, target_mo
     return verdict
 
 
-# A difference is confirmed by a second probe round before it rolls the node back: one cell timing out
-# under load must not undo a good migration, and a real difference costs one probe interval more.
+# A difference rolls the node back only when a later probe round still sees it, gate.behaviour.confirm
+# after it was first seen (recorded in migration.behaviourDiffersSince): one cell timing out under load,
+# or a Service down for a reason of its own, must not undo a good migration.
 BEHAVIOUR_CONFIRM_ROUNDS = 2
 
 
@@ -589,9 +590,14 @@ def _judge_behaviour(inp: NodeInput, op: Operation, verdict: GateVerdict) -> Gat
     allow = set(inp.spec.gate.behaviour.allow_changes or [])
     result = compare_matrices(before, after, allow, to_mode=m.to_mode or None)
     if not result.passed:
+        lasted = seconds_since(m.behaviour_differs_since, inp.now)
+        confirm = parse_duration(inp.spec.gate.behaviour.confirm).total_seconds()
         rounds = int(op.id.rsplit(".", 1)[1]) + 1
-        outcome: GateResult = "fail" if rounds >= BEHAVIOUR_CONFIRM_ROUNDS else "wait"
-        return GateVerdict(outcome, "BehaviourChanged", clip(result.reason))  # the reason names the Service
+        confirmed = lasted is not None and lasted >= confirm and rounds >= BEHAVIOUR_CONFIRM_ROUNDS
+        outcome: GateResult = "fail" if confirmed else "wait"
+        why = result.reason if confirmed else f"{result.reason}; confirming for {inp.spec.gate.behaviour.confirm}"
+        why = clip(why)
+        return GateVerdict(outcome, "BehaviourChanged", why)  # the reason names the Service
     summary = f"{result.compared} Service cells answer as before"
     allowed = sorted({c.name for c in result.changes})
     if allowed:
@@ -614,9 +620,18 @@ def _gate(inp: NodeInput, m: NodeMigration) -> Step:
         return _start_rollback(inp, m, reason, f"not proven within {inp.spec.gate.timeout}: {waiting}")
     actions: list[Action] = []
     if next_op is not None:
-        note = m.model_copy(update={"message": clip(waiting)}) if verdict else m
+        note = m.model_copy(update={"message": clip(waiting),
+                                    "behaviour_differs_since": _differs_since(inp, m, verdict)}) if verdict else m
         actions.append(_forward_write(inp, note, next_op))
     return Step(actions, phase, waiting, min(wait or POLL_SECONDS, left))
+
+
+def _differs_since(inp: NodeInput, m: NodeMigration, verdict: GateVerdict) -> str | None:
+    """Since when the Services answer differently. A round that waits for something else did not look at
+    them, so it keeps what the last look said; a round that sees them answer as before passes the gate."""
+    if verdict.reason != "BehaviourChanged":
+        return m.behaviour_differs_since
+    return m.behaviour_differs_since or fmt(inp.now)
 
 
 def _after_gate(inp: NodeInput, m: NodeMigration, verdict: GateVerdict) -> Step:
