@@ -339,7 +339,9 @@ class Agent:
         body = diagnostics_mod.pending_request(obj, self._diagnosed)
         if body is None:
             return
-        facts = self.facts or self._probe()
+        # Fresh, not the last heartbeat's facts: the counters to read depend on the mode kube-proxy runs
+        # now, and a kube-proxy that restarted since then (a DaemonSet rollout) was seen with no mode.
+        facts = self.facts = self._probe()
         mode = facts.proxy_mode if facts.proxy_mode in MODES else None
         self.write(diagnostics_mod.answer_patch(body, mode, self.diagnostics_readers))
         self._diagnosed = body["id"]
