@@ -405,7 +405,13 @@ def _index_version(item: Written) -> str | None:
     return str((pn.metadata or {}).get("resourceVersion", "")) if pn is not None else None
 
 
-async def wait_observed(written: list[Written], timeout: float = 10.0) -> None:
+# How long the loop waits for its own writes to reach its caches before planning anyway. After an API
+# server restart the watches re-list; planning on the older view in the meantime re-entered a switch
+# (a second switchedAt for one migration, seen in the fault suite with 10 s).
+OBSERVE_TIMEOUT_SECONDS = 30.0
+
+
+async def wait_observed(written: list[Written], timeout: float = OBSERVE_TIMEOUT_SECONDS) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     pending = list(written)
     while pending:
