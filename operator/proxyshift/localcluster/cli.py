@@ -1,4 +1,4 @@
-"""`localcluster up|down|status|build|kubeconfig`: the local cluster from the command line.
+"""`localcluster up|down|status|build|kubeconfig|vm`: the local cluster from the command line.
 
 Also reachable as `proxyshift localcluster ...` (the main CLI hands its
 remaining arguments to `main`).
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from proxyshift.commands import CommandError
-from proxyshift.localcluster import baseline, build, controlplane, paths, state
+from proxyshift.localcluster import baseline, build, controlplane, paths, state, vm, vmkernel
 
 
 class UsageError(ValueError):
@@ -106,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     build_parser_ = sub.add_parser("build", help="build the pinned binaries; print their folder")
     build_parser_.add_argument("--force", action="store_true")
     sub.add_parser("kubeconfig", help="print the admin kubeconfig path")
+    # The QEMU guest with a stock Debian kernel (IPVS, dummy, modules): `vm -- CMD ARGS...`.
+    vm.add_arguments(sub.add_parser("vm", help="run one command as root in the QEMU guest (IPVS kernel)"))
     return parser
 
 
@@ -113,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     state_dir: Path = args.state_dir or paths.default_state_dir()
     try:
+        if args.command == "vm":
+            return vm.main_from_args(args)
         if args.command == "build":
             print(build.build(force=args.force))
         elif args.command == "up":
@@ -136,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"no cluster in {state_dir} (run `localcluster up`)", file=sys.stderr)
                 return 1
             print(info.kubeconfig)
-    except (UsageError, build.BuildError, controlplane.ControlPlaneError, CommandError, TimeoutError) as exc:
+    except (UsageError, build.BuildError, controlplane.ControlPlaneError, CommandError, TimeoutError,
+            vm.VmError, vmkernel.VmKernelError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         if args.command == "up" and state_dir.exists():
             print(f"(state kept for inspection: logs in {state_dir}/logs; `localcluster down` removes it)",
