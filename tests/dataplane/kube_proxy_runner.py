@@ -52,13 +52,21 @@ healthzBindAddress: 0.0.0.0:10256
 clusterCIDR: 198.18.16.0/20
 conntrack:
   maxPerCore: 0
-iptables:
+{conntrack_extra}iptables:
   minSyncPeriod: 0s
   syncPeriod: 10s
 nftables:
   minSyncPeriod: 0s
   syncPeriod: 10s
+ipvs:
+  scheduler: {scheduler}
+  minSyncPeriod: 0s
+  syncPeriod: 10s
 """
+
+# kind's (and the local cluster's) values: kube-proxy then writes no nf_conntrack sysctl, so it
+# does not need nf_conntrack loaded before it starts.
+CONNTRACK_OFF = "  tcpEstablishedTimeout: 0s\n  tcpCloseWaitTimeout: 0s\n"
 
 KUBECONFIG = """\
 apiVersion: v1
@@ -84,14 +92,17 @@ class KubeProxy:
     """A fake API server and a real kube-proxy in `ns`, stopped by stop()."""
 
     def __init__(self, ns: Netns, workdir: Path, mode: str, *, services: int = 20, node: str = "ps-node-1",
-                 node_ip: str = "198.18.0.11", binary: Path | None = None) -> None:
+                 node_ip: str = "198.18.0.11", binary: Path | None = None, scheduler: str = "rr",
+                 conntrack_sysctls: bool = True) -> None:
         self.ns, self.dir, self.mode = ns, workdir, mode
         self.binary = binary or find_kube_proxy()
         if self.binary is None:
             raise FileNotFoundError("no kube-proxy binary (set PROXYSHIFT_KUBE_PROXY)")
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "kubeconfig").write_text(KUBECONFIG.format(port=API_PORT))
-        (workdir / "config.yaml").write_text(CONFIG.format(mode=mode, dir=workdir, node=node, node_ip=node_ip))
+        config = CONFIG.format(mode=mode, dir=workdir, node=node, node_ip=node_ip, scheduler=scheduler,
+                               conntrack_extra="" if conntrack_sysctls else CONNTRACK_OFF)
+        (workdir / "config.yaml").write_text(config)
         # kube-proxy wants its node IP on an interface; a dummy-less kernel still has lo.
         ns.run(["ip", "link", "set", "lo", "up"])
         ns.run(["ip", "addr", "add", f"{node_ip}/32", "dev", "lo"])
