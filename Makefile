@@ -47,6 +47,9 @@ test-unit: ## pure tests (fast, no root)
 test-dataplane: ## root + network namespaces with real iptables/nft
 	$(PYTEST) -m dataplane
 
+test-vm: binaries ## one QEMU guest with IPVS runs the vm_guest tests (kube-proxy ipvs, preflight, flush)
+	$(PYTEST) -m vm
+
 test-e2e: binaries ## on the local cluster
 	$(PYTEST) -m e2e
 
