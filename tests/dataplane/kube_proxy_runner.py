@@ -100,7 +100,7 @@ class KubeProxy:
         (workdir / "config.yaml").write_text(config)
         # kube-proxy wants its node IP on an interface; a dummy-less kernel still has lo.
         ns.run(["ip", "link", "set", "lo", "up"])
-        ns.run(["ip", "addr", "add", f"{node_ip}/32", "dev", "lo"])
+        ns.run(["ip", "addr", "replace", f"{node_ip}/32", "dev", "lo"])  # a second kube-proxy in ns too
         prefix = ["ip", "netns", "exec", ns.name]
         self.api_log = open(workdir / "apiserver.log", "w")  # noqa: SIM115 - closed in stop()
         self.api = subprocess.Popen(

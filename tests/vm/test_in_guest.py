@@ -73,11 +73,14 @@ def guest_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     if kube_proxy is not None:
         env["PROXYSHIFT_KUBE_PROXY"] = str(kube_proxy)
     argv = [sys.executable, "-m", "pytest", "-m", "vm_guest", str(GUEST_DIR.relative_to(REPO)), "-q", "-rA",
-            "-p", "no:cacheprovider", f"--junitxml={vm.GUEST_RUN_DIR}/junit.xml", "-o", "junit_family=xunit1"]
+            "-p", "no:cacheprovider", "--durations=10", f"--junitxml={vm.GUEST_RUN_DIR}/junit.xml",
+            "-o", "junit_family=xunit1"]
     started = time.monotonic()
-    # Streamed to the real stderr: the guest's pytest progress is visible while the layer runs.
-    result = vm.run_in_vm(argv, cwd=REPO, env=env, timeout=GUEST_TIMEOUT_SECONDS, run_dir=share,
-                          stream=sys.__stderr__)
+    # Streamed past pytest's capture: the guest's progress is visible while the layer runs (minutes).
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        result = vm.run_in_vm(argv, cwd=REPO, env=env, timeout=GUEST_TIMEOUT_SECONDS, run_dir=share,
+                              stream=sys.stderr)
     seconds = time.monotonic() - started
     junit = share / "junit.xml"
     run = GuestRun(seconds=seconds, output=result.output, returncode=result.returncode,
