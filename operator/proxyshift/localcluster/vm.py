@@ -244,8 +244,13 @@ def main_from_args(args: argparse.Namespace) -> int:
         return 2
     env = {k: os.environ[k] for k in ("PATH", "PYTHONPATH") if k in os.environ}
     env.update(parse_env(args.env))
-    result = run_in_vm(argv, cwd=args.cwd or os.getcwd(), env=env, timeout=args.timeout, memory_mib=args.memory,
-                       cpus=args.cpus, stream=sys.stdout)
+    try:
+        result = run_in_vm(argv, cwd=args.cwd or os.getcwd(), env=env, timeout=args.timeout,
+                           memory_mib=args.memory, cpus=args.cpus, stream=sys.stdout)
+    except KeyboardInterrupt:
+        # run_in_vm has already stopped and reaped qemu in its finally.
+        _say("interrupted; qemu stopped")
+        return 130
     if result.timed_out:
         return 124
     return result.returncode if result.returncode is not None else 1
