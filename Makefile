@@ -5,7 +5,7 @@ PYTEST ?= $(PYTHON) -m pytest
 export PYTHONUNBUFFERED := 1
 
 .PHONY: help setup deps lint crds crds-check binaries cluster-up cluster-down cluster-status \
-        test test-unit test-dataplane test-e2e test-reliability bench demo clean
+        test test-unit test-dataplane test-e2e test-reliability test-vm vm-test bench demo clean
 
 help:
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -37,11 +37,19 @@ cluster-down: ## stop the local cluster and remove everything it made
 cluster-status:
 	$(PYTHON) -m proxyshift.localcluster.cli status
 
+# One command as root in the QEMU guest (stock Debian kernel with IPVS); default: a smoke check.
+VM_CMD ?= sh -c 'uname -r && modprobe ip_vs && ip link add kube-ipvs0 type dummy && ipvsadm -Ln && echo vm ok'
+vm-test: ## boot the QEMU guest and run VM_CMD in it (fetches the pinned kernel the first time)
+	$(PYTHON) -m proxyshift.localcluster.cli vm -- $(VM_CMD)
+
 test-unit: ## pure tests (fast, no root)
 	$(PYTEST) -m unit
 
 test-dataplane: ## root + network namespaces with real iptables/nft
 	$(PYTEST) -m dataplane
+
+test-vm: binaries ## one QEMU guest with IPVS runs the vm_guest tests (kube-proxy ipvs, preflight, flush)
+	$(PYTEST) -m vm
 
 test-e2e: binaries ## on the local cluster
 	$(PYTEST) -m e2e

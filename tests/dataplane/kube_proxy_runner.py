@@ -8,7 +8,6 @@ their own pids.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import subprocess
 import sys
@@ -18,10 +17,11 @@ from typing import Any
 
 from ps_netns import Netns
 
+from proxyshift.agent.probe import facts_from_probe, probe
 from proxyshift.commands import stop_child
+from proxyshift.localcluster.container import run_in_netns
 
 HERE = Path(__file__).resolve().parent
-OPERATOR = HERE.parents[1] / "operator"
 API_PORT = 16443
 
 
@@ -52,13 +52,21 @@ healthzBindAddress: 0.0.0.0:10256
 clusterCIDR: 198.18.16.0/20
 conntrack:
   maxPerCore: 0
-iptables:
+{conntrack_extra}iptables:
   minSyncPeriod: 0s
   syncPeriod: 10s
 nftables:
   minSyncPeriod: 0s
   syncPeriod: 10s
+ipvs:
+  scheduler: {scheduler}
+  minSyncPeriod: 0s
+  syncPeriod: 10s
 """
+
+# kind's (and the local cluster's) values: kube-proxy then writes no nf_conntrack sysctl, so it
+# does not need nf_conntrack loaded before it starts.
+CONNTRACK_OFF = "  tcpEstablishedTimeout: 0s\n  tcpCloseWaitTimeout: 0s\n"
 
 KUBECONFIG = """\
 apiVersion: v1
@@ -75,26 +83,24 @@ contexts:
 current-context: fake
 """
 
-PROBE = ("import json,sys; from proxyshift.agent.probe import probe, facts_from_probe; "
-         "r = probe(); f = facts_from_probe(r); "
-         "print(json.dumps({'facts': f.model_dump(mode='json', by_alias=True), 'metrics': r.metrics.body}))")
-
-
 class KubeProxy:
     """A fake API server and a real kube-proxy in `ns`, stopped by stop()."""
 
     def __init__(self, ns: Netns, workdir: Path, mode: str, *, services: int = 20, node: str = "ps-node-1",
-                 node_ip: str = "198.18.0.11", binary: Path | None = None, udp_services: int = 0) -> None:
+                 node_ip: str = "198.18.0.11", binary: Path | None = None, udp_services: int = 0,
+                 scheduler: str = "rr", conntrack_sysctls: bool = True) -> None:
         self.ns, self.dir, self.mode = ns, workdir, mode
         self.binary = binary or find_kube_proxy()
         if self.binary is None:
             raise FileNotFoundError("no kube-proxy binary (set PROXYSHIFT_KUBE_PROXY)")
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "kubeconfig").write_text(KUBECONFIG.format(port=API_PORT))
-        (workdir / "config.yaml").write_text(CONFIG.format(mode=mode, dir=workdir, node=node, node_ip=node_ip))
+        config = CONFIG.format(mode=mode, dir=workdir, node=node, node_ip=node_ip, scheduler=scheduler,
+                               conntrack_extra="" if conntrack_sysctls else CONNTRACK_OFF)
+        (workdir / "config.yaml").write_text(config)
         # kube-proxy wants its node IP on an interface; a dummy-less kernel still has lo.
         ns.run(["ip", "link", "set", "lo", "up"])
-        ns.run(["ip", "addr", "add", f"{node_ip}/32", "dev", "lo"])
+        ns.run(["ip", "addr", "replace", f"{node_ip}/32", "dev", "lo"])  # a second kube-proxy in ns too
         prefix = ["ip", "netns", "exec", ns.name]
         self.api_log = open(workdir / "apiserver.log", "w")  # noqa: SIM115 - closed in stop()
         self.api = subprocess.Popen(
@@ -107,10 +113,11 @@ class KubeProxy:
                                       "--v=2"], stdout=self.log, stderr=subprocess.STDOUT)
 
     def probe(self) -> dict[str, Any]:
-        env = {**os.environ, "PYTHONPATH": str(OPERATOR)}
-        out = subprocess.run(["ip", "netns", "exec", self.ns.name, sys.executable, "-c", PROBE],
-                             capture_output=True, text=True, timeout=30, env=env, check=True)
-        return json.loads(out.stdout)
+        """The agent's own probe, on a thread inside the namespace: no new interpreter per look
+        (in the QEMU guest, starting Python and importing the agent costs 10-30 s under emulation)."""
+        answer = run_in_netns(self.ns.name, probe)
+        facts = facts_from_probe(answer)
+        return {"facts": facts.model_dump(mode="json", by_alias=True), "metrics": answer.metrics.body}
 
     def wait_synced(self, syncs: int = 1, timeout: float = 90.0) -> dict[str, Any]:
         deadline = time.monotonic() + timeout

@@ -138,3 +138,60 @@ def test_an_error_message_is_not_a_version(tmp_path):
         return Result(list(argv), 0, out, "")
 
     assert detect_tools(good, proc_root=tmp_path).ipvsadm == "1.31"
+
+
+def _autoload_kernel(tmp_path: Path, *, disabled: str = "0", modprobe: str = "/sbin/modprobe",
+                     conntrack_loaded: bool = True) -> Path:
+    """ipvs-no-mh (ip_vs_mh installed only) on a kernel that may load modules on demand."""
+    import shutil
+
+    root = tmp_path / "k"
+    shutil.copytree(FIX / "proc" / "ipvs-no-mh", root / "proc")
+    shutil.copytree(FIX / "sys" / "ipvs-no-mh", root / "sys")
+    (root / "proc" / "sys" / "kernel" / "modules_disabled").write_text(disabled + "\n")
+    (root / "proc" / "sys" / "kernel" / "modprobe").write_text(modprobe + "\n")
+    if not conntrack_loaded:
+        modules = root / "proc" / "modules"
+        modules.write_text("".join(line + "\n" for line in modules.read_text().splitlines()
+                                   if not line.startswith("nf_conntrack ")))
+    return root
+
+
+def _check_at(root: Path, *args, **kw):
+    kw.setdefault("tools", GOOD_TOOLS)
+    return check(*args, proc_root=root / "proc", sys_root=root / "sys", modules_root=root / "sys" / "lib-modules",
+                 **kw)
+
+
+def test_an_installed_scheduler_is_accepted_when_the_kernel_loads_it_on_first_use(tmp_path):
+    # Observed in the QEMU guest (tests/vm): kube-proxy's dummy virtual server makes the kernel
+    # load ip_vs and ip_vs_<scheduler> itself.
+    report = _check_at(_autoload_kernel(tmp_path), "ipvs", "mh")
+    assert report.ok, report.message()
+    assert report.on_demand == ["ip_vs_mh"] and report.details()["onDemand"] == ["ip_vs_mh"]
+    assert "ip_vs_mh installed, not loaded: the kernel loads them when kube-proxy creates its first virtual " \
+           "server" in report.message()
+    assert report.modules["ip_vs_mh"] == "loadable"
+
+
+def test_without_on_demand_loading_an_installed_scheduler_is_still_refused(tmp_path):
+    for i, kw in enumerate(({"disabled": "1"}, {"modprobe": ""})):
+        report = _check_at(_autoload_kernel(tmp_path / str(i), **kw), "ipvs", "mh")
+        assert [m.what for m in report.missing] == ["kernel module ip_vs_mh"], kw
+        assert "installed but not loaded" in report.missing[0].why and not report.on_demand
+
+
+def test_an_installed_nf_conntrack_is_not_accepted_on_demand(tmp_path):
+    # kube-proxy writes nf_conntrack sysctls before it touches IPVS: on a fresh kernel it exits.
+    report = _check_at(_autoload_kernel(tmp_path, conntrack_loaded=False), "ipvs", "rr")
+    assert [m.what for m in report.missing] == ["kernel module nf_conntrack"]
+    assert "modprobe nf_conntrack" in report.missing[0].fix
+
+
+def test_a_scheduler_the_kernel_lacks_is_refused_even_with_on_demand_loading(tmp_path):
+    root = _autoload_kernel(tmp_path)
+    dep = next((root / "sys" / "lib-modules").glob("*/modules.dep"))
+    dep.write_text("".join(line + "\n" for line in dep.read_text().splitlines() if "ip_vs_twos" not in line))
+    report = _check_at(root, "ipvs", "twos")
+    assert [m.what for m in report.missing] == ["kernel module ip_vs_twos"]
+    assert "neither it loaded, built in nor installed" in report.missing[0].why

@@ -8,7 +8,20 @@ canned versions, never against the host they run on.
 A module counts as present when it is loaded (/proc/modules, /sys/module/<m>)
 or built in (modules.builtin of the running release; /proc/net/ip_vs also
 proves ip_vs). A module that is only installed is reported missing with the
-modprobe to run, because a kube-proxy container cannot always load it.
+modprobe to run, because a kube-proxy container cannot always load it -- with
+one exception, seen on a real kernel (Debian 6.1 in the QEMU test bed,
+tests/vm): ip_vs and the scheduler's ip_vs_<s>. kube-proxy's ipvs check creates
+a dummy virtual server with the configured scheduler, and the kernel itself
+loads both modules for that request (request_module runs the node's modprobe,
+whatever the container may do). On a fresh boot with neither loaded, kube-proxy
+v1.37.2 started in ipvs mode and lsmod then listed ip_vs and ip_vs_<s>; with a
+scheduler the kernel lacks (twos on 6.1) it exited "can't use the IPVS
+proxier". So those two are accepted when installed and the kernel can load
+modules on demand (/proc/sys/kernel/modules_disabled 0, a modprobe path set),
+and the report says they will be loaded on first use. nf_conntrack is not:
+kube-proxy writes its conntrack sysctls (tcpEstablishedTimeout, ...) before it
+touches IPVS, and on that fresh boot it exited "open
+/proc/sys/net/netfilter/nf_conntrack_tcp_timeout_established: no such file".
 """
 
 from __future__ import annotations
@@ -134,6 +147,7 @@ class PreflightReport:
     tools: ToolVersions
     missing: list[Missing] = field(default_factory=list)
     loaded: list[str] = field(default_factory=list)
+    on_demand: list[str] = field(default_factory=list)  # installed, the kernel loads them on first use
 
     @property
     def ok(self) -> bool:
@@ -145,7 +159,10 @@ class PreflightReport:
     def message(self) -> str:
         target = self.mode + (f" (scheduler {self.scheduler})" if self.mode == "ipvs" else "")
         if self.ok:
-            loaded = f"; loaded {', '.join(self.loaded)}" if self.loaded else ""
+            loaded = f"; loaded {', '.join(self.loaded)} with modprobe" if self.loaded else ""
+            if self.on_demand:
+                loaded += (f"; {', '.join(self.on_demand)} installed, not loaded: the kernel loads them when "
+                           "kube-proxy creates its first virtual server")
             return f"preflight for {target} passed on kernel {self.kernel_release}{loaded}"
         items = "; ".join(f"{m.what}: {m.why} (fix: {m.fix})" for m in self.missing)
         return f"preflight for {target} failed on kernel {self.kernel_release}: {items}"
@@ -160,6 +177,7 @@ class PreflightReport:
                                if m.what.startswith("kernel module ")],
             "modulesPresent": self.present_modules(),
             "loaded": list(self.loaded),
+            "onDemand": list(self.on_demand),
             "tools": self.tools.as_status(),
         }
 
@@ -176,6 +194,7 @@ class KernelView:
     _builtin: set[str] | None = None
     _installed: set[str] = field(default_factory=set)
     modules_supported: bool = True
+    autoload: bool = False  # the kernel may load a module on demand (modules enabled, modprobe path set)
 
     @staticmethod
     def _norm(name: str) -> str:
@@ -193,6 +212,10 @@ class KernelView:
         proc_modules = self.proc_root / "modules"
         # No /proc/modules: a kernel without CONFIG_MODULES. What is not built in can never be loaded.
         self.modules_supported = proc_modules.exists()
+        disabled = self.proc_root / "sys" / "kernel" / "modules_disabled"
+        modprobe = self.proc_root / "sys" / "kernel" / "modprobe"
+        self.autoload = (self.modules_supported and disabled.exists() and disabled.read_text().strip() == "0"
+                         and modprobe.exists() and bool(modprobe.read_text().strip()))
         if proc_modules.exists():
             self._loaded |= {self._norm(line.split()[0]) for line in proc_modules.read_text().splitlines()
                              if line.strip()}
@@ -239,6 +262,13 @@ def _module_missing(view: KernelView, module: str, why: str) -> Missing:
                        "load modules (no /proc/modules)", f"use a kernel built with {module}")
     return Missing(f"kernel module {module}", f"{why}; kernel {view.release} has neither it loaded, built in "
                    "nor installed", f"use a kernel built with {module} (or install its modules package)")
+
+
+def loaded_on_demand(mode: Mode, scheduler: str | None) -> set[str]:
+    """The required modules the kernel itself loads when kube-proxy first uses them (see the module doc)."""
+    if mode != "ipvs":
+        return set()
+    return {"ip_vs", f"ip_vs_{scheduler or DEFAULT_IPVS_SCHEDULER}"}
 
 
 def required_modules(mode: Mode, scheduler: str | None, extra_modules: Iterable[str]) -> list[tuple[str, str]]:
@@ -316,9 +346,12 @@ def check(mode: str, scheduler: str | None = None, *, proc_root: str | Path = "/
                     pass  # reported below as still missing
         if loaded:
             view.read()
-    missing = [_module_missing(view, m, why) for m, why in needed if view.state(m) != "present"]
+    on_demand = loaded_on_demand(mode, scheduler) if view.autoload else set()  # type: ignore[arg-type]
+    accepted = [m for m, _ in needed if view.state(m) == "loadable" and m in on_demand]
+    missing = [_module_missing(view, m, why) for m, why in needed
+               if view.state(m) != "present" and m not in accepted]
     missing += _check_tools(mode, parse_kernel_release(view.release or ""), view.release, tools)  # type: ignore[arg-type]
     modules = {m: view.state(m) for m in dict.fromkeys([*RELEVANT_MODULES, *(m for m, _ in needed)])}
     return PreflightReport(mode=mode, scheduler=(scheduler or DEFAULT_IPVS_SCHEDULER) if mode == "ipvs" else None,
                            kernel_release=view.release, modules=modules, tools=tools, missing=missing,
-                           loaded=loaded)
+                           loaded=loaded, on_demand=accepted)

@@ -1,4 +1,4 @@
-"""`localcluster up|down|status|build|kubeconfig|workloads|serve`: the local cluster from the command line.
+"""`localcluster up|down|status|build|kubeconfig|workloads|serve|vm`: the local cluster from the command line.
 
 Also reachable as `proxyshift localcluster ...` (the main CLI hands its
 remaining arguments to `main`).
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from proxyshift.commands import CommandError
-from proxyshift.localcluster import baseline, build, controlplane, paths, state
+from proxyshift.localcluster import baseline, build, controlplane, paths, state, vm, vmkernel
 
 
 class UsageError(ValueError):
@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     workloads_parser.add_argument("--json", action="store_true", help="print what was made as JSON")
     serve_parser = sub.add_parser("serve", help="(in a test pod) answer every HTTP GET with $HOSTNAME")
     serve_parser.add_argument("--listen", default="0.0.0.0:8080", metavar="HOST:PORT")
+    # The QEMU guest with a stock Debian kernel (IPVS, dummy, modules): `vm -- CMD ARGS...`.
+    vm.add_arguments(sub.add_parser("vm", help="run one command as root in the QEMU guest (IPVS kernel)"))
     return parser
 
 
@@ -141,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     state_dir: Path = args.state_dir or paths.default_state_dir()
     try:
+        if args.command == "vm":
+            return vm.main_from_args(args)
         if args.command == "build":
             print(build.build(force=args.force))
         elif args.command == "up":
@@ -170,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             from proxyshift.localcluster import identity_server
 
             identity_server.serve(args.listen)
-    except (UsageError, build.BuildError, controlplane.ControlPlaneError, CommandError, TimeoutError) as exc:
+    except (UsageError, build.BuildError, controlplane.ControlPlaneError, CommandError, TimeoutError,
+            vm.VmError, vmkernel.VmKernelError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         if args.command == "up" and state_dir.exists():
             print(f"(state kept for inspection: logs in {state_dir}/logs; `localcluster down` removes it)",

@@ -47,6 +47,12 @@ def cache_root() -> Path:
     return Path(base) / "proxyshift" / "k8s"
 
 
+def vm_cache_root() -> Path:
+    """The QEMU test bed's kernels and initramfs images (proxyshift.localcluster.vmkernel)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "proxyshift" / "vm"
+
+
 def default_state_dir() -> Path:
     return Path(os.environ.get("PROXYSHIFT_CLUSTER_DIR") or DEFAULT_STATE_DIR)
 

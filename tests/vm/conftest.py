@@ -1,0 +1,42 @@
+"""The vm layer: tests that need a kernel with IPVS run inside the QEMU guest.
+
+On the host, `pytest -m vm` runs tests/vm/test_in_guest.py, which boots ONE
+guest (proxyshift.localcluster.vm) and runs every test marked `vm_guest`
+(tests/vm/guest/) inside it with the host's own checkout and Python, then
+reports each guest test as a host test, with the guest's failure text.
+
+The guest tests themselves are deselected on the host (they would meet a
+kernel without IPVS here); inside the guest PROXYSHIFT_IN_VM=1 is set and only
+they are selected (`-m vm_guest`). They are never skipped: they run, in the guest.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+DATAPLANE = Path(__file__).resolve().parents[1] / "dataplane"
+# The guest tests reuse the dataplane helpers (ps_netns, kube_proxy_runner, kp_rules, fake_apiserver).
+if str(DATAPLANE) not in sys.path:
+    sys.path.insert(0, str(DATAPLANE))
+
+from vm_layer import VM_SUMMARY_KEY, in_guest  # noqa: E402 - after the sys.path line above
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if in_guest():
+        return
+    guest_items = [item for item in items if item.get_closest_marker("vm_guest")]
+    if guest_items:
+        # Not skipped: test_in_guest.py runs each of them inside the guest and reports it.
+        items[:] = [item for item in items if not item.get_closest_marker("vm_guest")]
+        config.hook.pytest_deselected(items=guest_items)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    summary = config.stash.get(VM_SUMMARY_KEY, None)
+    if summary:
+        terminalreporter.write_sep("-", "vm layer")
+        terminalreporter.write_line(summary)

@@ -1,0 +1,14 @@
+"""Names the vm layer's host side and conftest share."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+IN_GUEST_ENV = "PROXYSHIFT_IN_VM"
+VM_SUMMARY_KEY = pytest.StashKey[str]()
+
+
+def in_guest() -> bool:
+    return os.environ.get(IN_GUEST_ENV) == "1"
