@@ -20,6 +20,10 @@ mount -t tmpfs -o mode=0755 tmpfs /newroot/run || fail "mount /run"
 mkdir -p /newroot/run/proxyshift-vm /newroot/lib/modules
 mount -t 9p -o "$opts" psrun /newroot/run/proxyshift-vm || fail "mount psrun"
 mount -t 9p -o "$opts,cache=loose,ro" psmodules /newroot/lib/modules || fail "mount psmodules"
+# The host's /tmp stays reachable (read-only) for stage 2: a checkout there (a CI clone) is otherwise
+# hidden by the guest's own /tmp.
+mkdir -p /newroot/run/proxyshift-host-tmp
+mount --bind /lower/tmp /newroot/run/proxyshift-host-tmp || fail "bind the host's /tmp"
 mount --move /dev /newroot/dev
 mount --move /sys /newroot/sys
 mount --move /proc /newroot/proc
