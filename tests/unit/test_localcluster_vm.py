@@ -89,7 +89,7 @@ def test_stage2_quotes_every_argument_and_value():
     script = vm.stage2_script(["python3", "-c", "print('a b'); import sys"], "/work/my dir",
                               {"PYTHONPATH": "/x y", "EVIL": "$(reboot)"})
     assert "python3 -c 'print('\"'\"'a b'\"'\"'); import sys'" in script
-    assert "cd '/work/my dir'" in script
+    assert "cwd='/work/my dir'" in script
     assert "'EVIL=$(reboot)'" in script and "'PYTHONPATH=/x y'" in script
     assert f"{vm.GUEST_RUN_DIR}/rc" in script and "/proc/sysrq-trigger" in script
 
