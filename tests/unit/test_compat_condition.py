@@ -57,3 +57,14 @@ def test_without_a_report_the_condition_is_unknown() -> None:
     status = next(a.status for a in result.actions if isinstance(a, RecordStatus))
     condition = next(c for c in status.conditions if c.type == "BehaviourChanges")
     assert (condition.status, condition.reason) == ("Unknown", "NotAssessed")
+
+
+def test_the_gate_s_probe_services_resolve_from_the_service_mirror() -> None:
+    from proxyshift.controller.service_cache import probe_service_ips
+
+    headless = ServiceView(namespace="web", name="db", headless=True)
+    side = ServiceSide(services={"web/shop": NODE_PORT, "web/db": headless})
+    policy = make_policy("p", gate={"probeServices": [{"namespace": "web", "name": "shop", "port": 80},
+                                                      {"namespace": "web", "name": "db", "port": 5432},
+                                                      {"namespace": "web", "name": "gone", "port": 80}]})
+    assert probe_service_ips(side, policy) == {"web/shop": "198.19.0.10"}

@@ -34,7 +34,7 @@ from proxyshift.controller.compat_report import CompatCache
 from proxyshift.controller.executor import Executor, StepBlocked, Written, announced_elsewhere, by_node
 from proxyshift.controller.kube import API_GROUP, API_VERSION, PROXYNODES, ClusterAPI, describe_api_error
 from proxyshift.controller.mirror import Mirror
-from proxyshift.controller.service_cache import service_mirrors, service_world
+from proxyshift.controller.service_cache import probe_service_ips, service_mirrors, service_world
 from proxyshift.controller.settings import CONFIG
 from proxyshift.controller.snapshot import (
     build_world,
@@ -348,7 +348,7 @@ async def step(name: str, indexes: dict[str, Any]) -> w.Plan:
         log.warning("policy %s: %s", name, render_errors[name])
     executor: Executor = _state["executor"]
     policy = policies.get(name)
-    service_ips = await asyncio.to_thread(executor.api.service_ips, policy) if policy else {}
+    services = service_world(_mirrors)
     nodes, proxynodes, pods = _fleet()
     world = build_world(
         policies=policies,
@@ -359,8 +359,8 @@ async def step(name: str, indexes: dict[str, Any]) -> w.Plan:
         baseline_mode=baseline_mode(baseline_cm),
         current_revisions=targets,
         render_errors=render_errors,
-        service_ips=service_ips,
-        services=service_world(_mirrors),
+        service_ips=probe_service_ips(services, policy) if policy else {},
+        services=services,
     )
     report = _compat_cache().report(world, name, baseline_cm) if policy else None
     if report is not None:

@@ -153,19 +153,6 @@ class ClusterAPI:
         except ApiException as exc:
             _ignore(404, exc)
 
-    def service_ips(self, policy: Any) -> dict[str, str]:
-        """ClusterIPs of the Services the policy's gate connects to ("namespace/name" -> IP)."""
-        ips: dict[str, str] = {}
-        for ref in policy.spec.gate.probe_services or []:
-            try:
-                svc = self.core.read_namespaced_service(ref.name, ref.namespace)
-            except ApiException as exc:
-                _ignore(404, exc)
-                continue
-            if svc.spec.cluster_ip and svc.spec.cluster_ip != "None":
-                ips[f"{ref.namespace}/{ref.name}"] = svc.spec.cluster_ip
-        return ips
-
     # ---- revisions and the baseline (namespace kube-system) ----
 
     def read_configmap(self, name: str) -> dict[str, Any] | None:

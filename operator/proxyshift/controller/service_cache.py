@@ -14,6 +14,7 @@ from typing import Any
 
 import kubernetes
 
+from proxyshift.api.policy import ProxyPolicy
 from proxyshift.controller.mirror import Mirror
 from proxyshift.controller.settings import CONFIG
 from proxyshift.controller.snapshot import probe_pod_endpoint
@@ -80,3 +81,14 @@ def service_world(mirrors: Mapping[str, Mirror]) -> ServiceSide:
         service_cidrs=tuple(cidrs),
         probe_pods=dict(mirrors["probepods"].items.values()),
     )
+
+
+def probe_service_ips(side: ServiceSide, policy: ProxyPolicy) -> dict[str, str]:
+    """ClusterIPs of the Services the policy's gate connects to ("namespace/name" -> IP), from the mirror
+    of every Service the behaviour sample reads anyway (headless ones have none)."""
+    ips: dict[str, str] = {}
+    for ref in policy.spec.gate.probe_services or []:
+        view = side.services.get(f"{ref.namespace}/{ref.name}")
+        if view is not None and not view.headless and view.cluster_ips:
+            ips[view.key] = view.cluster_ips[0]
+    return ips
