@@ -205,6 +205,13 @@ class RolloutSettings(KubeModel):
         "kube-proxy, which deletes the old mode's rules when it starts, has not synced yet. Released as soon as "
         "the new kube-proxy has synced, and by the cleanup.",
     )
+    conntrack_cleanup: bool = Field(
+        default=True,
+        description="After every switch (forward or back) the agent deletes the conntrack entries to Service "
+        "addresses that carry no DNAT (TCP SYN_SENT, unreplied UDP): a client whose first packet went out while "
+        "the node had no Service rules keeps matching such an entry with its retransmissions, because NAT is "
+        "decided on a flow's first packet. Only those entries are touched. False leaves conntrack alone.",
+    )
     paused: bool = Field(
         default=False, description="Start no new node while true; nodes in flight finish their step sequence."
     )

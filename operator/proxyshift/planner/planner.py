@@ -156,6 +156,8 @@ MAX_CONNTRACK_CIDRS = 4  # ConntrackParams.service_cidrs
 
 def _conntrack(ctx: _Ctx) -> ConntrackParams | None:
     """Which destinations are Services, for the conntrack step after a switch; None: none known."""
+    if not ctx.policy.spec.rollout.conntrack_cleanup:
+        return None
     side = ctx.world.services
     node_ports = sorted({p.node_port for s in side.services.values() for p in s.ports if p.node_port})
     lb_ips = sorted({ip for s in side.services.values() for ip in s.load_balancer_ips})
