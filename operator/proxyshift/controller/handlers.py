@@ -175,6 +175,7 @@ def _on_pod(_: Mirror, key: str, old: Any, new: Any) -> None:
 
 
 def _on_proxynode(_: Mirror, name: str, old: ProxyNode | None, new: ProxyNode | None) -> None:
+    metrics.record_proxynode(name, new, _state.get("baseline_mode"))
     policies = {pn.spec.policy for pn in (old, new) if pn is not None and pn.spec.policy}
     if not policies:
         wake()  # a ProxyNode no policy holds may be the one a policy waits to take
@@ -289,8 +290,20 @@ def _is_baseline(name: str, namespace: str, **_: Any) -> bool:
 @kopf.index("", "v1", "configmaps", when=_is_baseline)
 async def baseline_configmap_index(name: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
     wake()
-    return {"body": {"metadata": {"name": name, "namespace": CONFIG.kube_proxy_namespace},
-                     "data": dict(body.get("data") or {})}}
+    configmap = {"metadata": {"name": name, "namespace": CONFIG.kube_proxy_namespace},
+                 "data": dict(body.get("data") or {})}
+    _baseline_changed(baseline_mode(configmap))
+    return {"body": configmap}
+
+
+def _baseline_changed(mode: str) -> None:
+    """ProxyNodes no policy holds should run the baseline's mode: their mode series follow it."""
+    if _state.get("baseline_mode") == mode:
+        return
+    _state["baseline_mode"] = mode
+    proxynodes = _mirrors.get("proxynodes")
+    for name, pn in list(proxynodes.items.items()) if proxynodes is not None else ():
+        metrics.record_proxynode(name, pn, mode)
 
 
 @kopf.index("apps", "v1", "daemonsets", when=_is_baseline)
@@ -444,10 +457,21 @@ async def _pause(name: str, event: asyncio.Event, delay: float) -> None:
         await asyncio.wait_for(event.wait(), timeout=max(0.0, delay - batch))
 
 
+@contextlib.contextmanager
+def _exported(name: str) -> Iterator[None]:
+    """The policy's gauges live as long as this replica's loop for it: kopf stops the daemon when the
+    policy is deleted (the delete handler steps and exports from then on) and when peering pauses
+    this replica, whose last values would otherwise outlive what the active peer reports."""
+    try:
+        yield
+    finally:
+        metrics.forget_policy(name)
+
+
 @kopf.daemon(GROUP, VERSION, "proxypolicies", cancellation_timeout=10)
 async def rollout(name: str, stopped: kopf.DaemonStopped, logger: kopf.Logger, **kwargs: Any) -> None:
     indexes = _indexes(kwargs)
-    with _waker(name) as event:
+    with _waker(name) as event, _exported(name):
         while not stopped:
             event.clear()
             delay = CONFIG.idle_requeue_seconds
