@@ -80,6 +80,26 @@ def test_a_revert_that_fails_on_a_node_is_halted_and_a_plan_s_own_writes_are_pro
     assert "p" not in sim.finalized
     halted = policy_signals(sim.world(), "p", [])
     assert halted is not None and halted.revert_halted and halted.conditions["Degraded"]
+    # The runbook's way out: fix the node, then a new retry value resumes the walk back.
+    sim.faults.sync_failures.clear()
+    p = sim.policies["p"]
+    sim.policies["p"] = p.model_copy(update={"metadata": dict(p.metadata, annotations={"proxyshift.io/retry": "1"})})
+    sim.run(max_steps=600, until=lambda: "p" in sim.finalized)
+    assert "p" in sim.finalized and all(v.revision is None for v in sim.nodes.values())
+
+
+def test_a_halted_revert_given_up_with_orphan_finishes() -> None:
+    sim = Sim.build(blue(2), [make_policy("p")])
+    sim.run()
+    sim.faults.sync_failures.add(("node-1", "iptables"))
+    delete(sim, "p")
+    sim.run(max_steps=600, until=lambda: sim.policies["p"].status.phase == "Degraded"
+            and sim.phase("node-1") == "RolledBack")
+    p = sim.policies["p"]
+    spec = p.spec.model_copy(update={"deletion_policy": "Orphan"})
+    sim.policies["p"] = p.model_copy(update={"spec": spec})
+    sim.run(max_steps=100, until=lambda: "p" in sim.finalized)
+    assert "p" in sim.finalized
 
 
 def test_an_orphan_deletion_is_never_a_halted_revert() -> None:

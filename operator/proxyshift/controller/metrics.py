@@ -38,8 +38,8 @@ POLICY_CONDITION = Gauge("proxyshift_policy_condition", "1 when the policy's con
                          ["policy", "condition"])
 POLICY_LAST_PROGRESS = Gauge(
     "proxyshift_policy_last_progress_timestamp_seconds",
-    "When the rollout last moved (Unix time): a node changed phase, the spec rendered a new revision, or the "
-    "policy's deletion began.",
+    "When the rollout last moved (Unix time): a node changed phase, the spec rendered a new revision, a stage "
+    "began, or the policy's deletion began.",
     ["policy"],
 )
 POLICY_REVERT_HALTED = Gauge(

@@ -57,9 +57,10 @@ def policy_signals(world: World, policy_name: str, actions: Sequence[Action]) ->
     true = {c.type for c in status.conditions if c.status == "True"}
     conditions = {t: t in true for t in CONDITION_TYPES}
     # Progress is any node changing phase (the machine moves phaseSince only then, also per rollback
-    # step), a new revision of the spec, or the start of a deletion; a plan's own writes count now.
+    # step), a new revision of the spec, a new stage, or the start of a deletion; a plan's own writes
+    # count now.
     stamps: list[str | None] = [policy.metadata.get("creationTimestamp"), policy.metadata.get("deletionTimestamp"),
-                                status.revision_since]
+                                status.revision_since, status.stage_started_at]
     for pn in world.proxynodes.values():
         m = pn.spec.migration
         if pn.spec.policy == policy_name and m is not None:
