@@ -225,3 +225,47 @@ def test_a_migration_record_with_a_later_phase_is_progress_now() -> None:
                           migration=NodeMigration(phase="Preflight", phase_since=stamp))
     signals = policy_signals(world, "p", [action])
     assert signals is not None and signals.last_progress == later.timestamp()
+
+
+def test_the_wiring_exports_proxynodes_from_the_mirror_and_follows_the_baseline() -> None:
+    from proxyshift.controller import handlers
+
+    class FakeMirror:
+        items: dict[str, ProxyNode] = {}
+
+    inventory = proxynode({}, {**BEAT, "observedMode": "ipvs"})
+    saved_state, saved_mirror = dict(handlers._state), handlers._mirrors.get("proxynodes")
+    try:
+        handlers._state.pop("baseline_mode", None)
+        FakeMirror.items = {"sig-wired": inventory}
+        handlers._mirrors["proxynodes"] = FakeMirror()  # type: ignore[assignment]
+        handlers._on_proxynode(None, "sig-wired", None, inventory)  # type: ignore[arg-type]
+        assert sample("proxyshift_proxynode_heartbeat_timestamp_seconds", node="sig-wired") is not None
+        assert sample("proxyshift_proxynode_mode_mismatch", node="sig-wired", observed_mode="ipvs",
+                      target_mode="iptables") is None  # the baseline is not known yet
+        handlers._baseline_changed("ipvs")
+        assert sample("proxyshift_proxynode_mode_mismatch", node="sig-wired", observed_mode="ipvs",
+                      target_mode="ipvs") == 0
+        handlers._baseline_changed("iptables")
+        assert sample("proxyshift_proxynode_mode_mismatch", node="sig-wired", observed_mode="ipvs",
+                      target_mode="iptables") == 1
+        handlers._on_proxynode(None, "sig-wired", inventory, None)  # type: ignore[arg-type]
+        assert sample("proxyshift_proxynode_heartbeat_timestamp_seconds", node="sig-wired") is None
+    finally:
+        handlers._state.clear()
+        handlers._state.update(saved_state)
+        if saved_mirror is None:
+            handlers._mirrors.pop("proxynodes", None)
+        else:
+            handlers._mirrors["proxynodes"] = saved_mirror
+
+
+def test_a_policy_s_gauges_go_when_its_loop_ends() -> None:
+    from proxyshift.controller import handlers
+
+    sim = Sim.build(blue(1), [make_policy("sig-loop")])
+    sim.run()
+    with handlers._exported("sig-loop"):
+        metrics.record_plan("sig-loop", sim.world(), [])
+        assert sample("proxyshift_policy_ready", policy="sig-loop") == 1
+    assert sample("proxyshift_policy_ready", policy="sig-loop") is None
