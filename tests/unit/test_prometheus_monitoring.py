@@ -132,6 +132,16 @@ def test_exported_metrics_cover_every_type() -> None:
 # ---- the alerts ----
 
 
+def test_the_alerts_are_an_optional_component_that_config_prometheus_includes() -> None:
+    prometheus = ROOT / "config" / "prometheus"
+    component = yaml.safe_load((prometheus / "alerts" / "kustomization.yaml").read_text())
+    assert component["kind"] == "Component" and component["resources"] == [RULE.name]
+    monitoring = yaml.safe_load((prometheus / "kustomization.yaml").read_text())
+    assert "alerts" in monitoring["components"] and (prometheus / monitoring["resources"][0]).exists()
+    default = yaml.safe_load((ROOT / "config" / "default" / "kustomization.yaml").read_text())
+    assert "components" not in default, "config/default must stay installable without the Prometheus Operator"
+
+
 def test_rules_pass_promtool_check(promtool: str, tmp_path: Path) -> None:
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": rule_groups()}))
     run_promtool(promtool, "check", "rules", "rules.yaml", cwd=tmp_path)
