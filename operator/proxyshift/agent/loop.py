@@ -55,6 +55,8 @@ MAX_PROBE_AWAIT_SECONDS = 30.0  # whatever a Probe asks, the agent never sits lo
 # A Probe that waits notices kube-proxy's sync this soon (half of it on average: the gate's verdict lag per
 # node); one poll is three HTTP GETs to the node's own kube-proxy.
 PROBE_AWAIT_POLL_SECONDS = 0.05
+# Operations that change nothing on the node: a diagnose request may be read while one runs.
+READ_ONLY_OPERATIONS = ("Preflight", "Probe")
 
 
 def now_rfc3339(clock: Callable[[], float] = time.time) -> str:
@@ -312,41 +314,71 @@ class Agent:
     def handle(self, obj: dict[str, Any]) -> None:
         """React to the current ProxyNode: run its operation if it is new."""
         self.node_seen = True
-        self._serve_diagnose(obj)
         spec = ProxyNodeSpec.model_validate(obj.get("spec") or {})
         op = spec.operation
+        last = (obj.get("status") or {}).get("lastOperation") or {}
+        if op is not None and op.id not in self._started and last.get("id") != op.id \
+                and op.type in READ_ONLY_OPERATIONS:
+            # The operator asks for the "before" distribution with the Preflight: both only read, so they run
+            # side by side and answer in one write (alone, the diagnose was 0.3-0.5 s of each node's preflight).
+            self._run_operation(op, beside=diagnostics_mod.pending_request(obj, self._diagnosed))
+            return
+        self._serve_diagnose(obj)
         if op is None or op.id in self._started:
             return
-        last = (obj.get("status") or {}).get("lastOperation") or {}
         if last.get("id") == op.id:
             if last.get("state") == "Running":
                 self._started.add(op.id)
                 self._recover(op, last)
             return  # already reported by us (before a restart or just now)
-        started = now_rfc3339(self.clock)
-        # Recorded before anything is done: if this write fails nothing has run, and the
-        # next event tries again; once it succeeded the id is never run again by us.
-        self.write({"lastOperation": operation_patch(OperationStatus(
-            id=op.id, type=op.type, state="Running", message=f"{op.type} started", started_at=started))})
-        self._started.add(op.id)
-        log.info("operation %s (%s) started: %s", op.id, op.type, op.params)
-        result, extra = self._execute(op, started)
+        self._run_operation(op, beside=None)
+
+    def _run_operation(self, op: Operation, *, beside: dict[str, Any] | None) -> None:
+        """Record the operation Running, run it (and the diagnose request `beside` it), report both at once."""
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="diagnose") as pool:
+            answer = pool.submit(self._diagnose_answer, beside) if beside is not None else None
+            started = now_rfc3339(self.clock)
+            # Recorded before anything is done: if this write fails nothing has run, and the
+            # next event tries again; once it succeeded the id is never run again by us.
+            self.write({"lastOperation": operation_patch(OperationStatus(
+                id=op.id, type=op.type, state="Running", message=f"{op.type} started", started_at=started))})
+            self._started.add(op.id)
+            log.info("operation %s (%s) started: %s", op.id, op.type, op.params)
+            result, extra = self._execute(op, started)
+            answered = False
+            if answer is not None:
+                try:
+                    extra = {**answer.result(), **extra}
+                    answered = True
+                except Exception:  # the operation's report must go out; the request is served next event
+                    log.exception("diagnose %s beside operation %s failed", beside and beside.get("id"), op.id)
         log.info("operation %s %s: %s", op.id, result.state, result.message)
         self._send_result({**extra, "lastOperation": operation_patch(result)})
+        if answered and beside is not None:
+            self._diagnosed = beside["id"]
 
     def _serve_diagnose(self, obj: dict[str, Any]) -> None:
         """spec.diagnose is a channel of its own beside operations: read-only, answered once per id."""
         body = diagnostics_mod.pending_request(obj, self._diagnosed)
         if body is None:
             return
-        # Fresh, not the last heartbeat's facts: the counters to read depend on the mode kube-proxy runs
-        # now, and a kube-proxy that restarted since then (a DaemonSet rollout) was seen with no mode.
-        began = self.clock()
-        facts = self.facts = self._probe()
-        mode = facts.proxy_mode if facts.proxy_mode in MODES else None
-        self.write(diagnostics_mod.answer_patch(body, mode, self.diagnostics_readers))
+        self.write(self._diagnose_answer(body))
         self._diagnosed = body["id"]
+
+    def _diagnose_answer(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The status patch answering a diagnose request.
+
+        Its own probe, not the last heartbeat's facts: the counters to read depend on the mode kube-proxy
+        runs now, and a kube-proxy that restarted since (a DaemonSet rollout) was seen with no mode. It
+        never touches self.facts: it may run beside an operation. Never raises (answer_patch answers a bad
+        request with its error; a probe failure is a fact with an error, not an exception).
+        """
+        began = self.clock()
+        facts = self._probe()
+        mode = facts.proxy_mode if facts.proxy_mode in MODES else None
+        patch = diagnostics_mod.answer_patch(body, mode, self.diagnostics_readers)
         log.info("diagnose %s answered in %.3f s (%s mode)", body["id"], self.clock() - began, mode or "no")
+        return patch
 
     def _send_result(self, status: dict[str, Any]) -> None:
         self._unsent = status
