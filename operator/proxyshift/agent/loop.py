@@ -298,6 +298,7 @@ class Agent:
             "kubeProxy": facts_patch(self.facts),
             "objects": [o.to_k8s() for o in inventory_mod.mode_objects(self.inventory, mode)],
             "leftovers": inventory_mod.leftovers(self.inventory, mode),
+            "leftoverObjects": inventory_mod.leftover_objects(self.inventory, mode),
         }
 
     def write(self, status: dict[str, Any]) -> None:
