@@ -191,7 +191,8 @@ def main(argv: Sequence[str]) -> int:
         phase = report.policies[0].phase if args.policy is not None and report.policies else None
         if args.output != "table":
             if text != last:
-                print(text, flush=True)
+                # A watch prints a stream of documents; YAML needs the separator to stay one stream.
+                print(("---\n" if args.watch and args.output == "yaml" else "") + text, flush=True)
             last = text
         else:
             if args.watch and sys.stdout.isatty():
