@@ -134,6 +134,7 @@ def test_cleanup_runs_once_and_records_running_before_the_flush():
     assert last.state == "Succeeded" and last.id == "m1.Cleanup.0"
     assert last.details["steps"][0]["removed"] == {"chains": 3}
     assert node.status.observed_mode == "nftables" and node.status.leftovers == []
+    assert node.status.leftover_objects == 0  # written as a count, so kubectl shows 0, not <none>
     assert node.status.heartbeat and node.status.kube_proxy.sync_count == 4
 
 

@@ -179,3 +179,8 @@ def leftovers(inv: Inventory, observed_mode: str | None) -> list[Mode]:
     if observed_mode not in MODES:
         return []
     return [m for m in MODES if m != observed_mode and inv.count(m, observed=observed_mode, stale_only=True) > 0]
+
+
+def leftover_objects(inv: Inventory, observed_mode: str | None) -> int:
+    """How many stale objects the `leftovers` modes still have: the count `kubectl get proxynodes` shows."""
+    return sum(inv.count(m, observed=observed_mode, stale_only=True) for m in leftovers(inv, observed_mode))

@@ -76,15 +76,15 @@ class ProxyNodeAPI(Protocol):
 class KubeProxyNodeAPI:
     """ProxyNodes through the kubernetes client: in-cluster config, or KUBECONFIG."""
 
-    def __init__(self, api_client: Any = None) -> None:
+    def __init__(self, api_client: Any = None, *, kubeconfig: str | None = None, context: str | None = None) -> None:
         from kubernetes import client, config
 
         if api_client is None:
-            if os.environ.get("KUBERNETES_SERVICE_HOST") and Path(
+            if not (kubeconfig or context) and os.environ.get("KUBERNETES_SERVICE_HOST") and Path(
                     "/var/run/secrets/kubernetes.io/serviceaccount/token").exists():
                 config.load_incluster_config()
             else:
-                config.load_kube_config()
+                config.load_kube_config(config_file=kubeconfig, context=context)
         self._api = client.CustomObjectsApi(api_client)
 
     def get(self, name: str) -> dict[str, Any] | None:
@@ -189,6 +189,8 @@ class AgentConfig:
     proc_root: Path = Path("/proc")
     sys_root: Path = Path("/sys")
     modules_root: Path = Path("/lib/modules")
+    kubeconfig: str | None = None  # None: in-cluster, else $KUBECONFIG / ~/.kube/config
+    context: str | None = None
 
 
 @dataclass
@@ -300,6 +302,7 @@ class Agent:
             "kubeProxy": facts_patch(self.facts),
             "objects": [o.to_k8s() for o in inventory_mod.mode_objects(self.inventory, mode)],
             "leftovers": inventory_mod.leftovers(self.inventory, mode),
+            "leftoverObjects": inventory_mod.leftover_objects(self.inventory, mode),
         }
 
     def write(self, status: dict[str, Any]) -> None:
@@ -665,6 +668,8 @@ def parse_args(argv: Sequence[str]) -> AgentConfig:
     p.add_argument("--proc-root", default="/proc")
     p.add_argument("--sys-root", default="/sys")
     p.add_argument("--modules-root", default="/lib/modules")
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, else $KUBECONFIG)")
+    p.add_argument("--context", default=None, help="the kubeconfig context to use (default: its current one)")
     args = p.parse_args(list(argv))
     if not args.node:
         p.error("--node (or NODE_NAME) is required")
@@ -672,7 +677,8 @@ def parse_args(argv: Sequence[str]) -> AgentConfig:
                        probe_interval=args.probe_interval, status_interval=args.status_interval,
                        inventory_interval=args.inventory_interval, watch_timeout=args.watch_timeout,
                        proc_root=Path(args.proc_root),
-                       sys_root=Path(args.sys_root), modules_root=Path(args.modules_root))
+                       sys_root=Path(args.sys_root), modules_root=Path(args.modules_root),
+                       kubeconfig=args.kubeconfig, context=args.context)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -684,7 +690,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return oneshot.main(args)
     cfg = parse_args(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    agent = Agent(cfg, KubeProxyNodeAPI())
+    agent = Agent(cfg, KubeProxyNodeAPI(kubeconfig=cfg.kubeconfig, context=cfg.context))
     stop = threading.Event()
     import signal
 

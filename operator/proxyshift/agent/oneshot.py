@@ -86,7 +86,8 @@ def main(argv: Sequence[str]) -> int:
     if args.command == "inventory":
         found = inventory_mod.take_inventory()
         _print({"objects": [o.to_k8s() for o in inventory_mod.mode_objects(found, args.observed_mode)],
-                "leftovers": inventory_mod.leftovers(found, args.observed_mode), "errors": found.errors})
+                "leftovers": inventory_mod.leftovers(found, args.observed_mode),
+                "leftoverObjects": inventory_mod.leftover_objects(found, args.observed_mode), "errors": found.errors})
         return 1 if found.errors else 0
     if args.command == "preflight":
         report = preflight_mod.check(args.mode, args.scheduler, load_modules=args.load_modules,

@@ -182,6 +182,11 @@ class ProxyNodeStatus(KubeModel):
         default_factory=list, max_length=MAX_STATUS_LEFTOVERS,
         description="Modes other than the observed one that still have objects here.",
     )
+    leftover_objects: int | None = Field(
+        default=None, ge=0,
+        description="How many kube-proxy objects of those modes are still here (chains, tables, virtual servers, "
+        "ipsets, the kube-ipvs0 interface); kubectl get proxynodes shows it. Absent until the agent's first inventory.",
+    )
     last_operation: OperationStatus | None = Field(default=None, description="Result of the last operation.")
     behaviour: NodeBehaviour | None = Field(
         default=None, description="How the node served a sample of Services before the switch and after it."

@@ -84,8 +84,11 @@ def _waker(name: str) -> Iterator[asyncio.Event]:
 # ---- login and settings ----
 
 
+KUBE_CONTEXT: str | None = None  # `proxyshift operator --context`; None: the kubeconfig's current context
+
+
 def in_cluster() -> bool:
-    return bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and not os.environ.get("KUBECONFIG")
+    return bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and not os.environ.get("KUBECONFIG") and not KUBE_CONTEXT
 
 
 def load_client_config() -> None:
@@ -93,7 +96,25 @@ def load_client_config() -> None:
     if in_cluster():
         kubernetes.config.load_incluster_config()
     else:
-        kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
+        kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG"), context=KUBE_CONTEXT)
+
+
+def login_with_context(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
+    """kopf's own kubeconfig login reads only the current context; with --context, log in as the client does.
+
+    The fields are those kopf.login_via_client takes from the client's configuration, which we loaded for
+    the named context (login_via_client itself would load the current one again).
+    """
+    config = kubernetes.client.Configuration.get_default_copy()
+    header = config.get_api_key_with_prefix("BearerToken") or config.get_api_key_with_prefix("authorization")
+    scheme, _, token = (header or "").rpartition(" ")
+    return kopf.ConnectionInfo(
+        server=config.host, ca_path=config.ssl_ca_cert, insecure=not config.verify_ssl,
+        username=config.username or None, password=config.password or None,
+        scheme=scheme or None, token=token or None,
+        certificate_path=config.cert_file, private_key_path=config.key_file,
+        trust_env=settings.networking.trust_env,
+    )
 
 
 @kopf.on.login()
@@ -107,6 +128,8 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     load_client_config()
     if in_cluster():
         return kopf.login_via_client(**kwargs)
+    if KUBE_CONTEXT:
+        return login_with_context(kwargs["settings"])
     return kopf.login_with_kubeconfig(**kwargs)
 
 
