@@ -215,12 +215,44 @@ def proxyshift_installed(cluster: Any, kubeconfig: Path) -> Path:
     return kubeconfig
 
 
+SERVICE_ACCOUNT_NAMESPACE = "proxyshift-system"
+
+
+def service_account_kubeconfig(cluster: Any, account: str, path: Path, *, pod: str | None = None) -> Path:
+    """A kubeconfig holding nothing but a fresh token of `proxyshift-system/<account>` (bound to a pod when
+    given: then the token carries the pod's node name, as an agent's does)."""
+    from proxyshift.localcluster import controlplane
+
+    info = controlplane.load_info(cluster.state_dir)
+    assert info is not None, "no local cluster info"
+    args = ["-n", SERVICE_ACCOUNT_NAMESPACE, "create", "token", account, "--duration=6h"]
+    if pod:
+        args += ["--bound-object-kind=Pod", f"--bound-object-name={pod}"]
+    token = cluster.kubectl(*args).stdout.strip()
+    config = {
+        "apiVersion": "v1", "kind": "Config", "current-context": account,
+        "clusters": [{"name": "local", "cluster": {"server": info.api_url,
+                                                   "certificate-authority": str(info.ca_cert)}}],
+        "users": [{"name": account, "user": {"token": token}}],
+        "contexts": [{"name": account, "context": {"cluster": "local", "user": account}}],
+    }
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    path.chmod(0o600)
+    return path
+
+
 # Module scope: the operator stops at the end of each module, so the session's last test (`down`
-# leaves nothing behind) sees no process of ours.
+# leaves nothing behind) sees no process of ours. It logs in as it does in production: its own
+# ServiceAccount's token, with the RBAC and admission policies config/default installs (issue 15), so
+# a permission missing on a rare path (rollback, blocked eviction, node delete) fails a test.
 @pytest.fixture(scope="module")
 def operator_process(cluster: Any, proxyshift_installed: Path) -> Iterator[OperatorProcess]:
     state_dir = cluster.state_dir or Path("/tmp")
-    op = OperatorProcess(proxyshift_installed, state_dir / "logs" / "operator-e2e.log").start()
+    kubeconfig = proxyshift_installed
+    if cluster.state_dir is not None:
+        kubeconfig = service_account_kubeconfig(cluster, "proxyshift-operator",
+                                                state_dir / "operator-e2e.kubeconfig")
+    op = OperatorProcess(kubeconfig, state_dir / "logs" / "operator-e2e.log").start()
     op.wait_healthy()
     yield op
     op.stop()

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 
+from operator_harness import service_account_kubeconfig
 
 from proxyshift.localcluster import install
 
@@ -30,39 +30,20 @@ NAMESPACE = "proxyshift-system"
 # modules that import it, harness included.
 @pytest.fixture(scope="module", name="operator_process")
 def operator_process_fixture(cluster: Any, proxyshift_installed: Path) -> Iterator[install.OperatorProcess]:
-    """The operator as a host process with the admin kubeconfig, as the e2e tests run it."""
+    """The operator as a host process logged in as its own ServiceAccount, as the e2e tests run it."""
     state_dir = cluster.state_dir or Path("/tmp")
+    kubeconfig = proxyshift_installed
+    if cluster.state_dir is not None:
+        kubeconfig = service_account_kubeconfig(cluster, "proxyshift-operator",
+                                                state_dir / "operator-reliability-input.kubeconfig")
     # Ports of our own: an operator left running by another session on the default ports would answer
     # wait_healthy for a process of ours that could not bind and exited.
-    op = install.OperatorProcess(proxyshift_installed, state_dir / "logs" / "operator-reliability-input.log",
+    op = install.OperatorProcess(kubeconfig, state_dir / "logs" / "operator-reliability-input.log",
                                  metrics_port=18280, health_port=18281).start()
     op.wait_healthy()
     assert op.running, f"the operator exited; see {op.log_path}"
     yield op
     op.stop()
-
-
-def service_account_kubeconfig(cluster: Any, account: str, path: Path, *, pod: str | None = None) -> Path:
-    """A kubeconfig holding nothing but a fresh token of `proxyshift-system/<account>` (bound to a pod when
-    given: then the token carries the pod's node name, as an agent's does)."""
-    from proxyshift.localcluster import controlplane
-
-    info = controlplane.load_info(cluster.state_dir)
-    assert info is not None, "no local cluster info"
-    args = ["-n", NAMESPACE, "create", "token", account, "--duration=2h"]
-    if pod:
-        args += ["--bound-object-kind=Pod", f"--bound-object-name={pod}"]
-    token = cluster.kubectl(*args).stdout.strip()
-    config = {
-        "apiVersion": "v1", "kind": "Config", "current-context": account,
-        "clusters": [{"name": "local", "cluster": {"server": info.api_url,
-                                                   "certificate-authority": str(info.ca_cert)}}],
-        "users": [{"name": account, "user": {"token": token}}],
-        "contexts": [{"name": account, "context": {"cluster": "local", "user": account}}],
-    }
-    path.write_text(yaml.safe_dump(config), encoding="utf-8")
-    path.chmod(0o600)
-    return path
 
 
 def agent_pod(cluster: Any, node: str) -> str:
