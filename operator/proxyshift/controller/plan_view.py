@@ -2,7 +2,9 @@
 
 Reads Nodes, ProxyNodes (the agents' inventory), existing policies and the
 baseline kube-proxy, then asks the pure planner's preview: which nodes, in what
-order and stages, and which will fail preflight. Then the compatibility report:
+order and stages, and which will fail preflight; for a move to nftables, which
+nodes hold IPVS virtual servers that are not kube-proxy's (the nftables
+kube-proxy deletes them) and whether the policy accepts that. Then the compatibility report:
 per mode the selected nodes run now, every behaviour the target mode changes for
 this cluster's Services (read from Services and EndpointSlices) and the setting
 that keeps today's behaviour.
@@ -22,13 +24,21 @@ from proxyshift.api.common import API_GROUP, API_VERSION
 from proxyshift.api.kubeproxy import KubeProxyConfiguration
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.api.proxynode import ProxyNode
+from proxyshift.api.requirements import FOREIGN_IPVS_CHANGE, NFTABLES_DELETES_IPVS
 from proxyshift.controller.settings import CONFIG
 from proxyshift.controller.snapshot import current_revisions, node_view, revision_view
 from proxyshift.controller.status_view import load_api
 from proxyshift.manifest import UsageError, read_manifest
 from proxyshift.planner.advice import advise
 from proxyshift.planner.compat import CompatFinding
-from proxyshift.planner.preview import BASELINE_SOURCE, CompatGroup, compat_preview, preview
+from proxyshift.planner.preview import (
+    BASELINE_SOURCE,
+    CompatGroup,
+    ForeignIPVSNode,
+    compat_preview,
+    foreign_ipvs_nodes,
+    preview,
+)
 from proxyshift.planner.services import EndpointView, ServiceView, endpoints_from_slice, service_view_from_k8s
 from proxyshift.planner.world import World
 from proxyshift.render import LABEL_MANAGED_BY, MANAGED_BY
@@ -98,7 +108,7 @@ def render_preview(policy: ProxyPolicy, world: World) -> str:
         for name in stage.nodes:
             problems = stage.preflight_failures.get(name)
             if not problems:
-                verdict = "ok"
+                verdict = "; ".join(["ok", *stage.preflight_notes.get(name, [])])
             elif all(p.startswith("no inventory yet") for p in problems):
                 verdict = "preflight unknown: " + "; ".join(problems)
             else:
@@ -108,7 +118,30 @@ def render_preview(policy: ProxyPolicy, world: World) -> str:
                  and policy.spec.node_selector.matches(world.nodes.get(n).labels if n in world.nodes else {})]
     if conflicts:
         lines.append(f"owned by other policies (untouched unless those are newer): {', '.join(sorted(conflicts)[:20])}")
+    lines += render_foreign_ipvs(foreign_ipvs_nodes(world, policy.name))
     return "\n".join(lines)
+
+
+MAX_FOREIGN_NODES_SHOWN = 20
+
+
+def render_foreign_ipvs(nodes: Sequence[ForeignIPVSNode]) -> list[str]:
+    """The nodes holding IPVS virtual servers that are not kube-proxy's, which the move to nftables deletes."""
+    if not nodes:
+        return []
+    accepted = nodes[0].accepted
+    verdict = (f"accepted by gate.behaviour.allowChanges [{FOREIGN_IPVS_CHANGE}]: the switch deletes them" if accepted
+               else f"refused: preflight fails on these nodes unless gate.behaviour.allowChanges names "
+               f"{FOREIGN_IPVS_CHANGE}")
+    lines = [f"foreign IPVS: {len(nodes)} node(s) hold IPVS virtual servers that are not kube-proxy's; "
+             f"{NFTABLES_DELETES_IPVS}; {verdict}"]
+    for entry in nodes[:MAX_FOREIGN_NODES_SHOWN]:
+        more = entry.count - len(entry.virtual_servers)
+        names = ", ".join(entry.virtual_servers) + (f" and {more} more" if more > 0 else "")
+        lines.append(f"  {entry.node:<30} {'ACCEPTED' if entry.accepted else 'REFUSED'}: {entry.count} ({names})")
+    if len(nodes) > MAX_FOREIGN_NODES_SHOWN:
+        lines.append(f"  and {len(nodes) - MAX_FOREIGN_NODES_SHOWN} more node(s)")
+    return lines
 
 
 def _finding_lines(finding: CompatFinding) -> list[str]:
@@ -123,8 +156,13 @@ def _finding_lines(finding: CompatFinding) -> list[str]:
         lines.append(f"  {'':<20} affects no Service in this cluster today")
     keep = f"keep today's behaviour with {finding.preserving}" if finding.preserving else (
         "no kube-proxy setting keeps today's behaviour")
-    lines.append(f"  {'':<20} {keep}; or accept it with gate.behaviour.allowChanges: [{finding.change}]"
-                 if finding.change in _GATED else f"  {'':<20} {keep}")
+    if finding.change == FOREIGN_IPVS_CHANGE:
+        lines.append(f"  {'':<20} {keep}; preflight refuses a node holding virtual servers that are not "
+                     f"kube-proxy's (listed under 'foreign IPVS' above) unless gate.behaviour.allowChanges: "
+                     f"[{finding.change}]")
+    else:
+        lines.append(f"  {'':<20} {keep}; or accept it with gate.behaviour.allowChanges: [{finding.change}]"
+                     if finding.change in _GATED else f"  {'':<20} {keep}")
     return lines
 
 
