@@ -136,6 +136,8 @@ def test_an_unreadable_ipvs_table_is_refused_not_taken_for_empty(tmp_path):
     accepted = nftables_check(ipvs_inventory=lambda: Inventory(
         ipvs_available=True, errors=["ipvsadm: ipvsadm is not installed"]), allow_changes=["ForeignIPVSFlush"])
     assert accepted.ok
+    assert accepted.message().endswith("ForeignIPVSFlush accepted: the IPVS table could not be read (ipvsadm: "
+                                       "ipvsadm is not installed), the switch deletes every virtual server in it")
 
 
 # ---- operator -> agent: the typed Preflight params ----

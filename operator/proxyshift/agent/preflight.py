@@ -70,7 +70,6 @@ _VERSION = re.compile(r"v?(\d+(?:\.\d+)+)")
 _MODULE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 
-
 def parse_version(text: str | None) -> tuple[int, ...] | None:
     """First dotted version in a tool's --version text ("nftables v1.0.6 (...)" -> (1, 0, 6))."""
     if not text:
@@ -172,6 +171,7 @@ class PreflightReport:
     # only); accepted: the policy named ForeignIPVSFlush, so they do not fail the check.
     foreign_ipvs: ForeignIPVS | None = None
     foreign_ipvs_accepted: bool = False
+    ipvs_unreadable: str | None = None  # why the IPVS table could not be listed (nftables target only)
 
     @property
     def ok(self) -> bool:
@@ -190,6 +190,9 @@ class PreflightReport:
             if self.foreign_ipvs is not None and self.foreign_ipvs.count:
                 loaded += (f"; {FOREIGN_IPVS_CHANGE} accepted: the switch deletes "
                            f"{self.foreign_ipvs.describe()}")
+            elif self.ipvs_unreadable:
+                loaded += (f"; {FOREIGN_IPVS_CHANGE} accepted: the IPVS table could not be read "
+                           f"({self.ipvs_unreadable[:200]}), the switch deletes every virtual server in it")
             return f"preflight for {target} passed on kernel {self.kernel_release}{loaded}"
         items = "; ".join(f"{m.what}: {m.why} (fix: {m.fix})" for m in self.missing)
         return f"preflight for {target} failed on kernel {self.kernel_release}: {items}"
@@ -393,7 +396,7 @@ def check(mode: str, scheduler: str | None = None, *, proc_root: str | Path = "/
     missing = [_module_missing(view, m, why) for m, why in needed
                if view.state(m) != "present" and m not in accepted]
     missing += _check_tools(mode, parse_kernel_release(view.release or ""), view.release, tools)  # type: ignore[arg-type]
-    foreign, foreign_missing = _foreign_ipvs(
+    foreign, unreadable, foreign_missing = _foreign_ipvs(
         mode, Path(proc_root),  # type: ignore[arg-type]
         ipvs_inventory or (lambda: take_ipvs_inventory(runner=runner, proc_root=Path(proc_root))))
     foreign_accepted = FOREIGN_IPVS_CHANGE in set(allow_changes)
@@ -403,26 +406,28 @@ def check(mode: str, scheduler: str | None = None, *, proc_root: str | Path = "/
     return PreflightReport(mode=mode, scheduler=(scheduler or DEFAULT_IPVS_SCHEDULER) if mode == "ipvs" else None,
                            kernel_release=view.release, modules=modules, tools=tools, missing=missing,
                            loaded=loaded, on_demand=accepted, foreign_ipvs=foreign,
-                           foreign_ipvs_accepted=foreign_accepted and foreign is not None and foreign.count > 0)
+                           foreign_ipvs_accepted=foreign_accepted and foreign is not None and foreign.count > 0,
+                           ipvs_unreadable=unreadable)
 
 
 def _foreign_ipvs(mode: Mode, proc_root: Path,
-                  read: Callable[[], Inventory]) -> tuple[ForeignIPVS | None, list[Missing]]:
-    """The virtual servers an nftables kube-proxy would delete that are not kube-proxy's, and the refusal.
+                  read: Callable[[], Inventory]) -> tuple[ForeignIPVS | None, str | None, list[Missing]]:
+    """The virtual servers an nftables kube-proxy would delete that are not kube-proxy's (or why the table could
+    not be read), and the refusal.
 
     Read only for nftables and only when the kernel has IPVS (no /proc/net/ip_vs: no virtual server can
     exist, and ipvsadm would load ip_vs just by looking).
     """
     if not deletes_foreign_ipvs(mode) or not (proc_root / "net" / "ip_vs").exists():
-        return None, []
+        return None, None, []
     inv = read()
     unreadable = [e for e in inv.errors if e.startswith("ipvsadm")]
     if unreadable:
         # Unknown is not "none": the cleanup deletes whatever is there.
-        return None, [Missing("a readable IPVS table",
+        return None, unreadable[0], [Missing("a readable IPVS table",
                               f"{unreadable[0][:300]}; the nftables kube-proxy deletes every IPVS virtual server on "
                               "the host at each start, and whether any of them is not kube-proxy's cannot be told",
                               "install ipvsadm where the agent runs, or accept the deletion with "
                               f"gate.behaviour.allowChanges: [{FOREIGN_IPVS_CHANGE}]")]
     foreign = foreign_ipvs(inv)
-    return foreign, [foreign_ipvs_refusal(foreign)] if foreign.count else []
+    return foreign, None, [foreign_ipvs_refusal(foreign)] if foreign.count else []
