@@ -4,7 +4,7 @@ PYTHON ?= python3
 PYTEST ?= $(PYTHON) -m pytest
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help setup deps lint crds crds-check binaries cluster-up cluster-down cluster-status \
+.PHONY: help setup deps lint crds crds-check binaries go-tools cluster-up cluster-down cluster-status \
         test test-unit test-dataplane test-e2e test-reliability test-vm vm-test bench demo clean
 
 help:
@@ -25,8 +25,11 @@ crds: ## regenerate crds/ and docs/crd-reference.md from the pydantic models
 crds-check: ## fail when the committed CRDs differ from the models
 	$(PYTHON) -m proxyshift.cli crds --check
 
-binaries: ## build the pinned upstream Kubernetes and etcd binaries (cached)
+binaries: go-tools ## build the pinned upstream Kubernetes and etcd binaries and the tests' Go tools (cached)
 	$(PYTHON) -m proxyshift.localcluster.build
+
+go-tools: ## build only the tests' small pinned Go tools (argocd-health-runner; cached, seconds)
+	$(PYTHON) -m proxyshift.localcluster.gotools
 
 cluster-up: binaries ## start the local cluster (3 nodes: pools blue=2, green=1)
 	$(PYTHON) -m proxyshift.localcluster.cli up --pools blue=2,green=1

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 # faketime: libfaketime skews the agent's clock in tests/reliability (never in the image)
 # qemu-system-x86, busybox-static: the vm test layer's guest (proxyshift.localcluster.vm); its
 # kernel package is fetched and cached by the runner itself (pinned in localcluster/pins.env)
-DEBIAN_PACKAGES=(iptables nftables ipset conntrack iproute2 ipvsadm kmod procps openssl lua5.4 faketime
+DEBIAN_PACKAGES=(iptables nftables ipset conntrack iproute2 ipvsadm kmod procps openssl faketime
                  qemu-system-x86 busybox-static)
 
 missing=()

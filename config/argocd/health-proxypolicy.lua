@@ -1,6 +1,8 @@
 -- Argo CD health of a proxyshift.io ProxyPolicy (resource.customizations.health.proxyshift.io_ProxyPolicy).
 -- Argo CD runs this with gopher-lua (Lua 5.1) and, for argocd-cm scripts, without the string and math
 -- libraries (only base, table, package and a safe os): base functions and `..` only here.
+-- tests/unit/test_argocd_health.py runs it so (tests/tools/argocd-health-runner). Argo CD never
+-- calls it for a policy being deleted: it shows "Progressing: Pending deletion" instead.
 -- The order of the checks is the point:
 --   1. no status yet            -> Progressing (the operator has not picked the policy up)
 --   2. status of an older spec  -> Progressing (a Ready=True left from the previous generation must not

@@ -86,12 +86,36 @@ def test_the_step_deletes_each_entry_by_its_exact_tuple_and_reports_bounded():
     report = ct.clean_unnated(ConntrackParams(service_cidrs=["198.19.0.0/16"]), ["198.18.1.2"], runner=runner)
     assert report.deleted_tcp == 1 and report.deleted_udp == 1 and report.scanned == 3 and not report.truncated
     deletes = [c for c in calls if c[1] == "-D"]
-    assert deletes[0] == ["conntrack", "-D", "-p", "tcp", "-s", "198.18.1.2", "-d", "198.19.0.10", "--sport",
-                          "40000", "--dport", "80", "-r", "198.19.0.10"]
+    # TCP: one call per destination, with the step's predicate as filters; UDP: each entry's own tuple.
+    assert deletes[0] == ["conntrack", "-D", "-p", "tcp", "-d", "198.19.0.10", "--dport", "80", "-r",
+                          "198.19.0.10", "--state", "SYN_SENT"]
+    assert deletes[1][:4] == ["conntrack", "-D", "-p", "udp"] and "--sport" in deletes[1]
     assert calls[0][-2:] == ["--state", "SYN_SENT"]
     capped = ct.clean_unnated(ConntrackParams(service_cidrs=["198.19.0.0/16"], max_deletions=1),
                               ["198.18.1.2"], runner=runner)
     assert capped.deleted_tcp + capped.deleted_udp == 1 and capped.truncated
+
+
+def test_the_batched_tcp_delete_counts_what_conntrack_says_it_deleted():
+    unnated = [ct.Flow("tcp", "198.18.1.2", "198.19.0.10", 40000 + i, 80, "198.19.0.10", "198.18.1.2", 80,
+                       40000 + i, "SYN_SENT", True) for i in range(5)]
+    calls: list[list[str]] = []
+
+    def runner(argv, **kw):
+        calls.append(list(argv))
+        if argv[1] == "-L":
+            return Result(list(argv), 0, "", "")
+        # Two of the five answered meanwhile: conntrack deletes three and says so on stderr.
+        return Result(list(argv), 0, "", "conntrack v1.4.7 (conntrack-tools): 3 flow entries have been deleted.\n")
+
+    report = ct.ConntrackReport()
+    left = ct._delete_tcp(unnated, 10, runner, report)
+    assert (report.deleted_tcp, left, len(calls), len(report.entries)) == (3, 7, 1, 3)
+    # Over the budget: entry by entry, never more than the budget.
+    calls.clear()
+    report = ct.ConntrackReport()
+    assert ct._delete_tcp(unnated, 2, runner, report) == 0
+    assert report.deleted_tcp == 2 and [c[c.index("--sport") + 1] for c in calls] == ["40000", "40001"]
 
 
 def test_the_step_reports_a_tool_failure_instead_of_raising():

@@ -260,7 +260,7 @@ def test_defaults_are_applied_before_the_rules(apiserver: ApiServerSim) -> None:
     obj = apiserver.default(apiserver.schema, {"spec": {"nodeSelector": {}, "mode": "ipvs", "rollout": {},
                                                         "ipvs": {}}})
     assert obj["spec"]["rollout"] == {"maxUnavailable": 1, "cordon": False, "drain": False, "drainTimeout": "10m",
-                                      "holdRules": True,
+                                      "holdRules": True, "conntrackCleanup": True,
                                       "paused": False}
     assert obj["spec"]["ipvs"]["scheduler"] == "rr"
 

@@ -142,3 +142,20 @@ def test_the_distribution_is_recorded_with_the_preflight_and_at_done_and_carried
                          mig("Uncordon"), "ok")
     after = writes(done)[0].diagnose
     assert after is not None and after.record == "after" and after.id.endswith(".after") and after.id != before.id
+
+
+def test_the_gate_tells_what_the_conntrack_step_deleted_and_its_failure() -> None:
+    op = Operation(id=f"{REV}.1.0.Gate.0", type="Probe", params={"conntrack": CONNTRACK.model_dump(by_alias=True)})
+
+    def gate_with(report: dict[str, Any]) -> machine.Step:
+        return machine.step(inp(mig("Gate"), label=REV, pods=[pod(f"kube-proxy-{REV}")], op=op,
+                                last=done(op, conntrack=report),
+                                facts=_good_facts(), now_plus=30))
+
+    rescued = gate_with({"scanned": 40, "deletedTcp": 31, "deletedUdp": 0, "entries": []})
+    assert rescued.phase in ("Cleanup", "Done", "Uncordon")
+    assert "deleted 31 TCP SYN_SENT and 0 UDP un-NATed conntrack entries" in said(rescued)
+    assert "conntrack" not in said(gate_with({"scanned": 3}))
+    failed = gate_with({"error": "conntrack: not found on PATH"})
+    assert failed.phase in ("Cleanup", "Done", "Uncordon"), "a failed step is told, it does not fail the gate"
+    assert "the conntrack step failed: conntrack: not found on PATH" in said(failed)

@@ -14,7 +14,14 @@ hook where kube-proxy DNATs it (with no route, connect() fails with
 ENETUNREACH and kube-proxy never sees the packet). That route points into a
 veth pair that lives entirely inside the node (`svcsink0` <-> `svcsink1`;
 the kernel here has no dummy driver), so a ClusterIP packet that no rule
-rewrites dies inside the node instead of reaching the bridge.
+rewrites dies inside the node instead of reaching the bridge. The route goes
+via a gateway that exists only as a permanent neighbour entry: such a packet
+is sent and silently lost, as on a real node whose default route takes it to
+a router that drops it. An on-link route would make the node ARP for the
+ClusterIP itself and fail every socket waiting on it with EHOSTUNREACH three
+seconds later, which no real node does (and which would hide what a client
+caught in a switch's rule gap really suffers: its SYN retransmissions hang on
+an un-NATed conntrack entry).
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ NODE_VETH_PREFIX = "psn"
 ENDPOINT_VETH_PREFIX = "pse"
 SINK_LINK = "svcsink0"
 SINK_PEER = "svcsink1"
+SINK_GATEWAY = "198.18.3.254"  # on no interface: only a permanent neighbour entry on SINK_LINK
+SINK_GATEWAY_MAC = "02:00:c6:12:03:fe"  # locally administered; svcsink1 drops frames to it
 NODE_SYSCTLS = ("net.ipv4.ip_forward=1",)
 MAX_NODES = 200  # 198.18.0.11 .. 198.18.0.210
 MAX_ENDPOINTS = 254  # 198.18.1.1 .. 198.18.1.254
@@ -186,7 +195,10 @@ def create_node_netns(index: int) -> str:
         run(["ip", "link", "add", SINK_LINK, "type", "veth", "peer", "name", SINK_PEER], netns=netns)
     for link in (SINK_LINK, SINK_PEER):
         run(["ip", "link", "set", link, "up"], netns=netns)
-    run(["ip", "route", "replace", paths.SERVICE_CIDR, "dev", SINK_LINK, "src", ip], netns=netns)
+    run(["ip", "neigh", "replace", SINK_GATEWAY, "lladdr", SINK_GATEWAY_MAC, "dev", SINK_LINK, "nud", "permanent"],
+        netns=netns)
+    run(["ip", "route", "replace", paths.SERVICE_CIDR, "via", SINK_GATEWAY, "dev", SINK_LINK, "onlink", "src", ip],
+        netns=netns)
     run(["sysctl", "-q", "-w", *NODE_SYSCTLS], netns=netns)
     podnet.create_pod_netns(netns, index)
     podnet.add_second_address(netns, index)

@@ -47,6 +47,12 @@ def cache_root() -> Path:
     return Path(base) / "proxyshift" / "k8s"
 
 
+def tools_cache_root() -> Path:
+    """The small Go programs the tests run (proxyshift.localcluster.gotools), one folder per tool."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "proxyshift" / "tools"
+
+
 def vm_cache_root() -> Path:
     """The QEMU test bed's kernels and initramfs images (proxyshift.localcluster.vmkernel)."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")

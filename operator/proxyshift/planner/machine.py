@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from proxyshift.api.behaviour import BehaviourParams, ConntrackParams
+from proxyshift.api.behaviour import BehaviourParams, ConntrackParams, ConntrackReport
 from proxyshift.api.common import parse_duration
 from proxyshift.api.diagnostics import DiagnoseRequest
 from proxyshift.api.policy import ProxyPolicySpec
@@ -599,8 +599,26 @@ def _judge_report(inp: NodeInput, op: Operation, res: OperationStatus, target_mo
     connects = _connects(res.details, expected) if inp.spec.gate.probe_services else None
     verdict = evaluate_gate(inp.proxynode.status.kube_proxy, inp.spec.gate, target_mode, switched, inp.now, connects)
     if verdict.passed and "behaviour" in op.params:
-        return _judge_behaviour(inp, op, verdict)
-    return verdict
+        verdict = _judge_behaviour(inp, op, verdict)
+    told = _conntrack_told(res.details)
+    return GateVerdict(verdict.result, verdict.reason, clip(f"{verdict.message}; {told}")) if told else verdict
+
+
+def _conntrack_told(details: Mapping[str, Any]) -> str | None:
+    """What the probe's conntrack step deleted, for the gate's message (and so its Event); None: nothing."""
+    raw = details.get("conntrack")
+    if not isinstance(raw, Mapping):
+        return None
+    try:
+        report = ConntrackReport.model_validate(raw)
+    except ValueError:
+        return None
+    if report.error:
+        return f"the conntrack step failed: {report.error}"
+    if not report.deleted_tcp and not report.deleted_udp:
+        return None
+    return (f"deleted {report.deleted_tcp} TCP SYN_SENT and {report.deleted_udp} UDP un-NATed conntrack entries "
+            "left from the switch's gap (clients that tried while the node had no Service rules)")
 
 
 # A difference rolls the node back only when a later probe round still sees it, gate.behaviour.confirm

@@ -1,0 +1,136 @@
+"""Small pinned Go programs the tests run (not the cluster binaries), built once and cached.
+
+Each tool is its own Go module in the checkout, with a committed go.sum. It builds into
+`~/.cache/proxyshift/tools/<name>/<source-hash>/<name>`, the hash taken over every file of the
+module and the build flags, so an edited source or pin builds into a fresh folder and a test never
+runs a binary made from other sources. `make go-tools` (and so `make binaries`) builds them all; a
+test that needs one calls `built(name)` and fails, rather than building during a test run, when it
+is absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from proxyshift.commands import CommandError, run
+from proxyshift.localcluster import paths
+
+BUILD_TIMEOUT_SECONDS = 900.0
+# -mod=mod: the modules come from the proxy against the committed go.sum, with no vendor folder.
+GOFLAGS = "-mod=mod -buildvcs=false"
+BUILD_ARGS = ("build", "-trimpath", "-ldflags", "-s -w")
+
+
+@dataclass(frozen=True)
+class GoTool:
+    name: str
+    module: str  # the module folder, relative to the checkout
+    purpose: str
+
+
+TOOLS = {
+    tool.name: tool
+    for tool in (
+        GoTool("argocd-health-runner", "tests/tools/argocd-health-runner",
+               "runs config/argocd's health script under gopher-lua as Argo CD does"),
+    )
+}
+
+
+class GoToolError(RuntimeError):
+    """The tool is unknown, its module is missing, or `go build` failed."""
+
+
+def _tool(name: str) -> GoTool:
+    try:
+        return TOOLS[name]
+    except KeyError:
+        raise GoToolError(f"unknown Go tool {name!r} (known: {', '.join(sorted(TOOLS))})") from None
+
+
+def module_dir(name: str) -> Path:
+    return paths.repo_root() / _tool(name).module
+
+
+def source_hash(module: Path) -> str:
+    """sha256 over every file of the module (names and contents) and the build flags."""
+    files = sorted(p for p in module.rglob("*") if p.is_file())
+    if not any(p.name == "go.mod" for p in files):
+        raise GoToolError(f"no Go module at {module} (set PROXYSHIFT_REPO to the checkout)")
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(str(path.relative_to(module)).encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    digest.update(f"{GOFLAGS}\0{' '.join(BUILD_ARGS)}".encode())
+    return digest.hexdigest()[:16]
+
+
+def binary_path(name: str) -> Path:
+    """Where the binary for the current sources is (or will be) built."""
+    return paths.tools_cache_root() / name / source_hash(module_dir(name)) / name
+
+
+def built(name: str) -> Path | None:
+    """The binary built from the current sources, or None when `make go-tools` has not built it."""
+    path = binary_path(name)
+    return path if path.is_file() and os.access(path, os.X_OK) else None
+
+
+def build_hint(name: str) -> str:
+    return (f"{name} is not built for the sources in {_tool(name).module}: run `make go-tools` "
+            f"(`make binaries` does it too; needs Go and the Go module proxy)")
+
+
+def _go_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"CGO_ENABLED": "0", "GOFLAGS": GOFLAGS, "GOWORK": "off"})
+    return env
+
+
+def build(name: str, *, force: bool = False) -> Path:
+    """Build `name` (if needed) and return the binary's path."""
+    module = module_dir(name)
+    output = binary_path(name)
+    if output.is_file() and not force:
+        return output
+    output.parent.mkdir(parents=True, exist_ok=True)
+    # Two sessions building the same sources: the second waits, then finds the binary.
+    with (output.parent / ".build.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if output.is_file() and not force:
+            return output
+        # Linked to a temporary name, then renamed: an interrupted build leaves nothing that
+        # `built()` would take for a finished binary.
+        partial = output.with_name(f".{name}.partial")
+        try:
+            run(["go", "-C", str(module), *BUILD_ARGS, "-o", str(partial), "."],
+                timeout=BUILD_TIMEOUT_SECONDS, env=_go_env())
+        except CommandError as exc:
+            raise GoToolError(f"building {name} from {module}: {exc}") from exc
+        partial.replace(output)
+    return output
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m proxyshift.localcluster.gotools",
+                                     description="Build the pinned Go tools the tests run; print their paths.")
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"default: all ({', '.join(sorted(TOOLS))})")
+    parser.add_argument("--force", action="store_true", help="rebuild even if the cache has the binary")
+    args = parser.parse_args(argv)
+    try:
+        for name in args.names or sorted(TOOLS):
+            print(build(name, force=args.force))
+    except GoToolError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

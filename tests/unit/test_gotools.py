@@ -1,0 +1,75 @@
+"""The tests' pinned Go tools: cached by a hash of their sources, pinned by a committed go.sum."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from proxyshift.localcluster import gotools
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _module(tmp_path: Path) -> Path:
+    module = tmp_path / "tool"
+    module.mkdir()
+    (module / "go.mod").write_text("module example.com/tool\n\ngo 1.26.0\n")
+    (module / "main.go").write_text("package main\n\nfunc main() {}\n")
+    return module
+
+
+def test_hash_follows_every_source_file(tmp_path: Path) -> None:
+    module = _module(tmp_path)
+    first = gotools.source_hash(module)
+    assert gotools.source_hash(module) == first
+    (module / "main.go").write_text("package main\n\nfunc main() { println() }\n")
+    edited = gotools.source_hash(module)
+    (module / "extra.go").write_text("package main\n")
+    assert len({first, edited, gotools.source_hash(module)}) == 3
+
+
+def test_folder_without_go_mod_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "main.go").write_text("package main\n")
+    with pytest.raises(gotools.GoToolError, match="no Go module"):
+        gotools.source_hash(tmp_path)
+
+
+def test_missing_binary_is_none_with_a_hint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    name = "argocd-health-runner"
+    path = gotools.binary_path(name)
+    assert path.is_relative_to(tmp_path / "cache" / "proxyshift" / "tools" / name)
+    assert gotools.built(name) is None
+    assert "make go-tools" in gotools.build_hint(name)
+    path.parent.mkdir(parents=True)
+    path.write_text("#!/bin/sh\n")
+    path.chmod(0o755)
+    assert gotools.built(name) == path
+
+
+def test_unknown_tool_is_named() -> None:
+    with pytest.raises(gotools.GoToolError, match="unknown Go tool 'helmet'"):
+        gotools.module_dir("helmet")
+
+
+@pytest.mark.parametrize("name", sorted(gotools.TOOLS))
+def test_every_requirement_is_pinned_in_go_sum(name: str) -> None:
+    # With -mod=mod a requirement missing from go.sum would be fetched and written to go.sum on
+    # first use rather than checked against a pin.
+    module = ROOT / gotools.TOOLS[name].module
+    go_mod = (module / "go.mod").read_text()
+    go_sum = (module / "go.sum").read_text()
+    required = re.findall(r"^\s*(?:require\s+)?([\w./-]+\.[\w./-]+) (v\S+)\s*$", go_mod, re.M)
+    assert required
+    for path, version in required:
+        assert f"{path} {version} h1:" in go_sum, f"{path} {version} not in {module / 'go.sum'}"
+
+
+def test_health_runner_pins_argo_cds_gopher_lua() -> None:
+    # Argo CD 3.6's go.mod requires gopher-lua v1.1.2: the runner must evaluate with the same one.
+    go_mod = (ROOT / gotools.TOOLS["argocd-health-runner"].module / "go.mod").read_text()
+    assert re.search(r"^\s*github\.com/yuin/gopher-lua v1\.1\.2$", go_mod, re.M)
