@@ -75,7 +75,8 @@ def parse_ipvsadm_save(text: str) -> list[VirtualServer]:
         if len(tokens) < 3 or tokens[1] not in _PROTO_FLAGS:
             raise IpvsadmOutputError(f"ipvsadm -Sn line {lineno}: {line[:80]!r}")
         proto = _PROTO_FLAGS[tokens[1]]
-        scheduler = tokens[tokens.index("-s") + 1] if "-s" in tokens[3:-1] else None
+        options = tokens[3:]
+        scheduler = options[options.index("-s") + 1] if "-s" in options[:-1] else None
         try:
             if proto == "fwmark":
                 services.append(VirtualServer(proto, None, None, int(tokens[2]), f"-f {tokens[2]}", scheduler))
