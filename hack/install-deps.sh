@@ -7,8 +7,10 @@ cd "$(dirname "$0")/.."
 # faketime: libfaketime skews the agent's clock in tests/reliability (never in the image)
 # qemu-system-x86, busybox-static: the vm test layer's guest (proxyshift.localcluster.vm); its
 # kernel package is fetched and cached by the runner itself (pinned in localcluster/pins.env)
+# prometheus: for its promtool, which the unit layer runs on config/prometheus (the alert rules and
+# the dashboard's expressions); its service is not wanted (stopped below where systemd started it)
 DEBIAN_PACKAGES=(iptables nftables ipset conntrack iproute2 ipvsadm kmod procps openssl faketime
-                 qemu-system-x86 busybox-static)
+                 qemu-system-x86 busybox-static prometheus)
 
 missing=()
 for pkg in "${DEBIAN_PACKAGES[@]}"; do
@@ -19,6 +21,10 @@ if ((${#missing[@]})); then
   if [ "$(id -u)" -ne 0 ]; then echo "need root to install ${missing[*]}" >&2; exit 1; fi
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  if [[ " ${missing[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then
+    # Debian enables and starts the server it installs; only promtool is needed here.
+    systemctl disable --now prometheus.service >/dev/null 2>&1 || true
+  fi
 else
   echo "==> Debian packages present: ${DEBIAN_PACKAGES[*]}"
 fi

@@ -1,10 +1,18 @@
-"""`proxyshift` command line: one entry point, each subcommand in the module that owns the job."""
+"""`proxyshift` command line: one entry point, each subcommand in the module that owns the job.
+
+Installed twice: as `proxyshift` and as `kubectl-proxyshift`, the name kubectl looks for on PATH so that
+`kubectl proxyshift status` runs `kubectl-proxyshift status`. Exit codes (docs/cli.md): 0 done or
+healthy, 1 not ready (or a node will fail preflight), 2 usage or input error, 130 interrupted.
+"""
 
 from __future__ import annotations
 
 import importlib
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
+
+EXIT_INTERRUPTED = 130  # what a shell reports for a command stopped with Ctrl-C (128 + SIGINT)
 
 # subcommand -> (module, function, one-line help). Modules are imported lazily so
 # `proxyshift crds` does not pay for kopf and `proxyshift agent` not for the planner.
@@ -24,8 +32,13 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+def invoked_as() -> str:
+    """How the person typed the command: `kubectl proxyshift` when kubectl ran us as its plugin."""
+    return "kubectl proxyshift" if Path(sys.argv[0]).name.startswith("kubectl-") else "proxyshift"
+
+
 def usage() -> str:
-    lines = ["usage: proxyshift <command> [args]", "", "commands:"]
+    lines = [f"usage: {invoked_as()} <command> [args]", "", "commands:"]
     lines += [f"  {name:<13} {help_}" for name, (_, _, help_) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
@@ -54,6 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"proxyshift {args[0]}: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # `status --watch` runs until Ctrl-C: that is how it ends, not a crash worth a traceback.
+        print(file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from proxyshift.agent.flush.iptables import IptablesTool
-from proxyshift.agent.inventory import leftovers, mode_objects, take_inventory
+from proxyshift.agent.inventory import leftover_objects, leftovers, mode_objects, take_inventory
 from proxyshift.commands import CommandError, Result
 
 pytestmark = pytest.mark.unit
@@ -66,3 +66,7 @@ COMMIT
     assert by_mode == {"iptables": 2, "ipvs": 3}
     assert leftovers(inv, "ipvs") == ["iptables"]
     assert leftovers(inv, "iptables") == ["ipvs"]
+    # The count kubectl shows: only stale objects, never the ones the observed mode shares.
+    assert leftover_objects(inv, "ipvs") == 1  # KUBE-SVC-*; KUBE-SERVICES is ipvs mode's own too
+    assert leftover_objects(inv, "iptables") == 2  # KUBE-NODE-PORT and the ipset; not the shared KUBE-SERVICES
+    assert leftover_objects(inv, None) == 0

@@ -134,6 +134,7 @@ def test_cleanup_runs_once_and_records_running_before_the_flush():
     assert last.state == "Succeeded" and last.id == "m1.Cleanup.0"
     assert last.details["steps"][0]["removed"] == {"chains": 3}
     assert node.status.observed_mode == "nftables" and node.status.leftovers == []
+    assert node.status.leftover_objects == 0  # written as a count, so kubectl shows 0, not <none>
     assert node.status.heartbeat and node.status.kube_proxy.sync_count == 4
 
 
@@ -502,3 +503,76 @@ def test_a_probe_does_not_wait_on_a_kube_proxy_in_the_wrong_mode_or_when_not_ask
     agent, sleeps = _sequence_agent(api, [STARTING])
     agent.handle(api.get("n1"))
     assert sleeps == []
+
+
+class FakeDiagnoseTools:
+    """The node's tools for a diagnose answer; `fail` makes the answer itself blow up."""
+
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+        self.calls: list[list[str]] = []
+
+    def __call__(self, argv, **kw):
+        from proxyshift.commands import Result
+
+        if self.fail:
+            raise RuntimeError("the reader broke")
+        self.calls.append(list(argv))
+        return Result(list(argv), 0, "", "")
+
+
+def _diagnose_request(request_id: str, record: str | None = "before") -> dict[str, Any]:
+    return {"id": request_id, **({"record": record} if record else {}),
+            "services": [{"namespace": "web", "name": "shop", "clusterIPs": ["198.19.0.10"],
+                          "ports": [{"protocol": "TCP", "port": 80}], "endpoints": ["198.18.1.1:8080"]}]}
+
+
+def _with_diagnose(agent: Agent, tools: FakeDiagnoseTools) -> Agent:
+    from pathlib import Path
+
+    from proxyshift.agent import diagnostics as diag
+
+    agent.diagnostics_readers = diag.Readers(runner=tools, proc_root=Path("/nonexistent"))
+    return agent
+
+
+def test_a_preflight_and_the_before_distribution_are_answered_in_one_write():
+    op = {"id": "p.1.0.Preflight.0", "type": "Preflight", "params": {"mode": "nftables"}}
+    obj = node_obj(op)
+    obj["spec"]["diagnose"] = _diagnose_request("p.1.0.before")
+    api = FakeAPI(obj)
+    tools = FakeDiagnoseTools()
+    agent = _with_diagnose(make_agent(api), tools)
+    agent.handle(api.get("n1"))
+    assert [p["lastOperation"]["state"] for p in api.patches] == ["Running", "Succeeded"]
+    final = api.patches[-1]
+    assert final["distribution"]["before"]["id"] == "p.1.0.before", final
+    assert any(c[:2] == ["conntrack", "-L"] for c in tools.calls)
+    # Answered once: a later event with the same request reads nothing again.
+    tools.calls.clear()
+    agent.handle(api.get("n1"))
+    assert tools.calls == [] and len(api.patches) == 2
+
+
+def test_a_broken_diagnose_beside_a_preflight_never_holds_back_the_preflight_s_report():
+    op = {"id": "p.1.0.Preflight.0", "type": "Preflight", "params": {"mode": "nftables"}}
+    obj = node_obj(op)
+    obj["spec"]["diagnose"] = _diagnose_request("p.1.0.before")
+    api = FakeAPI(obj)
+    agent = _with_diagnose(make_agent(api), FakeDiagnoseTools(fail=True))
+    agent._probe = lambda: (_ for _ in ()).throw(RuntimeError("metrics port gone"))  # type: ignore[method-assign]
+    agent.handle(api.get("n1"))
+    assert api.patches[-1]["lastOperation"]["state"] in ("Succeeded", "Failed")
+    assert "distribution" not in api.patches[-1]
+
+
+def test_a_diagnose_beside_a_cleanup_is_answered_first_on_its_own():
+    op = {"id": "p.1.0.Cleanup.0", "type": "Cleanup", "params": {"removeModes": ["iptables"],
+                                                                 "targetMode": "nftables"}}
+    obj = node_obj(op)
+    obj["spec"]["diagnose"] = _diagnose_request("d-1", record=None)
+    api = FakeAPI(obj)
+    agent = _with_diagnose(make_agent(api, inventory=IPT_LEFT), FakeDiagnoseTools())
+    agent.handle(api.get("n1"))
+    assert api.patches[0]["diagnostics"]["id"] == "d-1"
+    assert api.patches[1]["lastOperation"]["state"] == "Running"

@@ -107,9 +107,23 @@ def test_resource_names_columns_and_subresources() -> None:
     }
     assert columns(node) == {
         "Mode": ".status.observedMode", "Target": ".spec.mode", "Phase": ".spec.migration.phase",
-        "Policy": ".spec.policy", "Leftovers": ".status.leftovers", "Heartbeat": ".status.heartbeat",
-        "Age": ".metadata.creationTimestamp",
+        "Policy": ".spec.policy", "Leftovers": ".status.leftoverObjects", "Heartbeat": ".status.heartbeat",
+        "Age": ".metadata.creationTimestamp", "Leftover Modes": ".status.leftovers", "Revision": ".spec.revision",
+        "Reason": ".spec.migration.reason", "Healthz": ".status.kubeProxy.healthzStatus",
+        "Kernel": ".status.kernelRelease", "Agent": ".status.agentVersion",
     }
+
+
+def test_proxynode_wide_columns_add_something_and_leftovers_is_a_count() -> None:
+    columns = _crds()["ProxyNode"]["spec"]["versions"][0]["additionalPrinterColumns"]
+    default = [c["name"] for c in columns if not c.get("priority")]
+    wide = [c["name"] for c in columns if c.get("priority") == 1]
+    assert default == ["Mode", "Target", "Phase", "Policy", "Leftovers", "Heartbeat", "Age"]
+    assert wide and not set(wide) & set(default)
+    leftovers = next(c for c in columns if c["name"] == "Leftovers")
+    assert leftovers["type"] == "integer"
+    status = _schema("ProxyNode")["properties"]["status"]["properties"]
+    assert status["leftoverObjects"]["type"] == "integer" and status["leftoverObjects"]["minimum"] == 0
 
 
 def _printer_paths_exist(kind: str) -> None:

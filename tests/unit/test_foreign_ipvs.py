@@ -252,3 +252,18 @@ def test_plan_for_iptables_or_ipvs_does_not_list_them():
         wld = _with_inventory(p, {"n1": ForeignIPVS(count=1, virtual_servers=["TCP 198.18.5.1:80 rr"])})
         assert foreign_ipvs_nodes(wld, "blue") == []
         assert "foreign IPVS" not in plan_view.render_preview(p, wld)
+
+
+def test_plan_json_lists_them_and_counts_a_refused_node_as_a_preflight_failure():
+    from proxyshift.planner.preview import preview
+    from proxyshift.planner.reports import plan_report
+
+    for allow, accepted, failures in (([], False, 1), (["ForeignIPVSFlush"], True, 0)):
+        p = policy(gate={"behaviour": {"allowChanges": allow}})
+        wld = _with_inventory(p, {"n3": ForeignIPVS(count=1, virtual_servers=["TCP 198.18.5.1:80 rr"])})
+        data = plan_report(p, wld, preview(wld, "blue"), [], None).model_dump(mode="json", by_alias=True)
+        assert data["foreignIPVS"] == [{"node": "n3", "count": 1, "virtualServers": ["TCP 198.18.5.1:80 rr"],
+                                        "accepted": accepted}]
+        assert data["preflightFailures"] == failures
+        n3 = next(n for stage in data["stages"] for n in stage["nodes"] if n["name"] == "n3")
+        assert bool(n3["notes"]) is accepted and bool(n3["problems"]) is not accepted

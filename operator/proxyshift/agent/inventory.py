@@ -196,6 +196,11 @@ def leftovers(inv: Inventory, observed_mode: str | None) -> list[Mode]:
     return [m for m in MODES if m != observed_mode and inv.count(m, observed=observed_mode, stale_only=True) > 0]
 
 
+def leftover_objects(inv: Inventory, observed_mode: str | None) -> int:
+    """How many stale objects the `leftovers` modes still have: the count `kubectl get proxynodes` shows."""
+    return sum(inv.count(m, observed=observed_mode, stale_only=True) for m in leftovers(inv, observed_mode))
+
+
 def foreign_ipvs(inv: Inventory) -> ForeignIPVS:
     """The status `foreignIPVS`: the IPVS virtual servers here that are not kube-proxy's, bounded."""
     names = [vs.describe() for vs in inv.foreign_virtual_servers]

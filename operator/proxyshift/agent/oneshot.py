@@ -90,6 +90,7 @@ def main(argv: Sequence[str]) -> int:
         found = inventory_mod.take_inventory()
         _print({"objects": [o.to_k8s() for o in inventory_mod.mode_objects(found, args.observed_mode)],
                 "leftovers": inventory_mod.leftovers(found, args.observed_mode),
+                "leftoverObjects": inventory_mod.leftover_objects(found, args.observed_mode),
                 "foreignIPVS": inventory_mod.foreign_ipvs(found).to_k8s(), "errors": found.errors})
         return 1 if found.errors else 0
     if args.command == "preflight":

@@ -229,6 +229,11 @@ class ProxyNodeStatus(KubeModel):
         default_factory=list, max_length=MAX_STATUS_LEFTOVERS,
         description="Modes other than the observed one that still have objects here.",
     )
+    leftover_objects: int | None = Field(
+        default=None, ge=0,
+        description="How many kube-proxy objects of those modes are still here (chains, tables, virtual servers, "
+        "ipsets, the kube-ipvs0 interface); kubectl get proxynodes shows it. Absent until the agent's first inventory.",
+    )
     foreign_ipvs: ForeignIPVS | None = Field(
         default=None, alias="foreignIPVS",
         description="IPVS virtual servers that are not kube-proxy's (not on kube-ipvs0, not in its ipsets); "

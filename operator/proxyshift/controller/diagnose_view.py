@@ -17,13 +17,13 @@ from datetime import UTC, datetime
 from typing import Any, NoReturn
 
 import kubernetes
-import urllib3
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from proxyshift.api.common import API_GROUP, API_VERSION
 from proxyshift.api.diagnostics import DiagnoseRequest, NodeDiagnostics, ServiceCounters
-from proxyshift.controller.status_view import load_api, table
+from proxyshift.controller.cliargs import add_cluster_flags, cluster_errors, load_api
+from proxyshift.controller.status_view import table
 from proxyshift.manifest import UsageError
 from proxyshift.planner.diagnosis import Diagnosis, combine, diagnose, request_service
 from proxyshift.planner.services import (
@@ -51,7 +51,7 @@ def parse_target(text: str) -> tuple[str, str]:
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line and exit 2 (proxyshift.cli), not usage + error
         raise UsageError(f"{message} (usage: proxyshift diagnose service NAMESPACE/NAME [--node N ...] "
-                         "[--kubeconfig K] [--timeout S])")
+                         "[--kubeconfig K] [--context C] [--timeout S])")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -61,7 +61,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("kind", help="what to diagnose: service")
     p.add_argument("target", help="NAMESPACE/NAME of the Service")
     p.add_argument("--node", action="append", default=[], help="only this node (repeatable; default every node)")
-    p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default $KUBECONFIG, ~/.kube/config)")
+    add_cluster_flags(p)
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_SECONDS,
                    help=f"seconds to wait for the nodes' answers (default {DEFAULT_TIMEOUT_SECONDS:g})")
     if not argv or argv[0] in ("-h", "--help"):
@@ -186,8 +186,8 @@ def ask_nodes(custom: Any, nodes: list[str], request: DiagnoseRequest, timeout: 
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     namespace, name = parse_target(args.target)
-    custom = load_api(args.kubeconfig)
-    try:
+    custom = load_api(args.kubeconfig, args.context)
+    with cluster_errors():
         service, endpoints = read_service(namespace, name)
         if service.headless or not service.cluster_ips:
             print(f"Service {service.key} is headless: kube-proxy writes no rules for it, clients pick "
@@ -206,10 +206,6 @@ def main(argv: Sequence[str]) -> int:
         request = DiagnoseRequest(id=_request_id(time.time), services=[request_service(service, endpoints)],
                                   requested_at=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
         answers = ask_nodes(custom, nodes, request, args.timeout)
-    except ApiException as exc:
-        raise UsageError(f"the API server refused: {exc.status} {exc.reason}") from None
-    except (urllib3.exceptions.HTTPError, OSError) as exc:
-        raise UsageError(f"cannot reach the API server: {' '.join(str(exc).split())[:200]}") from None
     print(render(service, endpoints, answers, args.timeout))
     return 0 if any(a is not None for a in answers.values()) else 1
 

@@ -233,8 +233,6 @@ class Executor:
     def _do_RecordStatus(self, action: w.RecordStatus, _: dict[str, ProxyPolicy]) -> None:
         status = action.status.to_k8s()
         self.api.patch_policy_status(action.policy, status)
-        ready = any(c.type == "Ready" and c.status == "True" for c in action.status.conditions)
-        metrics.POLICY_READY.labels(action.policy).set(1 if ready else 0)
 
     def _do_RemoveFinalizer(self, action: w.RemoveFinalizer, _: dict[str, ProxyPolicy]) -> None:
         # kopf owns the finalizer: the delete handler returning (instead of asking to retry) removes it.

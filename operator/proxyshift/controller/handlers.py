@@ -84,8 +84,11 @@ def _waker(name: str) -> Iterator[asyncio.Event]:
 # ---- login and settings ----
 
 
+KUBE_CONTEXT: str | None = None  # `proxyshift operator --context`; None: the kubeconfig's current context
+
+
 def in_cluster() -> bool:
-    return bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and not os.environ.get("KUBECONFIG")
+    return bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and not os.environ.get("KUBECONFIG") and not KUBE_CONTEXT
 
 
 def load_client_config() -> None:
@@ -93,7 +96,25 @@ def load_client_config() -> None:
     if in_cluster():
         kubernetes.config.load_incluster_config()
     else:
-        kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
+        kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG"), context=KUBE_CONTEXT)
+
+
+def login_with_context(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
+    """kopf's own kubeconfig login reads only the current context; with --context, log in as the client does.
+
+    The fields are those kopf.login_via_client takes from the client's configuration, which we loaded for
+    the named context (login_via_client itself would load the current one again).
+    """
+    config = kubernetes.client.Configuration.get_default_copy()
+    header = config.get_api_key_with_prefix("BearerToken") or config.get_api_key_with_prefix("authorization")
+    scheme, _, token = (header or "").rpartition(" ")
+    return kopf.ConnectionInfo(
+        server=config.host, ca_path=config.ssl_ca_cert, insecure=not config.verify_ssl,
+        username=config.username or None, password=config.password or None,
+        scheme=scheme or None, token=token or None,
+        certificate_path=config.cert_file, private_key_path=config.key_file,
+        trust_env=settings.networking.trust_env,
+    )
 
 
 @kopf.on.login()
@@ -107,6 +128,8 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     load_client_config()
     if in_cluster():
         return kopf.login_via_client(**kwargs)
+    if KUBE_CONTEXT:
+        return login_with_context(kwargs["settings"])
     return kopf.login_with_kubeconfig(**kwargs)
 
 
@@ -175,6 +198,7 @@ def _on_pod(_: Mirror, key: str, old: Any, new: Any) -> None:
 
 
 def _on_proxynode(_: Mirror, name: str, old: ProxyNode | None, new: ProxyNode | None) -> None:
+    metrics.record_proxynode(name, new, _state.get("baseline_mode"))
     policies = {pn.spec.policy for pn in (old, new) if pn is not None and pn.spec.policy}
     if not policies:
         wake()  # a ProxyNode no policy holds may be the one a policy waits to take
@@ -289,8 +313,20 @@ def _is_baseline(name: str, namespace: str, **_: Any) -> bool:
 @kopf.index("", "v1", "configmaps", when=_is_baseline)
 async def baseline_configmap_index(name: str, body: kopf.Body, **_: Any) -> dict[str, dict[str, Any]]:
     wake()
-    return {"body": {"metadata": {"name": name, "namespace": CONFIG.kube_proxy_namespace},
-                     "data": dict(body.get("data") or {})}}
+    configmap = {"metadata": {"name": name, "namespace": CONFIG.kube_proxy_namespace},
+                 "data": dict(body.get("data") or {})}
+    _baseline_changed(baseline_mode(configmap))
+    return {"body": configmap}
+
+
+def _baseline_changed(mode: str) -> None:
+    """ProxyNodes no policy holds should run the baseline's mode: their mode series follow it."""
+    if _state.get("baseline_mode") == mode:
+        return
+    _state["baseline_mode"] = mode
+    proxynodes = _mirrors.get("proxynodes")
+    for name, pn in list(proxynodes.items.items()) if proxynodes is not None else ():
+        metrics.record_proxynode(name, pn, mode)
 
 
 @kopf.index("apps", "v1", "daemonsets", when=_is_baseline)
@@ -444,10 +480,21 @@ async def _pause(name: str, event: asyncio.Event, delay: float) -> None:
         await asyncio.wait_for(event.wait(), timeout=max(0.0, delay - batch))
 
 
+@contextlib.contextmanager
+def _exported(name: str) -> Iterator[None]:
+    """The policy's gauges live as long as this replica's loop for it: kopf stops the daemon when the
+    policy is deleted (the delete handler steps and exports from then on) and when peering pauses
+    this replica, whose last values would otherwise outlive what the active peer reports."""
+    try:
+        yield
+    finally:
+        metrics.forget_policy(name)
+
+
 @kopf.daemon(GROUP, VERSION, "proxypolicies", cancellation_timeout=10)
 async def rollout(name: str, stopped: kopf.DaemonStopped, logger: kopf.Logger, **kwargs: Any) -> None:
     indexes = _indexes(kwargs)
-    with _waker(name) as event:
+    with _waker(name) as event, _exported(name):
         while not stopped:
             event.clear()
             delay = CONFIG.idle_requeue_seconds

@@ -17,6 +17,7 @@ from proxyshift.controller.settings import CONFIG
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="proxyshift operator", description="Run the proxyshift operator.")
     parser.add_argument("--kubeconfig", help="kubeconfig to use (default: in-cluster, else $KUBECONFIG)")
+    parser.add_argument("--context", help="the kubeconfig context to use (default: its current one)")
     parser.add_argument("--standalone", action="store_true",
                         help="no peering (one replica only; use for the local demo)")
     parser.add_argument("--peering", default=CONFIG.peering_name, help="ClusterKopfPeering name for HA")
@@ -38,7 +39,9 @@ def main(argv: Sequence[str]) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.metrics_port:
         start_http_server(args.metrics_port)
-    from proxyshift.controller import handlers  # noqa: F401  (registers the handlers with kopf)
+    from proxyshift.controller import handlers  # registers the handlers with kopf
+
+    handlers.KUBE_CONTEXT = args.context
 
     asyncio.run(kopf.operator(
         clusterwide=True,

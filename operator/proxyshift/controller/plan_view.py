@@ -8,6 +8,9 @@ kube-proxy deletes them) and whether the policy accepts that. Then the compatibi
 per mode the selected nodes run now, every behaviour the target mode changes for
 this cluster's Services (read from Services and EndpointSlices) and the setting
 that keeps today's behaviour.
+
+`-o json|yaml` prints the same as a PlanReport (planner/reports.py, docs/cli.md). Exit code: 0 when no
+node is predicted to fail preflight, 1 when one is, 2 for a bad manifest or a cluster that cannot be used.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ from proxyshift.api.kubeproxy import KubeProxyConfiguration
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.api.proxynode import ProxyNode
 from proxyshift.api.requirements import FOREIGN_IPVS_CHANGE, NFTABLES_DELETES_IPVS
+from proxyshift.controller.cliargs import add_cluster_flags, add_output_flag, cluster_errors, load_api
 from proxyshift.controller.settings import CONFIG
 from proxyshift.controller.snapshot import current_revisions, node_view, revision_view
-from proxyshift.controller.status_view import load_api
 from proxyshift.manifest import UsageError, read_manifest
 from proxyshift.planner.advice import advise
 from proxyshift.planner.compat import CompatFinding
@@ -39,6 +42,7 @@ from proxyshift.planner.preview import (
     foreign_ipvs_nodes,
     preview,
 )
+from proxyshift.planner.reports import conflicting_nodes, dump, plan_report, preflight_verdict
 from proxyshift.planner.services import EndpointView, ServiceView, endpoints_from_slice, service_view_from_k8s
 from proxyshift.planner.world import World
 from proxyshift.render import LABEL_MANAGED_BY, MANAGED_BY
@@ -90,7 +94,7 @@ def read_world(policy: ProxyPolicy) -> World:
     ds = client.sanitize_for_serialization(apps.read_namespaced_daemon_set(CONFIG.baseline_daemonset, ns))
     targets, errors = current_revisions(policies, cm, ds)
     if policy.name in errors:
-        raise SystemExit(errors[policy.name])
+        raise UsageError(f"policy {policy.name}: {errors[policy.name]}")
     return World(now=datetime.now(UTC), policies=policies, nodes=nodes, proxynodes=proxynodes,
                  revisions=revisions, kube_proxy_pods={}, current_revisions=targets)
 
@@ -106,18 +110,15 @@ def render_preview(policy: ProxyPolicy, world: World) -> str:
         pause = f", then pause {stage.pause}" if stage.pause else ""
         lines.append(f"stage {stage.stage}: up to {stage.target} nodes updated{pause}")
         for name in stage.nodes:
-            problems = stage.preflight_failures.get(name)
-            if not problems:
-                verdict = "; ".join(["ok", *stage.preflight_notes.get(name, [])])
-            elif all(p.startswith("no inventory yet") for p in problems):
-                verdict = "preflight unknown: " + "; ".join(problems)
-            else:
-                verdict = "WILL FAIL PREFLIGHT: " + "; ".join(problems)
+            problems = stage.preflight_failures.get(name, [])
+            verdict = {"ok": "ok", "unknown": "preflight unknown: ", "fail": "WILL FAIL PREFLIGHT: "}[
+                preflight_verdict(problems)] + "; ".join(problems)
+            if not problems and stage.preflight_notes.get(name):
+                verdict = "; ".join([verdict, *stage.preflight_notes[name]])
             lines.append(f"  {name:<30} {world.nodes[name].revision or 'baseline':<28} {verdict}")
-    conflicts = [n for n, pn in world.proxynodes.items() if pn.spec.policy not in (None, policy.name)
-                 and policy.spec.node_selector.matches(world.nodes.get(n).labels if n in world.nodes else {})]
+    conflicts = conflicting_nodes(policy, world)
     if conflicts:
-        lines.append(f"owned by other policies (untouched unless those are newer): {', '.join(sorted(conflicts)[:20])}")
+        lines.append(f"owned by other policies (untouched unless those are newer): {', '.join(conflicts[:20])}")
     lines += render_foreign_ipvs(foreign_ipvs_nodes(world, policy.name))
     return "\n".join(lines)
 
@@ -224,27 +225,44 @@ def read_configs(world: World) -> dict[str, KubeProxyConfiguration | None]:
     return configs
 
 
-def compat_report(policy: ProxyPolicy, world: World, services: Sequence[ServiceView],
-                  endpoints: Sequence[EndpointView], configs: dict[str, KubeProxyConfiguration | None]) -> str:
+def compat_groups(policy: ProxyPolicy, world: World, services: Sequence[ServiceView],
+                  endpoints: Sequence[EndpointView],
+                  configs: dict[str, KubeProxyConfiguration | None]) -> list[CompatGroup]:
     baseline = configs.get(BASELINE_SOURCE)
     to_config = render_config(policy.spec, baseline) if baseline is not None else None
-    return render_compat(policy, compat_preview(world, policy.name, configs, to_config, services, endpoints))
+    return compat_preview(world, policy.name, configs, to_config, services, endpoints)
+
+
+def compat_report(policy: ProxyPolicy, world: World, services: Sequence[ServiceView],
+                  endpoints: Sequence[EndpointView], configs: dict[str, KubeProxyConfiguration | None]) -> str:
+    return render_compat(policy, compat_groups(policy, world, services, endpoints, configs))
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="proxyshift plan", description="Show what a policy would do.")
+    parser.add_argument("-f", "--filename", required=True, help="ProxyPolicy manifest ('-' for stdin)")
+    add_cluster_flags(parser)
+    add_output_flag(parser)
+    return parser.parse_args(list(argv))
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="proxyshift plan", description="Show what a policy would do.")
-    parser.add_argument("-f", "--filename", required=True, help="ProxyPolicy manifest ('-' for stdin)")
-    parser.add_argument("--kubeconfig")
-    args = parser.parse_args(list(argv))
+    args = parse_args(argv)
     policy = read_policy(args.filename)
-    load_api(args.kubeconfig)
-    world = read_world(policy)
-    print(render_preview(policy, world))
-    services, endpoints = read_services()
-    print(compat_report(policy, world, services, endpoints, read_configs(world)))
+    load_api(args.kubeconfig, args.context)
+    with cluster_errors():
+        world = read_world(policy)
+        services, endpoints = read_services()
+        configs = read_configs(world)
+    groups = compat_groups(policy, world, services, endpoints, configs)
     # (Services, endpoints): what a full kube-proxy sync has to write.
     tip = advise(len(services), len(endpoints), world.baseline_mode)
+    report = plan_report(policy, world, preview(world, policy.name), groups, tip, gated=_GATED)
+    if args.output != "table":
+        print(dump(report, args.output))
+        return report.exit_code
+    print(render_preview(policy, world))
+    print(render_compat(policy, groups))
     if tip:
         print(f"advice: {tip}")
-    return 0
-
+    return report.exit_code

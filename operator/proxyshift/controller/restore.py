@@ -15,23 +15,24 @@ from collections.abc import Sequence
 
 import kubernetes
 
+from proxyshift.controller.cliargs import add_cluster_flags, cluster_errors, load_api
 from proxyshift.controller.executor import Executor
 from proxyshift.controller.kube import ClusterAPI
-from proxyshift.controller.status_view import load_api
 from proxyshift.planner.world import REVISION_LABEL
 
 
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="proxyshift restore-baseline", description=__doc__.splitlines()[0])
-    parser.add_argument("--kubeconfig")
+    add_cluster_flags(parser)
     args = parser.parse_args(list(argv))
-    load_api(args.kubeconfig)
-    labelled = kubernetes.client.CoreV1Api().list_node(label_selector=REVISION_LABEL).items
-    if labelled:
-        names = ", ".join(n.metadata.name for n in labelled[:10])
-        print(f"refusing: {len(labelled)} nodes still run a proxyshift revision ({names}); delete the policies "
-              "(deletionPolicy: Revert) first", file=sys.stderr)
-        return 1
-    Executor(ClusterAPI()).undo_baseline_affinity()
+    load_api(args.kubeconfig, args.context)
+    with cluster_errors():
+        labelled = kubernetes.client.CoreV1Api().list_node(label_selector=REVISION_LABEL).items
+        if labelled:
+            names = ", ".join(n.metadata.name for n in labelled[:10])
+            print(f"refusing: {len(labelled)} nodes still run a proxyshift revision ({names}); delete the policies "
+                  "(deletionPolicy: Revert) first", file=sys.stderr)
+            return 1  # not ready for it yet: the same code as any command's "not ready"
+        Executor(ClusterAPI()).undo_baseline_affinity()
     print("baseline kube-proxy DaemonSet restored")
     return 0

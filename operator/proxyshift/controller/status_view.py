@@ -1,9 +1,12 @@
-"""`proxyshift status [POLICY] [--watch]`: the rollout as a person wants to see it."""
+"""`proxyshift status [POLICY] [--watch] [-o json|yaml]`: the rollout as a person (or a script) wants to see it.
+
+Exit code (docs/cli.md): 0 when every policy shown is Ready, 1 when one is not (or --until-done ended
+Degraded or timed out), 2 for bad input, an unknown policy or a cluster that cannot be used.
+"""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -16,23 +19,13 @@ from pydantic import ValidationError
 
 from proxyshift.api.common import API_GROUP, API_VERSION
 from proxyshift.api.diagnostics import NodeDistribution
+from proxyshift.controller.cliargs import add_cluster_flags, add_output_flag, cluster_errors, load_api
 from proxyshift.manifest import UsageError
 from proxyshift.planner.diagnosis import distribution_lines
+from proxyshift.planner.reports import EXIT_NOT_READY, EXIT_OK, StatusReport, dump, status_report
 from proxyshift.planner.services import EndpointView, ServiceView, endpoints_from_slice, service_view_from_k8s
 
 TERMINAL_PHASES = {"Ready", "Degraded"}
-
-
-def load_api(kubeconfig: str | None) -> kubernetes.client.CustomObjectsApi:
-    try:
-        if kubeconfig or os.environ.get("KUBECONFIG") or not os.environ.get("KUBERNETES_SERVICE_HOST"):
-            kubernetes.config.load_kube_config(config_file=kubeconfig)
-        else:
-            kubernetes.config.load_incluster_config()
-    except (kubernetes.config.ConfigException, OSError, ValueError) as exc:
-        where = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
-        raise UsageError(f"cannot load the cluster's kubeconfig ({where}): {' '.join(str(exc).split())}") from None
-    return kubernetes.client.CustomObjectsApi()
 
 
 def age(stamp: str | None, now: datetime) -> str:
@@ -97,16 +90,28 @@ def render_policy(policy: dict[str, Any], proxynodes: list[dict[str, Any]], now:
     return "\n".join(lines)
 
 
-def snapshot(api: kubernetes.client.CustomObjectsApi, policy: str | None) -> tuple[str, str | None]:
-    now = datetime.now(UTC)
+def read(api: kubernetes.client.CustomObjectsApi, policy: str | None) -> tuple[list[dict[str, Any]],
+                                                                          list[dict[str, Any]] | None]:
+    """The policies to show (all, or the one named) and, for one policy, every ProxyNode."""
     if policy is None:
-        items = api.list_cluster_custom_object(API_GROUP, API_VERSION, "proxypolicies")["items"]
-        return render_policies(items) if items else "no ProxyPolicies", None
-    body = api.get_cluster_custom_object(API_GROUP, API_VERSION, "proxypolicies", policy)
-    nodes = api.list_cluster_custom_object(API_GROUP, API_VERSION, "proxynodes")["items"]
-    text = render_policy(body, nodes, now)
+        return api.list_cluster_custom_object(API_GROUP, API_VERSION, "proxypolicies")["items"], None
+    try:
+        body = api.get_cluster_custom_object(API_GROUP, API_VERSION, "proxypolicies", policy)
+    except ApiException as exc:
+        if exc.status == 404:
+            raise UsageError(f"ProxyPolicy {policy!r} not found") from None
+        raise
+    return [body], api.list_cluster_custom_object(API_GROUP, API_VERSION, "proxynodes")["items"]
+
+
+def render_table(api: kubernetes.client.CustomObjectsApi, policy: str | None) -> tuple[str, StatusReport]:
+    policies, nodes = read(api, policy)
+    report = status_report(policies, nodes)
+    if nodes is None:
+        return (render_policies(policies) if policies else "no ProxyPolicies"), report
+    text = render_policy(policies[0], nodes, datetime.now(UTC))
     lines = distribution_section([n for n in nodes if (n.get("spec") or {}).get("policy") == policy])
-    return text + ("\n\n" + "\n".join(lines) if lines else ""), (body.get("status") or {}).get("phase")
+    return text + ("\n\n" + "\n".join(lines) if lines else ""), report
 
 
 MAX_DISTRIBUTION_NODES = 10  # status shows the move's effect on the first nodes that recorded it
@@ -155,34 +160,49 @@ def _read_services(keys: list[str]) -> tuple[dict[str, ServiceView], dict[str, l
     return services, endpoints
 
 
-def main(argv: Sequence[str]) -> int:
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="proxyshift status", description="Show a policy's rollout.")
     parser.add_argument("policy", nargs="?", help="ProxyPolicy name (default: list all)")
-    parser.add_argument("--kubeconfig")
-    parser.add_argument("-w", "--watch", action="store_true", help="redraw every second")
+    add_cluster_flags(parser)
+    add_output_flag(parser)
+    parser.add_argument("-w", "--watch", action="store_true",
+                        help="redraw every interval (with -o json|yaml: print each changed report)")
     parser.add_argument("--until-done", action="store_true",
                         help="with --watch: exit when the policy is Ready (0) or Degraded (1)")
     parser.add_argument("--interval", type=float, default=1.0)
-    parser.add_argument("--timeout", type=float, default=0, help="with --until-done: give up after N s")
-    args = parser.parse_args(list(argv))
-    api = load_api(args.kubeconfig)
+    parser.add_argument("--timeout", type=float, default=0,
+                        help="with --until-done: give up after N s (exit 1)")
+    return parser.parse_args(list(argv))
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    api = load_api(args.kubeconfig, args.context)
     started = time.monotonic()
+    last = None
     while True:
-        try:
-            text, phase = snapshot(api, args.policy)
-        except ApiException as exc:
-            if exc.status == 404:
-                print(f"ProxyPolicy {args.policy!r} not found", file=sys.stderr)
-                return 1
-            raise
-        if args.watch and sys.stdout.isatty():
-            sys.stdout.write("\x1b[H\x1b[2J")
-        print(text + ("\n" if args.watch else ""), flush=True)
+        with cluster_errors():
+            if args.output == "table":
+                text, report = render_table(api, args.policy)
+            else:
+                policies, nodes = read(api, args.policy)
+                report = status_report(policies, nodes)
+                text = dump(report, args.output)
+        phase = report.policies[0].phase if args.policy is not None and report.policies else None
+        if args.output != "table":
+            if text != last:
+                # A watch prints a stream of documents; YAML needs the separator to stay one stream.
+                print(("---\n" if args.watch and args.output == "yaml" else "") + text, flush=True)
+            last = text
+        else:
+            if args.watch and sys.stdout.isatty():
+                sys.stdout.write("\x1b[H\x1b[2J")
+            print(text + ("\n" if args.watch else ""), flush=True)
         if not args.watch:
-            return 0
+            return report.exit_code
         if args.until_done and phase in TERMINAL_PHASES:
-            return 0 if phase == "Ready" else 1
+            return EXIT_OK if phase == "Ready" else EXIT_NOT_READY
         if args.timeout and time.monotonic() - started > args.timeout:
             print(f"timed out after {args.timeout:g}s in phase {phase}", file=sys.stderr)
-            return 2
+            return EXIT_NOT_READY
         time.sleep(args.interval)

@@ -16,6 +16,8 @@ The operator deletes a revision itself once no node uses it.
 from __future__ import annotations
 
 import copy
+import functools
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,7 +163,7 @@ def render_revision(
     cm_name, ds_name = revision_object_names(revision)
     labels = revision_labels(policy_name, revision)
     config_dict = config.to_dict()
-    config_yaml = yaml.safe_dump(config_dict, sort_keys=True, default_flow_style=False, allow_unicode=True)
+    config_yaml = config_text(json.dumps(config_dict, sort_keys=True))
     baseline_cm_name = (baseline_configmap.get("metadata") or {}).get("name", "kube-proxy")
     configmap = render_configmap(baseline_configmap, cm_name, labels, hash_, config_yaml)
     daemonset = render_daemonset(baseline_daemonset, baseline_cm_name, ds_name, cm_name, labels, hash_)
@@ -175,3 +177,10 @@ def render_revision(
         daemonset=daemonset,
         config=config_dict,
     )
+
+
+@functools.lru_cache(maxsize=256)
+def config_text(canonical: str) -> str:
+    """The ConfigMap's config.conf for a rendered config (given as canonical JSON, so it can be a cache
+    key): every step renders every policy, and the same config always dumps to the same text."""
+    return yaml.safe_dump(json.loads(canonical), sort_keys=True, default_flow_style=False, allow_unicode=True)
