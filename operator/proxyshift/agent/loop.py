@@ -41,7 +41,14 @@ from proxyshift.agent import probe as probe_mod
 from proxyshift.agent.ownership import MODES
 from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams, ConntrackParams, ConntrackReport
 from proxyshift.api.common import API_GROUP, API_VERSION
-from proxyshift.api.proxynode import KubeProxyFacts, Operation, OperationStatus, ProxyNodeSpec, clip_status
+from proxyshift.api.proxynode import (
+    KubeProxyFacts,
+    Operation,
+    OperationStatus,
+    PreflightParams,
+    ProxyNodeSpec,
+    clip_status,
+)
 from proxyshift.commands import CommandError, run
 
 log = logging.getLogger("proxyshift.agent")
@@ -303,6 +310,7 @@ class Agent:
             "objects": [o.to_k8s() for o in inventory_mod.mode_objects(self.inventory, mode)],
             "leftovers": inventory_mod.leftovers(self.inventory, mode),
             "leftoverObjects": inventory_mod.leftover_objects(self.inventory, mode),
+            "foreignIPVS": inventory_mod.foreign_ipvs(self.inventory).to_k8s(),
         }
 
     def write(self, status: dict[str, Any]) -> None:
@@ -407,20 +415,20 @@ class Agent:
                                started_at=started, finished_at=now_rfc3339(self.clock), details=details or {})
 
     def _run_preflight(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
-        p = op.params
-        mode = str(p.get("mode") or "")
-        behaviour = self._behaviour_params(op)
+        p = PreflightParams.model_validate(op.params)
+        behaviour = p.behaviour
         # The matrix only reads (dials and conntrack look-ups), so it is taken while the preflight checks
         # the kernel and tools instead of after: the two cost about the same, and this is per node.
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="behaviour-before") as pool:
             pending = pool.submit(self._take_behaviour, op, behaviour) if behaviour is not None else None
-            report = self._preflight(mode, scheduler=p.get("scheduler") or None,
-                                     load_modules=bool(p.get("loadModules")),
-                                     extra_modules=self._str_list(op, "extraModules"))
+            report = self._preflight(p.mode, scheduler=p.scheduler or None, load_modules=p.load_modules,
+                                     extra_modules=p.extra_modules, allow_changes=p.allow_changes)
             matrix = pending.result() if pending is not None else None
         self._node_facts = None if report.loaded else self._node_facts
         extra = {"kernelRelease": report.kernel_release, "modules": report.present_modules(),
                  "tools": report.tools.as_status()}
+        if report.foreign_ipvs is not None:
+            extra["foreignIPVS"] = report.foreign_ipvs.to_k8s()
         message, details = report.message(), report.details()
         if report.ok and matrix is not None:
             # The "before" of this migration; an "after" of an earlier one means nothing any more.
