@@ -229,16 +229,10 @@ class Agent:
     diagnostics_readers: diagnostics_mod.Readers | None = None
     _diagnosed: str | None = None
     # What /healthz, /readyz and the heartbeat age read (agent/metrics.py); on the agent's clock.
-    health: metrics_mod.Health | None = None
+    health: metrics_mod.Health = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.health is None:
-            self.health = metrics_mod.Health(self.clock, self.cfg.stale_seconds)
-
-    @property
-    def _health(self) -> metrics_mod.Health:
-        assert self.health is not None
-        return self.health
+        self.health = metrics_mod.Health(self.clock, self.cfg.stale_seconds)
 
     # ---- node facts ----
 
@@ -339,7 +333,7 @@ class Agent:
             metrics_mod.record_error("status_write")
             raise
         self._last_status = self.clock()
-        metrics_mod.record_status_write(self._health)
+        metrics_mod.record_status_write(self.health)
 
     # ---- operations ----
 
@@ -604,7 +598,7 @@ class Agent:
         latest: dict[str, Any] | None = None
         pending = False
         while not stop.is_set():
-            self._health.loop_turned()
+            self.health.loop_turned()
             with contextlib.suppress(queue.Empty):
                 latest, pending = events.get(timeout=1.0), True
             try:
@@ -633,7 +627,7 @@ class Agent:
             try:
                 if rv is None:
                     obj = self.api.get(self.cfg.node)
-                    self._health.contact()  # a 404 is an answer too: the operator has not created it yet
+                    self.health.contact()  # a 404 is an answer too: the operator has not created it yet
                     if obj is None:
                         if started - said_missing > 300:  # say it now and then, not every poll
                             log.info("ProxyNode %s does not exist yet; waiting for the operator", self.cfg.node)
@@ -645,14 +639,14 @@ class Agent:
                 for kind, item in self.api.watch(self.cfg.node, rv, self.cfg.watch_timeout):
                     if stop.is_set():
                         return
-                    self._health.contact()
+                    self.health.contact()
                     if kind in ("ADDED", "MODIFIED"):
                         rv = (item.get("metadata") or {}).get("resourceVersion") or rv
                         events.put(item)
                     elif kind in ("DELETED", "ERROR"):
                         rv = None  # gone, or the version expired (410): start from a fresh GET
                         break
-                self._health.contact()  # the watch ran to its timeout: the API server kept it open
+                self.health.contact()  # the watch ran to its timeout: the API server kept it open
                 backoff = 1.0
                 if time.monotonic() - started < 1.0:
                     stop.wait(1.0)  # a server that ends watches at once must not make this spin
@@ -752,7 +746,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     log.info("agent for node %s: kube-proxy metrics %s, health %s", cfg.node, cfg.metrics_address,
              cfg.health_address)
-    server = metrics_mod.serve(cfg.listen, agent._health) if cfg.listen else None
+    server = metrics_mod.serve(cfg.listen, agent.health) if cfg.listen else None
     try:
         agent.run(stop)
     finally:
