@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from proxyshift.agent.inventory import Inventory
 from proxyshift.agent.preflight import ToolVersions, check, detect_tools, parse_kernel_release, parse_version
 from proxyshift.commands import Result, ToolMissingError
 
@@ -18,6 +19,8 @@ GOOD_TOOLS = ToolVersions(nft="1.0.9", iptables="1.8.10", iptables_backend="nf_t
 
 def kernel(name: str, mode: str, scheduler: str | None = None, **kw):
     kw.setdefault("tools", GOOD_TOOLS)
+    # The fixture kernels with /proc/net/ip_vs hold no virtual server; never the host's ipvsadm.
+    kw.setdefault("ipvs_inventory", lambda: Inventory(ipvs_available=True))
     return check(mode, scheduler, proc_root=FIX / "proc" / name, sys_root=FIX / "sys" / name,
                  modules_root=FIX / "sys" / name / "lib-modules", **kw)
 

@@ -2,6 +2,10 @@
 
 Read-only: iptables-save per family/backend, `nft -j list tables`, `ipvsadm -Sn`
 (only when the kernel has IPVS), `ip -j addr show dev kube-ipvs0`, `ipset save`.
+IPVS virtual servers are split into kube-proxy's and foreign ones (a user's,
+keepalived's) by the flush's own decision (flush/ipvs.py select_owned): the
+foreign ones are never kube-proxy's objects, but an nftables kube-proxy deletes
+them at every start, so they are reported apart (status.foreignIPVS).
 A chain used by both iptables and ipvs mode (KUBE-SERVICES, ...) is counted
 for the mode that runs or that left other traces, and is never a leftover
 while kube-proxy runs in one of the two.
@@ -20,12 +24,13 @@ from proxyshift.agent.flush.ipvs import (
     parse_ip_addr_json,
     parse_ipset_save,
     parse_ipvsadm_save,
+    select_foreign,
     select_owned,
 )
 from proxyshift.agent.flush.nftables import parse_tables
 from proxyshift.agent.iptables_save import parse
 from proxyshift.agent.ownership import IPVS_DUMMY_INTERFACE, MODES, NFT_TABLES, Mode, iptables_chain_modes
-from proxyshift.api.proxynode import ModeObjects
+from proxyshift.api.proxynode import MAX_FOREIGN_VIRTUAL_SERVERS, ForeignIPVS, ModeObjects
 from proxyshift.commands import CommandError, ToolMissingError, run
 
 
@@ -44,6 +49,7 @@ class Inventory:
     ipvs_available: bool = False
     virtual_servers: list[VirtualServer] = field(default_factory=list)
     kube_virtual_servers: list[VirtualServer] = field(default_factory=list)
+    foreign_virtual_servers: list[VirtualServer] = field(default_factory=list)
     dummy_interface: bool = False
     ipsets: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -151,9 +157,18 @@ def _ipvs(inv: Inventory, runner: Runner, proc_root: Path) -> None:
         try:
             inv.virtual_servers = parse_ipvsadm_save(runner(["ipvsadm", "-Sn"], timeout=60).stdout)
             local = set(parse_ip_addr_json(runner(["ip", "-j", "addr", "show"], timeout=10).stdout))
-            inv.kube_virtual_servers = select_owned(inv.virtual_servers, dummy_addrs, ipsets, local - dummy_addrs)
+            node_addrs = local - dummy_addrs
+            inv.kube_virtual_servers = select_owned(inv.virtual_servers, dummy_addrs, ipsets, node_addrs)
+            inv.foreign_virtual_servers = select_foreign(inv.virtual_servers, dummy_addrs, ipsets, node_addrs)
         except (CommandError, ValueError) as exc:
             inv.errors.append(f"ipvsadm: {exc}")
+
+
+def take_ipvs_inventory(*, runner: Runner = run, proc_root: Path = Path("/proc")) -> Inventory:
+    """Only the IPVS part (virtual servers, kube-ipvs0, ipsets): what preflight for nftables needs."""
+    inv = Inventory()
+    _ipvs(inv, runner, proc_root)
+    return inv
 
 
 def take_inventory(*, runner: Runner = run, iptables_tools: list[IptablesTool] | None = None,
@@ -184,3 +199,9 @@ def leftovers(inv: Inventory, observed_mode: str | None) -> list[Mode]:
 def leftover_objects(inv: Inventory, observed_mode: str | None) -> int:
     """How many stale objects the `leftovers` modes still have: the count `kubectl get proxynodes` shows."""
     return sum(inv.count(m, observed=observed_mode, stale_only=True) for m in leftovers(inv, observed_mode))
+
+
+def foreign_ipvs(inv: Inventory) -> ForeignIPVS:
+    """The status `foreignIPVS`: the IPVS virtual servers here that are not kube-proxy's, bounded."""
+    names = [vs.describe() for vs in inv.foreign_virtual_servers]
+    return ForeignIPVS(count=len(names), virtual_servers=names[:MAX_FOREIGN_VIRTUAL_SERVERS])

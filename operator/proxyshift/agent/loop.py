@@ -36,12 +36,20 @@ from proxyshift.agent import diagnostics as diagnostics_mod
 from proxyshift.agent import flush as flush_mod
 from proxyshift.agent import hold as hold_mod
 from proxyshift.agent import inventory as inventory_mod
+from proxyshift.agent import metrics as metrics_mod
 from proxyshift.agent import preflight as preflight_mod
 from proxyshift.agent import probe as probe_mod
 from proxyshift.agent.ownership import MODES
 from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams, ConntrackParams, ConntrackReport
 from proxyshift.api.common import API_GROUP, API_VERSION
-from proxyshift.api.proxynode import KubeProxyFacts, Operation, OperationStatus, ProxyNodeSpec, clip_status
+from proxyshift.api.proxynode import (
+    KubeProxyFacts,
+    Operation,
+    OperationStatus,
+    PreflightParams,
+    ProxyNodeSpec,
+    clip_status,
+)
 from proxyshift.commands import CommandError, run
 
 log = logging.getLogger("proxyshift.agent")
@@ -191,6 +199,8 @@ class AgentConfig:
     modules_root: Path = Path("/lib/modules")
     kubeconfig: str | None = None  # None: in-cluster, else $KUBECONFIG / ~/.kube/config
     context: str | None = None
+    listen: str = metrics_mod.DEFAULT_LISTEN  # the agent's own /metrics, /healthz, /readyz; "" serves none
+    stale_seconds: float = metrics_mod.DEFAULT_STALE_SECONDS
 
 
 @dataclass
@@ -225,13 +235,24 @@ class Agent:
     # spec.diagnose (proxyshift diagnose): the node's tools as a seam, and the last id answered.
     diagnostics_readers: diagnostics_mod.Readers | None = None
     _diagnosed: str | None = None
+    # What /healthz, /readyz and the heartbeat age read (agent/metrics.py); on the agent's clock.
+    health: metrics_mod.Health = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.health = metrics_mod.Health(self.clock, self.cfg.stale_seconds)
 
     # ---- node facts ----
 
     def _probe(self) -> KubeProxyFacts:
+        began = self.clock()
         if self.probe_fn is not None:
-            return self.probe_fn()
-        return probe_mod.facts_from_probe(probe_mod.probe(self.cfg.metrics_address, self.cfg.health_address))
+            facts = self.probe_fn()
+        else:
+            facts = probe_mod.facts_from_probe(probe_mod.probe(self.cfg.metrics_address, self.cfg.health_address))
+        metrics_mod.PROBE_SECONDS.observe(max(self.clock() - began, 0.0))
+        if facts.error:
+            metrics_mod.record_error("kube_proxy_probe")
+        return facts
 
     def _inventory(self) -> inventory_mod.Inventory:
         if self.inventory_fn is not None:
@@ -239,9 +260,13 @@ class Agent:
         return inventory_mod.take_inventory(proc_root=self.cfg.proc_root)
 
     def _flush(self, remove: list[str], target: str | None) -> flush_mod.FlushReport:
-        if self.flush_fn is not None:
-            return self.flush_fn(remove, target)
-        return flush_mod.flush(remove, target, proc_root=self.cfg.proc_root)
+        began = self.clock()
+        try:
+            if self.flush_fn is not None:
+                return self.flush_fn(remove, target)
+            return flush_mod.flush(remove, target, proc_root=self.cfg.proc_root)
+        finally:
+            metrics_mod.FLUSH_SECONDS.observe(max(self.clock() - began, 0.0))
 
     def _install_hold(self, from_mode: str) -> hold_mod.HoldReport:
         return self.hold_fn(from_mode) if self.hold_fn is not None else hold_mod.install(from_mode)
@@ -303,14 +328,20 @@ class Agent:
             "objects": [o.to_k8s() for o in inventory_mod.mode_objects(self.inventory, mode)],
             "leftovers": inventory_mod.leftovers(self.inventory, mode),
             "leftoverObjects": inventory_mod.leftover_objects(self.inventory, mode),
+            "foreignIPVS": inventory_mod.foreign_ipvs(self.inventory).to_k8s(),
         }
 
     def write(self, status: dict[str, Any]) -> None:
         from proxyshift import __version__
 
         status = {**status, "heartbeat": now_rfc3339(self.clock), "agentVersion": __version__}
-        self.api.patch_status(self.cfg.node, clip_status(status))
+        try:
+            self.api.patch_status(self.cfg.node, clip_status(status))
+        except Exception:
+            metrics_mod.record_error("status_write")
+            raise
         self._last_status = self.clock()
+        metrics_mod.record_status_write(self.health)
 
     # ---- operations ----
 
@@ -340,7 +371,7 @@ class Agent:
         """Record the operation Running, run it (and the diagnose request `beside` it), report both at once."""
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="diagnose") as pool:
             answer = pool.submit(self._diagnose_answer, beside) if beside is not None else None
-            started = now_rfc3339(self.clock)
+            started, began = now_rfc3339(self.clock), self.clock()
             # Recorded before anything is done: if this write fails nothing has run, and the
             # next event tries again; once it succeeded the id is never run again by us.
             self.write({"lastOperation": operation_patch(OperationStatus(
@@ -356,7 +387,7 @@ class Agent:
                 except Exception:  # the operation's report must go out; the request is served next event
                     log.exception("diagnose %s beside operation %s failed", beside and beside.get("id"), op.id)
         log.info("operation %s %s: %s", op.id, result.state, result.message)
-        self._send_result({**extra, "lastOperation": operation_patch(result)})
+        self._send_result(result, extra, began)
         if answered and beside is not None:
             self._diagnosed = beside["id"]
 
@@ -383,9 +414,15 @@ class Agent:
         log.info("diagnose %s answered in %.3f s (%s mode)", body["id"], self.clock() - began, mode or "no")
         return patch
 
-    def _send_result(self, status: dict[str, Any]) -> None:
-        self._unsent = status
-        self.write(status)
+    def _send_result(self, result: OperationStatus, extra: dict[str, Any], began: float) -> None:
+        """Report a finished operation (counted here, once, whether or not the first write goes through)."""
+        metrics_mod.record_operation(result.type, result.state, self.clock() - began)
+        self._unsent = {**extra, "lastOperation": operation_patch(result)}
+        self._send_unsent()
+
+    def _send_unsent(self) -> None:
+        assert self._unsent is not None
+        self.write(self._unsent)
         self._unsent = None
 
     def _execute(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
@@ -399,6 +436,7 @@ class Agent:
             return self._run_probe(op, started)
         except Exception as exc:  # an operation must always end in a report, never a dead agent
             log.exception("operation %s failed", op.id)
+            metrics_mod.record_error("operation")
             return self._done(op, started, False, f"{op.type} failed: {exc.__class__.__name__}: {exc}"), {}
 
     def _done(self, op: Operation, started: str, ok: bool, message: str,
@@ -407,20 +445,20 @@ class Agent:
                                started_at=started, finished_at=now_rfc3339(self.clock), details=details or {})
 
     def _run_preflight(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
-        p = op.params
-        mode = str(p.get("mode") or "")
-        behaviour = self._behaviour_params(op)
+        p = PreflightParams.model_validate(op.params)
+        behaviour = p.behaviour
         # The matrix only reads (dials and conntrack look-ups), so it is taken while the preflight checks
         # the kernel and tools instead of after: the two cost about the same, and this is per node.
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="behaviour-before") as pool:
             pending = pool.submit(self._take_behaviour, op, behaviour) if behaviour is not None else None
-            report = self._preflight(mode, scheduler=p.get("scheduler") or None,
-                                     load_modules=bool(p.get("loadModules")),
-                                     extra_modules=self._str_list(op, "extraModules"))
+            report = self._preflight(p.mode, scheduler=p.scheduler or None, load_modules=p.load_modules,
+                                     extra_modules=p.extra_modules, allow_changes=p.allow_changes)
             matrix = pending.result() if pending is not None else None
         self._node_facts = None if report.loaded else self._node_facts
         extra = {"kernelRelease": report.kernel_release, "modules": report.present_modules(),
                  "tools": report.tools.as_status()}
+        if report.foreign_ipvs is not None:
+            extra["foreignIPVS"] = report.foreign_ipvs.to_k8s()
         message, details = report.message(), report.details()
         if report.ok and matrix is not None:
             # The "before" of this migration; an "after" of an earlier one means nothing any more.
@@ -517,17 +555,17 @@ class Agent:
     def _recover(self, op: Operation, last: dict[str, Any]) -> None:
         """Our own operation is still Running in the status: a previous agent died during it."""
         log.warning("operation %s (%s) was left Running by a previous agent", op.id, op.type)
-        started = last.get("startedAt") or now_rfc3339(self.clock)
+        started, began = last.get("startedAt") or now_rfc3339(self.clock), self.clock()
         if op.type != "Cleanup":
             # Preflight and Probe change nothing on the node, and a Hold replaces any older hold:
             # simply run them now.
             result, extra = self._execute(op, started)
-            self._send_result({**extra, "lastOperation": operation_patch(result)})
+            self._send_result(result, extra, began)
             return
         try:
             remove, target = self._cleanup_args(op)
         except ValueError as exc:
-            self._send_result({"lastOperation": operation_patch(self._done(op, started, False, str(exc)))})
+            self._send_result(self._done(op, started, False, str(exc)), {}, began)
             return
         extra = self.observe(inventory=True)
         assert self.inventory is not None
@@ -543,7 +581,7 @@ class Agent:
             result = self._done(op, started, False, "the agent restarted during this cleanup and did not re-run it; "
                                 f"still on the node: {what}; request the cleanup again with a new operation id",
                                 {"recovered": True, "remaining": left})
-        self._send_result({**extra, "lastOperation": operation_patch(result)})
+        self._send_result(result, extra, began)
 
     # ---- the loop ----
 
@@ -553,7 +591,7 @@ class Agent:
         if not self.node_seen:
             return
         if self._unsent is not None:
-            self._send_result(self._unsent)
+            self._send_unsent()
         if now - self._last_probe < self.cfg.probe_interval and now - self._last_status < self.cfg.status_interval:
             return
         before = self.facts
@@ -568,6 +606,7 @@ class Agent:
         latest: dict[str, Any] | None = None
         pending = False
         while not stop.is_set():
+            self.health.loop_turned()
             with contextlib.suppress(queue.Empty):
                 latest, pending = events.get(timeout=1.0), True
             try:
@@ -579,6 +618,7 @@ class Agent:
                 self.tick()
             except Exception:  # the API server being away must not kill the agent
                 log.exception("agent step failed; retrying")
+                metrics_mod.record_error("loop")
                 stop.wait(5)
 
     def _watch_loop(self, events: queue.Queue[dict[str, Any]], stop: threading.Event) -> None:
@@ -595,6 +635,7 @@ class Agent:
             try:
                 if rv is None:
                     obj = self.api.get(self.cfg.node)
+                    self.health.contact()  # a 404 is an answer too: the operator has not created it yet
                     if obj is None:
                         if started - said_missing > 300:  # say it now and then, not every poll
                             log.info("ProxyNode %s does not exist yet; waiting for the operator", self.cfg.node)
@@ -606,17 +647,20 @@ class Agent:
                 for kind, item in self.api.watch(self.cfg.node, rv, self.cfg.watch_timeout):
                     if stop.is_set():
                         return
+                    self.health.contact()
                     if kind in ("ADDED", "MODIFIED"):
                         rv = (item.get("metadata") or {}).get("resourceVersion") or rv
                         events.put(item)
                     elif kind in ("DELETED", "ERROR"):
                         rv = None  # gone, or the version expired (410): start from a fresh GET
                         break
+                self.health.contact()  # the watch ran to its timeout: the API server kept it open
                 backoff = 1.0
                 if time.monotonic() - started < 1.0:
                     stop.wait(1.0)  # a server that ends watches at once must not make this spin
             except Exception as exc:
                 log.warning("watching ProxyNode %s: %s", self.cfg.node, exc)
+                metrics_mod.record_error("watch")
                 rv = None
                 stop.wait(backoff)
                 backoff = min(backoff * 2, 30.0)
@@ -670,15 +714,27 @@ def parse_args(argv: Sequence[str]) -> AgentConfig:
     p.add_argument("--modules-root", default="/lib/modules")
     p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, else $KUBECONFIG)")
     p.add_argument("--context", default=None, help="the kubeconfig context to use (default: its current one)")
+    p.add_argument("--listen", default=metrics_mod.DEFAULT_LISTEN,
+                   help="HOST:PORT of the agent's own /metrics, /healthz and /readyz (default %(default)s; "
+                        "empty: serve none)")
+    p.add_argument("--stale-seconds", type=float, default=metrics_mod.DEFAULT_STALE_SECONDS,
+                   help="/healthz fails when the loop stalled or no API call succeeded for this long "
+                        "(default %(default)s)")
     args = p.parse_args(list(argv))
     if not args.node:
         p.error("--node (or NODE_NAME) is required")
+    if args.listen:
+        try:
+            metrics_mod.parse_listen(args.listen)
+        except ValueError as exc:
+            p.error(str(exc))
     return AgentConfig(node=args.node, metrics_address=args.metrics_address, health_address=args.health_address,
                        probe_interval=args.probe_interval, status_interval=args.status_interval,
                        inventory_interval=args.inventory_interval, watch_timeout=args.watch_timeout,
                        proc_root=Path(args.proc_root),
                        sys_root=Path(args.sys_root), modules_root=Path(args.modules_root),
-                       kubeconfig=args.kubeconfig, context=args.context)
+                       kubeconfig=args.kubeconfig, context=args.context, listen=args.listen,
+                       stale_seconds=args.stale_seconds)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -698,5 +754,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     log.info("agent for node %s: kube-proxy metrics %s, health %s", cfg.node, cfg.metrics_address,
              cfg.health_address)
-    agent.run(stop)
+    server = metrics_mod.serve(cfg.listen, agent.health) if cfg.listen else None
+    try:
+        agent.run(stop)
+    finally:
+        if server is not None:
+            server.shutdown()
     return 0

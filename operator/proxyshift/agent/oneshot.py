@@ -2,6 +2,7 @@
 
     proxyshift agent inventory
     proxyshift agent preflight --mode ipvs [--scheduler mh] [--load-modules] [--extra-module M ...]
+                               [--allow-change ForeignIPVSFlush]
     proxyshift agent cleanup --remove iptables [--remove ipvs] --target nftables [--dry-run]
     proxyshift agent probe [--metrics-address A] [--health-address A] [--service IP:PORT ...]
     proxyshift agent behaviour --params '{"targets": [...], "nodeIps": [...]}'   (BehaviourParams as JSON)
@@ -49,6 +50,8 @@ def main(argv: Sequence[str]) -> int:
     pre.add_argument("--scheduler")
     pre.add_argument("--load-modules", action="store_true")
     pre.add_argument("--extra-module", action="append", default=[])
+    pre.add_argument("--allow-change", action="append", default=[],
+                     help="a change the policy accepts (gate.behaviour.allowChanges), e.g. ForeignIPVSFlush")
     cln = sub.add_parser("cleanup", help="flush the stale objects of modes this node left")
     cln.add_argument("--remove", action="append", required=True, choices=MODES)
     cln.add_argument("--target", required=True, choices=MODES, help="the mode kube-proxy runs now (kept)")
@@ -87,11 +90,12 @@ def main(argv: Sequence[str]) -> int:
         found = inventory_mod.take_inventory()
         _print({"objects": [o.to_k8s() for o in inventory_mod.mode_objects(found, args.observed_mode)],
                 "leftovers": inventory_mod.leftovers(found, args.observed_mode),
-                "leftoverObjects": inventory_mod.leftover_objects(found, args.observed_mode), "errors": found.errors})
+                "leftoverObjects": inventory_mod.leftover_objects(found, args.observed_mode),
+                "foreignIPVS": inventory_mod.foreign_ipvs(found).to_k8s(), "errors": found.errors})
         return 1 if found.errors else 0
     if args.command == "preflight":
         report = preflight_mod.check(args.mode, args.scheduler, load_modules=args.load_modules,
-                                     extra_modules=args.extra_module)
+                                     extra_modules=args.extra_module, allow_changes=args.allow_change)
         _print({"ok": report.ok, "message": report.message(), **report.details()})
         return 0 if report.ok else 1
     if args.command == "cleanup":

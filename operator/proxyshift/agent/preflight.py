@@ -22,19 +22,38 @@ and the report says they will be loaded on first use. nf_conntrack is not:
 kube-proxy writes its conntrack sysctls (tcpEstablishedTimeout, ...) before it
 touches IPVS, and on that fresh boot it exited "open
 /proc/sys/net/netfilter/nf_conntrack_tcp_timeout_established: no such file".
+
+A move to nftables (from any mode, nftables itself included: every restart
+counts) is refused on a node holding IPVS virtual servers that are not
+kube-proxy's: kube-proxy v1.37.2 in nftables mode runs the ipvs cleanup at every
+start (cmd/kube-proxy/app/server_linux.go platformCleanup), and that flushes
+every virtual server on the host (pkg/proxy/ipvs/cleanup.go), a keepalived's or
+a hand-made LVS too. Which ones are kube-proxy's is the inventory's decision,
+the same one the IPVS flush makes (flush/ipvs.py select_owned). The policy may
+accept the deletion (gate.behaviour.allowChanges: [ForeignIPVSFlush]); then the
+check passes and names what the switch deletes.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from proxyshift.agent.flush.base import Runner
+from proxyshift.agent.inventory import Inventory, foreign_ipvs, take_ipvs_inventory
 from proxyshift.agent.ownership import MODES, Mode
-from proxyshift.api.requirements import IPVS_MIN_IPSET, NFTABLES_MIN_KERNEL, NFTABLES_MIN_NFT
+from proxyshift.api.proxynode import ForeignIPVS
+from proxyshift.api.requirements import (
+    FOREIGN_IPVS_CHANGE,
+    IPVS_MIN_IPSET,
+    NFTABLES_DELETES_IPVS,
+    NFTABLES_MIN_KERNEL,
+    NFTABLES_MIN_NFT,
+    deletes_foreign_ipvs,
+)
 from proxyshift.commands import CommandError, run
 
 DEFAULT_IPVS_SCHEDULER = "rr"
@@ -148,6 +167,11 @@ class PreflightReport:
     missing: list[Missing] = field(default_factory=list)
     loaded: list[str] = field(default_factory=list)
     on_demand: list[str] = field(default_factory=list)  # installed, the kernel loads them on first use
+    # IPVS virtual servers that are not kube-proxy's, which the target mode's kube-proxy deletes (nftables
+    # only); accepted: the policy named ForeignIPVSFlush, so they do not fail the check.
+    foreign_ipvs: ForeignIPVS | None = None
+    foreign_ipvs_accepted: bool = False
+    ipvs_unreadable: str | None = None  # why the IPVS table could not be listed (nftables target only)
 
     @property
     def ok(self) -> bool:
@@ -163,6 +187,12 @@ class PreflightReport:
             if self.on_demand:
                 loaded += (f"; {', '.join(self.on_demand)} installed, not loaded: the kernel loads them when "
                            "kube-proxy creates its first virtual server")
+            if self.foreign_ipvs is not None and self.foreign_ipvs.count:
+                loaded += (f"; {FOREIGN_IPVS_CHANGE} accepted: the switch deletes "
+                           f"{self.foreign_ipvs.describe()}")
+            elif self.ipvs_unreadable:
+                loaded += (f"; {FOREIGN_IPVS_CHANGE} accepted: the IPVS table could not be read "
+                           f"({self.ipvs_unreadable[:200]}), the switch deletes every virtual server in it")
             return f"preflight for {target} passed on kernel {self.kernel_release}{loaded}"
         items = "; ".join(f"{m.what}: {m.why} (fix: {m.fix})" for m in self.missing)
         return f"preflight for {target} failed on kernel {self.kernel_release}: {items}"
@@ -179,7 +209,19 @@ class PreflightReport:
             "loaded": list(self.loaded),
             "onDemand": list(self.on_demand),
             "tools": self.tools.as_status(),
-        }
+        } | ({"foreignIPVS": self.foreign_ipvs.to_k8s() | {"accepted": self.foreign_ipvs_accepted}}
+             if self.foreign_ipvs is not None and self.foreign_ipvs.count else {})
+
+
+def foreign_ipvs_refusal(foreign: ForeignIPVS) -> Missing:
+    """Pure: why preflight for nftables refuses a node holding a user's IPVS virtual servers, and the ways out."""
+    return Missing(
+        "IPVS virtual servers that are not kube-proxy's",
+        f"this node holds {foreign.describe()}: {NFTABLES_DELETES_IPVS}",
+        "move them off this node or recreate them after the switch (keepalived does at its next reload), keep "
+        f"the node out of this policy, or accept the deletion with gate.behaviour.allowChanges: "
+        f"[{FOREIGN_IPVS_CHANGE}]",
+    )
 
 
 @dataclass
@@ -321,8 +363,11 @@ def _check_tools(mode: Mode, release_v: tuple[int, ...] | None, release: str | N
 def check(mode: str, scheduler: str | None = None, *, proc_root: str | Path = "/proc",
           sys_root: str | Path = "/sys", modules_root: str | Path = "/lib/modules", load_modules: bool = False,
           extra_modules: Iterable[str] = (), tools: ToolVersions | None = None,
-          runner: Runner = run) -> PreflightReport:
-    """Preflight of `mode` on this node. `tools` defaults to asking the real tools."""
+          runner: Runner = run, allow_changes: Iterable[str] = (),
+          ipvs_inventory: Callable[[], Inventory] | None = None) -> PreflightReport:
+    """Preflight of `mode` on this node. `tools` defaults to asking the real tools, `ipvs_inventory` to reading
+    the node's IPVS state with `runner`; `allow_changes` is the policy's gate.behaviour.allowChanges
+    (ForeignIPVSFlush is the one preflight reads)."""
     if mode not in MODES:
         raise ValueError(f"unknown kube-proxy mode {mode!r}; expected one of {list(MODES)}")
     if scheduler and scheduler not in IPVS_SCHEDULERS:
@@ -351,7 +396,38 @@ def check(mode: str, scheduler: str | None = None, *, proc_root: str | Path = "/
     missing = [_module_missing(view, m, why) for m, why in needed
                if view.state(m) != "present" and m not in accepted]
     missing += _check_tools(mode, parse_kernel_release(view.release or ""), view.release, tools)  # type: ignore[arg-type]
+    foreign, unreadable, foreign_missing = _foreign_ipvs(
+        mode, Path(proc_root),  # type: ignore[arg-type]
+        ipvs_inventory or (lambda: take_ipvs_inventory(runner=runner, proc_root=Path(proc_root))))
+    foreign_accepted = FOREIGN_IPVS_CHANGE in set(allow_changes)
+    if not foreign_accepted:
+        missing += foreign_missing
     modules = {m: view.state(m) for m in dict.fromkeys([*RELEVANT_MODULES, *(m for m, _ in needed)])}
     return PreflightReport(mode=mode, scheduler=(scheduler or DEFAULT_IPVS_SCHEDULER) if mode == "ipvs" else None,
                            kernel_release=view.release, modules=modules, tools=tools, missing=missing,
-                           loaded=loaded, on_demand=accepted)
+                           loaded=loaded, on_demand=accepted, foreign_ipvs=foreign,
+                           foreign_ipvs_accepted=foreign_accepted and foreign is not None and foreign.count > 0,
+                           ipvs_unreadable=unreadable)
+
+
+def _foreign_ipvs(mode: Mode, proc_root: Path,
+                  read: Callable[[], Inventory]) -> tuple[ForeignIPVS | None, str | None, list[Missing]]:
+    """The virtual servers an nftables kube-proxy would delete that are not kube-proxy's (or why the table could
+    not be read), and the refusal.
+
+    Read only for nftables and only when the kernel has IPVS (no /proc/net/ip_vs: no virtual server can
+    exist, and ipvsadm would load ip_vs just by looking).
+    """
+    if not deletes_foreign_ipvs(mode) or not (proc_root / "net" / "ip_vs").exists():
+        return None, None, []
+    inv = read()
+    unreadable = [e for e in inv.errors if e.startswith("ipvsadm")]
+    if unreadable:
+        # Unknown is not "none": the cleanup deletes whatever is there.
+        return None, unreadable[0], [Missing("a readable IPVS table",
+                              f"{unreadable[0][:300]}; the nftables kube-proxy deletes every IPVS virtual server on "
+                              "the host at each start, and whether any of them is not kube-proxy's cannot be told",
+                              "install ipvsadm where the agent runs, or accept the deletion with "
+                              f"gate.behaviour.allowChanges: [{FOREIGN_IPVS_CHANGE}]")]
+    foreign = foreign_ipvs(inv)
+    return foreign, None, [foreign_ipvs_refusal(foreign)] if foreign.count else []

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from proxyshift.api.behaviour import NodeBehaviour
+from proxyshift.api.behaviour import BehaviourParams, NodeBehaviour
 from proxyshift.api.common import KubeModel
 from proxyshift.api.diagnostics import DiagnoseRequest, NodeDiagnostics, NodeDistribution
 
@@ -26,6 +26,8 @@ MAX_STATUS_TOOLS = 16
 MAX_STATUS_OBJECTS = 8
 MAX_STATUS_LEFTOVERS = 8
 OBJECT_SUMMARY_LIMIT = 1024
+MAX_FOREIGN_VIRTUAL_SERVERS = 16
+VIRTUAL_SERVER_TEXT_LIMIT = 64  # "TCP [fd00:1234::1]:65535 lblcr" and then some
 
 
 class Operation(KubeModel):
@@ -35,13 +37,33 @@ class Operation(KubeModel):
     type: OperationType = Field(description="Preflight, Hold, Cleanup or Probe.")
     params: dict[str, Any] = Field(
         default_factory=dict,
-        description="Operation parameters: mode, scheduler, loadModules, extraModules, behaviour (Preflight); "
+        description="Operation parameters: mode, scheduler, loadModules, extraModules, allowChanges, behaviour "
+        "(Preflight, a PreflightParams); "
         "fromMode, toMode, ttlSeconds (Hold); removeModes, targetMode, services (Cleanup); "
         "services as ip:port, awaitMode, awaitSyncs, awaitSeconds, conntrack, behaviour (Probe). behaviour is a "
         "BehaviourParams (the Service sample to probe), conntrack a ConntrackParams (the Service destinations "
         "whose un-NATed entries are deleted after the switch).",
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
     )
+
+
+class PreflightParams(KubeModel):
+    """Operation params of a Preflight: what the operator takes from the policy for the agent's checks."""
+
+    # An operator newer than the agent may send settings this agent does not know: it checks what it can.
+    model_config = KubeModel.model_config | {"extra": "ignore"}
+
+    mode: str = Field(max_length=16, description="Target kube-proxy mode.")
+    scheduler: str | None = Field(default=None, max_length=16, description="Target IPVS scheduler (mode ipvs).")
+    load_modules: bool = Field(default=False, description="spec.preflight.loadModules.")
+    extra_modules: list[Annotated[str, Field(max_length=64)]] = Field(
+        default_factory=list, max_length=64, description="spec.preflight.extraModules.")
+    # Plain names, not ChangeName: a change a newer operator knows must not fail this agent's preflight.
+    allow_changes: list[Annotated[str, Field(max_length=64)]] = Field(
+        default_factory=list, max_length=32,
+        description="spec.gate.behaviour.allowChanges: ForeignIPVSFlush lets a move to nftables pass a node "
+        "holding IPVS virtual servers that are not kube-proxy's (the nftables kube-proxy deletes them).")
+    behaviour: BehaviourParams | None = Field(default=None, description="The Service sample to probe before.")
 
 
 class NodeMigration(KubeModel):
@@ -80,6 +102,11 @@ class NodeMigration(KubeModel):
     behaviour_differs_since: str | None = Field(
         default=None, description="When the gate first saw the node's Services answer differently than before "
         "the switch (RFC 3339); the difference rolls the node back once it has lasted gate.behaviour.confirm.",
+    )
+    foreign_ipvs_flushed: list[Annotated[str, Field(max_length=VIRTUAL_SERVER_TEXT_LIMIT)]] | None = Field(
+        default=None, alias="foreignIPVSFlushed", max_length=MAX_FOREIGN_VIRTUAL_SERVERS,
+        description="IPVS virtual servers that were not kube-proxy's, found by this migration's preflight, which "
+        "the switch to nftables deletes (the policy accepted ForeignIPVSFlush), e.g. 'TCP 198.18.5.1:80 rr'.",
     )
 
 
@@ -141,6 +168,26 @@ class ModeObjects(KubeModel):
                          description="e.g. 'nat: 2011 chains; filter: 6 chains'.")
 
 
+class ForeignIPVS(KubeModel):
+    """IPVS virtual servers on the node that kube-proxy did not create (a keepalived's, a hand-made LVS)."""
+
+    count: int = Field(default=0, ge=0, description="How many there are.")
+    virtual_servers: list[Annotated[str, Field(max_length=VIRTUAL_SERVER_TEXT_LIMIT)]] = Field(
+        default_factory=list, max_length=MAX_FOREIGN_VIRTUAL_SERVERS,
+        description="The first of them, as 'TCP 198.18.5.1:80 rr' (protocol, address:port or FWM mark, "
+        "scheduler). An nftables kube-proxy deletes every one of them at each start.",
+    )
+
+    def describe(self, shown: int = 5) -> str:
+        """ "2 IPVS virtual servers that are not kube-proxy's (TCP 198.18.5.1:80 rr, FWM 7 sh)", bounded."""
+        names = self.virtual_servers[:shown]
+        more = self.count - len(names)
+        listed = ", ".join(names) + (f" and {more} more" if more > 0 else "")
+        one = self.count == 1
+        return (f"{self.count} IPVS virtual server{'' if one else 's'} that {'is' if one else 'are'} not "
+                f"kube-proxy's ({listed})")
+
+
 class OperationStatus(KubeModel):
     """The agent's account of the last operation it was asked to run."""
 
@@ -186,6 +233,11 @@ class ProxyNodeStatus(KubeModel):
         default=None, ge=0,
         description="How many kube-proxy objects of those modes are still here (chains, tables, virtual servers, "
         "ipsets, the kube-ipvs0 interface); kubectl get proxynodes shows it. Absent until the agent's first inventory.",
+    )
+    foreign_ipvs: ForeignIPVS | None = Field(
+        default=None, alias="foreignIPVS",
+        description="IPVS virtual servers that are not kube-proxy's (not on kube-ipvs0, not in its ipsets); "
+        "preflight for nftables refuses them unless the policy accepts ForeignIPVSFlush.",
     )
     last_operation: OperationStatus | None = Field(default=None, description="Result of the last operation.")
     behaviour: NodeBehaviour | None = Field(
@@ -239,6 +291,10 @@ def clip_status(status: dict[str, Any]) -> dict[str, Any]:
                           if isinstance(o, dict) else o for o in out["objects"][:MAX_STATUS_OBJECTS]]
     if isinstance(out.get("leftovers"), list):
         out["leftovers"] = out["leftovers"][:MAX_STATUS_LEFTOVERS]
+    foreign = out.get("foreignIPVS")
+    if isinstance(foreign, dict) and isinstance(foreign.get("virtualServers"), list):
+        out["foreignIPVS"] = dict(foreign, virtualServers=[
+            _clip(v, VIRTUAL_SERVER_TEXT_LIMIT) for v in foreign["virtualServers"][:MAX_FOREIGN_VIRTUAL_SERVERS]])
     for key, field in (("kubeProxy", "error"), ("kubeProxy", "metricsInvalid"), ("lastOperation", "message")):
         part = out.get(key)
         if isinstance(part, dict) and field in part:

@@ -2,7 +2,9 @@
 
 Reads Nodes, ProxyNodes (the agents' inventory), existing policies and the
 baseline kube-proxy, then asks the pure planner's preview: which nodes, in what
-order and stages, and which will fail preflight. Then the compatibility report:
+order and stages, and which will fail preflight; for a move to nftables, which
+nodes hold IPVS virtual servers that are not kube-proxy's (the nftables
+kube-proxy deletes them) and whether the policy accepts that. Then the compatibility report:
 per mode the selected nodes run now, every behaviour the target mode changes for
 this cluster's Services (read from Services and EndpointSlices) and the setting
 that keeps today's behaviour.
@@ -25,13 +27,21 @@ from proxyshift.api.common import API_GROUP, API_VERSION
 from proxyshift.api.kubeproxy import KubeProxyConfiguration
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.api.proxynode import ProxyNode
+from proxyshift.api.requirements import FOREIGN_IPVS_CHANGE, NFTABLES_DELETES_IPVS
 from proxyshift.controller.cliargs import add_cluster_flags, add_output_flag, cluster_errors, load_api
 from proxyshift.controller.settings import CONFIG
 from proxyshift.controller.snapshot import current_revisions, node_view, revision_view
 from proxyshift.manifest import UsageError, read_manifest
 from proxyshift.planner.advice import advise
 from proxyshift.planner.compat import CompatFinding
-from proxyshift.planner.preview import BASELINE_SOURCE, CompatGroup, compat_preview, preview
+from proxyshift.planner.preview import (
+    BASELINE_SOURCE,
+    CompatGroup,
+    ForeignIPVSNode,
+    compat_preview,
+    foreign_ipvs_nodes,
+    preview,
+)
 from proxyshift.planner.reports import conflicting_nodes, dump, plan_report, preflight_verdict
 from proxyshift.planner.services import EndpointView, ServiceView, endpoints_from_slice, service_view_from_k8s
 from proxyshift.planner.world import World
@@ -103,11 +113,36 @@ def render_preview(policy: ProxyPolicy, world: World) -> str:
             problems = stage.preflight_failures.get(name, [])
             verdict = {"ok": "ok", "unknown": "preflight unknown: ", "fail": "WILL FAIL PREFLIGHT: "}[
                 preflight_verdict(problems)] + "; ".join(problems)
+            if not problems and stage.preflight_notes.get(name):
+                verdict = "; ".join([verdict, *stage.preflight_notes[name]])
             lines.append(f"  {name:<30} {world.nodes[name].revision or 'baseline':<28} {verdict}")
     conflicts = conflicting_nodes(policy, world)
     if conflicts:
         lines.append(f"owned by other policies (untouched unless those are newer): {', '.join(conflicts[:20])}")
+    lines += render_foreign_ipvs(foreign_ipvs_nodes(world, policy.name))
     return "\n".join(lines)
+
+
+MAX_FOREIGN_NODES_SHOWN = 20
+
+
+def render_foreign_ipvs(nodes: Sequence[ForeignIPVSNode]) -> list[str]:
+    """The nodes holding IPVS virtual servers that are not kube-proxy's, which the move to nftables deletes."""
+    if not nodes:
+        return []
+    accepted = nodes[0].accepted
+    verdict = (f"accepted by gate.behaviour.allowChanges [{FOREIGN_IPVS_CHANGE}]: the switch deletes them" if accepted
+               else f"refused: preflight fails on these nodes unless gate.behaviour.allowChanges names "
+               f"{FOREIGN_IPVS_CHANGE}")
+    lines = [f"foreign IPVS: {len(nodes)} node(s) hold IPVS virtual servers that are not kube-proxy's; "
+             f"{NFTABLES_DELETES_IPVS}; {verdict}"]
+    for entry in nodes[:MAX_FOREIGN_NODES_SHOWN]:
+        more = entry.count - len(entry.virtual_servers)
+        names = ", ".join(entry.virtual_servers) + (f" and {more} more" if more > 0 else "")
+        lines.append(f"  {entry.node:<30} {'ACCEPTED' if entry.accepted else 'REFUSED'}: {entry.count} ({names})")
+    if len(nodes) > MAX_FOREIGN_NODES_SHOWN:
+        lines.append(f"  and {len(nodes) - MAX_FOREIGN_NODES_SHOWN} more node(s)")
+    return lines
 
 
 def _finding_lines(finding: CompatFinding) -> list[str]:
@@ -122,8 +157,13 @@ def _finding_lines(finding: CompatFinding) -> list[str]:
         lines.append(f"  {'':<20} affects no Service in this cluster today")
     keep = f"keep today's behaviour with {finding.preserving}" if finding.preserving else (
         "no kube-proxy setting keeps today's behaviour")
-    lines.append(f"  {'':<20} {keep}; or accept it with gate.behaviour.allowChanges: [{finding.change}]"
-                 if finding.change in _GATED else f"  {'':<20} {keep}")
+    if finding.change == FOREIGN_IPVS_CHANGE:
+        lines.append(f"  {'':<20} {keep}; preflight refuses a node holding virtual servers that are not "
+                     f"kube-proxy's (listed under 'foreign IPVS' above) unless gate.behaviour.allowChanges: "
+                     f"[{finding.change}]")
+    else:
+        lines.append(f"  {'':<20} {keep}; or accept it with gate.behaviour.allowChanges: [{finding.change}]"
+                     if finding.change in _GATED else f"  {'':<20} {keep}")
     return lines
 
 

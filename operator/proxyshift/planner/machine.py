@@ -26,7 +26,15 @@ from proxyshift.api.behaviour import BehaviourParams, ConntrackParams, Conntrack
 from proxyshift.api.common import parse_duration
 from proxyshift.api.diagnostics import DiagnoseRequest
 from proxyshift.api.policy import ProxyPolicySpec
-from proxyshift.api.proxynode import NodeMigration, Operation, OperationStatus, ProxyNode
+from proxyshift.api.proxynode import (
+    MAX_FOREIGN_VIRTUAL_SERVERS,
+    VIRTUAL_SERVER_TEXT_LIMIT,
+    NodeMigration,
+    Operation,
+    OperationStatus,
+    PreflightParams,
+    ProxyNode,
+)
 from proxyshift.api.requirements import startup_cleanup_drops_old_rules
 from proxyshift.planner.behaviour import compare_matrices
 from proxyshift.planner.gate import GateVerdict, evaluate_gate
@@ -263,16 +271,18 @@ def _connects(details: Mapping[str, Any], expected: list[str]) -> dict[str, bool
 
 
 def _preflight_op(inp: NodeInput, m: NodeMigration, scheduler: str | None) -> Operation:
-    return Operation(
-        id=op_id(m, "Preflight", 0),
-        type="Preflight",
-        params={
-            "mode": m.to_mode,
-            "scheduler": scheduler,
-            "loadModules": inp.spec.preflight.load_modules,
-            "extraModules": list(inp.spec.preflight.extra_modules or []),
-        } | _behaviour_param(inp),
+    params = PreflightParams(
+        mode=m.to_mode or "",
+        scheduler=scheduler,
+        load_modules=inp.spec.preflight.load_modules,
+        extra_modules=list(inp.spec.preflight.extra_modules or []),
+        allow_changes=list(inp.spec.gate.behaviour.allow_changes or []),
     )
+    # scheduler: null stays on the wire (an older agent reads the key); empty lists and no behaviour do not.
+    wire = params.model_dump(by_alias=True, exclude={"behaviour", "allow_changes"}, mode="json")
+    if params.allow_changes:
+        wire["allowChanges"] = params.allow_changes
+    return Operation(id=op_id(m, "Preflight", 0), type="Preflight", params=wire | _behaviour_param(inp))
 
 
 def _behaviour_param(inp: NodeInput) -> dict[str, Any]:
@@ -367,9 +377,18 @@ def _preflight(inp: NodeInput, m: NodeMigration) -> Step:
         return Step([_forward_write(inp, m, redo)], "Preflight", "preflight re-requested", POLL_SECONDS)
     res = _result(inp, op)
     if res is not None and res.state == "Succeeded":
-        if inp.spec.rollout.cordon:
-            return _enter_cordon(inp, m)
-        return _enter_switch(inp, m, f"preflight passed: {clip(res.message)}")
+        flushed = foreign_ipvs_accepted(res)
+        told: list[Action] = []
+        if flushed:
+            # The user's virtual servers go with the switch: say which, durably (the migration record) and
+            # where people look (a Warning Event on the node and the policy).
+            m = m.model_copy(update={"foreign_ipvs_flushed": flushed})
+            told = [_event(inp, "ForeignIPVSFlush", f"the switch to {m.to_mode} deletes IPVS virtual servers that are "
+                           f"not kube-proxy's (accepted by gate.behaviour.allowChanges): {', '.join(flushed)}"
+                           + _more(res, len(flushed)), warning=True)]
+        nxt = _enter_cordon(inp, m) if inp.spec.rollout.cordon else _enter_switch(
+            inp, m, f"preflight passed: {clip(res.message)}")
+        return Step(told + nxt.actions, nxt.phase, nxt.message, nxt.requeue_after)
     if res is not None and res.state == "Failed":
         return _fail(inp, m, "PreflightFailed", f"preflight failed, node untouched: {res.message}")
     left = remaining(m.phase_since, _timeout(inp), inp.now)
@@ -378,6 +397,22 @@ def _preflight(inp: NodeInput, m: NodeMigration) -> Step:
                      f"the agent did not report preflight {op.id} within {inp.spec.gate.timeout}; node untouched")
     state = res.state if res else "not started"
     return _wait("Preflight", f"waiting for the agent's preflight ({state})", min(POLL_SECONDS, left))
+
+
+def foreign_ipvs_accepted(res: OperationStatus) -> list[str]:
+    """The foreign IPVS virtual servers a passed preflight accepted to lose (details.foreignIPVS), bounded."""
+    raw = res.details.get("foreignIPVS")
+    if not isinstance(raw, Mapping) or raw.get("accepted") is not True:
+        return []
+    names = raw.get("virtualServers")
+    if not isinstance(names, list):
+        return []
+    return [str(n)[:VIRTUAL_SERVER_TEXT_LIMIT] for n in names[:MAX_FOREIGN_VIRTUAL_SERVERS]]
+
+
+def _more(res: OperationStatus, shown: int) -> str:
+    count = (res.details.get("foreignIPVS") or {}).get("count")
+    return f" and {count - shown} more" if isinstance(count, int) and count > shown else ""
 
 
 def _fail(inp: NodeInput, m: NodeMigration, reason: str, message: str) -> Step:

@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 from proxyshift.api.kubeproxy import KubeProxyConfiguration
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.api.proxynode import ProxyNode
-from proxyshift.api.requirements import NFTABLES_MIN_KERNEL, NFTABLES_MIN_NFT
+from proxyshift.api.requirements import (
+    FOREIGN_IPVS_CHANGE,
+    NFTABLES_DELETES_IPVS,
+    NFTABLES_MIN_KERNEL,
+    NFTABLES_MIN_NFT,
+    deletes_foreign_ipvs,
+)
 from proxyshift.planner.compat import CompatFinding, compatibility
 from proxyshift.planner.ordering import node_key
 from proxyshift.planner.ownership import compute_ownership
@@ -31,6 +37,7 @@ class PreviewStage:
     pause: str | None
     nodes: list[str]  # in the order they will be migrated
     preflight_failures: dict[str, list[str]] = field(default_factory=dict)  # node -> problems
+    preflight_notes: dict[str, list[str]] = field(default_factory=dict)  # node -> what a passing preflight accepts
 
 
 def _version(text: str | None, parts: int) -> tuple[int, ...] | None:
@@ -65,6 +72,10 @@ def predict_preflight(pn: ProxyNode | None, policy: ProxyPolicy) -> list[str]:
             problems.append(f"nft {tools.get('nft') or 'not found'}: nftables mode needs nft >= 1.0.1")
     elif "iptables" not in tools:
         problems.append("iptables not found")
+    foreign = pn.status.foreign_ipvs
+    if deletes_foreign_ipvs(mode) and foreign is not None and foreign.count and not accepts_foreign_ipvs(policy):
+        problems.append(f"{foreign.describe()}: {NFTABLES_DELETES_IPVS}; accept it with gate.behaviour.allowChanges: "
+                        f"[{FOREIGN_IPVS_CHANGE}]")
     needed += list(policy.spec.preflight.extra_modules or [])
     missing = [m for m in needed if m not in have]
     if missing:
@@ -72,6 +83,45 @@ def predict_preflight(pn: ProxyNode | None, policy: ProxyPolicy) -> list[str]:
         if not policy.spec.preflight.load_modules:
             problems.append(f"kernel modules {verb}: {', '.join(missing)}")
     return problems
+
+
+def accepts_foreign_ipvs(policy: ProxyPolicy) -> bool:
+    return FOREIGN_IPVS_CHANGE in (policy.spec.gate.behaviour.allow_changes or [])
+
+
+def preflight_notes(pn: ProxyNode | None, policy: ProxyPolicy) -> list[str]:
+    """What the node's preflight will pass only because the policy accepts it (a person should still know)."""
+    foreign = pn.status.foreign_ipvs if pn is not None else None
+    if deletes_foreign_ipvs(policy.spec.mode) and foreign is not None and foreign.count and accepts_foreign_ipvs(
+            policy):
+        return [f"{FOREIGN_IPVS_CHANGE} accepted: the switch deletes {foreign.describe()}"]
+    return []
+
+
+@dataclass(frozen=True)
+class ForeignIPVSNode:
+    """A node the policy would move to nftables that holds IPVS virtual servers that are not kube-proxy's."""
+
+    node: str
+    count: int
+    virtual_servers: tuple[str, ...]
+    accepted: bool  # the policy names ForeignIPVSFlush: preflight passes and the switch deletes them
+
+
+def foreign_ipvs_nodes(world: World, policy_name: str) -> list[ForeignIPVSNode]:
+    """From the agents' inventory (status.foreignIPVS), in migration order; empty unless the target is nftables."""
+    policy = world.policies[policy_name]
+    if not deletes_foreign_ipvs(policy.spec.mode):
+        return []
+    found = []
+    for stage in preview(world, policy_name):
+        for name in stage.nodes:
+            pn = world.proxynodes.get(name)
+            foreign = pn.status.foreign_ipvs if pn is not None else None
+            if foreign is not None and foreign.count:
+                found.append(ForeignIPVSNode(name, foreign.count, tuple(foreign.virtual_servers),
+                                             accepts_foreign_ipvs(policy)))
+    return found
 
 
 def preview(world: World, policy_name: str) -> list[PreviewStage]:
@@ -93,12 +143,15 @@ def preview(world: World, policy_name: str) -> list[PreviewStage]:
         count = max(0, target - done - taken)
         batch = todo[taken : taken + count]
         taken += len(batch)
-        failures = {}
+        failures, notes = {}, {}
         for name in batch:
             problems = predict_preflight(world.proxynodes.get(name), policy)
             if problems:
                 failures[name] = problems
-        result.append(PreviewStage(index + 1, target, pause, batch, failures))
+            accepted = preflight_notes(world.proxynodes.get(name), policy)
+            if accepted:
+                notes[name] = accepted
+        result.append(PreviewStage(index + 1, target, pause, batch, failures, notes))
     return result
 
 

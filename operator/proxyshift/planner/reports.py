@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field, ValidationError
 from proxyshift.api.common import GROUP_VERSION, Condition, KubeModel
 from proxyshift.api.policy import NodeCounts, NodeFailure, ProxyPolicy, ProxyPolicyStatus
 from proxyshift.planner.compat import CompatFinding
-from proxyshift.planner.preview import CompatGroup, PreviewStage
+from proxyshift.planner.preview import CompatGroup, PreviewStage, foreign_ipvs_nodes
 from proxyshift.planner.world import World
 
 OutputFormat = Literal["table", "json", "yaml"]
@@ -157,6 +157,8 @@ class PlanNode(KubeModel):
     current_revision: str | None = Field(default=None, description="What the node runs now; null: the baseline.")
     preflight: PreflightVerdict = Field(description="ok, unknown (no inventory yet) or fail.")
     problems: list[str] = Field(default_factory=list, description="What preflight will report.")
+    notes: list[str] = Field(default_factory=list,
+                             description="What a passing preflight passes only because the policy accepts it.")
 
 
 class PlanStage(KubeModel):
@@ -174,6 +176,16 @@ class PlanFinding(KubeModel):
     preserving: str | None = Field(default=None, description="The setting that keeps today's behaviour.")
     preserved: bool = Field(default=False, description="The target configuration already keeps it.")
     gated: bool = Field(default=False, description="The behaviour gate sees this change on a node.")
+
+
+class PlanForeignIPVS(KubeModel):
+    """A node holding IPVS virtual servers that are not kube-proxy's, which the move to nftables deletes."""
+
+    node: str
+    count: int = Field(description="How many the agent's inventory found.")
+    virtual_servers: list[str] = Field(default_factory=list, description="The first of them, 'TCP 198.18.5.1:80 rr'.")
+    accepted: bool = Field(description="The policy accepts ForeignIPVSFlush: preflight passes and the switch deletes "
+                           "them; false: preflight refuses the node.")
 
 
 class PlanCompatibility(KubeModel):
@@ -199,6 +211,9 @@ class PlanReport(KubeModel):
                                  description=f"Selected nodes other policies own (at most {MAX_REPORTED_CONFLICTS}).")
     conflict_count: int = 0
     compatibility: list[PlanCompatibility] = Field(default_factory=list)
+    foreign_ipvs: list[PlanForeignIPVS] = Field(
+        default_factory=list, alias="foreignIPVS",
+        description="For a move to nftables: the nodes holding IPVS virtual servers that are not kube-proxy's.")
     advice: str | None = None
 
     @property
@@ -226,7 +241,7 @@ def plan_report(policy: ProxyPolicy, world: World, stages: Sequence[PreviewStage
         PlanStage(stage=s.stage, target=s.target, pause=s.pause, nodes=[
             PlanNode(name=n, current_revision=world.nodes[n].revision if n in world.nodes else None,
                      preflight=preflight_verdict(s.preflight_failures.get(n, [])),
-                     problems=list(s.preflight_failures.get(n, [])))
+                     problems=list(s.preflight_failures.get(n, [])), notes=list(s.preflight_notes.get(n, [])))
             for n in s.nodes])
         for s in stages]
     conflicts = conflicting_nodes(policy, world)
@@ -239,6 +254,8 @@ def plan_report(policy: ProxyPolicy, world: World, stages: Sequence[PreviewStage
         compatibility=[PlanCompatibility(source=g.source, from_mode=g.mode, to_mode=policy.spec.mode, nodes=g.nodes,
                                          findings=[_finding(f, gated_changes) for f in g.findings])
                        for g in groups],
+        foreignIPVS=[PlanForeignIPVS(node=f.node, count=f.count, virtual_servers=list(f.virtual_servers),
+                                      accepted=f.accepted) for f in foreign_ipvs_nodes(world, policy.name)],
         advice=advice,
     )
 

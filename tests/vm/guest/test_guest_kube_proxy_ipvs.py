@@ -56,5 +56,6 @@ def test_real_kube_proxy_programs_ipvs_and_the_inventory_reports_it(netns, tmp_p
     inv = take_inventory(runner=netns.run, iptables_tools=TOOLS, proc_root=Path("/proc"))
     assert inv.ipvs_available and inv.dummy_interface and not inv.errors
     assert {vs.key() for vs in inv.kube_virtual_servers} == {vs.key() for vs in services}
+    assert inv.foreign_virtual_servers == []  # every one of them is kube-proxy's: nothing to refuse for nftables
     assert set(sets.names) <= set(inv.ipsets)
     assert "ipvs" in leftovers(inv, "nftables") and "ipvs" not in leftovers(inv, "ipvs")

@@ -42,9 +42,19 @@ class VirtualServer:
     port: int | None
     fwmark: int | None
     service_arg: str         # "-t 10.96.0.1:443": what `ipvsadm -D` needs
+    scheduler: str | None = None
 
     def key(self) -> str:
         return self.service_arg
+
+    def describe(self) -> str:
+        """For a person, as ipvsadm -Ln names it: "TCP 198.18.5.1:80 rr", "FWM 7 sh"."""
+        if self.protocol == "fwmark":
+            where = f"FWM {self.fwmark}"
+        else:
+            host = f"[{self.address}]" if self.address and ":" in self.address else self.address
+            where = f"{self.protocol.upper()} {host}:{self.port}"
+        return f"{where} {self.scheduler}" if self.scheduler else where
 
 
 def _split_hostport(text: str) -> tuple[str, int]:
@@ -65,12 +75,14 @@ def parse_ipvsadm_save(text: str) -> list[VirtualServer]:
         if len(tokens) < 3 or tokens[1] not in _PROTO_FLAGS:
             raise IpvsadmOutputError(f"ipvsadm -Sn line {lineno}: {line[:80]!r}")
         proto = _PROTO_FLAGS[tokens[1]]
+        options = tokens[3:]
+        scheduler = options[options.index("-s") + 1] if "-s" in options[:-1] else None
         try:
             if proto == "fwmark":
-                services.append(VirtualServer(proto, None, None, int(tokens[2]), f"-f {tokens[2]}"))
+                services.append(VirtualServer(proto, None, None, int(tokens[2]), f"-f {tokens[2]}", scheduler))
             else:
                 addr, port = _split_hostport(tokens[2])
-                services.append(VirtualServer(proto, addr, port, None, f"{tokens[1]} {tokens[2]}"))
+                services.append(VirtualServer(proto, addr, port, None, f"{tokens[1]} {tokens[2]}", scheduler))
         except ValueError as exc:
             raise IpvsadmOutputError(f"ipvsadm -Sn line {lineno}: {line[:80]!r} ({exc})") from exc
     return services
@@ -136,6 +148,14 @@ def select_owned(services: list[VirtualServer], dummy_addresses: set[str], ipset
         if is_service or is_nodeport:
             owned.append(vs)
     return owned
+
+
+def select_foreign(services: list[VirtualServer], dummy_addresses: set[str], ipsets: IpsetState,
+                   node_addresses: set[str]) -> list[VirtualServer]:
+    """Pure: the virtual servers kube-proxy did not create (a keepalived's, a hand-made LVS), by the
+    same evidence as select_owned: everything it does not claim."""
+    owned = {vs.key() for vs in select_owned(services, dummy_addresses, ipsets, node_addresses)}
+    return [vs for vs in services if vs.key() not in owned]
 
 
 @dataclass
