@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -249,13 +250,16 @@ def service_account_kubeconfig(cluster: Any, account: str, path: Path, *, pod: s
 def operator_process(cluster: Any, proxyshift_installed: Path) -> Iterator[OperatorProcess]:
     state_dir = cluster.state_dir or Path("/tmp")
     kubeconfig = proxyshift_installed
+    # Outside the cluster's state folder: `down` removes only what it recorded there.
+    work = tempfile.TemporaryDirectory(prefix="ps-operator-token-")
     if cluster.state_dir is not None:
         kubeconfig = service_account_kubeconfig(cluster, "proxyshift-operator",
-                                                state_dir / "operator-e2e.kubeconfig")
+                                                Path(work.name) / "operator-e2e.kubeconfig")
     op = OperatorProcess(kubeconfig, state_dir / "logs" / "operator-e2e.log").start()
     op.wait_healthy()
     yield op
     op.stop()
+    work.cleanup()
 
 
 @pytest.fixture

@@ -33,9 +33,11 @@ def operator_process_fixture(cluster: Any, proxyshift_installed: Path) -> Iterat
     """The operator as a host process logged in as its own ServiceAccount, as the e2e tests run it."""
     state_dir = cluster.state_dir or Path("/tmp")
     kubeconfig = proxyshift_installed
+    # Outside the cluster's state folder: `down` removes only what it recorded there.
+    work = tempfile.TemporaryDirectory(prefix="ps-operator-token-")
     if cluster.state_dir is not None:
         kubeconfig = service_account_kubeconfig(cluster, "proxyshift-operator",
-                                                state_dir / "operator-reliability-input.kubeconfig")
+                                                Path(work.name) / "operator-reliability-input.kubeconfig")
     # Ports of our own: an operator left running by another session on the default ports would answer
     # wait_healthy for a process of ours that could not bind and exited.
     op = install.OperatorProcess(kubeconfig, state_dir / "logs" / "operator-reliability-input.log",
@@ -44,6 +46,7 @@ def operator_process_fixture(cluster: Any, proxyshift_installed: Path) -> Iterat
     assert op.running, f"the operator exited; see {op.log_path}"
     yield op
     op.stop()
+    work.cleanup()
 
 
 def agent_pod(cluster: Any, node: str) -> str:
