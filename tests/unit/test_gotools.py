@@ -63,7 +63,9 @@ def test_every_requirement_is_pinned_in_go_sum(name: str) -> None:
     module = ROOT / gotools.TOOLS[name].module
     go_mod = (module / "go.mod").read_text()
     go_sum = (module / "go.sum").read_text()
-    required = re.findall(r"^\s*(?:require\s+)?([\w./-]+\.[\w./-]+) (v\S+)\s*$", go_mod, re.M)
+    # "// indirect" too: a module that pins an upstream command by a `tool` directive requires it so.
+    required = re.findall(r"^\s*(?:require\s+)?([\w./-]+\.[\w./-]+) (v\S+)(?:\s*// indirect)?\s*$",
+                          go_mod, re.M)
     assert required
     for path, version in required:
         assert f"{path} {version} h1:" in go_sum, f"{path} {version} not in {module / 'go.sum'}"
@@ -73,3 +75,11 @@ def test_health_runner_pins_argo_cds_gopher_lua() -> None:
     # Argo CD 3.6's go.mod requires gopher-lua v1.1.2: the runner must evaluate with the same one.
     go_mod = (ROOT / gotools.TOOLS["argocd-health-runner"].module / "go.mod").read_text()
     assert re.search(r"^\s*github\.com/yuin/gopher-lua v1\.1\.2$", go_mod, re.M)
+
+
+def test_helm_is_the_pinned_release_built_as_a_tool() -> None:
+    helm = gotools.TOOLS["helm"]
+    go_mod = (ROOT / helm.module / "go.mod").read_text()
+    assert re.search(r"^tool helm\.sh/helm/v3/cmd/helm$", go_mod, re.M)
+    assert re.search(r"^\s*helm\.sh/helm/v3 v3\.22\.0\b", go_mod, re.M)
+    assert helm.package == "helm.sh/helm/v3/cmd/helm"

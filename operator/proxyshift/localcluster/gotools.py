@@ -1,5 +1,8 @@
 """Small pinned Go programs the tests run (not the cluster binaries), built once and cached.
 
+A tool is either the module's own main package or an upstream command that the module pins with a
+`tool` directive in its go.mod (helm: `helm.sh/helm/v3/cmd/helm` at the version its go.mod requires).
+
 Each tool is its own Go module in the checkout, with a committed go.sum. It builds into
 `~/.cache/proxyshift/tools/<name>/<source-hash>/<name>`, the hash taken over every file of the
 module and the build flags, so an edited source or pin builds into a fresh folder and a test never
@@ -32,6 +35,9 @@ class GoTool:
     name: str
     module: str  # the module folder, relative to the checkout
     purpose: str
+    # What `go build` builds inside the module: "." for a tool whose main package is the module's own,
+    # or an upstream main package that the module's go.mod pins with a `tool` directive.
+    package: str = "."
 
 
 TOOLS = {
@@ -39,6 +45,8 @@ TOOLS = {
     for tool in (
         GoTool("argocd-health-runner", "tests/tools/argocd-health-runner",
                "runs config/argocd's health script under gopher-lua as Argo CD does"),
+        GoTool("helm", "tests/tools/helm", "lints and renders charts/proxyshift; installs it in the chart e2e",
+               package="helm.sh/helm/v3/cmd/helm"),
     )
 }
 
@@ -109,7 +117,7 @@ def build(name: str, *, force: bool = False) -> Path:
         # `built()` would take for a finished binary.
         partial = output.with_name(f".{name}.partial")
         try:
-            run(["go", "-C", str(module), *BUILD_ARGS, "-o", str(partial), "."],
+            run(["go", "-C", str(module), *BUILD_ARGS, "-o", str(partial), _tool(name).package],
                 timeout=BUILD_TIMEOUT_SECONDS, env=_go_env())
         except CommandError as exc:
             raise GoToolError(f"building {name} from {module}: {exc}") from exc
