@@ -109,6 +109,17 @@ def differences(chart: list[dict[str, Any]], kustomize: list[dict[str, Any]]) ->
     found = [f"only in the chart: {k}" for k in sorted(rendered.keys() - built.keys(), key=str)]
     found += [f"only in kustomize: {k}" for k in sorted(built.keys() - rendered.keys(), key=str)]
     for k in sorted(rendered.keys() & built.keys(), key=str):
-        if rendered[k] != built[k]:
-            found.append(f"{k} differs:\n  chart:     {rendered[k]}\n  kustomize: {built[k]}")
+        found += [f"{k} {line}" for line in field_differences(rendered[k], built[k])]
     return found
+
+
+def field_differences(chart: Any, kustomize: Any, path: str = "") -> list[str]:
+    """Each field where the two differ, by its path (a whole object printed would hide the one field)."""
+    if isinstance(chart, dict) and isinstance(kustomize, dict):
+        return [line for name in sorted(chart.keys() | kustomize.keys())
+                for line in field_differences(chart.get(name, "<absent>"), kustomize.get(name, "<absent>"),
+                                              f"{path}.{name}")]
+    if isinstance(chart, list) and isinstance(kustomize, list) and len(chart) == len(kustomize):
+        return [line for i, (a, b) in enumerate(zip(chart, kustomize, strict=True))
+                for line in field_differences(a, b, f"{path}[{i}]")]
+    return [] if chart == kustomize else [f"{path or '.'}: chart {chart!r}, kustomize {kustomize!r}"]

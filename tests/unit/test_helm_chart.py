@@ -157,3 +157,13 @@ def test_kustomize_subset_refuses_what_it_cannot_read(tmp_path: Any) -> None:
     (tmp_path / "kustomization.yaml").write_text("resources: []\nnamePrefix: x-\n")
     with pytest.raises(AssertionError, match="namePrefix"):
         kustomize_subset(tmp_path)
+
+
+def test_a_difference_is_named_by_its_field() -> None:
+    objects = kustomize_subset(ROOT / "config" / "default")
+    changed = [dict(o) for o in objects]
+    deployment = next(o for o in changed if o["kind"] == "Deployment")
+    deployment["spec"] = {**deployment["spec"], "replicas": 3}
+    found = differences([o for o in changed if o["kind"] != "Namespace"], objects)
+    assert found == ["('apps/v1', 'Deployment', 'proxyshift-system', 'proxyshift-operator') .spec.replicas: "
+                     "chart 3, kustomize 2"]
