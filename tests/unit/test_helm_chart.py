@@ -5,6 +5,7 @@ helm is the pinned build of `make go-tools` (tests/tools/helm); without it these
 
 from __future__ import annotations
 
+import tarfile
 from typing import Any
 
 import pytest
@@ -167,3 +168,19 @@ def test_a_difference_is_named_by_its_field() -> None:
     found = differences([o for o in changed if o["kind"] != "Namespace"], objects)
     assert found == ["('apps/v1', 'Deployment', 'proxyshift-system', 'proxyshift-operator') .spec.replicas: "
                      "chart 3, kustomize 2"]
+
+
+def test_the_packaged_chart_carries_the_linked_files_themselves(tmp_path: Any) -> None:
+    # A chart repository or OCI registry gets the .tgz, where a link to outside the chart would dangle.
+    helm_run("package", str(CHART), "--destination", str(tmp_path))
+    version = yaml.safe_load((CHART / "Chart.yaml").read_text())["version"]
+    with tarfile.open(tmp_path / f"proxyshift-{version}.tgz") as archive:
+        members = {m.name: m for m in archive.getmembers()}
+        for inside, source in [*((f"crds/{p.name}", p) for p in sorted((CHART / "crds").iterdir())),
+                               ("files/prometheusrule.yaml",
+                                ROOT / "config" / "prometheus" / "alerts" / "prometheusrule.yaml")]:
+            member = members[f"proxyshift/{inside}"]
+            assert member.isfile(), inside
+            extracted = archive.extractfile(member)
+            assert extracted is not None
+            assert extracted.read() == source.read_bytes(), inside
