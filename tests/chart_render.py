@@ -1,7 +1,7 @@
 """charts/proxyshift rendered by the pinned helm, and config/ built as kustomize builds it, side by side.
 
 Shared by tests/unit/test_helm_chart.py (against a strict reading of config/'s kustomizations) and
-tests/e2e/test_helm_chart.py (against the real `kubectl kustomize` and a real install).
+tests/e2e/test_helm_install.py (against the real `kubectl kustomize` and a real install).
 """
 
 from __future__ import annotations
