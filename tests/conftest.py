@@ -49,10 +49,11 @@ class Cluster:
         self.is_down = result.returncode == 0
         return result
 
-    def kubectl(self, *args: str, timeout: float = 120.0, check: bool = True) -> Result:
+    def kubectl(self, *args: str, timeout: float = 120.0, check: bool = True, input: str | None = None) -> Result:
         kubectl = str(self.bin_dir / "kubectl") if self.bin_dir and (self.bin_dir / "kubectl").exists() \
             else "kubectl"
-        return run([kubectl, "--kubeconfig", str(self.kubeconfig), *args], timeout=timeout, check=check)
+        return run([kubectl, "--kubeconfig", str(self.kubeconfig), *args], timeout=timeout, check=check,
+                   input=input)
 
     def require_local(self, what: str) -> Path:
         # An explicit, reasoned skip (listed by -ra), only for a deliberately external cluster: kind's
