@@ -64,6 +64,16 @@ def test_chart_alerts_are_config_prometheus_alerts() -> None:
     assert shipped.read_bytes() == (ROOT / "config" / "prometheus" / "alerts" / "prometheusrule.yaml").read_bytes()
 
 
+def test_chart_admission_policies_are_config_admission() -> None:
+    # templates/admission.yaml renders what files/admission/kustomization.yaml lists, so a policy added
+    # to config/admission reaches the chart by itself.
+    shipped = CHART / "files" / "admission"
+    source = ROOT / "config" / "admission"
+    assert sorted(p.name for p in shipped.iterdir()) == sorted(p.name for p in source.iterdir())
+    for path in source.iterdir():
+        assert (shipped / path.name).read_bytes() == path.read_bytes(), path.name
+
+
 def test_default_values_render_the_objects_of_config_default() -> None:
     assert differences(render(), kustomize_subset(ROOT / "config" / "default")) == []
 
@@ -177,6 +187,8 @@ def test_the_packaged_chart_carries_the_linked_files_themselves(tmp_path: Any) -
     with tarfile.open(tmp_path / f"proxyshift-{version}.tgz") as archive:
         members = {m.name: m for m in archive.getmembers()}
         for inside, source in [*((f"crds/{p.name}", p) for p in sorted((CHART / "crds").iterdir())),
+                               *((f"files/admission/{p.name}", p)
+                                 for p in sorted((ROOT / "config" / "admission").iterdir())),
                                ("files/prometheusrule.yaml",
                                 ROOT / "config" / "prometheus" / "alerts" / "prometheusrule.yaml")]:
             member = members[f"proxyshift/{inside}"]
