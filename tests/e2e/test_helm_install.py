@@ -35,9 +35,26 @@ def _kubectl_binary() -> Path:
     return kubectl
 
 
+def _one_break_per_blank_line(obj: dict[str, Any]) -> dict[str, Any]:
+    """A ValidatingAdmissionPolicy's CEL with each blank line read as one line break.
+
+    The multi-line CEL of config/admission/operator-kube-system.yaml is a `>-` block whose later
+    lines are more indented than its first. What `kubectl kustomize` prints of it reads back with a
+    blank line before such lines, where the file itself (PyYAML, and helm's reading of it) has one
+    line break, as the YAML spec says. CEL ignores the whitespace; nothing else is changed.
+    """
+    if obj["kind"] != "ValidatingAdmissionPolicy":
+        return obj
+    for validation in obj["spec"].get("validations", []):
+        while "\n\n" in validation["expression"]:
+            validation["expression"] = validation["expression"].replace("\n\n", "\n")
+    return obj
+
+
 def test_default_values_render_what_kubectl_kustomize_builds() -> None:
     built = run([str(_kubectl_binary()), "kustomize", str(ROOT / "config" / "default")], timeout=120).stdout
-    assert differences(render(), [d for d in yaml.safe_load_all(built) if d]) == []
+    kustomized = [_one_break_per_blank_line(d) for d in yaml.safe_load_all(built) if d]
+    assert differences(render(), kustomized) == []
 
 
 def _helm(cluster: Any, home: Path, *args: str, timeout: float = 420) -> str:
