@@ -28,7 +28,7 @@ crds-check: ## fail when the committed CRDs differ from the models
 binaries: go-tools ## build the pinned upstream Kubernetes and etcd binaries and the tests' Go tools (cached)
 	$(PYTHON) -m proxyshift.localcluster.build
 
-go-tools: ## build only the tests' small pinned Go tools (argocd-health-runner; cached, seconds)
+go-tools: ## build only the tests' small pinned Go tools (argocd-health-runner, helm; cached: seconds, helm minutes the first time)
 	$(PYTHON) -m proxyshift.localcluster.gotools
 
 cluster-up: binaries ## start the local cluster (3 nodes: pools blue=2, green=1)

@@ -1,5 +1,8 @@
 """Small pinned Go programs the tests run (not the cluster binaries), built once and cached.
 
+A tool is either the module's own main package or an upstream command that the module pins with a
+`tool` directive in its go.mod (helm: `helm.sh/helm/v3/cmd/helm` at the version its go.mod requires).
+
 Each tool is its own Go module in the checkout, with a committed go.sum. It builds into
 `~/.cache/proxyshift/tools/<name>/<source-hash>/<name>`, the hash taken over every file of the
 module and the build flags, so an edited source or pin builds into a fresh folder and a test never
@@ -24,7 +27,14 @@ from proxyshift.localcluster import paths
 BUILD_TIMEOUT_SECONDS = 900.0
 # -mod=mod: the modules come from the proxy against the committed go.sum, with no vendor folder.
 GOFLAGS = "-mod=mod -buildvcs=false"
-BUILD_ARGS = ("build", "-trimpath", "-ldflags", "-s -w")
+LDFLAGS = "-s -w"
+BUILD_ARGS = ("build", "-trimpath", "-ldflags", LDFLAGS)  # before each tool's own -X settings
+
+HELM_VERSION_LDFLAGS = (
+    "-X helm.sh/helm/v3/internal/version.version=v3.22.0",
+    *(f"-X helm.sh/helm/v3/pkg/{pkg}.k8sVersion{part}={number}"
+      for pkg in ("lint/rules", "chartutil") for part, number in (("Major", 1), ("Minor", 37))),
+)
 
 
 @dataclass(frozen=True)
@@ -32,6 +42,11 @@ class GoTool:
     name: str
     module: str  # the module folder, relative to the checkout
     purpose: str
+    # What `go build` builds inside the module: "." for a tool whose main package is the module's own,
+    # or an upstream main package that the module's go.mod pins with a `tool` directive.
+    package: str = "."
+    # -X settings the upstream release build links in (appended to -s -w; part of the source hash).
+    ldflags: tuple[str, ...] = ()
 
 
 TOOLS = {
@@ -39,6 +54,11 @@ TOOLS = {
     for tool in (
         GoTool("argocd-health-runner", "tests/tools/argocd-health-runner",
                "runs config/argocd's health script under gopher-lua as Argo CD does"),
+        GoTool("helm", "tests/tools/helm", "lints and renders charts/proxyshift; installs it in the chart e2e",
+               package="helm.sh/helm/v3/cmd/helm",
+               # As helm's own Makefile links them: without the Kubernetes version of its client-go
+               # (v0.37 -> 1.37), helm would take every cluster for 1.20 and refuse kubeVersion >=1.30.
+               ldflags=HELM_VERSION_LDFLAGS),
     )
 }
 
@@ -58,7 +78,7 @@ def module_dir(name: str) -> Path:
     return paths.repo_root() / _tool(name).module
 
 
-def source_hash(module: Path) -> str:
+def source_hash(module: Path, ldflags: tuple[str, ...] = ()) -> str:
     """sha256 over every file of the module (names and contents) and the build flags."""
     files = sorted(p for p in module.rglob("*") if p.is_file())
     if not any(p.name == "go.mod" for p in files):
@@ -68,12 +88,14 @@ def source_hash(module: Path) -> str:
         digest.update(str(path.relative_to(module)).encode() + b"\0")
         digest.update(path.read_bytes() + b"\0")
     digest.update(f"{GOFLAGS}\0{' '.join(BUILD_ARGS)}".encode())
+    if ldflags:  # only then: the hashes (and caches) of tools without their own flags stay as they were
+        digest.update(f"\0{' '.join(ldflags)}".encode())
     return digest.hexdigest()[:16]
 
 
 def binary_path(name: str) -> Path:
     """Where the binary for the current sources is (or will be) built."""
-    return paths.tools_cache_root() / name / source_hash(module_dir(name)) / name
+    return paths.tools_cache_root() / name / source_hash(module_dir(name), _tool(name).ldflags) / name
 
 
 def built(name: str) -> Path | None:
@@ -85,6 +107,10 @@ def built(name: str) -> Path | None:
 def build_hint(name: str) -> str:
     return (f"{name} is not built for the sources in {_tool(name).module}: run `make go-tools` "
             f"(`make binaries` does it too; needs Go and the Go module proxy)")
+
+
+def _build_args(tool: GoTool) -> list[str]:
+    return ["build", "-trimpath", "-ldflags", " ".join((LDFLAGS, *tool.ldflags))]
 
 
 def _go_env() -> dict[str, str]:
@@ -109,7 +135,7 @@ def build(name: str, *, force: bool = False) -> Path:
         # `built()` would take for a finished binary.
         partial = output.with_name(f".{name}.partial")
         try:
-            run(["go", "-C", str(module), *BUILD_ARGS, "-o", str(partial), "."],
+            run(["go", "-C", str(module), *_build_args(_tool(name)), "-o", str(partial), _tool(name).package],
                 timeout=BUILD_TIMEOUT_SECONDS, env=_go_env())
         except CommandError as exc:
             raise GoToolError(f"building {name} from {module}: {exc}") from exc
