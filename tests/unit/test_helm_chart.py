@@ -92,7 +92,7 @@ def test_the_stated_differences_are_all_there_is() -> None:
 
 def test_optional_monitoring_renders_config_prometheus() -> None:
     chart = by_key([without_chart_labels(o) for o in render(*OPTIONAL)
-                    if o["kind"] in ("ServiceMonitor", "PrometheusRule")])
+                    if o["kind"] in ("ServiceMonitor", "PodMonitor", "PrometheusRule")])
     assert chart == by_key(kustomize_subset(ROOT / "config" / "prometheus"))
 
 
@@ -103,8 +103,8 @@ def test_alert_annotations_reach_prometheus_as_its_templates() -> None:
 
 
 def test_monitoring_is_off_by_default() -> None:
-    # Both kinds exist only where the Prometheus Operator is installed.
-    assert not {"ServiceMonitor", "PrometheusRule"} & {o["kind"] for o in render()}
+    # These kinds exist only where the Prometheus Operator is installed.
+    assert not {"ServiceMonitor", "PodMonitor", "PrometheusRule"} & {o["kind"] for o in render()}
 
 
 def test_monitoring_labels_are_added() -> None:
@@ -112,7 +112,10 @@ def test_monitoring_labels_are_added() -> None:
                      "metrics.serviceMonitor.labels.release=kube-prometheus", "metrics.serviceMonitor.interval=10s")
     rule = _one(objects, "PrometheusRule", "proxyshift")
     monitor = _one(objects, "ServiceMonitor", "proxyshift-operator")
+    agents = _one(objects, "PodMonitor", "proxyshift-agent")
     assert rule["metadata"]["labels"]["release"] == monitor["metadata"]["labels"]["release"] == "kube-prometheus"
+    assert agents["metadata"]["labels"]["release"] == "kube-prometheus"
+    assert agents["spec"]["podMetricsEndpoints"][0]["interval"] == "10s"
     assert rule["metadata"]["labels"]["app.kubernetes.io/name"] == "proxyshift-operator"
     assert monitor["spec"]["endpoints"][0]["interval"] == "10s"
 
