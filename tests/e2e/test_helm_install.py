@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
-from operator_harness import REVISION_LABEL, policy
+from operator_harness import REVISION_LABEL, policy, service_account_kubeconfig
 
 from chart_render import CHART, NAMESPACE, ROOT, differences, helm_env, helm_run, render
 from proxyshift.commands import CommandError, run
@@ -98,6 +98,10 @@ def test_helm_install_runs_the_operator_in_cluster_and_migrates_a_pool(cluster: 
     finally:
         _helm_uninstall_quietly(cluster, tmp_path)
         install.install(cluster.bin_dir, cluster.kubeconfig)
+        # The ServiceAccount was deleted and made again, which invalidates every token of the old one:
+        # the session's operator logs in with a fresh token of the new one.
+        if h.operator.kubeconfig != cluster.kubeconfig:
+            service_account_kubeconfig(cluster, "proxyshift-operator", Path(h.operator.kubeconfig))
         h.operator.start()
         h.operator.wait_healthy()
 
