@@ -11,6 +11,7 @@ from a few places in agent/loop.py; Health is pure (a clock and timestamps) so t
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import threading
@@ -156,6 +157,24 @@ def respond(path: str, health: Health, registry: CollectorRegistry = REGISTRY) -
     return 404, "text/plain; charset=utf-8", b"not found: /metrics, /healthz, /readyz\n"
 
 
+BIND_WAIT_SECONDS = 30.0
+
+
+def _bind(host: str, port: int, handler: type[BaseHTTPRequestHandler],
+          wait: float = BIND_WAIT_SECONDS) -> ThreadingHTTPServer:
+    """Bind, waiting a while for a port still held: on the host network the agent this one replaces (a
+    DaemonSet rollout) may not have closed its socket yet. A port held longer is a real conflict."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return ThreadingHTTPServer((host, port), handler)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+            log.warning("port %d is still in use (the agent this one replaces?); trying again", port)
+            time.sleep(1.0)
+
+
 def serve(address: str, health: Health) -> ThreadingHTTPServer:
     """Start the metrics and health server on a daemon thread; raises OSError if the port is taken."""
     host, port = parse_listen(address)
@@ -172,7 +191,7 @@ def serve(address: str, health: Health) -> ThreadingHTTPServer:
         def log_message(self, format: str, *args: Any) -> None:
             pass  # a kubelet probe every few seconds and a scrape every 30 s are not worth a log line
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    server = _bind(host, port, Handler)
     server.daemon_threads = True
     track_heartbeat(health)
     threading.Thread(target=server.serve_forever, daemon=True, name="metrics").start()
