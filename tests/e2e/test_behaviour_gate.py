@@ -11,7 +11,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,6 @@ import yaml
 from behaviour_observe import Cell, expected_problems, observe, table
 from operator_harness import REVISION_LABEL, Harness, migration, policy
 
-from proxyshift.localcluster import behaviour_workloads
 from proxyshift.localcluster.behaviour_workloads import BehaviourWorkloads
 
 pytestmark = pytest.mark.e2e
@@ -46,14 +44,6 @@ def settled(made: BehaviourWorkloads, modes: dict[str, str]) -> list[Cell]:
         if time.monotonic() > deadline:
             pytest.fail("the matrix does not settle:\n" + "\n".join(problems[:20]) + "\n" + table(cells))
         time.sleep(1.0)
-
-
-@pytest.fixture(scope="module")
-def made(cluster: Any, kube: Any, proxyshift_installed: Path) -> Iterator[BehaviourWorkloads]:
-    state_dir = cluster.require_local("the behaviour workloads")
-    workloads = behaviour_workloads.create(state_dir, kube, nodes=list(cluster.nodes))
-    yield workloads
-    behaviour_workloads.delete(kube, workloads.namespace)
 
 
 @pytest.fixture

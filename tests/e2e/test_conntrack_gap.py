@@ -28,7 +28,6 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,6 @@ from typing import Any
 import pytest
 from operator_harness import Harness, policy
 
-from proxyshift.localcluster import behaviour_workloads
 from proxyshift.localcluster.behaviour_workloads import BehaviourWorkloads
 from proxyshift.localcluster.container import run_in_netns
 
@@ -220,14 +218,6 @@ class SwitchRecord:
                      f"; longest silence {self.udp_silence():.3f} s")
         lines += [f"  gate: {m}" for m in self.conntrack_messages] or ["  gate: told of no conntrack deletion"]
         return "\n".join(lines)
-
-
-@pytest.fixture(scope="module")
-def made(cluster: Any, kube: Any, proxyshift_installed: Path) -> Iterator[BehaviourWorkloads]:
-    state_dir = cluster.require_local("the behaviour workloads")
-    workloads = behaviour_workloads.create(state_dir, kube, nodes=list(cluster.nodes))
-    yield workloads
-    behaviour_workloads.delete(kube, workloads.namespace)
 
 
 def _conntrack_told(h: Harness, since: float) -> list[str]:
