@@ -4,12 +4,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# faketime: libfaketime skews the agent's clock in tests/reliability (never in the image)
+# gcc, libc6-dev: build tests/tools/realtime-offset, the shim that skews the agent's wall clock in
+# tests/reliability (never in the image)
 # qemu-system-x86, busybox-static: the vm test layer's guest (proxyshift.localcluster.vm); its
 # kernel package is fetched and cached by the runner itself (pinned in localcluster/pins.env)
 # prometheus: for its promtool, which the unit layer runs on config/prometheus (the alert rules and
 # the dashboard's expressions); its service is not wanted (stopped below where systemd started it)
-DEBIAN_PACKAGES=(iptables nftables ipset conntrack iproute2 ipvsadm kmod procps openssl faketime
+DEBIAN_PACKAGES=(iptables nftables ipset conntrack iproute2 ipvsadm kmod procps openssl gcc libc6-dev
                  qemu-system-x86 busybox-static prometheus)
 
 missing=()

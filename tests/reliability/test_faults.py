@@ -19,7 +19,9 @@ is written from it.
 
 from __future__ import annotations
 
+import functools
 import json
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import realtime_offset
 from faults import (
     ALL_NODES,
     ALL_STEPS,
@@ -48,9 +51,8 @@ GATE_TIMEOUT = 60
 CRASHLOOP_GATE_TIMEOUT = 30
 END_TIMEOUT = 600
 IN_FLIGHT = {"Preflight", "Cordon", "Switch", "Gate", "Cleanup", "Verify", "Uncordon", "RollingBack"}
-CLOCK_SKEW = "+30s"
+CLOCK_SKEW_SECONDS = 30
 MAX_ROUNDS = 5  # migrations per fault at most, to hit every step (see test_fault_at_every_step)
-LIBFAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
 
 
 def fault_policy(name: str, service: Any, gate_timeout: int = GATE_TIMEOUT, nodes: list[str] = BLUE
@@ -129,11 +131,30 @@ def _row(fault: str, outcome: str, cond: dict[str, Any], injector: StepInjector,
             **facts}
 
 
+def _retry(h: Harness, name: str, token: str, nodes: list[str] = BLUE) -> None:
+    """Set the retry annotation of a halted rollout and wait for a new attempt to start."""
+    before = {n: migration(pn).get("attempt") for n, pn in h.proxynodes().items() if n in nodes}
+    h.patch(name, {"metadata": {"annotations": {"proxyshift.io/retry": token}}})
+    # The policy stays Degraded until the retry is taken (the annotation is no new generation).
+    h.wait_for(lambda: any(migration(pn).get("attempt") != before.get(n) and
+                           migration(pn).get("phase") not in ("RolledBack", "Failed")
+                           for n, pn in h.proxynodes().items() if n in nodes), 120, f"retry {token} to start",
+               interval=0.2)
+
+
+def _wait_nodes_registered(h: Harness, timeout: float = 120.0) -> None:
+    """Every node exists again: a deleted Node is registered anew by the node simulator ~25 s later."""
+    def registered() -> bool:
+        return set(ALL_NODES) <= {n.metadata.name for n in h.core.list_node().items}
+    h.wait_for(registered, timeout, f"nodes {ALL_NODES} registered", interval=1.0)
+
+
 @pytest.fixture(autouse=True)
 def uncordon_after(harness: Harness) -> Iterator[None]:
     """A node left cordoned by a failed run (a Failed node stays cordoned by design) would make every later
     run fail on it; give the nodes back after each test, once its assertions have run."""
     yield
+    _wait_nodes_registered(harness)
     for node in ALL_NODES:
         if harness.unschedulable(node):
             harness.core.patch_node(node, {"spec": {"unschedulable": False}})
@@ -162,9 +183,16 @@ def test_fault_at_every_step(harness: Harness, cluster: Any, kube: Any, test_ser
     # nodes takes ~10 s here, an operator restart ~3 s). Then the policy flips back and forth, each
     # migration firing only at the steps still missing, until every step was hit: each migration is one
     # more run under the same fault, and every end state is checked.
-    missing, mode, rounds = list(ALL_STEPS), "nftables", 0
+    # A node deleted mid-rollout may fail its gate and roll back (its re-registered kube-proxy answered
+    # /healthz 503 past the 60 s timeout in one run of four): the rollout halts Degraded with the reason, and
+    # a retry with the same mode goes on to the steps not yet hit.
+    missing, mode, rounds, retry = list(ALL_STEPS), "nftables", 0, False
     while missing and rounds < MAX_ROUNDS:
-        kick = None if rounds == 0 else (lambda m=mode: h.patch(name, {"spec": {"mode": m}}))
+        kick: Callable[[], None] | None = None
+        if retry:
+            kick = functools.partial(_retry, h, name, f"round-{rounds}", nodes)
+        elif rounds:
+            kick = functools.partial(h.patch, name, {"spec": {"mode": mode}})
         try:
             outcome, cond, injector, facts, _ = migrate_under(h, cluster, kube, test_service, tcp_probe,
                                                               continuous_prober, name, fault, steps=tuple(missing),
@@ -193,9 +221,10 @@ def test_fault_at_every_step(harness: Harness, cluster: Any, kube: Any, test_ser
             assert all(not h.unschedulable(n) for n in ALL_NODES), "a node was left cordoned"
         else:
             assert outcome == "Ready" or cond.get("reason"), cond
-        if outcome != "Ready":
-            break
-        mode = "iptables" if mode == "nftables" else "nftables"
+            _wait_nodes_registered(h)
+        retry = outcome != "Ready"
+        if not retry:
+            mode = "iptables" if mode == "nftables" else "nftables"
     assert not missing, f"the fault did not fire at {missing} in {rounds} migrations: {facts['phases']}"
 
 
@@ -219,15 +248,7 @@ def test_target_kube_proxy_crash_looping(harness: Harness, cluster: Any, kube: A
             loop.stop()
 
     def retry(token: str) -> Callable[[], None]:
-        def kick() -> None:
-            before = {n: migration(pn).get("attempt") for n, pn in h.proxynodes().items() if n in BLUE}
-            h.patch(name, {"metadata": {"annotations": {"proxyshift.io/retry": token}}})
-            # The policy stays Degraded until the retry is taken: wait for a new attempt to start.
-            h.wait_for(lambda: any(migration(pn).get("attempt") != before.get(n) and
-                                   migration(pn).get("phase") not in ("RolledBack", "Failed")
-                                   for n, pn in h.proxynodes().items() if n in BLUE), 120, f"retry {token} to start",
-                       interval=0.2)
-        return kick
+        return lambda: _retry(h, name, token)
 
     rows = []
     # Before Switch there is no target pod to crash: the loop would start with it, as at Switch. From Verify on
@@ -268,42 +289,52 @@ def _set_agent_env(h: Harness, cluster: Any, env: list[dict[str, Any]]) -> None:
                     "--timeout=180s", timeout=200)
 
 
+def _heartbeats_ahead(h: Harness, timeout: float = 150.0) -> dict[str, float]:
+    """How far ahead of our clock each agent's next heartbeat is, read the moment it appears.
+
+    An agent writes its heartbeat with its own clock every status interval (60 s); read at once, a new
+    one is as far ahead as the agent's clock is, less the write and the poll (< 1 s here)."""
+    def beats() -> dict[str, str | None]:
+        return {n: (pn.get("status") or {}).get("heartbeat") for n, pn in h.proxynodes().items() if n in ALL_NODES}
+
+    old, ahead = beats(), dict[str, float]()
+    deadline = time.monotonic() + timeout
+    while len(ahead) < len(ALL_NODES) and time.monotonic() < deadline:
+        for node, beat in beats().items():
+            if node not in ahead and beat and beat != old.get(node):
+                ahead[node] = datetime.fromisoformat(beat.replace("Z", "+00:00")).timestamp() - time.time()
+        time.sleep(0.25)
+    assert len(ahead) == len(ALL_NODES), f"no new heartbeat within {timeout:g}s from {set(ALL_NODES) - set(ahead)}"
+    return ahead
+
+
 def test_clock_skew_between_operator_and_agent(harness: Harness, cluster: Any, kube: Any, test_service: Any,
                                                tcp_probe: Callable[..., Any],
                                                continuous_prober: Callable[..., Any]) -> None:
-    """Every agent's clock runs 30 s ahead of the operator's (libfaketime in the agent process)."""
+    """Every agent's wall clock runs 30 s ahead of the operator's (an LD_PRELOAD shim in the agent process)."""
     h = harness
     state_dir = cluster.require_local("clock skew")
-    assert Path(LIBFAKETIME).exists(), f"{LIBFAKETIME} missing: `make deps` installs the faketime package"
-    # The monotonic clock moves by the same 30 s (only its differences matter). Leaving it alone
-    # (FAKETIME_DONT_FAKE_MONOTONIC=1) makes libfaketime 0.9.10 fail ~10% of subprocess starts with EINVAL,
-    # which the agent rightly reports as a failed cleanup: a flaw of the tool, not of proxyshift.
-    skew = [{"name": "LD_PRELOAD", "value": LIBFAKETIME}, {"name": "FAKETIME", "value": CLOCK_SKEW}]
+    shim = realtime_offset.build()
     original = json.loads(cluster.kubectl("-n", "proxyshift-system", "get", "daemonset", "proxyshift-agent",
                                           "-o", "json").stdout)
     container = original["spec"]["template"]["spec"]["containers"][0]
     assert container["name"] == "agent", container["name"]
     original_env = container.get("env") or []
-    _set_agent_env(h, cluster, [*original_env, *skew])
+    _set_agent_env(h, cluster, [*original_env, *realtime_offset.environment(shim, CLOCK_SKEW_SECONDS)])
     try:
         for node in ALL_NODES:
             pid = agent_pid(state_dir, node)
-            assert pid and "FAKETIME" in Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace"), node
-
-        def measured_skew() -> float | None:
-            # The agent's heartbeat is written with its own clock; compare it with ours when it changes.
-            beats = {n: (pn.get("status") or {}).get("heartbeat") for n, pn in h.proxynodes().items()}
-            ahead = [datetime.fromisoformat(b.replace("Z", "+00:00")).timestamp() - time.time()
-                     for n, b in beats.items() if n in ALL_NODES and b]
-            return min(ahead) if ahead and min(ahead) > 20 else None
-
-        skew_seen = h.wait_for(measured_skew, 120, "agent heartbeats ~30 s ahead of the operator's clock")
+            assert pid and realtime_offset.OFFSET_ENV in Path(f"/proc/{pid}/environ").read_bytes().decode(
+                errors="replace"), node
+        skew_seen = _heartbeats_ahead(h)
+        assert all(20 < s < 40 for s in skew_seen.values()), f"agent heartbeats not ~30 s ahead: {skew_seen}"
         outcome, cond, injector, facts, _ = migrate_under(h, cluster, kube, test_service, tcp_probe,
                                                           continuous_prober, "rel-clock-skew", None)
     finally:
         _set_agent_env(h, cluster, original_env)
-    facts["agent_clock_ahead_s"] = round(skew_seen, 1)
-    record(cluster, _row(f"clock-skew {CLOCK_SKEW}", outcome, cond, injector, facts))
+        shutil.rmtree(shim.parent, ignore_errors=True)
+    facts["agent_clock_ahead_s"] = {n: round(v, 1) for n, v in sorted(skew_seen.items())}
+    record(cluster, _row(f"clock-skew +{CLOCK_SKEW_SECONDS}s", outcome, cond, injector, facts))
     assert outcome == "Ready", cond
     assert all(facts["modes"][n] == "nftables" for n in BLUE)
     # Skew must not turn the gate into a crawl: the probe rounds are paced by the operator's clock.
