@@ -18,6 +18,11 @@ from proxyshift.commands import Result
 # commands.run, or the same with netns= bound (tests, bench), or a fake (unit tests).
 Runner = Callable[..., Result]
 
+# What iptables, nft, ipset and ipvsadm print when the kernel refuses a process without CAP_NET_ADMIN.
+REFUSED_MARKERS = ("Permission denied", "Operation not permitted")
+MISSING_CAPABILITY_HINT = ("the kernel refused the agent: its container needs CAP_NET_ADMIN and CAP_NET_RAW "
+                           "(config/agent/daemonset.yaml grants them; a policy or webhook may have dropped them)")
+
 
 @dataclass
 class FlushStep:
@@ -34,7 +39,9 @@ class FlushStep:
 
     def describe(self) -> str:
         parts = [f"{n} {kind}" for kind, n in sorted(self.removed.items())]
-        text = f"{self.tool}: " + (", ".join(parts) + " removed" if parts else "nothing to remove")
+        # "nothing to remove" only when the tool could look: after an error it is not known.
+        text = f"{self.tool}: " + (", ".join(parts) + " removed" if parts else
+                                   "nothing removed" if self.errors else "nothing to remove")
         if self.skipped:
             text += "; " + "; ".join(self.skipped)
         if self.errors:
@@ -59,7 +66,10 @@ class FlushReport:
         head = f"flush of {', '.join(self.remove_modes) or 'nothing'}"
         if self.target_mode:
             head += f" (target {self.target_mode})"
-        return head + ": " + " | ".join(s.describe() for s in self.steps)
+        text = head + ": " + " | ".join(s.describe() for s in self.steps)
+        if any(marker in error for s in self.steps for error in s.errors for marker in REFUSED_MARKERS):
+            text = f"{MISSING_CAPABILITY_HINT}; {text}"
+        return text
 
     def details(self) -> dict[str, Any]:
         return {
