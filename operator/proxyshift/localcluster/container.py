@@ -10,6 +10,15 @@ bind-mounts each volume at its mountPath there (so two nodes' kube-proxies can
 both read /var/lib/kube-proxy/config.conf without touching the host's view), and
 execs the command, so the pid the simulator recorded is the container's pid.
 
+The securityContext (worked out by localcluster/security_context.py) is applied
+last: `--read-only-root` remounts every mount but /proc, /sys, /dev and the
+volumes read-only; `--uid/--gid/--caps/--no-new-privs` exec the command through
+util-linux's setpriv, which sets the ids, the bounding, inheritable and ambient
+capability sets and no_new_privs in one well-tested step. `--expose` makes the
+"image" (this interpreter and checkout) reachable for a non-root user when it
+lives under a private folder such as /root: a tmpfs over that folder holds the
+exposed paths only, bound back read-only, as an image holds only its own files.
+
 Network namespace entry is a setns(2) here rather than `ip netns exec`: the
 launcher must already be inside the node's network namespace when it remounts
 /sys (a sysfs mount shows the namespace of whoever mounts it), the order of the
@@ -35,6 +44,9 @@ from typing import TypeVar
 CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
 MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_NOEXEC = 0x8
 MS_REMOUNT = 0x20
 MS_BIND = 0x1000
 MS_REC = 0x4000
@@ -42,6 +54,8 @@ MS_PRIVATE = 0x40000
 MNT_DETACH = 0x2
 
 NETNS_DIR = Path("/run/netns")
+# Left writable by --read-only-root, as a container runtime leaves them: the kernel's views and /dev.
+WRITABLE_SYSTEM_MOUNTS = ("/proc", "/sys", "/dev")
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
@@ -153,6 +167,92 @@ def apply_binds(binds: list[tuple[str, str, bool]], created: list[Path]) -> None
             os.close(fd)
 
 
+def _searchable(path: Path, uid: int, gid: int) -> bool:
+    st = path.stat()
+    if uid == 0:
+        return True
+    if st.st_uid == uid:
+        return bool(st.st_mode & 0o100)
+    if st.st_gid == gid:
+        return bool(st.st_mode & 0o010)
+    return bool(st.st_mode & 0o001)
+
+
+def expose(paths: list[str], uid: int, gid: int) -> None:
+    """Make each path reachable for uid:gid when a folder above it is private (e.g. /root, 0700).
+
+    The top-most such folder gets a tmpfs of its own in this mount namespace, holding only the
+    exposed paths, each bound back read-only: nothing else under it is visible, as in an image."""
+    plan: dict[Path, list[tuple[int, Path]]] = {}
+    try:
+        for text in paths:
+            path = Path(text).resolve()
+            blocked = next((a for a in reversed(path.parents) if a != Path("/") and not _searchable(a, uid, gid)),
+                           None)
+            if blocked is None:
+                continue
+            plan.setdefault(blocked, []).append((os.open(path, os.O_PATH | os.O_CLOEXEC), path))
+        for folder, entries in sorted(plan.items(), key=lambda item: len(item[0].parts)):
+            _mount("tmpfs", str(folder), "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")
+            for fd, path in sorted(entries, key=lambda entry: len(entry[1].parts)):
+                path.mkdir(parents=True, exist_ok=True)
+                _mount(f"/proc/self/fd/{fd}", str(path), None, MS_BIND | MS_REC)
+                _mount(None, str(path), None, MS_REMOUNT | MS_BIND | MS_RDONLY)
+            # The tmpfs itself read-only too: the image's folders are not the container's to write.
+            _mount(None, str(folder), None, MS_REMOUNT | MS_NOSUID | MS_NODEV | MS_RDONLY)
+    finally:
+        for entries in plan.values():
+            for fd, _ in entries:
+                os.close(fd)
+
+
+def _mount_points() -> list[tuple[str, set[str]]]:
+    """(mount point, per-mount options) of this mount namespace, parents first."""
+    points = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        # Octal escapes (\040 for a space) as the kernel writes them.
+        point = fields[4].encode().decode("unicode_escape")
+        points.append((point, set(fields[5].split(","))))
+    return points
+
+
+def _under(path: str, roots: tuple[str, ...] | list[str]) -> bool:
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+def read_only_root(writable: list[str]) -> None:
+    """Remount every mount read-only except the kernel's views, /dev and the writable volumes."""
+    for point, options in _mount_points():
+        if "ro" in options or _under(point, WRITABLE_SYSTEM_MOUNTS) or _under(point, writable):
+            continue
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
+        flags |= (MS_NOSUID if "nosuid" in options else 0) | (MS_NODEV if "nodev" in options else 0)
+        flags |= MS_NOEXEC if "noexec" in options else 0
+        try:
+            _mount(None, point, None, flags)
+        except OSError as exc:
+            # A mount point hidden under a later mount cannot be reached by its path; what hides it
+            # is remounted in its own turn.
+            print(f"container: warning: {point} stays as it was: {exc}", file=sys.stderr)
+
+
+def setpriv_argv(uid: int | None, gid: int | None, caps: str | None, no_new_privs: bool) -> list[str]:
+    """The setpriv prefix that drops to uid:gid with exactly `caps` (comma list, "" for none)."""
+    argv = ["setpriv"]
+    if gid is not None:
+        argv += ["--regid", str(gid), "--clear-groups"]
+    if uid is not None:
+        argv += ["--reuid", str(uid)]
+    if caps is not None:
+        wanted = "".join(f",+{c.strip().lower()}" for c in caps.split(",") if c.strip())
+        for kind in ("--bounding-set", "--inh-caps", "--ambient-caps"):
+            argv += [kind, f"-all{wanted}"]
+    if no_new_privs:
+        argv.append("--no-new-privs")
+    return [*argv, "--"]
+
+
 def _remount_sys(netns: str) -> None:
     # Like `ip netns exec`: /sys/class/net should list the node's interfaces, not the host's.
     try:
@@ -170,6 +270,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workdir", default="/")
     parser.add_argument("--created-log", type=Path,
                         help="append every host path created as a mount point to this file")
+    parser.add_argument("--uid", type=int, help="run the command as this user (runAsUser)")
+    parser.add_argument("--gid", type=int, help="and this group (runAsGroup), with no supplementary groups")
+    parser.add_argument("--caps", help="exactly these capabilities, comma-separated (empty: none); "
+                                       "default: keep every one (privileged)")
+    parser.add_argument("--no-new-privs", action="store_true", help="allowPrivilegeEscalation: false")
+    parser.add_argument("--read-only-root", action="store_true", help="readOnlyRootFilesystem: true")
+    parser.add_argument("--expose", action="append", default=[], metavar="PATH",
+                        help="make PATH (the image's files) reachable for --uid below a private folder")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -186,12 +294,18 @@ def main(argv: list[str] | None = None) -> None:
     # Opened before the binds: a bind over /tmp would otherwise swallow the record.
     record = args.created_log.open("a") if args.created_log else None
     try:
+        if args.expose and args.uid not in (None, 0):
+            expose(args.expose, args.uid, args.gid if args.gid is not None else 0)
         apply_binds(binds, created)
     finally:
         if record is not None:
             with contextlib.suppress(OSError), record:
                 record.writelines(f"{path}\n" for path in created)
+    if args.read_only_root:
+        read_only_root([dst for _src, dst, read_only in binds if not read_only])
     os.chdir(args.workdir)
+    if args.uid is not None or args.gid is not None or args.caps is not None or args.no_new_privs:
+        command = [*setpriv_argv(args.uid, args.gid, args.caps, args.no_new_privs), *command]
     try:
         os.execvp(command[0], command)
     except OSError as exc:

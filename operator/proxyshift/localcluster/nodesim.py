@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import proxyshift
-from proxyshift.localcluster import paths, podnet
+from proxyshift.localcluster import paths, podnet, security_context
 from proxyshift.localcluster.container import NETNS_DIR, setns
 
 log = logging.getLogger("proxyshift.nodesim")
@@ -288,6 +288,12 @@ def image_kind(image: str) -> str | None:
     if repo == PAUSE_IMAGE:
         return "pause"
     return None
+
+
+def image_paths() -> list[str]:
+    """What the proxyshift "image" is here: this interpreter's prefixes and the checkout's package."""
+    package_root = Path(proxyshift.__file__).resolve().parent.parent
+    return sorted({sys.base_prefix, sys.prefix, str(package_root)})
 
 
 def expand(text: str, env: dict[str, str]) -> str:
@@ -588,6 +594,7 @@ class PodWorker(threading.Thread):
             return host
         target.mkdir(parents=True, exist_ok=True)
         if "emptyDir" in volume:
+            target.chmod(0o777)  # as the kubelet makes it: writable for a container of any user
             return target
         files: dict[str, tuple[bytes, int]] = {}
         if "configMap" in volume:
@@ -616,6 +623,11 @@ class PodWorker(threading.Thread):
                            f"volume {name}: type {sorted(k for k in volume if k != 'name')} not supported "
                            f"by the node simulator")
         _write_files(target, files)
+        owner = self._token_owner() if "projected" in volume else None
+        if owner is not None:
+            for source in volume["projected"].get("sources") or []:
+                if "serviceAccountToken" in source:
+                    os.chown(target / source["serviceAccountToken"].get("path", "token"), owner, -1)
         return target
 
     def _object_files(self, kind: str, spec: dict[str, Any], default_mode: int | None) -> dict[str, tuple[bytes, int]]:
@@ -808,7 +820,24 @@ class PodWorker(threading.Thread):
                                                 f"{PROXYSHIFT_IMAGE}, not {command[0]!r}")
         return [sys.executable, "-m", "proxyshift.cli", *rest, *args]
 
-    def _binds(self, container: dict[str, Any]) -> list[str]:
+    def confinement(self, container: dict[str, Any]) -> security_context.Confinement:
+        try:
+            return security_context.confinement(self.pod["spec"], container, image_kind(container.get("image", "")))
+        except security_context.SecurityContextError as exc:
+            raise PodError("CreateContainerConfigError", str(exc)) from exc
+
+    def _token_owner(self) -> int | None:
+        """The uid a projected token is handed to: like the kubelet, the one non-root runAsUser every
+        container shares when no fsGroup is set (the file stays 0600)."""
+        if (self.pod["spec"].get("securityContext") or {}).get("fsGroup") is not None:
+            return None
+        uids = set()
+        for container in [*(self.pod["spec"].get("initContainers") or []), *self.pod["spec"]["containers"]]:
+            with contextlib.suppress(PodError):
+                uids.add(self.confinement(container).uid)
+        return uids.pop() if len(uids) == 1 and 0 not in uids else None
+
+    def _binds(self, container: dict[str, Any], read_only_root: bool = False) -> list[str]:
         binds = []
         for mount in container.get("volumeMounts") or []:
             if mount["name"] not in self.volumes:
@@ -816,8 +845,10 @@ class PodWorker(threading.Thread):
             source = self.volumes[mount["name"]]
             if mount.get("subPath"):
                 source = source / mount["subPath"]
-            if source == Path(mount["mountPath"]):
-                continue  # a hostPath at its own path: the container already sees the host's file system
+            if source == Path(mount["mountPath"]) and not (read_only_root and not mount.get("readOnly")):
+                # A hostPath at its own path: the container already sees the host's file system (under a
+                # read-only root a writable one is bound onto itself, so that it stays writable).
+                continue
             binds.append(f"{source}:{mount['mountPath']}" + (":ro" if mount.get("readOnly") else ""))
         if image_kind(container.get("image", "")) == "proxyshift":
             # The "image" is this checkout's package: a volume over one of its parents (an emptyDir on
@@ -859,11 +890,17 @@ class PodWorker(threading.Thread):
             raise PodError("NetworkNotReady", f"network is not ready: no pod namespace {self.netns} on this node")
         if not self.host_network:
             self._check_shared_ports()
+        confinement = self.confinement(container)
         launcher = [sys.executable, "-m", "proxyshift.localcluster.container", "--netns", self.netns,
                     "--created-log", str(self.cfg.created_paths_file),
-                    "--workdir", container.get("workingDir") or "/"]
-        for bind in self._binds(container):
+                    "--workdir", container.get("workingDir") or "/", *confinement.launcher_args()]
+        for bind in self._binds(container, confinement.read_only_root):
             launcher += ["--bind", bind]
+        if confinement.uid != 0 and image_kind(container.get("image", "")) in ("proxyshift", "pause"):
+            # The "image" is this interpreter and checkout: reachable for the container's user even
+            # when they live under a private folder (pyenv under /root).
+            for path in image_paths():
+                launcher += ["--expose", path]
         logs = self.cfg.node_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log_path = logs / f"{self.pod_name}_{run.name}.log"
