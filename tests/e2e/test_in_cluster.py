@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +13,24 @@ from proxyshift.localcluster import paths
 pytestmark = pytest.mark.e2e
 
 BLUE = ["ps-node-1", "ps-node-2"]
+
+
+def assert_operator_confined(state_dir: Path) -> None:
+    """Each replica runs as the manifest says: uid 65532, no capability, a read-only root (issue 15)."""
+    pids = []
+    for pid_file in state_dir.glob("nodes/*/pids/proxyshift-system_proxyshift-operator-*_operator.pid"):
+        pid = pid_file.read_text().strip()
+        if Path(f"/proc/{pid}").exists():
+            pids.append(pid)
+    assert len(pids) == 2, f"two operator replicas expected running, found {pids}"
+    for pid in pids:
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+        assert status["Uid"].split()[0] == "65532", status["Uid"]
+        assert int(status["CapEff"], 16) == 0 and int(status["CapBnd"], 16) == 0
+        assert status["NoNewPrivs"].strip() == "1"
+        root = next(line.split() for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+                    if line.split()[4] == "/")
+        assert "ro" in root[5].split(","), root
 
 
 def test_in_cluster_operator_with_peering_migrates_a_pool(cluster: Any, harness: Any) -> None:
@@ -25,6 +44,7 @@ def test_in_cluster_operator_with_peering_migrates_a_pool(cluster: Any, harness:
                         "--timeout=180s", timeout=200)
         h.wait_for(lambda: "proxyshift" in cluster.kubectl("get", "clusterkopfpeerings", "-o", "name").stdout,
                    60, "the operator's peering object")
+        assert_operator_confined(cluster.require_local("operator confinement"))
         h.apply(policy("blue-in-cluster", "nftables"))
         h.wait_condition("blue-in-cluster", "Ready", 420)
         assert all(h.proxy_mode(n) == "nftables" for n in BLUE)
