@@ -15,7 +15,7 @@ setup: deps ## install system packages and Python dependencies (idempotent)
 deps:
 	@./hack/install-deps.sh
 
-lint: ## ruff over the whole tree, mypy over the pure core (api, planner, render)
+lint: ## ruff over the whole tree, mypy over the pure core (api, planner, render) and the operator wiring
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m mypy
 

@@ -196,18 +196,18 @@ def test_forget_policy_drops_its_gauges_only() -> None:
 
 
 def test_record_proxynode_sets_replaces_and_removes_the_node_series() -> None:
-    name = "sig-node"
+    name, series = "sig-node", metrics.ProxyNodeSeries()
     done = {"policy": "p", "revision": "p-1", "mode": "nftables", "migration": {"phase": "Done"}}
-    metrics.record_proxynode(name, proxynode(done, {**BEAT, "observedMode": "iptables"}), "iptables")
+    series.record(name, proxynode(done, {**BEAT, "observedMode": "iptables"}), "iptables")
     assert sample("proxyshift_proxynode_heartbeat_timestamp_seconds", node=name) == parse(BEAT["heartbeat"]).timestamp()
     assert sample("proxyshift_proxynode_mode_mismatch", node=name, observed_mode="iptables",
                   target_mode="nftables") == 1
-    metrics.record_proxynode(name, proxynode(done, {**BEAT, "observedMode": "nftables"}), "iptables")
+    series.record(name, proxynode(done, {**BEAT, "observedMode": "nftables"}), "iptables")
     assert sample("proxyshift_proxynode_mode_mismatch", node=name, observed_mode="iptables",
                   target_mode="nftables") is None  # the old label set is gone, not left at 1
     assert sample("proxyshift_proxynode_mode_mismatch", node=name, observed_mode="nftables",
                   target_mode="nftables") == 0
-    metrics.record_proxynode(name, None, "iptables")
+    series.record(name, None, "iptables")
     assert sample("proxyshift_proxynode_heartbeat_timestamp_seconds", node=name) is None
     assert sample("proxyshift_proxynode_mode_mismatch", node=name, observed_mode="nftables",
                   target_mode="nftables") is None
@@ -228,44 +228,32 @@ def test_a_migration_record_with_a_later_phase_is_progress_now() -> None:
 
 
 def test_the_wiring_exports_proxynodes_from_the_mirror_and_follows_the_baseline() -> None:
-    from proxyshift.controller import handlers
+    from proxyshift.controller.fleet import PROXYNODE_MIRROR, Fleet
+    from proxyshift.controller.mirror import Mirror
+    from proxyshift.controller.wakeups import Wakers
 
-    class FakeMirror:
-        items: dict[str, ProxyNode] = {}
-
+    fleet = Fleet(Wakers())
+    mirror = Mirror(PROXYNODE_MIRROR, list, lambda _: None, fleet.proxynode_changed)
+    fleet.mirrors[PROXYNODE_MIRROR] = mirror
     inventory = proxynode({}, {**BEAT, "observedMode": "ipvs"})
-    saved_state, saved_mirror = dict(handlers._state), handlers._mirrors.get("proxynodes")
-    try:
-        handlers._state.pop("baseline_mode", None)
-        FakeMirror.items = {"sig-wired": inventory}
-        handlers._mirrors["proxynodes"] = FakeMirror()  # type: ignore[assignment]
-        handlers._on_proxynode(None, "sig-wired", None, inventory)  # type: ignore[arg-type]
-        assert sample("proxyshift_proxynode_heartbeat_timestamp_seconds", node="sig-wired") is not None
-        assert sample("proxyshift_proxynode_mode_mismatch", node="sig-wired", observed_mode="ipvs",
-                      target_mode="iptables") is None  # the baseline is not known yet
-        handlers._baseline_changed("ipvs")
-        assert sample("proxyshift_proxynode_mode_mismatch", node="sig-wired", observed_mode="ipvs",
-                      target_mode="ipvs") == 0
-        handlers._baseline_changed("iptables")
-        assert sample("proxyshift_proxynode_mode_mismatch", node="sig-wired", observed_mode="ipvs",
-                      target_mode="iptables") == 1
-        handlers._on_proxynode(None, "sig-wired", inventory, None)  # type: ignore[arg-type]
-        assert sample("proxyshift_proxynode_heartbeat_timestamp_seconds", node="sig-wired") is None
-    finally:
-        handlers._state.clear()
-        handlers._state.update(saved_state)
-        if saved_mirror is None:
-            handlers._mirrors.pop("proxynodes", None)
-        else:
-            handlers._mirrors["proxynodes"] = saved_mirror
+    mirror._apply("sig-wired", inventory)  # what the watch thread hands to the event loop
+    assert sample("proxyshift_proxynode_heartbeat_timestamp_seconds", node="sig-wired") is not None
+    assert sample("proxyshift_proxynode_mode_mismatch", node="sig-wired", observed_mode="ipvs",
+                  target_mode="iptables") is None  # the baseline is not known yet
+    fleet.baseline_changed("ipvs")
+    assert sample("proxyshift_proxynode_mode_mismatch", node="sig-wired", observed_mode="ipvs",
+                  target_mode="ipvs") == 0
+    fleet.baseline_changed("iptables")
+    assert sample("proxyshift_proxynode_mode_mismatch", node="sig-wired", observed_mode="ipvs",
+                  target_mode="iptables") == 1
+    mirror._apply("sig-wired", None)
+    assert sample("proxyshift_proxynode_heartbeat_timestamp_seconds", node="sig-wired") is None
 
 
 def test_a_policy_s_gauges_go_when_its_loop_ends() -> None:
-    from proxyshift.controller import handlers
-
     sim = Sim.build(blue(1), [make_policy("sig-loop")])
     sim.run()
-    with handlers._exported("sig-loop"):
+    with metrics.exported("sig-loop"):
         metrics.record_plan("sig-loop", sim.world(), [])
         assert sample("proxyshift_policy_ready", policy="sig-loop") == 1
     assert sample("proxyshift_policy_ready", policy="sig-loop") is None

@@ -358,12 +358,13 @@ def test_ctrl_c_ends_a_watch_with_130_and_no_traceback(monkeypatch: pytest.Monke
 def test_the_operator_logs_in_to_the_context_it_was_given(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import kopf
 
-    from proxyshift.controller import handlers
+    from proxyshift.controller import handlers, login
+    from proxyshift.controller.runtime import MEMO_KUBE_CONTEXT
 
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig(tmp_path)))
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")  # in a pod, --context still wins
-    monkeypatch.setattr(handlers, "KUBE_CONTEXT", "b")
-    assert not handlers.in_cluster()
-    info = handlers.login(settings=kopf.OperatorSettings(), logger=None)
+    assert not login.in_cluster("b")
+    # main.py hands the context to kopf in the operator memo; the login handler reads it there.
+    info = handlers.login(settings=kopf.OperatorSettings(), logger=None, memo=kopf.Memo({MEMO_KUBE_CONTEXT: "b"}))
     assert info is not None
     assert (info.server, info.token, info.scheme) == ("https://b.example:6443", "token-b", "Bearer")

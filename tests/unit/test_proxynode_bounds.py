@@ -16,7 +16,7 @@ from proxyshift.api.proxynode import (
     ProxyNodeStatus,
     clip_status,
 )
-from proxyshift.controller.handlers import _proxynode_item
+from proxyshift.controller.fleet import proxynode_item
 
 pytestmark = pytest.mark.unit
 
@@ -56,8 +56,8 @@ def test_the_operator_ignores_a_proxynode_it_cannot_read_and_says_so(caplog: pyt
     body = {"apiVersion": "proxyshift.io/v1alpha1", "kind": "ProxyNode", "metadata": {"name": "n1"},
             "spec": {}, "status": {"kernelRelease": "x" * (STATUS_TEXT_LIMIT + 1)}}
     with caplog.at_level(logging.WARNING, logger="proxyshift.operator"):
-        assert _proxynode_item(body) is None
+        assert proxynode_item(body) is None
     assert "ProxyNode n1 is invalid and is ignored" in caplog.text
     good = dict(body, status={"kernelRelease": "6.1.0-18-amd64"})
-    found = _proxynode_item(good)
+    found = proxynode_item(good)
     assert found is not None and found[0] == "n1"

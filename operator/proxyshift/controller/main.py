@@ -39,14 +39,15 @@ def main(argv: Sequence[str]) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.metrics_port:
         start_http_server(args.metrics_port)
-    from proxyshift.controller import handlers  # registers the handlers with kopf
-
-    handlers.KUBE_CONTEXT = args.context
+    from proxyshift.controller import handlers  # noqa: F401  (importing it registers the handlers with kopf)
+    from proxyshift.controller.runtime import MEMO_KUBE_CONTEXT
 
     asyncio.run(kopf.operator(
         clusterwide=True,
         standalone=args.standalone,
         peering_name=None if args.standalone else args.peering,
         liveness_endpoint=args.liveness or None,
+        # The login and start-up handlers read the context here; the startup handler adds the runtime.
+        memo=kopf.Memo({MEMO_KUBE_CONTEXT: args.context}),
     ))
     return 0

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import Counter as PromCounter
 from prometheus_client import Gauge, Histogram
 
+# The metric objects are module-level on purpose: prometheus_client registers each in its process-wide
+# REGISTRY, which the /metrics server serves, and a second object of one name raises "Duplicated
+# timeseries". What the operator remembers between updates (ProxyNodeSeries) lives in its runtime.
 ALL_PHASES = ("Pending", "Preflight", "Cordon", "Switch", "Gate", "Cleanup", "Verify", "Uncordon", "Done",
               "Failed", "RollingBack", "RolledBack")
 
@@ -59,8 +65,6 @@ PROXYNODE_MODE_MISMATCH = Gauge(
 )
 
 POLICY_GAUGES = (POLICY_READY, POLICY_LAST_PROGRESS, POLICY_REVERT_HALTED)
-# node -> the (observed, target) labels of its mode series, so a change of either replaces the series.
-_mode_labels: dict[str, tuple[str, str]] = {}
 
 
 def _seconds_between(start: str | None, end: str | None) -> float | None:
@@ -83,6 +87,17 @@ def forget_policy(policy: str) -> None:
         POLICY_CONDITION.remove(policy, condition)
 
 
+@contextlib.contextmanager
+def exported(policy: str) -> Iterator[None]:
+    """The policy's gauges live as long as this replica's loop for it: kopf stops the daemon when the
+    policy is deleted (the delete handler steps and exports from then on) and when peering pauses
+    this replica, whose last values would otherwise outlive what the active peer reports."""
+    try:
+        yield
+    finally:
+        forget_policy(policy)
+
+
 def record_policy(policy: str, world: Any, actions: list[Any]) -> None:
     from proxyshift.planner.signals import policy_signals
     from proxyshift.planner.world import RemoveFinalizer
@@ -101,27 +116,37 @@ def record_policy(policy: str, world: Any, actions: list[Any]) -> None:
     POLICY_REVERT_HALTED.labels(policy).set(1 if signals.revert_halted else 0)
 
 
-def record_proxynode(name: str, pn: Any, baseline_mode: str | None) -> None:
-    """Set (pn None: remove) the node's heartbeat and mode series from its ProxyNode."""
-    from proxyshift.planner.signals import node_signals
+@dataclass
+class ProxyNodeSeries:
+    """Each ProxyNode's heartbeat and mode series.
 
-    old = _mode_labels.pop(name, None)
-    if pn is None:
-        PROXYNODE_HEARTBEAT.remove(name)
-        if old is not None:
+    The mode series carries the observed and target modes as labels, so a change of either must remove
+    the old series: `labels` remembers, per node, the labels it was last exported with.
+    """
+
+    labels: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    def record(self, name: str, pn: Any, baseline_mode: str | None) -> None:
+        """Set (pn None: remove) the node's heartbeat and mode series from its ProxyNode."""
+        from proxyshift.planner.signals import node_signals
+
+        old = self.labels.pop(name, None)
+        if pn is None:
+            PROXYNODE_HEARTBEAT.remove(name)
+            if old is not None:
+                PROXYNODE_MODE_MISMATCH.remove(name, *old)
+            return
+        signals = node_signals(pn, baseline_mode)
+        if signals.heartbeat is None:
+            PROXYNODE_HEARTBEAT.remove(name)
+        else:
+            PROXYNODE_HEARTBEAT.labels(name).set(signals.heartbeat)
+        labels = (signals.observed_mode, signals.target_mode)
+        if old is not None and old != labels:
             PROXYNODE_MODE_MISMATCH.remove(name, *old)
-        return
-    signals = node_signals(pn, baseline_mode)
-    if signals.heartbeat is None:
-        PROXYNODE_HEARTBEAT.remove(name)
-    else:
-        PROXYNODE_HEARTBEAT.labels(name).set(signals.heartbeat)
-    labels = (signals.observed_mode, signals.target_mode)
-    if old is not None and old != labels:
-        PROXYNODE_MODE_MISMATCH.remove(name, *old)
-    if signals.target_mode:
-        PROXYNODE_MODE_MISMATCH.labels(name, *labels).set(1 if signals.mode_mismatch else 0)
-        _mode_labels[name] = labels
+        if signals.target_mode:
+            PROXYNODE_MODE_MISMATCH.labels(name, *labels).set(1 if signals.mode_mismatch else 0)
+            self.labels[name] = labels
 
 
 def record_plan(policy: str, world: Any, actions: list[Any]) -> None:

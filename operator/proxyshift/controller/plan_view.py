@@ -168,7 +168,7 @@ def _finding_lines(finding: CompatFinding) -> list[str]:
 
 
 # The changes the behaviour gate can see on a node (the others it cannot probe).
-_GATED = {"LocalhostNodePorts", "NodePortAddresses", "SessionAffinity", "TrafficPolicyLocal"}
+_GATED = frozenset({"LocalhostNodePorts", "NodePortAddresses", "SessionAffinity", "TrafficPolicyLocal"})
 
 
 def render_compat(policy: ProxyPolicy, groups: Sequence[CompatGroup]) -> str:

@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from proxyshift.api.kubeproxy import KubeProxyConfiguration
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.api.proxynode import ProxyNode
 from proxyshift.planner.world import KubeProxyPodView, NodeView, RevisionTarget, RevisionView, World
@@ -121,6 +122,16 @@ def first(store: Iterable[Any] | None) -> Any:
     for item in store or ():
         return item
     return None
+
+
+def baseline_mode(configmap: Mapping[str, Any] | None) -> str:
+    """The baseline kube-proxy's mode, from its ConfigMap; anything unreadable counts as kube-proxy's default."""
+    text = ((configmap or {}).get("data") or {}).get("config.conf", "")
+    try:
+        # kube-proxy's default mode on Linux is iptables when mode is empty.
+        return KubeProxyConfiguration.from_yaml(text).mode or "iptables"
+    except ValueError:
+        return "iptables"
 
 
 def build_world(

@@ -25,7 +25,7 @@ from proxyshift.planner.diagnosis import distribution_lines
 from proxyshift.planner.reports import EXIT_NOT_READY, EXIT_OK, StatusReport, dump, status_report
 from proxyshift.planner.services import EndpointView, ServiceView, endpoints_from_slice, service_view_from_k8s
 
-TERMINAL_PHASES = {"Ready", "Degraded"}
+TERMINAL_PHASES = frozenset({"Ready", "Degraded"})
 
 
 def age(stamp: str | None, now: datetime) -> str:

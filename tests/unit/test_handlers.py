@@ -1,0 +1,137 @@
+"""The kopf wiring (controller/handlers.py): what kopf has registered must not change across a release
+(an operator upgraded in place finds its progress, indexes and finalizer under these names), the
+startup handler puts the runtime where every handler finds it, and the handlers only delegate."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+from typing import Any
+
+import kopf
+import pytest
+from fake_cluster import FakeCluster, policy
+from kubernetes.client.exceptions import ApiException
+from prometheus_client import REGISTRY
+
+from proxyshift.controller import handlers
+from proxyshift.controller.runtime import MEMO_KEY, MEMO_KUBE_CONTEXT, OperatorRuntime, runtime_of
+
+pytestmark = pytest.mark.unit
+
+# (registry, handler id, activity or cause, group/version/plural, requires a finalizer, labels, when filter)
+REGISTERED = {
+    ("activities", "login_via_client", "authentication", None, None, None, None),
+    ("activities", "login", "authentication", None, None, None, None),
+    ("activities", "configure", "startup", None, None, None, None),
+    ("activities", "start_mirrors", "startup", None, None, None, None),
+    ("activities", "stop_mirrors", "cleanup", None, None, None, None),
+    ("indexing", "revision_index", None, "apps/v1/daemonsets", None, (("proxyshift.io/managed-by", "proxyshift"),),
+     None),
+    ("indexing", "policy_index", None, "proxyshift.io/v1alpha1/proxypolicies", None, None, None),
+    ("indexing", "baseline_configmap_index", None, "/v1/configmaps", None, None, "_is_baseline"),
+    ("indexing", "baseline_daemonset_index", None, "apps/v1/daemonsets", None, None, "_is_baseline"),
+    ("spawning", "rollout", None, "proxyshift.io/v1alpha1/proxypolicies", True, None, None),
+    ("changing", "on_delete", "delete", "proxyshift.io/v1alpha1/proxypolicies", True, None, None),
+}
+
+
+def registered() -> set[tuple[Any, ...]]:
+    registry = kopf.get_default_registry()
+    found = set()
+    for kind in ("activities", "indexing", "spawning", "changing"):
+        for h in getattr(registry, f"_{kind}").get_all_handlers():
+            selector = getattr(h, "selector", None)
+            where = f"{selector.group or ''}/{selector.version}/{selector.any_name}" if selector else None
+            labels = getattr(h, "labels", None)
+            when = getattr(h, "when", None)
+            found.add((kind, h.id, getattr(h, "activity", None) or getattr(h, "reason", None), where,
+                       getattr(h, "requires_finalizer", None), tuple(sorted(labels.items())) if labels else None,
+                       when.__name__ if when else None))
+    return {(k, i, str(a.value) if hasattr(a, "value") else a, *rest) for k, i, a, *rest in found}
+
+
+def test_handler_ids_indexes_and_filters_stay_what_a_running_operator_left_behind() -> None:
+    assert registered() == REGISTERED
+    daemon = next(h for h in kopf.get_default_registry()._spawning.get_all_handlers() if h.id == "rollout")
+    assert daemon.cancellation_timeout == 10
+
+
+def test_configure_sets_kopf_up_and_puts_the_runtime_in_the_memo(monkeypatch: pytest.MonkeyPatch) -> None:
+    contexts: list[str | None] = []
+    monkeypatch.setattr(handlers.login_to, "load_client_config", contexts.append)
+    monkeypatch.delenv("PROXYSHIFT_PEERING_ACTIVE", raising=False)
+    settings, memo = kopf.OperatorSettings(), kopf.Memo({MEMO_KUBE_CONTEXT: "staging"})
+
+    handlers.configure(settings=settings, memo=memo)
+
+    assert contexts == ["staging"]
+    assert settings.persistence.finalizer == "proxyshift.io/finalizer"
+    assert isinstance(settings.persistence.progress_storage, kopf.StatusProgressStorage)
+    assert isinstance(memo[MEMO_KEY], OperatorRuntime)
+    # kopf hands each resource handler a shallow copy of the operator memo: the same runtime.
+    assert runtime_of(copy.copy(memo)) is memo[MEMO_KEY]
+
+
+def test_a_handler_without_the_runtime_says_the_startup_did_not_run() -> None:
+    with pytest.raises(RuntimeError, match="startup"):
+        runtime_of(kopf.Memo())
+
+
+def reconcile_errors(policy: str, error: str) -> float:
+    return REGISTRY.get_sample_value("proxyshift_reconcile_errors_total", {"policy": policy, "error": error}) or 0.0
+
+
+class StopAfter:
+    """kopf's `stopped` flag as the loop reads it (its truth), set after n checks."""
+
+    def __init__(self, n: int) -> None:
+        self.left = n
+
+    def __bool__(self) -> bool:
+        self.left -= 1
+        return self.left < 0
+
+
+def index_kwargs(cluster: FakeCluster) -> dict[str, Any]:
+    indexes = cluster.indexes()
+    return {"policy_index": indexes.policies, "revision_index": indexes.revisions,
+            "baseline_configmap_index": indexes.baseline_configmap,
+            "baseline_daemonset_index": indexes.baseline_daemonset}
+
+
+def test_the_rollout_daemon_steps_the_policy_and_survives_an_api_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster = FakeCluster()
+    cluster.add_node("blue-1", {"pool": "blue"})
+    cluster.add_policy(policy())
+    cluster.fail[("patch_policy_status", "blue")] = ApiException(status=503, reason="unavailable")
+    before = reconcile_errors("blue", "api503")
+
+    async def run() -> None:
+        runtime = cluster.runtime_for_test()
+        monkeypatch.setattr(runtime.pacing, "pause", no_pause)
+        await handlers.rollout(name="blue", stopped=StopAfter(3), logger=logging.getLogger("test"),  # type: ignore[arg-type]
+                               memo=kopf.Memo({MEMO_KEY: runtime}), **index_kwargs(cluster))
+
+    async def no_pause(*_: Any) -> None:
+        await asyncio.sleep(0)
+
+    asyncio.run(run())
+
+    # Three iterations: the revision, then a node's preflight, each status write refused (counted, retried).
+    assert reconcile_errors("blue", "api503") - before == 3
+    assert cluster.proxynodes["blue-1"]["spec"]["operation"]["type"] == "Preflight"
+
+
+def test_the_delete_handler_lets_the_finalizer_go_when_nothing_is_left() -> None:
+    cluster = FakeCluster()
+    cluster.add_node("blue-1", {"pool": "blue"})
+    cluster.add_policy(policy(deleting=True))
+
+    async def run() -> None:
+        runtime = cluster.runtime_for_test()
+        await handlers.on_delete(name="blue", memo=kopf.Memo({MEMO_KEY: runtime}), **index_kwargs(cluster))
+
+    asyncio.run(run())  # returned: kopf removes the finalizer
+    assert cluster.calls == []
