@@ -59,10 +59,11 @@ class Operation(KubeModel):
     type: OperationType = Field(description="Preflight, Hold, Cleanup or Probe.")
     params: dict[str, Any] = Field(
         default_factory=dict,
-        description="Operation parameters: mode, scheduler, loadModules, extraModules, allowChanges, behaviour "
-        "(Preflight, a PreflightParams); "
-        "fromMode, toMode, ttlSeconds (Hold); removeModes, targetMode, services (Cleanup); "
-        "services as ip:port, awaitMode, awaitSyncs, awaitSeconds, conntrack, behaviour (Probe). behaviour is a "
+        description="Operation parameters, one model per type: mode, scheduler, loadModules, extraModules, "
+        "allowChanges, behaviour (Preflight, a PreflightParams); fromMode, toMode, ttlSeconds (Hold, a HoldParams); "
+        "removeModes, targetMode, services (Cleanup, a CleanupParams); services as ip:port, awaitMode, awaitSyncs, "
+        "awaitSeconds, conntrack, behaviour (Probe, a ProbeParams). Keys an agent does not know are ignored. "
+        "behaviour is a "
         "BehaviourParams (the Service sample to probe), conntrack a ConntrackParams (the Service destinations "
         "whose un-NATed entries are deleted after the switch).",
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
@@ -328,7 +329,9 @@ class OperationStatus(KubeModel):
     finished_at: str | None = Field(default=None, description="RFC 3339.")
     details: dict[str, Any] = Field(
         default_factory=dict,
-        description="Structured result (missing modules, objects removed, connect results).",
+        description="Structured result, one model per type: a PreflightResult (missing modules, tools, foreign "
+        "IPVS), HoldResult (empty), CleanupResult (objects removed, connect results) or ProbeResult (connect "
+        "results, the conntrack step).",
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
     )
 
