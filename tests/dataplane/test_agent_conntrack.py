@@ -164,8 +164,8 @@ def test_step_leaves_a_nated_udp_flow(topo: bt.Topology) -> None:
 
 
 def test_the_agents_own_checks_read_the_node_addresses_for_nodeports(topo: bt.Topology) -> None:
-    """KernelServiceChecks (what the agent loop runs) finds an un-NATed NodePort entry on a node address."""
-    from proxyshift.agent.loop import KernelServiceChecks
+    """KernelNodeEffects (what the agent loop runs) finds an un-NATed NodePort entry on a node address."""
+    from proxyshift.agent.effects import KernelNodeEffects
 
     def send_from_pod() -> None:
         # A UDP NodePort nobody serves yet, on the node's second address, from a fixed port: the node
@@ -177,7 +177,7 @@ def test_the_agents_own_checks_read_the_node_addresses_for_nodeports(topo: bt.To
                 time.sleep(0.05)
 
     topo.in_pod(send_from_pod)
-    report = topo.in_node(KernelServiceChecks().conntrack, ConntrackParams(node_ports=[30081]))
+    report = topo.in_node(KernelNodeEffects().conntrack, ConntrackParams(node_ports=[30081]))
     assert report.error is None and report.deleted_udp == 1 and report.deleted_tcp == 0, report
     assert report.entries == [f"udp {bt.POD_IP}:40081 -> {bt.NODE_OTHER[0]}:30081"]
     flows, _ = list_flows("UDP", runner=topo.node.run)

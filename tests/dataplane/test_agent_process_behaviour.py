@@ -3,7 +3,7 @@
 `python -m proxyshift.cli agent` in the behaviour topology's node namespace (behaviour_topology.py),
 against the one-ProxyNode fake API: a Preflight with `behaviour` writes status.behaviour.before, a
 Probe with `conntrack` and `behaviour` deletes an un-NATed SYN_SENT entry and writes
-status.behaviour.after, through the real KernelServiceChecks, the real tools and a real probe
+status.behaviour.after, through the real KernelNodeEffects, the real tools and a real probe
 server in the pod namespace.
 """
 

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_agent_loop import FakeNode as FakeAgentNode
 
 from proxyshift.agent import conntrack as conntrack_mod
 from proxyshift.agent import diagnostics as diag
@@ -253,7 +254,7 @@ def test_the_agent_answers_spec_diagnose_once_beside_its_operations() -> None:
     obj = {"metadata": {"name": "n1"}, "spec": {"diagnose": {"id": "d1", "services": [SVC12.to_k8s()]}}}
     api = StatusAPI(obj)
     node = FakeNode({"iptables-save": with_counters(KUBE_PROXY_SAVE, {"198.18.16.26:8080": 4}), "conntrack": ""})
-    agent = Agent(AgentConfig(node="n1"), api, probe_fn=lambda: KubeProxyFacts(proxy_mode="iptables"),
+    agent = Agent(AgentConfig(node="n1"), api, FakeAgentNode(facts=KubeProxyFacts(proxy_mode="iptables")),
                   diagnostics_readers=node.readers)
     agent.handle(obj)
     agent.handle(api.obj)  # the same id again (the watch echoes our own write): no second answer

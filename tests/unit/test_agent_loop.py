@@ -96,28 +96,59 @@ class FakeHold:
         return report
 
 
-def make_agent(api, *, inventory=CLEAN, facts=FACTS, flush_calls=None, preflight=None, hold=None):
-    calls = flush_calls if flush_calls is not None else []
-    held = hold if hold is not None else FakeHold()
+class FakeNode:
+    """The node behind the agent's NodeEffects protocol, from memory: records flushes, answers the rest."""
 
-    def flush_fn(remove, target):
-        calls.append((remove, target))
+    def __init__(self, *, inventory=CLEAN, facts=FACTS, flush_calls=None, preflight=None, hold=None, checks=None):
+        self.facts, self.inventory_now = facts, inventory
+        self.flush_calls = flush_calls if flush_calls is not None else []
+        self.preflight_fn = preflight
+        self.held = hold if hold is not None else FakeHold()
+        self.checks = checks  # behaviour and conntrack (test_agent_loop_behaviour's FakeChecks)
+
+    def probe(self):
+        return self.facts
+
+    def inventory(self):
+        return self.inventory_now
+
+    def flush(self, remove, target):
+        self.flush_calls.append((remove, target))
         report = FlushReport(sorted(remove), target)
         report.steps.append(FlushStep("iptables (ipv4, nft backend)", removed={"chains": 3}))
         return report
 
-    def preflight_fn(mode, scheduler=None, **kw):
-        if preflight is not None:
-            return preflight(mode, scheduler, **kw)
+    def preflight(self, mode, scheduler=None, **kw):
+        if self.preflight_fn is not None:
+            return self.preflight_fn(mode, scheduler, **kw)
         return PreflightReport(mode=mode, scheduler=scheduler, kernel_release="6.1.0",
                                modules={"nf_conntrack": "present"},
                                tools=ToolVersions(nft="1.0.9", iptables="1.8.9", iptables_backend="nf_tables"))
 
-    return Agent(AgentConfig(node="n1"), api, clock=Clock(), probe_fn=lambda: facts,
-                 inventory_fn=lambda: inventory, flush_fn=flush_fn, preflight_fn=preflight_fn,
-                 connect_fn=lambda targets: {t: (True if t.endswith(":443") else "connection refused")
-                                             for t in targets},
-                 hold_fn=held.install, release_fn=held.release, present_fn=lambda: held.present)
+    def connect(self, targets):
+        return {t: (True if t.endswith(":443") else "connection refused") for t in targets}
+
+    def install_hold(self, from_mode):
+        return self.held.install(from_mode)
+
+    def release_hold(self):
+        return self.held.release()
+
+    def hold_present(self):
+        return self.held.present
+
+    def behaviour(self, params, *, mode, operation_id):
+        assert self.checks is not None, "this test gave the fake node no behaviour checks"
+        return self.checks.behaviour(params, mode=mode, operation_id=operation_id)
+
+    def conntrack(self, params):
+        assert self.checks is not None, "this test gave the fake node no conntrack checks"
+        return self.checks.conntrack(params)
+
+
+def make_agent(api, *, inventory=CLEAN, facts=FACTS, flush_calls=None, preflight=None, hold=None):
+    node = FakeNode(inventory=inventory, facts=facts, flush_calls=flush_calls, preflight=preflight, hold=hold)
+    return Agent(AgentConfig(node="n1"), api, node, clock=Clock())
 
 
 def test_cleanup_runs_once_and_records_running_before_the_flush():
@@ -144,7 +175,7 @@ def test_a_cleanup_reports_kube_proxy_and_the_gate_services_as_seen_after_the_fl
                                        "services": ["198.19.0.10:443", "198.19.0.11:80"]}}))
     order: list[str] = []
     agent = make_agent(api, flush_calls=order)
-    agent.connect_fn = lambda targets: order.append("connect") or {t: t.endswith(":443") for t in targets}
+    agent.effects.connect = lambda targets: order.append("connect") or {t: t.endswith(":443") for t in targets}
     agent.handle(api.get("n1"))
     assert order == [(["iptables"], "nftables"), "connect"]  # connects after the flush, not before
     node = ProxyNode.model_validate(api.obj)
@@ -360,7 +391,7 @@ def test_the_watch_loop_gets_once_then_follows_resource_versions_and_gets_again_
                 stop.set()
 
     events: queue.Queue = queue.Queue()
-    agent = Agent(AgentConfig(node="n1", watch_timeout=1), WatchAPI(node_obj()))
+    agent = Agent(AgentConfig(node="n1", watch_timeout=1), WatchAPI(node_obj()), FakeNode())
     thread = threading.Thread(target=agent._watch_loop, args=(events, stop))
     thread.start()
     thread.join(timeout=20)
@@ -384,7 +415,7 @@ def test_hold_copies_the_old_rules_and_goes_once_a_new_kube_proxy_has_synced():
     api, hold = FakeAPI(node_obj(hold_op())), FakeHold()
     seen = [OLD_PROXY]
     agent = make_agent(api, hold=hold)
-    agent.probe_fn = lambda: seen[0]
+    agent.effects.probe = lambda: seen[0]
     agent.handle(api.get("n1"))
     last = ProxyNode.model_validate(api.obj).status.last_operation
     assert last.state == "Succeeded" and "9 chains, 20 rules copied" in last.message
@@ -443,7 +474,7 @@ def test_a_hold_left_by_an_earlier_agent_goes_once_kube_proxy_has_synced():
     agent = make_agent(FakeAPI(node_obj()), hold=hold, facts=NEW_STARTED)
     agent.observe(inventory=False)
     assert hold.present and agent.hold is not None  # found, kept while kube-proxy has not synced
-    agent.probe_fn = lambda: NEW_SYNCED
+    agent.effects.probe = lambda: NEW_SYNCED
     agent.observe(inventory=False)
     assert not hold.present and hold.calls == ["release"]
 
@@ -468,7 +499,7 @@ def _sequence_agent(api: FakeAPI, answers: list[KubeProxyFacts]) -> tuple[Agent,
         sleeps.append(seconds)
         agent.clock.t += seconds
 
-    agent.probe_fn, agent.sleep = probe, sleep
+    agent.effects.probe, agent.sleep = probe, sleep
     return agent, sleeps
 
 

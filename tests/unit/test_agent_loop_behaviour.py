@@ -41,7 +41,7 @@ class FakeChecks:
 def run_op(op: dict, checks: FakeChecks, status: dict | None = None) -> ProxyNode:
     api = FakeAPI(node_obj(op, status))
     agent = make_agent(api)
-    agent.service_checks = checks
+    agent.effects.checks = checks
     agent.facts = FACTS
     agent.handle(api.get("n1"))
     return ProxyNode.model_validate(api.obj)
@@ -68,7 +68,7 @@ def test_a_failed_preflight_records_no_matrix():
     agent = make_agent(api, preflight=lambda mode, scheduler, **kw: PreflightReport(
         mode=mode, scheduler=scheduler, kernel_release="6.1", modules={}, tools=ToolVersions(),
         missing=[Missing("kernel module ip_vs", "needed", "modprobe ip_vs")]))
-    agent.service_checks = checks
+    agent.effects.checks = checks
     agent.handle(api.get("n1"))
     node = ProxyNode.model_validate(api.obj)
     # The matrix is taken while the preflight runs (it only reads), and dropped when the preflight fails:

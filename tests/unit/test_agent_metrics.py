@@ -59,14 +59,14 @@ def test_an_operation_is_counted_by_type_and_result_with_its_duration_and_the_fl
     api = FakeAPI(node_obj(CLEANUP))
     agent = make_agent(api)
     clock = agent.clock
-    inner = agent.flush_fn
-    assert inner is not None and isinstance(clock, Clock)
+    inner = agent.effects.flush
+    assert isinstance(clock, Clock)
 
     def slow_flush(remove, target):
         clock.t += 2.0  # the flush takes two seconds of the agent's clock
         return inner(remove, target)
 
-    agent.flush_fn = slow_flush
+    agent.effects.flush = slow_flush
     counted = Counted()
     flushes = sample("proxyshift_agent_flush_duration_seconds_count")
     flush_sum = sample("proxyshift_agent_flush_duration_seconds_sum")
@@ -144,9 +144,8 @@ def test_every_kube_proxy_probe_is_timed_and_a_failed_one_counted():
     agent = make_agent(api, facts=KubeProxyFacts(error="GET http://127.0.0.1:10249/metrics: connection refused"))
     clock = agent.clock
     assert isinstance(clock, Clock)
-    inner = agent.probe_fn
-    assert inner is not None
-    agent.probe_fn = lambda: (setattr(clock, "t", clock.t + 0.25), inner())[1]
+    inner = agent.effects.probe
+    agent.effects.probe = lambda: (setattr(clock, "t", clock.t + 0.25), inner())[1]
     counted = Counted()
     probes = sample("proxyshift_agent_kube_proxy_probe_duration_seconds_count")
     probe_sum = sample("proxyshift_agent_kube_proxy_probe_duration_seconds_sum")

@@ -30,27 +30,33 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from proxyshift.agent import behaviour as behaviour_mod
-from proxyshift.agent import conntrack as conntrack_mod
 from proxyshift.agent import diagnostics as diagnostics_mod
 from proxyshift.agent import flush as flush_mod
 from proxyshift.agent import hold as hold_mod
 from proxyshift.agent import inventory as inventory_mod
 from proxyshift.agent import metrics as metrics_mod
-from proxyshift.agent import preflight as preflight_mod
 from proxyshift.agent import probe as probe_mod
+from proxyshift.agent.effects import KernelNodeEffects, NodeEffects
 from proxyshift.agent.ownership import MODES
-from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams, ConntrackParams, ConntrackReport
+from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams
 from proxyshift.api.common import API_GROUP, API_VERSION
 from proxyshift.api.proxynode import (
+    CleanupParams,
+    CleanupResult,
+    HoldParams,
+    HoldResult,
     KubeProxyFacts,
     Operation,
+    OperationResult,
     OperationStatus,
+    OperationType,
     PreflightParams,
+    PreflightResult,
+    ProbeParams,
+    ProbeResult,
     ProxyNodeSpec,
     clip_status,
 )
-from proxyshift.commands import CommandError, run
 
 log = logging.getLogger("proxyshift.agent")
 
@@ -64,7 +70,7 @@ MAX_PROBE_AWAIT_SECONDS = 30.0  # whatever a Probe asks, the agent never sits lo
 # node); one poll is three HTTP GETs to the node's own kube-proxy.
 PROBE_AWAIT_POLL_SECONDS = 0.05
 # Operations that change nothing on the node: a diagnose request may be read while one runs.
-READ_ONLY_OPERATIONS = ("Preflight", "Probe")
+READ_ONLY_OPERATIONS: tuple[OperationType, ...] = ("Preflight", "Probe")
 
 
 def now_rfc3339(clock: Callable[[], float] = time.time) -> str:
@@ -157,29 +163,6 @@ class HoldRecord:
 ORPHAN_HOLD_TTL = 120.0
 
 
-class ServiceChecks(Protocol):
-    """What a Preflight or Probe does to judge Services: the behaviour probe and the conntrack step."""
-
-    def behaviour(self, params: BehaviourParams, *, mode: str | None, operation_id: str) -> BehaviourMatrix: ...
-
-    def conntrack(self, params: ConntrackParams) -> ConntrackReport: ...
-
-
-class KernelServiceChecks:
-    """The real ones, on this node (agent/behaviour.py, agent/conntrack.py)."""
-
-    def behaviour(self, params: BehaviourParams, *, mode: str | None, operation_id: str) -> BehaviourMatrix:
-        return behaviour_mod.run_behaviour(params, mode=mode, operation_id=operation_id)
-
-    def conntrack(self, params: ConntrackParams) -> ConntrackReport:
-        try:
-            local = [a for a, _ in behaviour_mod.parse_ip_addr(
-                run(["ip", "-j", "-4", "addr", "show"], timeout=2.0).stdout)]
-        except (CommandError, ValueError) as exc:
-            return ConntrackReport(error=f"the node's addresses could not be read: {exc}"[:300])
-        return conntrack_mod.clean_unnated(params, local)
-
-
 def matrix_patch(matrix: BehaviourMatrix) -> dict[str, Any]:
     """Every field, with nulls: a merge patch must not keep an old matrix's podPathError."""
     return matrix.model_dump(by_alias=True, mode="json")
@@ -203,22 +186,24 @@ class AgentConfig:
     stale_seconds: float = metrics_mod.DEFAULT_STALE_SECONDS
 
 
+def kernel_effects(cfg: AgentConfig) -> KernelNodeEffects:
+    """The real node, as the agent's flags describe it."""
+    return KernelNodeEffects(metrics_address=cfg.metrics_address, health_address=cfg.health_address,
+                             proc_root=cfg.proc_root, sys_root=cfg.sys_root, modules_root=cfg.modules_root)
+
+
+# Runs one operation: (its report, the other status fields to write with it).
+Runner = Callable[["Agent", Operation, str], tuple[OperationStatus, dict[str, Any]]]
+
+
 @dataclass
 class Agent:
     cfg: AgentConfig
     api: ProxyNodeAPI
+    # Everything that touches the node: kernel_effects(cfg) for real, a fake in the unit tests.
+    effects: NodeEffects
     clock: Callable[[], float] = time.time
-    # Seams for tests; the defaults touch the real node.
-    probe_fn: Callable[[], KubeProxyFacts] | None = None
-    inventory_fn: Callable[[], inventory_mod.Inventory] | None = None
-    flush_fn: Callable[[list[str], str | None], flush_mod.FlushReport] | None = None
-    preflight_fn: Callable[..., preflight_mod.PreflightReport] | None = None
-    connect_fn: Callable[[list[str]], dict[str, bool | str]] = probe_mod.tcp_connect
     sleep: Callable[[float], None] = time.sleep
-    hold_fn: Callable[[str], hold_mod.HoldReport] | None = None
-    release_fn: Callable[[], hold_mod.HoldReport] | None = None
-    present_fn: Callable[[], bool] | None = None
-    service_checks: ServiceChecks = field(default_factory=KernelServiceChecks)
     hold: HoldRecord | None = None
     _hold_checked: bool = False
     facts: KubeProxyFacts | None = None
@@ -245,34 +230,21 @@ class Agent:
 
     def _probe(self) -> KubeProxyFacts:
         began = self.clock()
-        if self.probe_fn is not None:
-            facts = self.probe_fn()
-        else:
-            facts = probe_mod.facts_from_probe(probe_mod.probe(self.cfg.metrics_address, self.cfg.health_address))
+        facts = self.effects.probe()
         metrics_mod.PROBE_SECONDS.observe(max(self.clock() - began, 0.0))
         if facts.error:
             metrics_mod.record_error("kube_proxy_probe")
         return facts
 
-    def _inventory(self) -> inventory_mod.Inventory:
-        if self.inventory_fn is not None:
-            return self.inventory_fn()
-        return inventory_mod.take_inventory(proc_root=self.cfg.proc_root)
-
     def _flush(self, remove: list[str], target: str | None) -> flush_mod.FlushReport:
         began = self.clock()
         try:
-            if self.flush_fn is not None:
-                return self.flush_fn(remove, target)
-            return flush_mod.flush(remove, target, proc_root=self.cfg.proc_root)
+            return self.effects.flush(remove, target)
         finally:
             metrics_mod.FLUSH_SECONDS.observe(max(self.clock() - began, 0.0))
 
-    def _install_hold(self, from_mode: str) -> hold_mod.HoldReport:
-        return self.hold_fn(from_mode) if self.hold_fn is not None else hold_mod.install(from_mode)
-
     def _release_hold(self) -> hold_mod.HoldReport:
-        report = self.release_fn() if self.release_fn is not None else hold_mod.release()
+        report = self.effects.release_hold()
         if report.ok:
             self.hold = None
         return report
@@ -283,8 +255,7 @@ class Agent:
             if self._hold_checked:
                 return
             self._hold_checked = True
-            present = self.present_fn() if self.present_fn is not None else hold_mod.present()
-            if not present:
+            if not self.effects.hold_present():
                 return
             log.warning("found a rule hold left by an earlier agent; it goes once kube-proxy has synced")
             self.hold = HoldRecord(None, None, None, self.clock() + ORPHAN_HOLD_TTL)
@@ -300,15 +271,10 @@ class Agent:
         report = self._release_hold()
         (log.info if report.ok else log.error)("%s (%s)", report.message(), why)
 
-    def _preflight(self, mode: str, **kw: Any) -> preflight_mod.PreflightReport:
-        fn = self.preflight_fn or preflight_mod.check
-        return fn(mode, kw.pop("scheduler", None), proc_root=self.cfg.proc_root, sys_root=self.cfg.sys_root,
-                  modules_root=self.cfg.modules_root, **kw)
-
     def node_facts(self) -> dict[str, Any]:
         """Kernel release, modules and tool versions: they only change with a reboot, read once."""
         if self._node_facts is None:
-            report = self._preflight("iptables")
+            report = self.effects.preflight("iptables")
             self._node_facts = {"kernelRelease": report.kernel_release, "modules": report.present_modules(),
                                 "tools": report.tools.as_status()}
         return self._node_facts
@@ -318,7 +284,7 @@ class Agent:
         self.facts = self._probe()
         self._last_probe = self.clock()
         if inventory or self.inventory is None:
-            self.inventory = self._inventory()
+            self.inventory = self.effects.inventory()
             self._last_inventory = self.clock()
         self._maybe_release_hold()
         mode = self.facts.proxy_mode if self.facts.proxy_mode in MODES else None
@@ -427,66 +393,49 @@ class Agent:
 
     def _execute(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
         try:
-            if op.type == "Preflight":
-                return self._run_preflight(op, started)
-            if op.type == "Cleanup":
-                return self._run_cleanup(op, started)
-            if op.type == "Hold":
-                return self._run_hold(op, started)
-            return self._run_probe(op, started)
+            return RUNNERS[op.type](self, op, started)
         except Exception as exc:  # an operation must always end in a report, never a dead agent
             log.exception("operation %s failed", op.id)
             metrics_mod.record_error("operation")
             return self._done(op, started, False, f"{op.type} failed: {exc.__class__.__name__}: {exc}"), {}
 
     def _done(self, op: Operation, started: str, ok: bool, message: str,
-              details: dict[str, Any] | None = None) -> OperationStatus:
+              result: OperationResult | None = None) -> OperationStatus:
         return OperationStatus(id=op.id, type=op.type, state="Succeeded" if ok else "Failed", message=message,
-                               started_at=started, finished_at=now_rfc3339(self.clock), details=details or {})
+                               started_at=started, finished_at=now_rfc3339(self.clock),
+                               details=result.to_details() if result is not None else {})
 
     def _run_preflight(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
-        p = PreflightParams.model_validate(op.params)
+        p = op.params_as(PreflightParams)
         behaviour = p.behaviour
         # The matrix only reads (dials and conntrack look-ups), so it is taken while the preflight checks
         # the kernel and tools instead of after: the two cost about the same, and this is per node.
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="behaviour-before") as pool:
             pending = pool.submit(self._take_behaviour, op, behaviour) if behaviour is not None else None
-            report = self._preflight(p.mode, scheduler=p.scheduler or None, load_modules=p.load_modules,
-                                     extra_modules=p.extra_modules, allow_changes=p.allow_changes)
+            report = self.effects.preflight(p.mode, p.scheduler or None, load_modules=p.load_modules,
+                                            extra_modules=p.extra_modules, allow_changes=p.allow_changes)
             matrix = pending.result() if pending is not None else None
         self._node_facts = None if report.loaded else self._node_facts
         extra = {"kernelRelease": report.kernel_release, "modules": report.present_modules(),
                  "tools": report.tools.as_status()}
         if report.foreign_ipvs is not None:
             extra["foreignIPVS"] = report.foreign_ipvs.to_k8s()
-        message, details = report.message(), report.details()
+        message, details = report.message(), PreflightResult.model_validate(report.details())
         if report.ok and matrix is not None:
             # The "before" of this migration; an "after" of an earlier one means nothing any more.
             extra["behaviour"] = {"before": matrix_patch(matrix), "after": None}
             message += f"; {_matrix_summary(matrix)}"
         return self._done(op, started, report.ok, message, details), extra
 
-    @staticmethod
-    def _behaviour_params(op: Operation) -> BehaviourParams | None:
-        raw = op.params.get("behaviour")
-        return None if raw is None else BehaviourParams.model_validate(raw)
-
     def _take_behaviour(self, op: Operation, params: BehaviourParams) -> BehaviourMatrix:
         mode = self.facts.proxy_mode if self.facts is not None and self.facts.proxy_mode in MODES else None
-        return self.service_checks.behaviour(params, mode=mode, operation_id=op.id)
+        return self.effects.behaviour(params, mode=mode, operation_id=op.id)
 
     @staticmethod
-    def _str_list(op: Operation, key: str) -> list[str]:
-        value = op.params.get(key) or []
-        if not isinstance(value, list):
-            raise ValueError(f"params.{key} must be a list, not {type(value).__name__}")
-        return [str(v) for v in value]
-
-    def _cleanup_args(self, op: Operation) -> tuple[list[str], str | None]:
-        remove = self._str_list(op, "removeModes")
-        target = op.params.get("targetMode")
-        flush_mod.validate_modes(remove, target)
-        return remove, (str(target) if target else None)
+    def _cleanup_args(op: Operation) -> tuple[list[str], str | None]:
+        p = op.params_as(CleanupParams)
+        flush_mod.validate_modes(p.remove_modes, p.target_mode)
+        return p.remove_modes, p.target_mode or None
 
     def _run_cleanup(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
         remove, target = self._cleanup_args(op)
@@ -495,45 +444,44 @@ class Agent:
         report = self._flush(remove, target)
         extra = self.observe(inventory=True)
         message = report.message() + (f" | {released.message()}" if released.changed or not released.ok else "")
-        details = {**report.details(), "hold": released.message()}
+        details = CleanupResult.model_validate({**report.details(), "hold": released.message()})
         # kube-proxy as it is right after the flush (in `extra`) and, when asked, the gate's Services
         # reached from here: the operator verifies the node on this report without another probe.
-        services = self._str_list(op, "services")
+        services = op.params_as(CleanupParams).services
         if services:
-            details["connects"] = self.connect_fn(services)
+            details.connects = self.effects.connect(services)
         return self._done(op, started, report.ok and released.ok, message, details), extra
 
     def _run_hold(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
         """Copy the old mode's service rules so they outlive the new kube-proxy's startup cleanup."""
-        from_mode, to_mode = str(op.params.get("fromMode") or ""), str(op.params.get("toMode") or "")
-        ttl = float(op.params.get("ttlSeconds") or 600)
+        p = op.params_as(HoldParams)
+        from_mode, to_mode, ttl = p.from_mode or "", p.to_mode or "", float(p.ttl_seconds or 600)
         if not hold_mod.hold_applies(from_mode, to_mode):
-            return self._done(op, started, True, f"no rule hold needed for {from_mode} -> {to_mode}"), {}
+            return self._done(op, started, True, f"no rule hold needed for {from_mode} -> {to_mode}",
+                              HoldResult()), {}
         facts = self._probe()  # the kube-proxy running now: the hold goes when a different one has synced
-        report = self._install_hold(from_mode)
+        report = self.effects.install_hold(from_mode)
         if report.changed:
             self.hold = HoldRecord(from_mode, to_mode, facts.process_start_time, self.clock() + ttl)
             self._hold_checked = True
-        return self._done(op, started, report.ok, report.message()), {}
+        return self._done(op, started, report.ok, report.message(), HoldResult()), {}
 
     def _run_probe(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
+        p = op.params_as(ProbeParams)
         extra = self.observe(inventory=False)
-        mode = op.params.get("awaitMode")
-        if mode:
+        if p.await_mode:
             # Wait here, polling the node's own kube-proxy, rather than answer "not synced yet" and
             # make the operator ask again a round later. Bounded; the gate judges whatever comes.
-            syncs = int(op.params.get("awaitSyncs") or 1)
-            deadline = self.clock() + min(float(op.params.get("awaitSeconds") or 0), MAX_PROBE_AWAIT_SECONDS)
-            while not _settled(self.facts, str(mode), syncs) and self.clock() < deadline:
+            syncs = p.await_syncs or 1
+            deadline = self.clock() + min(p.await_seconds or 0.0, MAX_PROBE_AWAIT_SECONDS)
+            while not _settled(self.facts, p.await_mode, syncs) and self.clock() < deadline:
                 self.sleep(PROBE_AWAIT_POLL_SECONDS)
                 extra = self.observe(inventory=False)
-        services = self._str_list(op, "services")
-        connects = self.connect_fn(services) if services else {}
-        behaviour = self._behaviour_params(op)
-        raw_conntrack = op.params.get("conntrack")
-        conntrack = None if raw_conntrack is None else ConntrackParams.model_validate(raw_conntrack)
+        services = p.services
+        connects = self.effects.connect(services) if services else {}
+        behaviour = p.behaviour
         # The conntrack step first: a flow left un-NATed from the switch's gap would fail the probe.
-        cleaned = self.service_checks.conntrack(conntrack) if conntrack is not None else None
+        cleaned = self.effects.conntrack(p.conntrack) if p.conntrack is not None else None
         matrix = self._take_behaviour(op, behaviour) if behaviour is not None else None
         facts = self.facts or KubeProxyFacts()
         parts = [f"kube-proxy mode {facts.proxy_mode or 'unknown'}", f"healthz {facts.healthz_status}"]
@@ -542,9 +490,8 @@ class Agent:
         if services:
             ok = sum(1 for v in connects.values() if v is True)
             parts.append(f"{ok}/{len(services)} service connects ok")
-        details: dict[str, Any] = {"connects": connects} if services else {}
+        details = ProbeResult(connects=connects if services else None, conntrack=cleaned)
         if cleaned is not None:
-            details["conntrack"] = cleaned.to_k8s()
             parts.append(f"conntrack: {cleaned.deleted_tcp} TCP and {cleaned.deleted_udp} UDP un-NATed entries "
                          "deleted" + (f" ({cleaned.error})" if cleaned.error else ""))
         if matrix is not None:
@@ -569,18 +516,18 @@ class Agent:
             return
         extra = self.observe(inventory=True)
         assert self.inventory is not None
-        left = {m: self.inventory.count(m, observed=target, stale_only=True)  # type: ignore[arg-type]
-                for m in remove if m in MODES and m != target}
-        left = {m: n for m, n in left.items() if n}
+        counted = {m: self.inventory.count(m, observed=target, stale_only=True)  # type: ignore[arg-type]
+                   for m in remove if m in MODES and m != target}
+        left: dict[str, int] = {m: n for m, n in counted.items() if n}
         if not left:
             result = self._done(op, started, True, "the agent restarted during this cleanup; the node now has no "
                                 "objects of " + ", ".join(remove) + " left, so it completed",
-                                {"recovered": True, "remaining": {}})
+                                CleanupResult(recovered=True, remaining={}))
         else:
             what = ", ".join(f"{n} {m} objects" for m, n in left.items())
             result = self._done(op, started, False, "the agent restarted during this cleanup and did not re-run it; "
                                 f"still on the node: {what}; request the cleanup again with a new operation id",
-                                {"recovered": True, "remaining": left})
+                                CleanupResult(recovered=True, remaining=left))
         self._send_result(result, extra, began)
 
     # ---- the loop ----
@@ -666,6 +613,15 @@ class Agent:
                 backoff = min(backoff * 2, 30.0)
 
 
+# The dispatch table: how the agent runs each operation type (a unit test checks every type has one).
+RUNNERS: dict[OperationType, Runner] = {
+    "Preflight": Agent._run_preflight,
+    "Hold": Agent._run_hold,
+    "Cleanup": Agent._run_cleanup,
+    "Probe": Agent._run_probe,
+}
+
+
 def _matrix_summary(matrix: BehaviourMatrix) -> str:
     answered = sum(1 for c in matrix.cells if c.outcome == "answered")
     text = f"behaviour: {answered}/{len(matrix.cells)} cells answered in {matrix.duration_seconds or 0:.2f}s"
@@ -746,7 +702,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return oneshot.main(args)
     cfg = parse_args(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    agent = Agent(cfg, KubeProxyNodeAPI(kubeconfig=cfg.kubeconfig, context=cfg.context))
+    agent = Agent(cfg, KubeProxyNodeAPI(kubeconfig=cfg.kubeconfig, context=cfg.context), kernel_effects(cfg))
     stop = threading.Event()
     import signal
 

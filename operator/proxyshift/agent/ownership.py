@@ -11,10 +11,9 @@ pkg/proxy/nftables); see DESIGN.md "Kernel facts".
 
 from __future__ import annotations
 
-from typing import Literal
+from proxyshift.api.proxynode import MODES, Mode
 
-Mode = Literal["iptables", "ipvs", "nftables"]
-MODES: tuple[Mode, ...] = ("iptables", "ipvs", "nftables")
+__all__ = ["MODES", "Mode"]
 
 # kubelet's chains: kubelet recreates them and relies on them; not kube-proxy's to remove.
 KUBELET_CHAINS = frozenset({"KUBE-KUBELET-CANARY", "KUBE-FIREWALL"})

@@ -21,8 +21,10 @@ from proxyshift.api.common import (
     LabelSelector,
     with_rules,
 )
+from proxyshift.api.proxynode import Mode, Phase
 
-ProxyMode = Literal["iptables", "ipvs", "nftables"]
+# One Mode and one Phase for the whole package (api/proxynode.py); the names here are the policy's words.
+ProxyMode = Mode
 IPVSScheduler = Literal["rr", "wrr", "lc", "wlc", "lblc", "lblcr", "dh", "sh", "sed", "nq", "mh"]
 # One regex for the model and the CEL rule, so both accept exactly 1%..100% (no leading zeros):
 # it needs no CEL string extensions and costs the API server one bounded regex match.
@@ -451,10 +453,7 @@ class ProxyPolicySpec(KubeModel):
         return (self.ipvs or IPVSSettings()).scheduler
 
 
-NodePhase = Literal[
-    "Pending", "Preflight", "Cordon", "Switch", "Gate", "Cleanup", "Verify", "Uncordon", "Done",
-    "Failed", "RollingBack", "RolledBack",
-]
+NodePhase = Phase
 
 
 class NodeProgress(KubeModel):

@@ -7,15 +7,37 @@ agent (what is really there). `kubectl get proxynodes` is the fleet view.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import builtins
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal, TypeGuard, TypeVar, get_args
 
-from pydantic import Field
+from pydantic import Field, ValidationError, field_validator
 
-from proxyshift.api.behaviour import BehaviourParams, NodeBehaviour
+from proxyshift.api.behaviour import BehaviourParams, ConntrackParams, ConntrackReport, NodeBehaviour
 from proxyshift.api.common import KubeModel
 from proxyshift.api.diagnostics import DiagnoseRequest, NodeDiagnostics, NodeDistribution
 
 OperationType = Literal["Preflight", "Hold", "Cleanup", "Probe"]
+OPERATION_TYPES: tuple[OperationType, ...] = get_args(OperationType)
+# The kube-proxy modes, for the planner, the executor and the agent alike. The wire fields that carry a
+# mode stay plain strings: a node may report one this version does not know, and that must be a fact, not
+# a refused object.
+Mode = Literal["iptables", "ipvs", "nftables"]
+MODES: tuple[Mode, ...] = get_args(Mode)
+# Where the operator is with a node (spec.migration.phase; a string on the wire, see NodeMigration.phase).
+Phase = Literal[
+    "Pending", "Preflight", "Cordon", "Switch", "Gate", "Cleanup", "Verify", "Uncordon", "Done",
+    "Failed", "RollingBack", "RolledBack",
+]
+PHASES: tuple[Phase, ...] = get_args(Phase)
+
+
+def is_phase(text: str) -> TypeGuard[Phase]:
+    return text in PHASES
+
+
+def is_mode(text: str | None) -> TypeGuard[Mode]:
+    return text in MODES
 
 # Bounds of what an agent writes (status), in the CRD and in the agent's own writes (clip_status), so a
 # broken or hostile agent cannot grow a ProxyNode without limit, and a good one is never refused.
@@ -37,21 +59,54 @@ class Operation(KubeModel):
     type: OperationType = Field(description="Preflight, Hold, Cleanup or Probe.")
     params: dict[str, Any] = Field(
         default_factory=dict,
-        description="Operation parameters: mode, scheduler, loadModules, extraModules, allowChanges, behaviour "
-        "(Preflight, a PreflightParams); "
-        "fromMode, toMode, ttlSeconds (Hold); removeModes, targetMode, services (Cleanup); "
-        "services as ip:port, awaitMode, awaitSyncs, awaitSeconds, conntrack, behaviour (Probe). behaviour is a "
+        description="Operation parameters, one model per type: mode, scheduler, loadModules, extraModules, "
+        "allowChanges, behaviour (Preflight, a PreflightParams); fromMode, toMode, ttlSeconds (Hold, a HoldParams); "
+        "removeModes, targetMode, services (Cleanup, a CleanupParams); services as ip:port, awaitMode, awaitSyncs, "
+        "awaitSeconds, conntrack, behaviour (Probe, a ProbeParams). Keys an agent does not know are ignored. "
+        "behaviour is a "
         "BehaviourParams (the Service sample to probe), conntrack a ConntrackParams (the Service destinations "
         "whose un-NATed entries are deleted after the switch).",
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
     )
 
+    @classmethod
+    def request(cls, id: str, params: OperationParams) -> Operation:
+        """The operation that carries `params`; its type follows from the params model."""
+        return cls(id=id, type=params.operation_type, params=params.to_params())
 
-class PreflightParams(KubeModel):
+    def params_as(self, model: builtins.type[ParamsT]) -> ParamsT:
+        """params read as this operation type's model: unknown keys ignored, missing ones defaulted.
+
+        The raw dict stays as it came, so a write of the ProxyNode spec keeps what this version does not know.
+        """
+        if PARAMS_MODELS[self.type] is not model:
+            raise TypeError(f"a {self.type} operation carries {PARAMS_MODELS[self.type].__name__}, "
+                            f"not {model.__name__}")
+        return model.model_validate(self.params)
+
+    def typed_params(self) -> OperationParams:
+        return PARAMS_MODELS[self.type].model_validate(self.params)
+
+
+class _Params(KubeModel):
+    """Base of the per-type operation params (spec.operation.params).
+
+    Skew rule: an operator newer than the agent may send keys this agent does not know (ignored), an older
+    one may leave out keys this agent knows (defaulted). The wire shape is the dict `to_params` writes,
+    the same keys an operator of the version before the typed contract wrote.
+    """
+
+    model_config = KubeModel.model_config | {"extra": "ignore"}
+    operation_type: ClassVar[OperationType]
+
+    def to_params(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+class PreflightParams(_Params):
     """Operation params of a Preflight: what the operator takes from the policy for the agent's checks."""
 
-    # An operator newer than the agent may send settings this agent does not know: it checks what it can.
-    model_config = KubeModel.model_config | {"extra": "ignore"}
+    operation_type: ClassVar[OperationType] = "Preflight"
 
     mode: str = Field(max_length=16, description="Target kube-proxy mode.")
     scheduler: str | None = Field(default=None, max_length=16, description="Target IPVS scheduler (mode ipvs).")
@@ -65,12 +120,83 @@ class PreflightParams(KubeModel):
         "holding IPVS virtual servers that are not kube-proxy's (the nftables kube-proxy deletes them).")
     behaviour: BehaviourParams | None = Field(default=None, description="The Service sample to probe before.")
 
+    def to_params(self) -> dict[str, Any]:
+        # scheduler: null stays on the wire (an older agent reads the key); no allowChanges or behaviour
+        # leaves the key out.
+        wire = self.model_dump(by_alias=True, exclude={"behaviour", "allow_changes"}, mode="json")
+        if self.allow_changes:
+            wire["allowChanges"] = list(self.allow_changes)
+        if self.behaviour is not None:
+            wire["behaviour"] = self.behaviour.model_dump(by_alias=True, exclude_none=True, mode="json")
+        return wire
+
+
+class HoldParams(_Params):
+    """Operation params of a Hold: the move the old mode's service rules are copied for (agent/hold.py)."""
+
+    operation_type: ClassVar[OperationType] = "Hold"
+
+    from_mode: str | None = Field(default=None, description="The mode the node leaves (whose rules are held).")
+    to_mode: str | None = Field(default=None, description="The mode the node moves to.")
+    ttl_seconds: int = Field(default=600, description="The hold goes after this long at the latest.")
+
+    def to_params(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, mode="json")  # null modes stay: the shape every agent knows
+
+
+class CleanupParams(_Params):
+    """Operation params of a Cleanup: the modes whose stale kube-proxy objects the agent flushes."""
+
+    operation_type: ClassVar[OperationType] = "Cleanup"
+
+    # Plain strings, not Mode: the agent's flush names a mode it does not know in its report.
+    remove_modes: list[str] = Field(default_factory=list, description="Modes whose objects to remove.")
+    target_mode: str | None = Field(default=None, description="The mode kube-proxy runs now (never flushed).")
+    services: list[str] = Field(default_factory=list,
+                                description="The gate's Services as ip:port, connected to right after the flush.")
+
+    def to_params(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {"removeModes": list(self.remove_modes), "targetMode": self.target_mode}
+        if self.services:
+            wire["services"] = list(self.services)
+        return wire
+
+
+class ProbeParams(_Params):
+    """Operation params of a Probe: read kube-proxy (waiting for a sync), connect, clean conntrack, probe."""
+
+    operation_type: ClassVar[OperationType] = "Probe"
+
+    services: list[str] = Field(default_factory=list, description="The gate's Services as ip:port.")
+    await_mode: str | None = Field(default=None, description="Wait until kube-proxy runs this mode and synced.")
+    await_syncs: int = Field(default=1, description="How many syncs the wait asks for.")
+    await_seconds: float = Field(default=0.0, description="How long the agent may wait (it caps this itself).")
+    conntrack: ConntrackParams | None = Field(default=None, description="The conntrack step, first.")
+    behaviour: BehaviourParams | None = Field(default=None, description="The Service sample to probe after.")
+
+    def to_params(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {"services": list(self.services), "awaitMode": self.await_mode,
+                                "awaitSyncs": self.await_syncs, "awaitSeconds": self.await_seconds}
+        for key, part in (("conntrack", self.conntrack), ("behaviour", self.behaviour)):
+            if part is not None:
+                wire[key] = part.model_dump(by_alias=True, exclude_none=True, mode="json")
+        return wire
+
+
+OperationParams = PreflightParams | HoldParams | CleanupParams | ProbeParams
+ParamsT = TypeVar("ParamsT", bound=_Params)
+PARAMS_MODELS: dict[OperationType, type[OperationParams]] = {
+    model.operation_type: model for model in (PreflightParams, HoldParams, CleanupParams, ProbeParams)
+}
+
 
 class NodeMigration(KubeModel):
     """Where the operator is with this node. Lets a restarted operator resume from the API alone."""
 
     model_config = KubeModel.model_config | {"extra": "ignore"}
 
+    # A string on the wire, not Phase: the agent reads the whole spec, and an agent one version older must
+    # not refuse a ProxyNode whose phase is one a newer operator added. The operator writes only Phase values.
     phase: str = Field(default="Pending", description="Pending, Preflight, Cordon, Switch, Gate, Cleanup, "
                        "Verify, Uncordon, Done, Failed, RollingBack or RolledBack.")
     phase_since: str | None = Field(default=None, description="When the node entered this phase (RFC 3339).")
@@ -194,6 +320,7 @@ class OperationStatus(KubeModel):
     model_config = KubeModel.model_config | {"extra": "ignore"}
 
     id: str = Field(description="Id of the operation (spec.operation.id).")
+    # A string, not OperationType: an agent newer than the operator may report a type this one does not know.
     type: str = Field(description="Preflight, Hold, Cleanup or Probe.")
     state: Literal["Running", "Succeeded", "Failed"] = Field(description="Running, Succeeded or Failed.")
     message: str = Field(default="", max_length=STATUS_MESSAGE_LIMIT,
@@ -202,9 +329,150 @@ class OperationStatus(KubeModel):
     finished_at: str | None = Field(default=None, description="RFC 3339.")
     details: dict[str, Any] = Field(
         default_factory=dict,
-        description="Structured result (missing modules, objects removed, connect results).",
+        description="Structured result, one model per type: a PreflightResult (missing modules, tools, foreign "
+        "IPVS), HoldResult (empty), CleanupResult (objects removed, connect results) or ProbeResult (connect "
+        "results, the conntrack step).",
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
     )
+
+    def result_as(self, model: builtins.type[ResultT]) -> ResultT:
+        """details read as an operation type's result model: unknown keys ignored, missing ones defaulted,
+        and a malformed one read as not reported (an agent's bad field must not stop the operator's plan)."""
+        try:
+            return model.model_validate(self.details)
+        except ValidationError as exc:
+            bad = {err["loc"][0] for err in exc.errors() if err["loc"]}
+        try:
+            return model.model_validate({k: v for k, v in self.details.items() if k not in bad})
+        except ValidationError:
+            return model()
+
+
+class _Result(KubeModel):
+    """Base of the per-type operation results (status.lastOperation.details), the agent's structured report.
+
+    Skew rule as for params: an operator reads what it knows of a newer agent's details and defaults what an
+    older agent did not send (None: not reported, which the operator tells apart from empty).
+    """
+
+    model_config = KubeModel.model_config | {"extra": "ignore"}
+    operation_type: ClassVar[OperationType]
+
+    def to_details(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+def _connect_results(raw: Any) -> Any:
+    """{target: true | "ok" | error} as agents write it, or [{target, ok, error}] as the first ones did."""
+    if isinstance(raw, list):
+        return {str(item["target"]): True if item.get("ok") else str(item.get("error") or "failed")
+                for item in raw if isinstance(item, Mapping) and "target" in item}
+    if isinstance(raw, Mapping):
+        return {str(k): v if isinstance(v, bool | str) else bool(v) for k, v in raw.items()}
+    return raw
+
+
+Connects = dict[str, bool | str]
+
+
+class MissingItem(KubeModel):
+    """Something the node lacks for the target mode (agent/preflight.py Missing)."""
+
+    model_config = KubeModel.model_config | {"extra": "ignore"}
+
+    what: str = Field(description="e.g. 'kernel module ip_vs'.")
+    why: str = Field(default="", description="Why the mode needs it.")
+    fix: str = Field(default="", description="What a person does about it.")
+
+
+class ForeignIPVSFound(KubeModel):
+    """A preflight's foreign IPVS virtual servers (ForeignIPVS), and whether the policy accepted losing them.
+
+    Unbounded here: the operator clips what it copies into its own objects (planner/machine.py).
+    """
+
+    model_config = KubeModel.model_config | {"extra": "ignore"}
+
+    count: int = 0
+    virtual_servers: list[str] = Field(default_factory=list)
+    accepted: bool = Field(default=False, description="The policy's allowChanges names ForeignIPVSFlush.")
+
+
+class PreflightResult(_Result):
+    """details of a Preflight: the kernel and tools checked for the target mode."""
+
+    operation_type: ClassVar[OperationType] = "Preflight"
+
+    mode: str | None = None
+    scheduler: str | None = None
+    kernel_release: str | None = None
+    missing: list[MissingItem] = Field(default_factory=list)
+    missing_modules: list[str] = Field(default_factory=list)
+    modules_present: list[str] = Field(default_factory=list)
+    loaded: list[str] = Field(default_factory=list)
+    on_demand: list[str] = Field(default_factory=list)
+    tools: dict[str, str] = Field(default_factory=dict)
+    foreign_ipvs: ForeignIPVSFound | None = Field(default=None, alias="foreignIPVS")
+
+
+class HoldResult(_Result):
+    """details of a Hold: none; the message says what was copied."""
+
+    operation_type: ClassVar[OperationType] = "Hold"
+
+
+class FlushStepResult(KubeModel):
+    """One tool's part of a flush (agent/flush/base.py FlushStep)."""
+
+    model_config = KubeModel.model_config | {"extra": "ignore"}
+
+    tool: str
+    removed: dict[str, int] = Field(default_factory=dict)
+    skipped: list[str] = Field(default_factory=list)
+    errors: list[str] = Field(default_factory=list)
+
+
+class CleanupResult(_Result):
+    """details of a Cleanup: the flush, the hold it dropped, the gate's Services reached right after.
+
+    A restarted agent that finds its Cleanup left Running reports `recovered` and what is `remaining` instead.
+    """
+
+    operation_type: ClassVar[OperationType] = "Cleanup"
+
+    remove_modes: list[str] | None = None
+    target_mode: str | None = None
+    steps: list[FlushStepResult] | None = None
+    hold: str | None = None
+    connects: Connects | None = None
+    recovered: bool | None = None
+    remaining: dict[str, int] | None = None
+
+    @field_validator("connects", mode="before")
+    @classmethod
+    def _either_connects_shape(cls, value: Any) -> Any:
+        return _connect_results(value)
+
+
+class ProbeResult(_Result):
+    """details of a Probe: the gate's Services reached and the conntrack step's account."""
+
+    operation_type: ClassVar[OperationType] = "Probe"
+
+    connects: Connects | None = None
+    conntrack: ConntrackReport | None = None
+
+    @field_validator("connects", mode="before")
+    @classmethod
+    def _either_connects_shape(cls, value: Any) -> Any:
+        return _connect_results(value)
+
+
+OperationResult = PreflightResult | HoldResult | CleanupResult | ProbeResult
+ResultT = TypeVar("ResultT", bound=_Result)
+RESULT_MODELS: dict[OperationType, type[OperationResult]] = {
+    model.operation_type: model for model in (PreflightResult, HoldResult, CleanupResult, ProbeResult)
+}
 
 
 class ProxyNodeStatus(KubeModel):

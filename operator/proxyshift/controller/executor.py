@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,10 +81,10 @@ class Executor:
         kind = type(action).__name__
         policy_name = getattr(action, "policy", None) or ""
         metrics.ACTIONS.labels(policy_name or "-", kind).inc()
-        handler = getattr(self, f"_do_{kind}", None)
+        handler = ACTION_HANDLERS.get(type(action))
         if handler is None:
             raise NotImplementedError(f"no executor for action {kind}")
-        written = handler(action, policies)
+        written = handler(self, action, policies)
         if announce and action.reason and not isinstance(action, w.Event | w.RecordStatus | w.SetMigration):
             # Every API step the operator takes (label moved, cordon, drain, revision created or deleted,
             # ProxyNode released, ...) leaves an Event where a person looks: on the node it touched,
@@ -240,3 +240,21 @@ class Executor:
 
     def _do_Event(self, action: w.Event, policies: dict[str, ProxyPolicy]) -> None:
         self._emit(action.node, action.policy, action.reason, action.message, action.type, policies)
+
+
+# The dispatch table: the API call(s) of each planner action type (a unit test checks every type has one).
+# Each handler takes the action of its own key; the table's type cannot say so, hence Any.
+ActionHandler = Callable[[Executor, Any, dict[str, ProxyPolicy]], Written | None]
+ACTION_HANDLERS: dict[type[w.Action], ActionHandler] = {
+    w.EnsureRevision: Executor._do_EnsureRevision,
+    w.DeleteRevision: Executor._do_DeleteRevision,
+    w.EnsureProxyNode: Executor._do_EnsureProxyNode,
+    w.SetMigration: Executor._do_SetMigration,
+    w.SetRevisionLabel: Executor._do_SetRevisionLabel,
+    w.Cordon: Executor._do_Cordon,
+    w.Uncordon: Executor._do_Uncordon,
+    w.Drain: Executor._do_Drain,
+    w.RecordStatus: Executor._do_RecordStatus,
+    w.RemoveFinalizer: Executor._do_RemoveFinalizer,
+    w.Event: Executor._do_Event,
+}

@@ -28,12 +28,23 @@ from proxyshift.api.diagnostics import DiagnoseRequest
 from proxyshift.api.policy import ProxyPolicySpec
 from proxyshift.api.proxynode import (
     MAX_FOREIGN_VIRTUAL_SERVERS,
+    MODES,
     VIRTUAL_SERVER_TEXT_LIMIT,
+    CleanupParams,
+    CleanupResult,
+    Connects,
+    HoldParams,
+    Mode,
     NodeMigration,
     Operation,
     OperationStatus,
+    Phase,
     PreflightParams,
+    PreflightResult,
+    ProbeParams,
+    ProbeResult,
     ProxyNode,
+    is_phase,
 )
 from proxyshift.api.requirements import startup_cleanup_drops_old_rules
 from proxyshift.planner.behaviour import compare_matrices
@@ -53,12 +64,13 @@ from proxyshift.planner.world import (
     daemonset_for,
 )
 
-IN_FLIGHT = frozenset({"Preflight", "Cordon", "Switch", "Gate", "Cleanup", "Verify", "Uncordon", "RollingBack"})
-TERMINAL = frozenset({"Done", "Failed", "RolledBack"})
-FAILED = frozenset({"Failed", "RolledBack"})
+IN_FLIGHT: frozenset[Phase] = frozenset(
+    {"Preflight", "Cordon", "Switch", "Gate", "Cleanup", "Verify", "Uncordon", "RollingBack"})
+TERMINAL: frozenset[Phase] = frozenset({"Done", "Failed", "RolledBack"})
+FAILED: frozenset[Phase] = frozenset({"Failed", "RolledBack"})
 # Before the label moves nothing on the node has changed, so these phases can be abandoned for free.
-UNTOUCHED = frozenset({"Preflight"})
-ALL_MODES = ("iptables", "ipvs", "nftables")
+UNTOUCHED: frozenset[Phase] = frozenset({"Preflight"})
+ALL_MODES: tuple[Mode, ...] = MODES
 
 POLL_SECONDS = 2.0  # how soon to look again while waiting for the agent or a pod
 PROBE_INTERVAL_SECONDS = 3.0  # gap between two gate probes of the same node
@@ -113,7 +125,7 @@ class Step:
     """The machine's answer for one node: actions, the phase they lead to, when to look again."""
 
     actions: list[Action]
-    phase: str
+    phase: Phase
     message: str = ""
     requeue_after: float | None = None
 
@@ -200,11 +212,11 @@ def _event(inp: NodeInput, reason: str, message: str, warning: bool = False) -> 
     )
 
 
-def _enter(inp: NodeInput, m: NodeMigration, phase: str, **changes: Any) -> NodeMigration:
+def _enter(inp: NodeInput, m: NodeMigration, phase: Phase, **changes: Any) -> NodeMigration:
     return m.model_copy(update={"phase": phase, "phase_since": fmt(inp.now), **changes})
 
 
-def _wait(phase: str, message: str, after: float = POLL_SECONDS) -> Step:
+def _wait(phase: Phase, message: str, after: float = POLL_SECONDS) -> Step:
     return Step([], phase, message, after)
 
 
@@ -242,7 +254,8 @@ def _modes_to_remove(inp: NodeInput, keep: str, left: str | None) -> list[str]:
     return [mode for mode in ALL_MODES if mode in modes and mode != keep]
 
 
-def _probe_params(inp: NodeInput) -> tuple[dict[str, Any], list[str]]:
+def _probe_services(inp: NodeInput) -> tuple[list[str], list[str]]:
+    """The gate's Services as ip:port, and those without a ClusterIP (namespace/name)."""
     services, unresolved = [], []
     for ref in inp.spec.gate.probe_services or []:
         ip = inp.service_ips.get(f"{ref.namespace}/{ref.name}")
@@ -250,21 +263,12 @@ def _probe_params(inp: NodeInput) -> tuple[dict[str, Any], list[str]]:
             services.append(f"{ip}:{ref.port}")
         else:
             unresolved.append(f"{ref.namespace}/{ref.name}")
-    return {"services": services}, unresolved
+    return services, unresolved
 
 
-def _connects(details: Mapping[str, Any], expected: list[str]) -> dict[str, bool | str]:
-    """The agent's connect results ({target: true|"ok"|error} or [{target, ok, error}]), per expected target."""
-    raw = details.get("connects")
-    found: dict[str, bool | str] = {}
-    if isinstance(raw, Mapping):
-        for key, value in raw.items():
-            found[str(key)] = value if isinstance(value, bool | str) else bool(value)
-    elif isinstance(raw, list):
-        for item in raw:
-            if isinstance(item, Mapping) and "target" in item:
-                found[str(item["target"])] = True if item.get("ok") else str(item.get("error") or "failed")
-    return {target: found.get(target, "not probed") for target in expected}
+def _connects(found: Connects | None, expected: list[str]) -> dict[str, bool | str]:
+    """The agent's connect results (ProbeResult/CleanupResult read both wire shapes), per expected target."""
+    return {target: (found or {}).get(target, "not probed") for target in expected}
 
 
 # ---- entry point: start a node ----
@@ -277,24 +281,14 @@ def _preflight_op(inp: NodeInput, m: NodeMigration, scheduler: str | None) -> Op
         load_modules=inp.spec.preflight.load_modules,
         extra_modules=list(inp.spec.preflight.extra_modules or []),
         allow_changes=list(inp.spec.gate.behaviour.allow_changes or []),
+        behaviour=_behaviour_sample(inp),
     )
-    # scheduler: null stays on the wire (an older agent reads the key); empty lists and no behaviour do not.
-    wire = params.model_dump(by_alias=True, exclude={"behaviour", "allow_changes"}, mode="json")
-    if params.allow_changes:
-        wire["allowChanges"] = params.allow_changes
-    return Operation(id=op_id(m, "Preflight", 0), type="Preflight", params=wire | _behaviour_param(inp))
+    return Operation.request(op_id(m, "Preflight", 0), params)
 
 
-def _behaviour_param(inp: NodeInput) -> dict[str, Any]:
-    if inp.behaviour is None or not inp.behaviour.targets:
-        return {}
-    return {"behaviour": inp.behaviour.model_dump(by_alias=True, exclude_none=True, mode="json")}
-
-
-def _conntrack_param(inp: NodeInput) -> dict[str, Any]:
-    if inp.conntrack is None:
-        return {}
-    return {"conntrack": inp.conntrack.model_dump(by_alias=True, exclude_none=True, mode="json")}
+def _behaviour_sample(inp: NodeInput) -> BehaviourParams | None:
+    """The Service sample to probe, None when there is nothing to sample."""
+    return inp.behaviour if inp.behaviour is not None and inp.behaviour.targets else None
 
 
 def start(
@@ -355,7 +349,8 @@ def abandon(inp: NodeInput, reason: str, message: str) -> Step:
 def step(inp: NodeInput) -> Step:
     m = inp.migration
     if m is None or m.phase not in IN_FLIGHT:
-        return Step([], m.phase if m else "Pending")
+        # A phase this operator does not know (a newer one wrote it) is left alone, reported as not started.
+        return Step([], m.phase if m is not None and is_phase(m.phase) else "Pending")
     handler = {
         "Preflight": _preflight,
         "Cordon": _cordon,
@@ -401,18 +396,15 @@ def _preflight(inp: NodeInput, m: NodeMigration) -> Step:
 
 def foreign_ipvs_accepted(res: OperationStatus) -> list[str]:
     """The foreign IPVS virtual servers a passed preflight accepted to lose (details.foreignIPVS), bounded."""
-    raw = res.details.get("foreignIPVS")
-    if not isinstance(raw, Mapping) or raw.get("accepted") is not True:
+    found = res.result_as(PreflightResult).foreign_ipvs
+    if found is None or not found.accepted:
         return []
-    names = raw.get("virtualServers")
-    if not isinstance(names, list):
-        return []
-    return [str(n)[:VIRTUAL_SERVER_TEXT_LIMIT] for n in names[:MAX_FOREIGN_VIRTUAL_SERVERS]]
+    return [n[:VIRTUAL_SERVER_TEXT_LIMIT] for n in found.virtual_servers[:MAX_FOREIGN_VIRTUAL_SERVERS]]
 
 
 def _more(res: OperationStatus, shown: int) -> str:
-    count = (res.details.get("foreignIPVS") or {}).get("count")
-    return f" and {count - shown} more" if isinstance(count, int) and count > shown else ""
+    found = res.result_as(PreflightResult).foreign_ipvs
+    return f" and {found.count - shown} more" if found is not None and found.count > shown else ""
 
 
 def _fail(inp: NodeInput, m: NodeMigration, reason: str, message: str) -> Step:
@@ -466,8 +458,8 @@ def holds_rules(inp: NodeInput, m: NodeMigration) -> bool:
 def _hold_op(inp: NodeInput, m: NodeMigration) -> Operation:
     # A hold outlives the gate by a margin, never the whole rollout: it is a copy that goes stale.
     ttl = int(_timeout(inp).total_seconds() * 2 + HOLD_WAIT_SECONDS)
-    return Operation(id=op_id(m, "Hold", 0), type="Hold",
-                     params={"fromMode": m.from_mode, "toMode": m.to_mode, "ttlSeconds": ttl})
+    return Operation.request(op_id(m, "Hold", 0), HoldParams(from_mode=m.from_mode, to_mode=m.to_mode,
+                                                             ttl_seconds=ttl))
 
 
 def _enter_switch(inp: NodeInput, m: NodeMigration, why: str) -> Step:
@@ -535,22 +527,20 @@ def _switch(inp: NodeInput, m: NodeMigration) -> Step:
 
 
 def _probe_op(inp: NodeInput, m: NodeMigration, step_name: str, n: int) -> Operation:
-    params, _ = _probe_params(inp)
+    services, _ = _probe_services(inp)
     # The agent answers as soon as kube-proxy has synced (or after AGENT_AWAIT_SECONDS) instead of at
     # once: a probe sent while the new kube-proxy is still starting would otherwise cost a whole
     # PROBE_INTERVAL_SECONDS round. The gate still judges the answer; the wait only saves a round trip.
     mode = m.from_mode if step_name == "RollbackGate" else m.to_mode
-    params |= {"awaitMode": mode, "awaitSyncs": inp.spec.gate.min_syncs,
-               "awaitSeconds": min(AGENT_AWAIT_SECONDS, _timeout(inp).total_seconds())}
     # Every probe after a switch (forward or back) clears un-NATed conntrack entries left from the gap;
     # only the forward gate compares Service behaviour with the matrix taken before the switch.
-    params |= _conntrack_param(inp)
-    if step_name == "Gate":
-        params |= _behaviour_param(inp)
-    return Operation(id=op_id(m, step_name, n), type="Probe", params=params)
+    params = ProbeParams(services=services, await_mode=mode, await_syncs=inp.spec.gate.min_syncs,
+                         await_seconds=min(AGENT_AWAIT_SECONDS, _timeout(inp).total_seconds()),
+                         conntrack=inp.conntrack, behaviour=_behaviour_sample(inp) if step_name == "Gate" else None)
+    return Operation.request(op_id(m, step_name, n), params)
 
 
-def _enter_probe(inp: NodeInput, m: NodeMigration, phase: str, why: str) -> Step:
+def _enter_probe(inp: NodeInput, m: NodeMigration, phase: Phase, why: str) -> Step:
     nxt = _enter(inp, m, phase, message=None)
     return Step(
         [_forward_write(inp, nxt, _probe_op(inp, nxt, phase, 0)), _event(inp, phase, f"{why}; probing kube-proxy")],
@@ -572,7 +562,7 @@ def _probe_round(
     if res is None or res.state == "Running":
         return None, None, POLL_SECONDS
     n = int(op.id.rsplit(".", 1)[1])
-    _, unresolved = _probe_params(inp)
+    _, unresolved = _probe_services(inp)
     switched = parse(since) or inp.now
     if unresolved:
         verdict = GateVerdict("wait", "ServiceNotFound", "no ClusterIP known for " + ", ".join(unresolved))
@@ -595,23 +585,25 @@ def _judge_report(inp: NodeInput, op: Operation, res: OperationStatus, target_mo
                   switched: datetime) -> GateVerdict:
     """The gate on an agent's answer (a Probe's, or a Cleanup's taken after its flush): kube-proxy's facts
     in the status and, when the gate asks, the connects to the Services the operation named."""
-    expected = [str(s) for s in op.params.get("services") or []]
-    connects = _connects(res.details, expected) if inp.spec.gate.probe_services else None
+    if op.type == "Cleanup":
+        cleanup = res.result_as(CleanupResult)
+        expected, found, conntrack = op.params_as(CleanupParams).services, cleanup.connects, None
+        sampled = False
+    else:
+        probe, probed = op.params_as(ProbeParams), res.result_as(ProbeResult)
+        expected, found, conntrack = probe.services, probed.connects, probed.conntrack
+        sampled = probe.behaviour is not None
+    connects = _connects(found, expected) if inp.spec.gate.probe_services else None
     verdict = evaluate_gate(inp.proxynode.status.kube_proxy, inp.spec.gate, target_mode, switched, inp.now, connects)
-    if verdict.passed and "behaviour" in op.params:
+    if verdict.passed and sampled:
         verdict = _judge_behaviour(inp, op, verdict)
-    told = _conntrack_told(res.details)
+    told = _conntrack_told(conntrack)
     return GateVerdict(verdict.result, verdict.reason, clip(f"{verdict.message}; {told}")) if told else verdict
 
 
-def _conntrack_told(details: Mapping[str, Any]) -> str | None:
+def _conntrack_told(report: ConntrackReport | None) -> str | None:
     """What the probe's conntrack step deleted, for the gate's message (and so its Event); None: nothing."""
-    raw = details.get("conntrack")
-    if not isinstance(raw, Mapping):
-        return None
-    try:
-        report = ConntrackReport.model_validate(raw)
-    except ValueError:
+    if report is None:
         return None
     if report.error:
         return f"the conntrack step failed: {report.error}"
@@ -659,7 +651,7 @@ def _judge_behaviour(inp: NodeInput, op: Operation, verdict: GateVerdict) -> Gat
 
 
 def _gate(inp: NodeInput, m: NodeMigration) -> Step:
-    phase = m.phase
+    phase: Phase = "Verify" if m.phase == "Verify" else "Gate"
     verdict, next_op, wait = _probe_round(inp, m, phase, m.to_mode or "", m.switched_at)
     if verdict is not None and verdict.result == "fail":
         return _start_rollback(inp, m, f"{phase}{verdict.reason}" if phase == "Verify" else verdict.reason,
@@ -694,10 +686,9 @@ def _after_gate(inp: NodeInput, m: NodeMigration, verdict: GateVerdict) -> Step:
             nxt = _enter(inp, m, "Cleanup", message=None)
             # The agent probes kube-proxy (and connects to the gate's Services) right after the flush, in
             # the same operation: that report is the verification, one write and one round trip fewer.
-            services = _probe_params(inp)[0]["services"]
-            op = Operation(id=op_id(nxt, "Cleanup", 0), type="Cleanup",
-                           params={"removeModes": remove, "targetMode": m.to_mode}
-                           | ({"services": services} if services else {}))
+            services = _probe_services(inp)[0]
+            op = Operation.request(op_id(nxt, "Cleanup", 0),
+                                   CleanupParams(remove_modes=remove, target_mode=m.to_mode, services=services))
             return Step(
                 [_forward_write(inp, nxt, op),
                  _event(inp, "GatePassed", f"{verdict.message}; cleaning up {', '.join(remove)} leftovers")],
@@ -752,8 +743,8 @@ def _verify_from_cleanup(inp: NodeInput, m: NodeMigration, op: Operation,
     `connects`, and a Service without a ClusterIP cannot be checked: both fall back to a Verify probe,
     as does a verdict that is still "wait".
     """
-    _, unresolved = _probe_params(inp)
-    if unresolved or (op.params.get("services") and "connects" not in res.details):
+    _, unresolved = _probe_services(inp)
+    if unresolved or (op.params_as(CleanupParams).services and res.result_as(CleanupResult).connects is None):
         return None
     verdict = _judge_report(inp, op, res, m.to_mode or "", parse(m.switched_at) or inp.now)
     return None if verdict.result == "wait" else verdict
@@ -825,8 +816,8 @@ def _rolling_back(inp: NodeInput, m: NodeMigration) -> Step:
         remove = _modes_to_remove(inp, m.from_mode or "", m.to_mode if m.to_mode != m.from_mode else None)
         if inp.spec.cleanup.stale_rules and remove:
             nxt = m.model_copy(update={"rollback_step": "Cleanup", "phase_since": fmt(inp.now)})
-            cleanup = Operation(id=op_id(nxt, "RollbackCleanup", 0), type="Cleanup",
-                                params={"removeModes": remove, "targetMode": m.from_mode})
+            cleanup = Operation.request(op_id(nxt, "RollbackCleanup", 0),
+                                        CleanupParams(remove_modes=remove, target_mode=m.from_mode))
             return Step([_rollback_write(inp, nxt, cleanup)], "RollingBack", "cleaning up the target mode",
                         POLL_SECONDS)
         return _enter_rollback_gate(inp, m)
