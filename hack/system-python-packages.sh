@@ -12,6 +12,9 @@ if "$py" -c 'import pip' 2>/dev/null; then
 else
   echo "# no pip in this interpreter: its distributions from importlib.metadata"
   "$py" -c 'import importlib.metadata as m
-for d in sorted(m.distributions(), key=lambda d: (d.metadata["Name"] or "").lower()):
-    print(d.metadata["Name"], d.version, d.locate_file(""))'
+found = sorted(m.distributions(), key=lambda d: (d.metadata["Name"] or "").lower())
+for d in found:
+    print(d.metadata["Name"], d.version, d.locate_file(""))
+if not found:
+    print("# (none)")'
 fi
