@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Install everything proxyshift's demo and tests need on a fresh Debian machine.
+# The Python side goes into the checkout's .venv (hack/venv.sh), never into the system python3.
 # Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +13,9 @@ cd "$(dirname "$0")/.."
 # the dashboard's expressions); its service is not wanted (stopped below where systemd started it)
 DEBIAN_PACKAGES=(iptables nftables ipset conntrack iproute2 ipvsadm kmod procps openssl gcc libc6-dev
                  qemu-system-x86 busybox-static prometheus)
+# python3-venv: Debian's python3 makes no venv without it (ensurepip lives there); another python3
+# (pyenv's, a python.org build) brings its own ensurepip and needs nothing from apt
+if ! python3 -c 'import ensurepip' 2>/dev/null; then DEBIAN_PACKAGES+=(python3-venv); fi
 
 missing=()
 for pkg in "${DEBIAN_PACKAGES[@]}"; do
@@ -30,12 +34,7 @@ else
   echo "==> Debian packages present: ${DEBIAN_PACKAGES[*]}"
 fi
 
-if python3 -c 'import proxyshift, pytest, hypothesis, celpy, kopf, mypy' 2>/dev/null \
-   && python3 -m pip show proxyshift 2>/dev/null | grep "Editable project location: $(pwd)$" >/dev/null; then
-  echo "==> python package proxyshift installed (editable, from $(pwd))"
-else
-  echo "==> pip install -e .[dev]"
-  python3 -m pip install -q -e '.[dev]'
-fi
-# pyenv only exposes new console scripts (proxyshift, localcluster) after a rehash.
-if command -v pyenv >/dev/null; then pyenv rehash; fi
+# Python: the project's own .venv from requirements/dev.lock (hack/venv.sh); the system python3 is
+# never installed into (PEP 668 forbids it on Debian, and a machine-wide install would follow
+# whichever checkout ran last).
+./hack/venv.sh

@@ -13,7 +13,7 @@ a policy being deleted, and a Revert that halts on a failed node is invisible in
 `make binaries` builds the runner (cached under ~/.cache/proxyshift/tools); without it these
 tests fail and say how to build it. Alone:
 
-    make go-tools && python3 -m pytest -q tests/unit/test_argocd_health.py
+    make go-tools && .venv/bin/python -m pytest -q tests/unit/test_argocd_health.py
 
 `python tests/unit/test_argocd_health.py --write` regenerates config/argocd/argocd-cm-patch.yaml
 from config/argocd/health-proxypolicy.lua.

@@ -114,3 +114,20 @@ def test_volume_files_are_written_in_place(tmp_path: Path) -> None:
     assert (target / "config.conf").read_text() == "mode: nftables\n"
     assert (target / "config.conf").stat().st_ino != inode  # replaced by rename: readers never see half a file
     assert not (target / "sub" / "x").exists()  # keys that left the object leave the volume
+
+
+def test_a_volume_over_the_checkout_hides_the_package_and_the_venv_and_they_are_bound_back() -> None:
+    package, venv, base = Path("/tmp/ck/operator/proxyshift"), Path("/tmp/ck/.venv"), Path("/usr")
+    assert nodesim.hidden_by([Path("/tmp")], [package, venv, base]) == [package, venv]
+    assert nodesim.hidden_by([Path("/tmp/ck/.venv/lib")], [package, venv, base]) == []
+    assert nodesim.hidden_by([], [package, venv, base]) == []
+
+
+def test_image_paths_are_the_checkout_and_this_interpreters_environment() -> None:
+    import sys
+
+    import proxyshift
+
+    paths = nodesim.image_paths()
+    assert str(Path(proxyshift.__file__).resolve().parent.parent) in paths
+    assert sys.prefix in paths and sys.base_prefix in paths  # the venv, and the python it links to

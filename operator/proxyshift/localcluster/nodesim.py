@@ -296,6 +296,11 @@ def image_paths() -> list[str]:
     return sorted({sys.base_prefix, sys.prefix, str(package_root)})
 
 
+def hidden_by(mount_paths: list[Path], paths: list[Path]) -> list[Path]:
+    """The paths that a mount at one of mount_paths (or above them) would cover."""
+    return [path for path in paths if any(path.is_relative_to(mount) for mount in mount_paths)]
+
+
 def expand(text: str, env: dict[str, str]) -> str:
     """Kubernetes $(VAR) expansion: $$ escapes, unknown references stay as written."""
     out, i = [], 0
@@ -851,11 +856,12 @@ class PodWorker(threading.Thread):
                 continue
             binds.append(f"{source}:{mount['mountPath']}" + (":ro" if mount.get("readOnly") else ""))
         if image_kind(container.get("image", "")) == "proxyshift":
-            # The "image" is this checkout's package: a volume over one of its parents (an emptyDir on
-            # /tmp with the checkout under /tmp) would hide it, so bind it back on top, read-only.
-            package = Path(proxyshift.__file__).resolve().parent
-            if any(package.is_relative_to(m["mountPath"]) for m in container.get("volumeMounts") or []):
-                binds.append(f"{package}:{package}:ro")
+            # The "image" is this checkout's package run by this interpreter: a volume over one of
+            # their parents (an emptyDir on /tmp with the checkout, and so its .venv, under /tmp)
+            # would hide them, so bind each hidden one back on top, read-only.
+            mount_paths = [Path(m["mountPath"]) for m in container.get("volumeMounts") or []]
+            image = [Path(path) for path in image_paths()]
+            binds += [f"{path}:{path}:ro" for path in hidden_by(mount_paths, image)]
         return binds
 
     @property
