@@ -374,9 +374,18 @@ def service_answers_everywhere(h: Harness, tcp_probe: Callable[..., Any], servic
 def check_end_state(h: Harness, name: str, history: History, tcp_probe: Callable[..., Any], service: Any,
                     probe_failures: dict[str, list[tuple[float, str]]], gate_timeout: float) -> dict[str, Any]:
     """The invariants every fault run must end with; returns the measured facts for the report."""
+    def answered_mode(node: str) -> str | None:
+        # A Node registered again a moment ago has a kube-proxy that is still starting: refused until it
+        # listens.
+        try:
+            return h.proxy_mode(node)
+        except OSError:
+            return None
+
     for node in ALL_NODES:
         h.wait_for(lambda n=node: h.kube_proxy_running(n), 60, f"a running kube-proxy on {node}")
-    modes = {n: h.proxy_mode(n) for n in ALL_NODES}
+    modes = {n: h.wait_for(lambda n=n: answered_mode(n), 60, f"kube-proxy on {n} answering /proxyMode")
+             for n in ALL_NODES}
     assert set(modes.values()) <= {"iptables", "nftables"}, modes
     # Never switched twice: one switchedAt per node migration (node, Node uid, target, start, attempt), and
     # the revision label moved onto a revision at most once per such migration of that Node object.
