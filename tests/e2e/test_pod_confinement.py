@@ -18,13 +18,13 @@ pytestmark = pytest.mark.e2e
 NET_ADMIN_AND_RAW = 0x3000
 
 
-def running_pid(state_dir: Path, node: str, pattern: str) -> int:
+def running_pid(state_dir: Path, node: str, pattern: str) -> int | None:
     for pid_file in sorted((state_dir / "nodes" / node / "pids").glob(pattern)):
         with contextlib.suppress(OSError, ValueError):
             pid = int(pid_file.read_text().strip())
             os.kill(pid, 0)
             return pid
-    raise AssertionError(f"no running container {pattern} on {node}")
+    return None
 
 
 def status(pid: int) -> dict[str, str]:
@@ -41,11 +41,16 @@ def mount_options(pid: int) -> dict[str, set[str]]:
     return out
 
 
-def test_each_container_runs_with_its_manifest_confinement(cluster: Any) -> None:
+def test_each_container_runs_with_its_manifest_confinement(cluster: Any, harness: Any) -> None:
     state_dir = cluster.require_local("process confinement")
     full = int(status(os.getpid())["CapEff"], 16)
+
+    def pid_of(node: str, pattern: str) -> int:
+        found: int = harness.wait_for(lambda: running_pid(state_dir, node, pattern), 120, f"{pattern} on {node}")
+        return found
+
     for node in cluster.nodes:
-        agent = running_pid(state_dir, node, "proxyshift-system_proxyshift-agent-*_agent.pid")
+        agent = pid_of(node, "proxyshift-system_proxyshift-agent-*_agent.pid")
         s, mounts = status(agent), mount_options(agent)
         assert s["Uid"].split()[0] == "0", (node, s["Uid"])
         for field in ("CapEff", "CapPrm", "CapBnd"):
@@ -54,11 +59,11 @@ def test_each_container_runs_with_its_manifest_confinement(cluster: Any) -> None
         assert "ro" in mounts["/"], (node, mounts["/"])
         assert "rw" in mounts["/run/xtables.lock"], "the agent's writable hostPath must stay writable"
 
-        probe = running_pid(state_dir, node, "proxyshift-system_proxyshift-probe-*_probe.pid")
+        probe = pid_of(node, "proxyshift-system_proxyshift-probe-*_probe.pid")
         s, mounts = status(probe), mount_options(probe)
         assert s["Uid"].split()[0] == "65532" and s["Gid"].split()[0] == "65532", (node, s["Uid"], s["Gid"])
         assert all(int(s[f], 16) == 0 for f in ("CapEff", "CapPrm", "CapBnd", "CapAmb")), node
         assert "ro" in mounts["/"], node
 
-        kube_proxy = running_pid(state_dir, node, "kube-system_kube-proxy-*_kube-proxy.pid")
+        kube_proxy = pid_of(node, "kube-system_kube-proxy-*_kube-proxy.pid")
         assert int(status(kube_proxy)["CapEff"], 16) == full, "privileged kube-proxy keeps every capability"

@@ -6,6 +6,7 @@ import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import jsonpatch
@@ -245,7 +246,7 @@ class Executor:
 # The dispatch table: the API call(s) of each planner action type (a unit test checks every type has one).
 # Each handler takes the action of its own key; the table's type cannot say so, hence Any.
 ActionHandler = Callable[[Executor, Any, dict[str, ProxyPolicy]], Written | None]
-ACTION_HANDLERS: dict[type[w.Action], ActionHandler] = {
+ACTION_HANDLERS: Mapping[type[w.Action], ActionHandler] = MappingProxyType({
     w.EnsureRevision: Executor._do_EnsureRevision,
     w.DeleteRevision: Executor._do_DeleteRevision,
     w.EnsureProxyNode: Executor._do_EnsureProxyNode,
@@ -257,4 +258,4 @@ ACTION_HANDLERS: dict[type[w.Action], ActionHandler] = {
     w.RecordStatus: Executor._do_RecordStatus,
     w.RemoveFinalizer: Executor._do_RemoveFinalizer,
     w.Event: Executor._do_Event,
-}
+})

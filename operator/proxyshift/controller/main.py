@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import getpass
 import logging
 import os
+import secrets
+import socket
 from collections.abc import Sequence
+from datetime import UTC, datetime
 
 import kopf
 from prometheus_client import start_http_server
@@ -29,6 +33,22 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
+def peering_identity() -> str | None:
+    """The operator's peering id when kopf cannot make its own, else None (kopf's: POD_ID or user@host/...).
+
+    kopf names the user with getpass.getuser(), which raises KeyError for a uid without a passwd
+    entry: the image runs as 65532, which has none, so the operator died at start as it runs in
+    production. Same shape as kopf's, with the uid."""
+    if os.environ.get("POD_ID"):
+        return None
+    try:
+        getpass.getuser()
+        return None
+    except (KeyError, OSError):
+        started = datetime.now(UTC).strftime("%Y%m%d%H%M%S")
+        return f"uid{os.getuid()}@{socket.gethostname()}/{started}/{secrets.token_hex(3)}"
+
+
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     if args.kubeconfig:
@@ -44,6 +64,7 @@ def main(argv: Sequence[str]) -> int:
 
     asyncio.run(kopf.operator(
         clusterwide=True,
+        identity=peering_identity(),  # type: ignore[arg-type]  # kopf types it as its internal Identity (a str)
         standalone=args.standalone,
         peering_name=None if args.standalone else args.peering,
         liveness_endpoint=args.liveness or None,
