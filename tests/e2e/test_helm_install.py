@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 import yaml
-from operator_harness import REVISION_LABEL, policy, service_account_kubeconfig
 
-from chart_render import CHART, NAMESPACE, ROOT, differences, helm_env, helm_run, render
 from proxyshift.commands import CommandError, run
 from proxyshift.localcluster import build, install
+from tests.support.chart_render import CHART, NAMESPACE, ROOT, differences, helm_env, helm_run, render
+from tests.support.operator_harness import REVISION_LABEL, policy, service_account_kubeconfig
 
 pytestmark = pytest.mark.e2e
 
