@@ -1,6 +1,6 @@
 """charts/proxyshift against the real `kubectl kustomize`, and installed with helm on the local cluster.
 
-The install test replaces the session's kustomize install (tests/e2e/operator_harness.py) with the
+The install test replaces the session's kustomize install (tests/support/operator_harness.py) with the
 chart, runs the operator as the chart's in-cluster Deployment, migrates pool blue and reverts it, then
 uninstalls the release and puts the kustomize install back for the modules after it.
 """
