@@ -1,6 +1,6 @@
 """Controller scale: the operator against a real kube-apiserver with 1,000-5,000 nodes.
 
-    sudo nice -n 19 python bench/bench_controller_scale.py [--nodes 1000,5000] [--keep]
+    sudo nice -n 19 python -m bench.bench_controller_scale [--nodes 1000,5000] [--keep]
 
 Per size, a PRIVATE control plane (never the local cluster's): etcd and
 kube-apiserver from the local cluster's build, on loopback ports 22379/22380
@@ -43,16 +43,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import kubernetes
+import yaml
+
+from bench.harness.scale_harness import GROUP, POOL_LABEL, VERSION, Fleet
+from proxyshift.commands import CommandError, run, stop_child
+from proxyshift.localcluster import baseline, controlplane, pki
+from proxyshift.localcluster.build import build
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "bench" / "harness")]
-
-import kubernetes  # noqa: E402
-import yaml  # noqa: E402
-from scale_harness import GROUP, POOL_LABEL, VERSION, Fleet  # noqa: E402
-
-from proxyshift.commands import CommandError, run, stop_child  # noqa: E402
-from proxyshift.localcluster import baseline, controlplane, pki  # noqa: E402
-from proxyshift.localcluster.build import build  # noqa: E402
 
 ETCD_PORT, ETCD_PEER_PORT, API_PORT = 22379, 22380, 16443
 METRICS_PORT, LIVENESS_PORT = 28090, 28091

@@ -1,9 +1,9 @@
 """Time to flush kube-proxy's iptables-mode rules for 1k/5k/10k Services, three ways.
 
-    sudo python bench/bench_flush.py [--sizes 1000,5000,10000] [--runs 3] [--kube-proxy PATH]
+    sudo python -m bench.bench_flush [--sizes 1000,5000,10000] [--runs 3] [--kube-proxy PATH]
 
 Each run loads a fresh network namespace with kubelet's chains, a user's own
-rules and kube-proxy's iptables-mode rules (tests/dataplane/kp_rules.py), then
+rules and kube-proxy's iptables-mode rules (tests/support/kp_rules.py), then
 times one of:
 
   agent       proxyshift's surgical flush (one iptables-save, one
@@ -28,14 +28,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from proxyshift.agent.flush import flush
+from proxyshift.agent.flush.iptables import IptablesTool
+from tests.support.kp_rules import iptables_mode_rules, kubelet_rules, merge_restore, user_rules
+from tests.support.ps_netns import Netns
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "tests" / "dataplane")]
-
-from kp_rules import iptables_mode_rules, kubelet_rules, merge_restore, user_rules  # noqa: E402
-from ps_netns import Netns  # noqa: E402
-
-from proxyshift.agent.flush import flush  # noqa: E402
-from proxyshift.agent.flush.iptables import IptablesTool  # noqa: E402
 
 DEFAULT_KUBE_PROXY = Path.home() / ".cache" / "proxyshift" / "warm" / "kube-proxy"
 

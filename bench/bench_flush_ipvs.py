@@ -1,6 +1,6 @@
 """Time to flush kube-proxy's ipvs-mode objects for 1k/5k Services, inside the QEMU guest.
 
-    sudo python bench/bench_flush_ipvs.py [--sizes 1000,5000] [--runs 1] [--kube-proxy PATH]
+    sudo python -m bench.bench_flush_ipvs [--sizes 1000,5000] [--runs 1] [--kube-proxy PATH]
 
 This machine's kernel has no IPVS, so on the host the script boots the QEMU
 guest (proxyshift.localcluster.vm) and runs itself there (`--inside`). Each run
@@ -30,15 +30,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from proxyshift.agent.flush import flush
+from proxyshift.agent.flush.iptables import IptablesTool
+from tests.support.kp_rules import ipvs_mode_rules
+from tests.support.kube_proxy_runner import find_kube_proxy
+from tests.support.ps_netns import Netns
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "tests" / "dataplane")]
-
-from kp_rules import ipvs_mode_rules  # noqa: E402
-from kube_proxy_runner import find_kube_proxy  # noqa: E402
-from ps_netns import Netns  # noqa: E402
-
-from proxyshift.agent.flush import flush  # noqa: E402
-from proxyshift.agent.flush.iptables import IptablesTool  # noqa: E402
 
 NODE_IP = "198.18.0.11"
 USER_IPVS = ("-A -t 198.18.200.1:80 -s wlc\n-a -t 198.18.200.1:80 -r 198.18.17.1:8080 -m -w 3\n"
@@ -153,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from proxyshift.localcluster import vm
 
-    result = vm.run_in_vm([sys.executable, str(Path(__file__).resolve()), "--inside", "--sizes", args.sizes,
+    result = vm.run_in_vm([sys.executable, "-m", "bench.bench_flush_ipvs", "--inside", "--sizes", args.sizes,
                            "--runs", str(args.runs), "--kube-proxy", str(kube_proxy)],
                           cwd=ROOT, env={"PYTHONPATH": str(ROOT / "operator"), "PYTHONUNBUFFERED": "1"},
                           timeout=3600, stream=sys.stdout)

@@ -1,13 +1,13 @@
 """What the move buys: the real kube-proxy in iptables and in nftables mode, side by side.
 
-    sudo nice -n 19 python bench/bench_kube_proxy_modes.py [--services 1000,5000,10000] [--runs 3]
+    sudo nice -n 19 python -m bench.bench_kube_proxy_modes [--services 1000,5000,10000] [--runs 3]
         [--changes 5] [--kube-proxy PATH] [--json OUT]
 
 For each size and run, each mode gets a fresh network namespace (ps-bench-*)
 holding a live fake API server (bench/harness/live_apiserver.py, built on
-tests/dataplane/fake_apiserver.py) that serves N Services of 3 endpoints each
+tests/support/fake_apiserver.py) that serves N Services of 3 endpoints each
 (every 4th a NodePort), and the real kube-proxy v1.37.2 (config from
-tests/dataplane/kube_proxy_runner.py, minSyncPeriod 0s). Measured, all from
+tests/support/kube_proxy_runner.py, minSyncPeriod 0s). Measured, all from
 kube-proxy's own /metrics parsed with prometheus_client:
 
   full sync     kubeproxy_sync_full_proxy_rules_duration_seconds of the first
@@ -41,16 +41,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxyshift.commands import run, stop_child
+from tests.support.kube_proxy_runner import API_PORT, CONFIG, KUBECONFIG, find_kube_proxy
+from tests.support.ps_netns import Netns
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "tests" / "dataplane")]
 
-from kube_proxy_runner import API_PORT, CONFIG, KUBECONFIG, find_kube_proxy  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from ps_netns import Netns  # noqa: E402
-
-from proxyshift.commands import run, stop_child  # noqa: E402
-
-HARNESS = ROOT / "bench" / "harness" / "live_apiserver.py"
+HARNESS = "bench.harness.live_apiserver"  # run with `-m` from ROOT
 NODE, NODE_IP = "ps-node-1", "198.18.0.11"
 FULL = "kubeproxy_sync_full_proxy_rules_duration_seconds"
 PARTIAL = "kubeproxy_sync_partial_proxy_rules_duration_seconds"
@@ -108,9 +107,9 @@ class Node:
             prefix = ["ip", "netns", "exec", self.ns.name]
             api_log = self._log("apiserver.log")
             self.api = subprocess.Popen(
-                [*prefix, sys.executable, str(HARNESS), "--port", str(API_PORT), "--node", NODE,
+                [*prefix, sys.executable, "-m", HARNESS, "--port", str(API_PORT), "--node", NODE,
                  "--node-ip", NODE_IP, "--services", str(services), "--endpoints", "3"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=api_log, text=True)
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=api_log, text=True, cwd=ROOT)
             self.procs.append(self.api)
             if not self.ask({"op": "noop"}, ready=True):
                 raise RuntimeError(f"fake API server did not start; see {workdir / 'apiserver.log'}")

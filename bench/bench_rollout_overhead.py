@@ -1,6 +1,6 @@
 """Rollout overhead: a proxyshift migration against `kubectl rollout restart` of kube-proxy, side by side.
 
-    sudo flock /var/lock/proxyshift-localcluster.lock nice -n 10 python bench/bench_rollout_overhead.py --runs 3
+    sudo flock /var/lock/proxyshift-localcluster.lock nice -n 10 python -m bench.bench_rollout_overhead --runs 3
 
 On the local cluster with one pool of N nodes (default `blue=4`; the cluster is
 machine-wide, hence the lock). proxyshift is installed and its operator runs as a
@@ -69,7 +69,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "operator"))
 # The node simulators and the operator are child processes (`python -m proxyshift...`): they must find
 # this checkout's package even where it is not pip-installed.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "operator"), os.environ.get("PYTHONPATH")]))

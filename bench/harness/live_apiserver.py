@@ -1,4 +1,4 @@
-"""tests/dataplane/fake_apiserver.py, made live: EndpointSlices change on command.
+"""tests/support/fake_apiserver.py, made live: EndpointSlices change on command.
 
 The dataplane fake serves a world that never changes. The mode benchmark needs
 kube-proxy to see an EndpointSlice change the way a real API server sends one
@@ -26,12 +26,9 @@ import threading
 import time
 import urllib.request
 from http.server import ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "dataplane"))
-
-import fake_apiserver
+from tests.support import fake_apiserver
 
 TRIGGER = "endpoints.kubernetes.io/last-change-trigger-time"
 FIRST_EP = ipaddress.IPv4Address("198.18.16.1")

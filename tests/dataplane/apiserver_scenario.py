@@ -3,7 +3,7 @@
 Run inside a fresh network namespace (test_agent_apiserver.py does that), so
 etcd and kube-apiserver on 127.0.0.1 collide with nothing else on the machine:
 
-    ip netns exec <ns> python apiserver_scenario.py --bin-dir DIR --work DIR
+    ip netns exec <ns> python -m tests.dataplane.apiserver_scenario --bin-dir DIR --work DIR  # from the repository root
 
 It starts etcd and kube-apiserver (token auth, AlwaysAllow), installs
 crds/proxynode.yaml, creates a ProxyNode, loads kube-proxy iptables-mode rules
@@ -27,13 +27,10 @@ from typing import Any
 
 import yaml
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-sys.path[:0] = [str(HERE), str(ROOT / "operator")]
+from proxyshift.commands import run, stop_child
+from tests.support.kp_rules import iptables_mode_rules, kubelet_rules, user_rules
 
-from kp_rules import iptables_mode_rules, kubelet_rules, user_rules  # noqa: E402
-
-from proxyshift.commands import run, stop_child  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 TOKEN = "proxyshift-test-token"
 GROUP, VERSION, PLURAL, NODE = "proxyshift.io", "v1alpha1", "proxynodes", "ps-node-1"

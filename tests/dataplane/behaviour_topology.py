@@ -24,10 +24,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ps_netns import Netns
-
 from proxyshift.commands import stop_child
 from proxyshift.localcluster.container import run_in_netns
+from tests.support.ps_netns import Netns
 
 NODE_IP = "198.18.201.1"  # the Node object's InternalIP
 NODE_OTHER = ["198.18.202.1", "198.18.203.1"]

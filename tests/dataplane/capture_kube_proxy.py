@@ -1,9 +1,9 @@
 """Record real kube-proxy output as test fixtures: /metrics per mode and the rules it writes.
 
-    sudo python tests/dataplane/capture_kube_proxy.py [--services 30]
+    sudo python -m tests.dataplane.capture_kube_proxy [--services 30]   # from the repository root
 
 Runs the real kube-proxy (kube_proxy_runner.find_kube_proxy) in a fresh
-namespace against fake_apiserver.py, once per mode, waits for its first rule
+namespace against tests/support/fake_apiserver.py, once per mode, waits for its first rule
 sync and writes:
 
     tests/fixtures/metrics/kube-proxy-<mode>-<version>.txt
@@ -19,11 +19,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parents[1] / "operator")]
+from tests.support.kube_proxy_runner import KubeProxy, find_kube_proxy
+from tests.support.ps_netns import Netns
 
-from kube_proxy_runner import KubeProxy, find_kube_proxy  # noqa: E402
-from ps_netns import Netns  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 FIX = HERE.parent / "fixtures"
 

@@ -5,7 +5,7 @@ change the operation); every status merge patch is applied (RFC 7386) and the
 whole object written to <state>/object.json for the test to read. Watches are
 idle and end after their timeoutSeconds, after which the agent GETs again.
 
-    python fake_proxynode_api.py --port 16444 --state DIR --node ps-node-1
+    python -m tests.dataplane.fake_proxynode_api --port 16444 --state DIR --node ps-node-1
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from fake_http import JsonHandler, merge_patch
+from tests.support.fake_http import JsonHandler, merge_patch
 
 PREFIX = "/apis/proxyshift.io/v1alpha1/proxynodes"
 

@@ -16,10 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from kp_rules import kubelet_rules, user_rules
+
+from tests.support import REPO
+from tests.support.kp_rules import kubelet_rules, user_rules
 
 pytestmark = pytest.mark.dataplane
-HERE = Path(__file__).resolve().parent
 
 
 def bin_dir() -> Path | None:
@@ -40,9 +41,11 @@ def test_agent_against_a_real_apiserver_and_crd(netns_factory, tmp_path):
     if bins is None:
         pytest.skip("no kube-apiserver/etcd build (localcluster build, or PROXYSHIFT_K8S_BIN)")
     node, ref = netns_factory(), netns_factory()
-    out = subprocess.run(["ip", "netns", "exec", node.name, sys.executable, str(HERE / "apiserver_scenario.py"),
+    # A module of the repository root's `tests` package, with this checkout's proxyshift (as the agent it starts).
+    out = subprocess.run(["ip", "netns", "exec", node.name, sys.executable, "-m", "tests.dataplane.apiserver_scenario",
                           "--bin-dir", str(bins), "--work", str(tmp_path / "work")],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO / "operator")})
     logs = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in (tmp_path / "work").glob("*.log"))
     assert out.returncode == 0, out.stderr[-3000:] + logs
     result = json.loads(out.stdout.splitlines()[-1])

@@ -16,11 +16,11 @@ from collections.abc import Iterator
 
 import behaviour_topology as bt
 import pytest
-from ps_netns import need_root
 
 from proxyshift.agent.behaviour import run_behaviour
 from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams, BehaviourTarget
 from proxyshift.commands import ToolMissingError, run
+from tests.support.ps_netns import need_root
 
 pytestmark = pytest.mark.dataplane
 

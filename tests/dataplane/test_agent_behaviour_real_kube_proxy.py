@@ -16,13 +16,13 @@ from pathlib import Path
 
 import behaviour_topology as bt
 import pytest
-from kube_proxy_runner import KubeProxy, find_kube_proxy
-from ps_netns import Netns, need_root
 
 from proxyshift.agent.behaviour import run_behaviour
 from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams, BehaviourTarget
 from proxyshift.commands import run, stop_child
 from proxyshift.localcluster.container import run_in_netns
+from tests.support.kube_proxy_runner import KubeProxy, find_kube_proxy
+from tests.support.ps_netns import Netns, need_root
 
 pytestmark = pytest.mark.dataplane
 

@@ -16,10 +16,10 @@ from collections.abc import Iterator
 
 import behaviour_topology as bt
 import pytest
-from ps_netns import need_root
 
 from proxyshift.agent.conntrack import clean_unnated, list_flows
 from proxyshift.api.behaviour import ConntrackParams
+from tests.support.ps_netns import need_root
 
 pytestmark = pytest.mark.dataplane
 

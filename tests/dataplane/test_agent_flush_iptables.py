@@ -9,11 +9,11 @@ identical (headers with timestamps aside).
 from __future__ import annotations
 
 import pytest
-from kp_rules import iptables_mode_rules, kubelet_rules, user_rules
 
 from proxyshift.agent.flush import flush
 from proxyshift.agent.flush.iptables import IptablesTool
 from proxyshift.agent.iptables_save import parse
+from tests.support.kp_rules import iptables_mode_rules, kubelet_rules, user_rules
 
 pytestmark = pytest.mark.dataplane
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from kp_rules import ipvs_mode_ipsets, ipvs_mode_rules, nftables_mode_ruleset
 
 from proxyshift.agent.flush import flush
 from proxyshift.agent.flush.iptables import IptablesTool
 from proxyshift.agent.flush.nftables import list_tables
 from proxyshift.commands import CommandError
+from tests.support.kp_rules import ipvs_mode_ipsets, ipvs_mode_rules, nftables_mode_ruleset
 
 pytestmark = pytest.mark.dataplane
 

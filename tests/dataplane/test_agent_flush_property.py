@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kp_rules import iptables_mode_rules, kubelet_rules
-from ps_netns import Netns, need_root
 
 from proxyshift.agent.flush import flush
 from proxyshift.agent.flush.iptables import IptablesTool
+from tests.support.kp_rules import iptables_mode_rules, kubelet_rules
+from tests.support.ps_netns import Netns, need_root
 
 pytestmark = pytest.mark.dataplane
 

@@ -16,13 +16,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kube_proxy_runner import KubeProxy, find_kube_proxy
-from ps_netns import Netns
 
 from proxyshift.agent import hold
 from proxyshift.agent.flush import flush
 from proxyshift.agent.flush.iptables import IptablesTool
 from proxyshift.agent.flush.nftables import list_tables
+from tests.support.kube_proxy_runner import KubeProxy, find_kube_proxy
+from tests.support.ps_netns import Netns
 
 pytestmark = pytest.mark.dataplane
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from kp_rules import iptables_mode_rules, kubelet_rules, nftables_mode_ruleset, user_rules
 
 from proxyshift.agent.flush import flush
 from proxyshift.agent.flush.iptables import IptablesTool
 from proxyshift.agent.inventory import leftovers, mode_objects, take_inventory
+from tests.support.kp_rules import iptables_mode_rules, kubelet_rules, nftables_mode_ruleset, user_rules
 
 pytestmark = pytest.mark.dataplane
 TOOLS = [IptablesTool("ipv4", "nft"), IptablesTool("ipv6", "nft")]

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from kp_rules import iptables_mode_rules, kubelet_rules, nftables_mode_ruleset
+
+from tests.support.kp_rules import iptables_mode_rules, kubelet_rules, nftables_mode_ruleset
 
 pytestmark = pytest.mark.dataplane
 OPERATOR = Path(__file__).resolve().parents[2] / "operator"

@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kp_rules import iptables_mode_rules, kubelet_rules, user_rules
 
 from proxyshift.commands import stop_child
+from tests.support import REPO
+from tests.support.kp_rules import iptables_mode_rules, kubelet_rules, user_rules
 
 pytestmark = pytest.mark.dataplane
 
-HERE = Path(__file__).resolve().parent
-OPERATOR = HERE.parents[1] / "operator"
+OPERATOR = REPO / "operator"
 PORT = 16444
 KUBECONFIG = f"""\
 apiVersion: v1
@@ -46,8 +46,9 @@ class Processes:
 
     def start(self, argv: list[str], log: str) -> subprocess.Popen:
         out = open(self.state / log, "a")  # noqa: SIM115 - lives as long as the process
+        # In the repository root, so `-m tests.dataplane...` finds the test helpers' package.
         proc = subprocess.Popen(["ip", "netns", "exec", self.ns.name, sys.executable, *argv], stdout=out,
-                                stderr=subprocess.STDOUT, env=self.env)
+                                stderr=subprocess.STDOUT, env=self.env, cwd=REPO)
         self.procs.append((proc, out))
         return proc
 
@@ -98,7 +99,7 @@ def test_agent_process_reports_runs_a_cleanup_once_and_recovers_after_a_restart(
     agent_argv = ["-m", "proxyshift.cli", "agent", "--watch-timeout", "1", "--probe-interval", "1",
                   "--status-interval", "2", "--inventory-interval", "1"]
     try:
-        procs.start([str(HERE / "fake_proxynode_api.py"), "--port", str(PORT), "--state", str(state)], "api.log")
+        procs.start(["-m", "tests.dataplane.fake_proxynode_api", "--port", str(PORT), "--state", str(state)], "api.log")
         time.sleep(0.5)
         agent = procs.start(agent_argv, "agent.log")
 

@@ -16,8 +16,9 @@ import time
 
 import behaviour_topology as bt
 import pytest
-from ps_netns import need_root
-from test_agent_process import HERE, PORT, Processes, wait_for
+from test_agent_process import PORT, Processes, wait_for
+
+from tests.support.ps_netns import need_root
 
 pytestmark = pytest.mark.dataplane
 
@@ -40,7 +41,8 @@ def test_agent_process_writes_before_and_after_and_runs_the_conntrack_step(tmp_p
     stuck: dict[str, object] = {}
     try:
         topo.start_probe_server()
-        procs.start([str(HERE / "fake_proxynode_api.py"), "--port", str(PORT), "--state", str(tmp_path)], "api.log")
+        procs.start(["-m", "tests.dataplane.fake_proxynode_api", "--port", str(PORT), "--state", str(tmp_path)],
+                    "api.log")
         time.sleep(0.5)
         spec = {"mode": "iptables", "operation": {"id": "m1.Preflight.0", "type": "Preflight",
                                                   "params": {"mode": "iptables", "behaviour": BEHAVIOUR}}}

@@ -8,14 +8,14 @@ rules byte for byte, in both iptables families and in nftables.
 from __future__ import annotations
 
 import pytest
-from kp_rules import kubelet_rules, user_rules
-from kube_proxy_runner import KubeProxy, find_kube_proxy
 
 from proxyshift.agent.flush import flush
 from proxyshift.agent.flush.iptables import IptablesTool
 from proxyshift.agent.flush.nftables import list_tables
 from proxyshift.agent.inventory import leftovers, take_inventory
 from proxyshift.planner.metrics import parse_kube_proxy_metrics
+from tests.support.kp_rules import kubelet_rules, user_rules
+from tests.support.kube_proxy_runner import KubeProxy, find_kube_proxy
 
 pytestmark = pytest.mark.dataplane
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 import yaml
-from kp_rules import iptables_mode_rules
 
 from proxyshift.localcluster.security_context import confinement
+from tests.support.kp_rules import iptables_mode_rules
 
 pytestmark = pytest.mark.dataplane
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,13 +15,13 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from ps_netns import Netns
 
 from proxyshift.agent.diagnostics import Readers, read_service
 from proxyshift.api.diagnostics import DiagnosePort, DiagnoseService
 from proxyshift.commands import stop_child
 from proxyshift.planner.diagnosis import diagnose
 from proxyshift.planner.services import EndpointView, ServicePortView, ServiceView
+from tests.support.ps_netns import Netns
 
 pytestmark = pytest.mark.dataplane
 

@@ -1,22 +1,18 @@
 """Fixtures for the operator e2e tests: proxyshift installed, an operator process, a harness (they live
-in operator_harness.py, shared with tests/reliability), and the behaviour workloads.
+in tests/support/operator_harness.py, shared with tests/reliability), and the behaviour workloads.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from operator_harness import harness, operator_process, proxyshift_installed
-
 from proxyshift.localcluster import behaviour_workloads
 from proxyshift.localcluster.behaviour_workloads import BehaviourWorkloads
+from tests.support.operator_harness import harness, operator_process, proxyshift_installed
 
 __all__ = ["harness", "made", "operator_process", "proxyshift_installed"]
 

@@ -1,6 +1,6 @@
 """The bad-manifest table against a real API server: each bad ProxyPolicy is refused with its message.
 
-Replays tests/fixtures/bad-policies/*.yaml (the same files the unit table
+Replays tests/fixtures/bad-policies/*.yaml (tests/support/bad_policies.py; the same files the unit table
 checks against the models and the CRD's rules) with a server-side dry run and
 strict field validation, as `kubectl apply` does: nothing is stored, so the
 cases need no cleanup and do not disturb the operator.
@@ -9,7 +9,6 @@ cases need no cleanup and do not disturb the operator.
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
 from pathlib import Path
@@ -18,25 +17,13 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support.bad_policies import CASES
+
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
-CASES_DIR = ROOT / "tests" / "fixtures" / "bad-policies"
 CRD_FILE = ROOT / "crds" / "proxypolicy.yaml"
 GROUP, VERSION, PLURAL = "proxyshift.io", "v1alpha1", "proxypolicies"
-_HEADER = re.compile(r"^# (field|refused-by|apiserver|model): (.*)$")
-
-
-def _cases() -> list[tuple[str, dict[str, str], dict[str, Any]]]:
-    cases = []
-    for path in sorted(CASES_DIR.glob("*.yaml")):
-        text = path.read_text(encoding="utf-8")
-        meta = {m.group(1): m.group(2) for line in text.splitlines() if (m := _HEADER.match(line))}
-        cases.append((path.stem, meta, yaml.safe_load(text)))
-    return cases
-
-
-CASES = _cases()
 
 
 @pytest.fixture(scope="module")

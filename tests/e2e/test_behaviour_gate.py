@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import yaml
 from behaviour_observe import Cell, expected_problems, observe, table
-from operator_harness import REVISION_LABEL, Harness, migration, policy
 
 from proxyshift.localcluster.behaviour_workloads import BehaviourWorkloads
+from tests.support.operator_harness import REVISION_LABEL, Harness, migration, policy
 
 pytestmark = pytest.mark.e2e
 

@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from operator_harness import Harness, policy
 
 from proxyshift.localcluster.behaviour_workloads import BehaviourWorkloads
 from proxyshift.localcluster.container import run_in_netns
+from tests.support.operator_harness import Harness, policy
 
 pytestmark = pytest.mark.e2e
 

@@ -1,6 +1,6 @@
 """charts/proxyshift against the real `kubectl kustomize`, and installed with helm on the local cluster.
 
-The install test replaces the session's kustomize install (tests/e2e/operator_harness.py) with the
+The install test replaces the session's kustomize install (tests/support/operator_harness.py) with the
 chart, runs the operator as the chart's in-cluster Deployment, migrates pool blue and reverts it, then
 uninstalls the release and puts the kustomize install back for the modules after it.
 """
@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 import yaml
-from operator_harness import REVISION_LABEL, policy, service_account_kubeconfig
 
-from chart_render import CHART, NAMESPACE, ROOT, differences, helm_env, helm_run, render
 from proxyshift.commands import CommandError, run
 from proxyshift.localcluster import build, install
+from tests.support.chart_render import CHART, NAMESPACE, ROOT, differences, helm_env, helm_run, render
+from tests.support.operator_harness import REVISION_LABEL, policy, service_account_kubeconfig
 
 pytestmark = pytest.mark.e2e
 

@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from operator_harness import REVISION_LABEL, policy
 
 from proxyshift.localcluster import paths
+from tests.support.operator_harness import REVISION_LABEL, policy
 
 pytestmark = pytest.mark.e2e
 

@@ -107,7 +107,7 @@ def _as_token(cluster: Any, token: str, *args: str) -> subprocess.CompletedProce
 def test_an_agent_token_may_write_only_its_own_nodes_proxynode_status(cluster: Any, proxyshift_installed: Path,
                                                                      harness: Any) -> None:
     # ProxyNodes exist once a policy selected the nodes; a paused policy creates them and changes nothing.
-    from operator_harness import policy
+    from tests.support.operator_harness import policy
 
     harness.apply(policy("blue-paused-admission", "nftables", rollout={"paused": True}))
     harness.wait_for(lambda: {"ps-node-1", "ps-node-2"} <= set(harness.proxynodes()), 60, "ProxyNodes of blue")
@@ -128,7 +128,7 @@ def test_an_agent_token_may_write_only_its_own_nodes_proxynode_status(cluster: A
 
 
 def test_restore_baseline_refuses_while_nodes_run_a_revision(cluster: Any, harness: Any) -> None:
-    from operator_harness import policy
+    from tests.support.operator_harness import policy
 
     harness.apply(policy("blue-restore-guard", "nftables"))
     harness.wait_condition("blue-restore-guard", "Ready", 420)

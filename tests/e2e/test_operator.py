@@ -11,7 +11,8 @@ import time
 from typing import Any
 
 import pytest
-from operator_harness import IPTABLES_MODE_CHAINS, REVISION_LABEL, Harness, migration, policy
+
+from tests.support.operator_harness import IPTABLES_MODE_CHAINS, REVISION_LABEL, Harness, migration, policy
 
 pytestmark = pytest.mark.e2e
 

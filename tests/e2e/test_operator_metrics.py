@@ -8,8 +8,9 @@ import urllib.request
 from typing import Any
 
 import pytest
-from operator_harness import Harness, migration, policy
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.operator_harness import Harness, migration, policy
 
 pytestmark = pytest.mark.e2e
 

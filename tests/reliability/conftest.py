@@ -2,12 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))
-
-from operator_harness import harness, operator_process, proxyshift_installed
+from tests.support.operator_harness import harness, operator_process, proxyshift_installed
 
 __all__ = ["harness", "operator_process", "proxyshift_installed"]

@@ -27,11 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from operator_harness import IPTABLES_MODE_CHAINS, REVISION_LABEL, Harness, migration
-
 from proxyshift.commands import run
 from proxyshift.localcluster import controlplane, state
 from proxyshift.localcluster.nodesim import Kube
+from tests.support.operator_harness import IPTABLES_MODE_CHAINS, REVISION_LABEL, Harness, migration
 
 BLUE = ["ps-node-1", "ps-node-2"]
 ALL_NODES = [*BLUE, "ps-node-3"]

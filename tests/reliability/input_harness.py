@@ -1,13 +1,12 @@
 """Fixtures of the bad-input and security tests on the local cluster.
 
-They reuse the e2e harness (tests/e2e/operator_harness.py, whose fixtures tests/reliability/conftest.py
+They reuse the e2e harness (tests/support/operator_harness.py, whose fixtures tests/reliability/conftest.py
 imports) and the session's cluster (tests/conftest.py). Only the operator process differs: its own ports.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,11 +14,8 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-
-from operator_harness import service_account_kubeconfig
-
 from proxyshift.localcluster import install
+from tests.support.operator_harness import service_account_kubeconfig
 
 NAMESPACE = "proxyshift-system"
 

@@ -1,10 +1,10 @@
 """Bad input on the local cluster (issue 8, item 2): refused where it can be, harmless where it cannot.
 
-- every bad ProxyPolicy of the core table (tests/fixtures/bad-policies, the same files the unit table and
-  tests/e2e/test_bad_policies_apiserver.py read), applied for real with `kubectl apply` while the operator
-  runs: refused with its message, nothing stored, nothing done. The e2e test proves each refusal with a
-  server-side dry run through the client library; this one is the user's path (kubectl, strict field
-  validation by default, a real write attempt) and adds "the operator did nothing";
+- every bad ProxyPolicy of the core table (tests/fixtures/bad-policies as tests/support/bad_policies.py reads
+  them, the same files the unit table and tests/e2e/test_bad_policies_apiserver.py read), applied for real
+  with `kubectl apply` while the operator runs: refused with its message, nothing stored, nothing done. The
+  e2e test proves each refusal with a server-side dry run through the client library; this one is the user's
+  path (kubectl, strict field validation by default, a real write attempt) and adds "the operator did nothing";
 - a policy selecting no node, and one matching only a control-plane node: Ready/NoNodesSelected with the
   reason in the message, no node touched;
 - a policy edited every second during a rollout: one revision per distinct spec, nodes do not chase edits,
@@ -18,7 +18,6 @@ Hostile kube-proxy metrics are judged by pure code: tests/unit/test_gate_hostile
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 from collections import Counter, defaultdict
@@ -35,10 +34,8 @@ from input_harness import (  # noqa: F401 - the *_fixture names are fixtures, us
     service_account_kubeconfig,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-
-from operator_harness import GROUP, VERSION, policy
-from test_bad_policies_apiserver import CASES  # the one table, read from its files
+from tests.support.bad_policies import CASES  # the one table, read from its files
+from tests.support.operator_harness import GROUP, VERSION, policy
 
 pytestmark = pytest.mark.reliability
 

@@ -42,7 +42,8 @@ from faults import (
     record,
     service_answers_everywhere,
 )
-from operator_harness import Harness, migration, policy
+
+from tests.support.operator_harness import Harness, migration, policy
 
 pytestmark = pytest.mark.reliability
 

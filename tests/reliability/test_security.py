@@ -25,10 +25,10 @@ import sec_checks as sec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from input_harness import scratch_dir, service_account_kubeconfig
-from operator_harness import Harness
+
+from tests.support.operator_harness import Harness
 
 OPERATOR_DIR = sec.ROOT / "operator"
-DATAPLANE_DIR = sec.ROOT / "tests" / "dataplane"
 
 # ================================================================ permissions
 
@@ -205,9 +205,8 @@ AGENT_PROGRAMS = {"iptables", "ip6tables", "iptables-save", "ip6tables-save", "i
 
 @pytest.mark.dataplane
 def test_the_agent_starts_no_shell_at_runtime(tmp_path: Path) -> None:
-    sys.path.insert(0, str(DATAPLANE_DIR))
-    from kp_rules import iptables_mode_rules, kubelet_rules, nftables_mode_ruleset
-    from ps_netns import Netns, need_root
+    from tests.support.kp_rules import iptables_mode_rules, kubelet_rules, nftables_mode_ruleset
+    from tests.support.ps_netns import Netns, need_root
 
     need_root()
     ns = Netns()
@@ -286,11 +285,9 @@ def nft_user_tables(draw: Any) -> list[str]:
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(tables=nft_user_tables(), split=st.integers(0, 5), services=st.integers(0, 20))
 def test_random_user_nft_objects_survive_the_nftables_flush(tables: list[str], split: int, services: int) -> None:
-    sys.path.insert(0, str(DATAPLANE_DIR))
-    from kp_rules import nftables_mode_ruleset
-    from ps_netns import Netns, need_root
-
     from proxyshift.agent.flush import flush
+    from tests.support.kp_rules import nftables_mode_ruleset
+    from tests.support.ps_netns import Netns, need_root
 
     need_root()
     node, ref = Netns(), Netns()
@@ -328,9 +325,8 @@ def test_a_migration_as_the_service_accounts_reads_no_secret(cluster: Any, api_c
     with cordon+drain and reverts it by deletion; the agents run as theirs. The audit log must show their
     requests (thousands) and not one on a secret, and no request of the operator refused: the documented
     minimal set is also enough."""
-    from operator_harness import policy
-
     from proxyshift.localcluster import controlplane, install
+    from tests.support.operator_harness import policy
 
     audit = controlplane.audit_log_path(cluster.require_local("audit log"))
     assert audit.exists(), f"the local API server writes no audit log at {audit}"

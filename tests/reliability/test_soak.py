@@ -23,11 +23,11 @@ from typing import Any
 
 import pytest
 from faults import StepInjector, agent_pid, container_pid
-from operator_harness import Harness, migration
 from test_faults import ALL_NODES, check_end_state, record, service_answers_everywhere
 
 from proxyshift.commands import run
 from proxyshift.localcluster import state
+from tests.support.operator_harness import Harness, migration
 
 pytestmark = pytest.mark.reliability
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from chart_render import (
+from tests.support.chart_render import (
     CHART,
     CHART_LABELS,
     NAMESPACE,

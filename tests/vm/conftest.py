@@ -8,21 +8,15 @@ reports each guest test as a host test, with the guest's failure text.
 The guest tests themselves are deselected on the host (they would meet a
 kernel without IPVS here); inside the guest PROXYSHIFT_IN_VM=1 is set and only
 they are selected (`-m vm_guest`). They are never skipped: they run, in the guest.
+The guest tests share the dataplane's helpers through tests/support (ps_netns,
+kube_proxy_runner, kp_rules, fake_apiserver); the guest runs pytest in the same
+checkout, so the same `pythonpath` setting finds them.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-DATAPLANE = Path(__file__).resolve().parents[1] / "dataplane"
-# The guest tests reuse the dataplane helpers (ps_netns, kube_proxy_runner, kp_rules, fake_apiserver).
-if str(DATAPLANE) not in sys.path:
-    sys.path.insert(0, str(DATAPLANE))
-
-from vm_layer import VM_SUMMARY_KEY, in_guest  # noqa: E402 - after the sys.path line above
+from vm_layer import VM_SUMMARY_KEY, in_guest
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

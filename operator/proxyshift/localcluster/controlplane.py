@@ -9,9 +9,7 @@ caller can create pods at once.
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import importlib
 import os
 import socket
 import ssl
@@ -25,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from proxyshift.commands import CommandError
-from proxyshift.localcluster import build, paths, pki, state
+from proxyshift.localcluster import build, network, paths, pki, state
 from proxyshift.localcluster.paths import StateLayout
 
 ETCD_URL = f"http://127.0.0.1:{paths.ETCD_CLIENT_PORT}"
@@ -145,18 +143,14 @@ def _apiserver_bind_address() -> str:
     """Bind the apiserver to the bridge address when the bridge exists, else to loopback.
 
     The node namespaces reach the API only through the bridge, so the node half's
-    `network.ensure_bridge()` is called first when it is there. Without a bridge
+    `network.ensure_bridge()` is called first. Without a bridge
     we bind loopback, never 0.0.0.0: the API must not be reachable from outside
     the machine. (A cluster without nodes works the same either way.)
     """
-    with contextlib.suppress(ImportError):
-        network = importlib.import_module("proxyshift.localcluster.network")
-        ensure_bridge: Callable[[], Any] | None = getattr(network, "ensure_bridge", None)
-        if ensure_bridge is not None:
-            try:
-                ensure_bridge()
-            except CommandError as exc:  # e.g. not root: a node-less control plane still works
-                _say(f"cannot create the bridge ({exc})")
+    try:
+        network.ensure_bridge()
+    except CommandError as exc:  # e.g. not root: a node-less control plane still works
+        _say(f"cannot create the bridge ({exc})")
     if can_bind(paths.BRIDGE_ADDRESS, 0):
         return paths.BRIDGE_ADDRESS
     _say(f"bridge address {paths.BRIDGE_ADDRESS} is not on this host: binding the API to 127.0.0.1 "
@@ -446,14 +440,10 @@ def down(state_dir: Path | None = None) -> list[str]:
 
 def _down(state_dir: Path) -> list[str]:
     node_error: Exception | None = None
-    with contextlib.suppress(ImportError):
-        network = importlib.import_module("proxyshift.localcluster.network")
-        remove_all: Callable[[Path], Any] | None = getattr(network, "remove_all", None)
-        if remove_all is not None:
-            try:
-                remove_all(state_dir)
-            except Exception as exc:  # the control plane must go even if the nodes did not
-                node_error = exc
+    try:
+        network.remove_all(state_dir)
+    except Exception as exc:  # the control plane must go even if the nodes did not
+        node_error = exc
     stopped = state.stop_all(state_dir)
     state.remove_paths(state_dir)
     if node_error is not None:
@@ -476,10 +466,6 @@ def status(state_dir: Path | None = None) -> dict[str, Any]:
         "info": info.to_json() if info else None,
         "ready": bool(info and is_ready(info)),
     }
-    with contextlib.suppress(ImportError):
-        network = importlib.import_module("proxyshift.localcluster.network")
-        node_status: Callable[[Path], Any] | None = getattr(network, "status", None)
-        if node_status is not None:
-            report["nodes"] = node_status(state_dir)
+    report["nodes"] = network.status(state_dir)
     return report
 

@@ -38,9 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from proxyshift.commands import CommandError, run
-from proxyshift.localcluster import paths, podnet
+from proxyshift.localcluster import nodesim, paths, podnet, state
 
-NODE_PREFIX = "ps-node-"
+# Node naming lives in paths, which the node simulator reads too (it must not import this module,
+# which starts it); these names stay importable from here.
+from proxyshift.localcluster.paths import MAX_NODES, NODE_PREFIX, node_index, node_ip, node_name
+
 ENDPOINT_PREFIX = "ps-ep-"
 NODE_VETH_PREFIX = "psn"
 ENDPOINT_VETH_PREFIX = "pse"
@@ -49,28 +52,11 @@ SINK_PEER = "svcsink1"
 SINK_GATEWAY = "198.18.3.254"  # on no interface: only a permanent neighbour entry on SINK_LINK
 SINK_GATEWAY_MAC = "02:00:c6:12:03:fe"  # locally administered; svcsink1 drops frames to it
 NODE_SYSCTLS = ("net.ipv4.ip_forward=1",)
-MAX_NODES = 200  # 198.18.0.11 .. 198.18.0.210
 MAX_ENDPOINTS = 254  # 198.18.1.1 .. 198.18.1.254
 SIMULATOR_START_TIMEOUT = 90.0
 CREATED_PATHS_FILE = "created-host-paths.txt"
 GUARD_METRIC = "4242"  # names our unreachable route, so teardown removes exactly that one
 DEFAULT_KUBELET_VERSION = "v1.37.2"
-
-
-def node_name(index: int) -> str:
-    return f"{NODE_PREFIX}{index}"
-
-
-def node_ip(index: int) -> str:
-    if not 1 <= index <= MAX_NODES:
-        raise ValueError(f"node index {index} outside 1..{MAX_NODES}")
-    return f"198.18.0.{10 + index}"
-
-
-def node_index(name: str) -> int:
-    if not name.startswith(NODE_PREFIX):
-        raise ValueError(f"{name!r} is not a local-cluster node name")
-    return int(name[len(NODE_PREFIX):])
 
 
 def endpoint_name(n: int) -> str:
@@ -253,8 +239,6 @@ def create_nodes(state_dir: Path, cluster_info: Any, pools: dict[str, int], *,
     simulator process recorded in state.json. Waits until every simulator has
     reported the node once. Idempotent: an existing namespace or object is kept.
     """
-    from proxyshift.localcluster import nodesim, state  # nodesim pulls in the kubernetes client
-
     state_dir = Path(state_dir)
     access = cluster_access(cluster_info)
     plan = _node_plan(pools)
@@ -298,8 +282,6 @@ def remove_node(state_dir: Path, cluster_info: Any, node: str) -> None:
     For tests of a node that disappears; the Lease goes with the Node (owner reference).
     Idempotent.
     """
-    from proxyshift.localcluster import nodesim
-
     index = node_index(node)
     simulator = simulator_pid(state_dir, node)
     _kill_all([simulator] if simulator else [], grace=5.0)

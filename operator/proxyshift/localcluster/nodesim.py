@@ -1415,15 +1415,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.node} %(levelname)s %(message)s")
     node_ip = args.node_ip
     if node_ip is None:
-        from proxyshift.localcluster.network import node_index
-        from proxyshift.localcluster.network import node_ip as ip_of
-
-        node_ip = ip_of(node_index(args.node))
+        node_ip = paths.node_ip(paths.node_index(args.node))
     pod_ip = args.pod_ip
     if pod_ip is None:
-        from proxyshift.localcluster.network import node_index
-
-        pod_ip = podnet.pod_ip(node_index(args.node))
+        pod_ip = podnet.pod_ip(paths.node_index(args.node))
     rest = args.api_url.split("://", 1)[-1].split("/", 1)[0]
     host, _, port = rest.rpartition(":")
     cfg = SimConfig(node=args.node, node_ip=node_ip, pool=args.pool, kubeconfig=args.kubeconfig,

@@ -25,6 +25,26 @@ KUBERNETES_VERSION_ENV = "KUBERNETES_VERSION"
 
 DEFAULT_STATE_DIR = Path("/tmp/proxyshift-cluster")
 
+# Node i: namespace ps-node-<i>, 198.18.0.<10+i> on the bridge (network.py makes them, nodesim runs them).
+NODE_PREFIX = "ps-node-"
+MAX_NODES = 200  # 198.18.0.11 .. 198.18.0.210
+
+
+def node_name(index: int) -> str:
+    return f"{NODE_PREFIX}{index}"
+
+
+def node_ip(index: int) -> str:
+    if not 1 <= index <= MAX_NODES:
+        raise ValueError(f"node index {index} outside 1..{MAX_NODES}")
+    return f"198.18.0.{10 + index}"
+
+
+def node_index(name: str) -> int:
+    if not name.startswith(NODE_PREFIX):
+        raise ValueError(f"{name!r} is not a local-cluster node name")
+    return int(name[len(NODE_PREFIX):])
+
 
 def repo_root() -> Path:
     """The checkout this package was installed from (editable install).

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from ps_netns import Netns
+
+from tests.support.ps_netns import Netns
 
 
 @pytest.fixture

@@ -13,12 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from kp_rules import kubelet_rules
-from kube_proxy_runner import KubeProxy
 
 from proxyshift.agent.flush import flush
 from proxyshift.agent.flush.iptables import IptablesTool
 from proxyshift.agent.flush.ipvs import parse_ipvsadm_save
+from tests.support.kp_rules import kubelet_rules
+from tests.support.kube_proxy_runner import KubeProxy
 
 pytestmark = pytest.mark.vm_guest
 

@@ -16,12 +16,12 @@ import ipaddress
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kp_rules import ipvs_mode_ipsets, ipvs_mode_rules
-from ps_netns import Netns
 
 from proxyshift.agent.flush import flush
 from proxyshift.agent.flush.iptables import IptablesTool
 from proxyshift.agent.ownership import is_kube_proxy_ipset
+from tests.support.kp_rules import ipvs_mode_ipsets, ipvs_mode_rules
+from tests.support.ps_netns import Netns
 
 pytestmark = pytest.mark.vm_guest
 

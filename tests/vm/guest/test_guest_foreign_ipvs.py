@@ -13,13 +13,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from kube_proxy_runner import KubeProxy
 
 from proxyshift.agent.flush.iptables import IptablesTool
 from proxyshift.agent.flush.ipvs import parse_ipvsadm_save
 from proxyshift.agent.inventory import foreign_ipvs, take_inventory
 from proxyshift.agent.preflight import check
 from proxyshift.api.proxynode import ForeignIPVS
+from tests.support.kube_proxy_runner import KubeProxy
 
 pytestmark = pytest.mark.vm_guest
 

@@ -11,11 +11,11 @@ import json
 from pathlib import Path
 
 import pytest
-from kube_proxy_runner import KubeProxy
 
 from proxyshift.agent.flush.iptables import IptablesTool
 from proxyshift.agent.flush.ipvs import parse_ipset_save, parse_ipvsadm_save
 from proxyshift.agent.inventory import leftovers, take_inventory
+from tests.support.kube_proxy_runner import KubeProxy
 
 pytestmark = pytest.mark.vm_guest
 

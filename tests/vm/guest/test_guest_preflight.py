@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 from guest_helpers import loaded_modules, unload_ipvs
-from kube_proxy_runner import KubeProxy
 
 from proxyshift.agent.preflight import check
 from proxyshift.commands import run
+from tests.support.kube_proxy_runner import KubeProxy
 
 pytestmark = pytest.mark.vm_guest
 

@@ -1,8 +1,8 @@
 """Run the real kube-proxy binary inside a test namespace, fed by fake_apiserver.py.
 
-Used by the real-kube-proxy dataplane tests and by capture_kube_proxy.py (which
-records /metrics and rules as fixtures). Processes started here are stopped by
-their own pids.
+Used by the real-kube-proxy dataplane tests, the vm guest tests, the benchmarks and
+tests/dataplane/capture_kube_proxy.py (which records /metrics and rules as fixtures).
+Processes started here are stopped by their own pids.
 """
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ps_netns import Netns
-
 from proxyshift.agent.probe import facts_from_probe, probe
 from proxyshift.commands import stop_child
 from proxyshift.localcluster.container import run_in_netns
+from tests.support import REPO
+from tests.support.ps_netns import Netns
 
-HERE = Path(__file__).resolve().parent
 API_PORT = 16443
 
 
@@ -104,9 +103,9 @@ class KubeProxy:
         prefix = ["ip", "netns", "exec", ns.name]
         self.api_log = open(workdir / "apiserver.log", "w")  # noqa: SIM115 - closed in stop()
         self.api = subprocess.Popen(
-            [*prefix, sys.executable, str(HERE / "fake_apiserver.py"), "--port", str(API_PORT), "--node", node,
+            [*prefix, sys.executable, "-m", "tests.support.fake_apiserver", "--port", str(API_PORT), "--node", node,
              "--node-ip", node_ip, "--services", str(services), "--udp-services", str(udp_services)],
-            stdout=self.api_log, stderr=subprocess.STDOUT)
+            stdout=self.api_log, stderr=subprocess.STDOUT, cwd=REPO)
         time.sleep(0.5)
         self.log = open(workdir / "kube-proxy.log", "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen([*prefix, str(self.binary), "--config", str(workdir / "config.yaml"),

@@ -7,7 +7,7 @@ namespace, so the kube-proxy next to it needs no real control plane. Used to
 capture real /metrics and real iptables/nftables rules for the agent's tests;
 the local cluster (tests/e2e) is the full-size version.
 
-    python fake_apiserver.py --port 6443 --node ps-node-1 --node-ip 198.18.0.11 --services 20
+    python -m tests.support.fake_apiserver --port 6443 --node ps-node-1 --node-ip 198.18.0.11 --services 20
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import urllib.parse
 from http.server import ThreadingHTTPServer
 from typing import Any
 
-from fake_http import JsonHandler
+from tests.support.fake_http import JsonHandler
 
 RV = "100"
 

@@ -17,7 +17,7 @@ import yaml
 from proxyshift.commands import run
 from proxyshift.localcluster import gotools
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "proxyshift"
 NAMESPACE = "proxyshift-system"
 HELM_TIMEOUT_SECONDS = 120.0
