@@ -418,7 +418,7 @@ class Agent:
             matrix = pending.result() if pending is not None else None
         self._node_facts = None if report.loaded else self._node_facts
         extra: dict[str, Any] = {"kernelRelease": report.kernel_release, "modules": report.present_modules(),
-                 "tools": report.tools.as_status()}
+                                 "tools": report.tools.as_status()}
         if report.foreign_ipvs is not None:
             extra["foreignIPVS"] = report.foreign_ipvs.to_k8s()
         message, details = report.message(), PreflightResult.model_validate(report.details())

@@ -193,7 +193,7 @@ def main(argv: Sequence[str]) -> int:
             print(f"Service {service.key} is headless: kube-proxy writes no rules for it, clients pick "
                   "endpoints themselves (DNS), so there is nothing on the nodes to count")
             return 0
-        # The custom-objects API types its answers `object`: this one is the decoded JSON list.
+        # The custom-objects API types its answers `object`: they are the decoded JSON, dicts here.
         listed = cast(dict[str, Any], custom.list_cluster_custom_object(API_GROUP, API_VERSION, "proxynodes"))
         known = sorted(p["metadata"]["name"] for p in listed["items"])
         unknown = [n for n in args.node if n not in known]

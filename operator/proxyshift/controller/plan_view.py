@@ -80,7 +80,7 @@ def read_world(policy: ProxyPolicy) -> World:
         nodes[name] = node_view(name, meta.labels or {},
                                 {"unschedulable": cast(kubernetes.client.V1NodeSpec, n.spec).unschedulable},
                                 {"conditions": conditions})
-    # The custom-objects API types its answers `object`: they are the decoded JSON lists.
+    # The custom-objects API types its answers `object`: they are the decoded JSON, dicts here.
     listed_proxynodes = cast(dict[str, Any], custom.list_cluster_custom_object(API_GROUP, API_VERSION, "proxynodes"))
     proxynodes = {p["metadata"]["name"]: ProxyNode.model_validate(p) for p in listed_proxynodes["items"]}
     listed_policies = cast(dict[str, Any], custom.list_cluster_custom_object(API_GROUP, API_VERSION, "proxypolicies"))

@@ -406,7 +406,7 @@ def _up_controlplane(state_dir: Path, bin_dir: Path | None) -> ClusterInfo:
     for namespace in ("default", "kube-system"):
         for kind, name in (("serviceaccounts", "default"), ("configmaps", "kube-root-ca.crt")):
             url = f"{api_url}/api/v1/namespaces/{namespace}/{kind}/{name}"
-            # The lambda's default binds the loop variable, which mypy cannot type (python/mypy#15459).
+            # mypy cannot type a lambda whose default binds the loop variable (python/mypy#15459).
             _wait(f"{namespace}/{kind}/{name}", lambda url=url: http_get(url, context)[0] == 200,  # type: ignore[misc]
                   state_dir, "kube-controller-manager")
 
