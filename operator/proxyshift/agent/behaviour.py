@@ -315,13 +315,13 @@ def plan_cells(params: BehaviourParams, local_addresses: Sequence[str], *,
             for address, role in addresses:
                 if len(out) >= MAX_CELLS:
                     return out, True
-                out.append(PlannedCell(target, address, role, path))  # type: ignore[arg-type]
+                out.append(PlannedCell(target, address, role, path))
     return out, False
 
 
 # ---- identities ----
 
-FlowKey = tuple[str, str, int, str, int]  # protocol, source address, source port, destination, port
+FlowKey = tuple[Protocol, str, int, str, int]  # protocol, source address, source port, destination, port
 
 
 def conntrack_identities(keys: set[FlowKey], *, runner: Runner = run, deadline: float,
@@ -334,13 +334,13 @@ def conntrack_identities(keys: set[FlowKey], *, runner: Runner = run, deadline: 
     """
     groups = sorted({(k[0], k[1]) for k in keys})
 
-    def one(group: tuple[str, str]) -> list[conntrack_mod.Flow]:
+    def one(group: tuple[Protocol, str]) -> list[conntrack_mod.Flow]:
         left = deadline - clock()
         if left < 0.05:
             return []
         try:
             family = ipaddress.ip_address(group[1]).version
-            return conntrack_mod.list_flows(group[0], source=group[1], family=family,  # type: ignore[arg-type]
+            return conntrack_mod.list_flows(group[0], source=group[1], family=family,
                                             runner=runner, timeout=left)[0]
         except (CommandError, conntrack_mod.ConntrackOutputError, ValueError):
             return []

@@ -20,8 +20,9 @@ from __future__ import annotations
 import ipaddress
 import re
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from proxyshift.api.behaviour import MAX_REPORTED_ENTRIES, ConntrackParams, ConntrackReport, Protocol
 from proxyshift.commands import CommandError, Result, run
@@ -112,13 +113,14 @@ def parse_flows(text: str, *, max_flows: int = MAX_FLOWS,
         cut = data.rfind(b"</flow>", 0, max_bytes)
         data = data[:cut + len(b"</flow>")] + b"</conntrack>" if cut >= 0 else b"<conntrack></conntrack>"
         truncated = True
-    parser = ET.XMLPullParser(events=("end",))
+    parser: ET.XMLPullParser[ET.Element] = ET.XMLPullParser(events=("end",))
     flows: list[Flow] = []
     try:
         parser.feed(data)
         parser.close()
         root_seen = False
-        for _, elem in parser.read_events():
+        # Only "end" events were asked for: each is (event, element), never the namespace tuples.
+        for _, elem in cast(Iterator[tuple[str, ET.Element]], parser.read_events()):
             if elem.tag == "flow":
                 if len(flows) >= max_flows:
                     truncated = True

@@ -34,6 +34,7 @@ from proxyshift.api.diagnostics import (
     MAX_ENDPOINTS,
     MAX_ERRORS,
     MAX_RULES,
+    CounterSource,
     DiagnoseRequest,
     DiagnoseService,
     EndpointCounters,
@@ -278,7 +279,7 @@ def read_service(service: DiagnoseService, mode: str | None, readers: Readers | 
     weights: dict[str, int] = {}
     scheduler: str | None = None
     persistence: int | None = None
-    source = "conntrack"
+    source: CounterSource = "conntrack"
     if mode == "iptables":
         source = "iptables"
         families = {ipaddress.ip_address(ip).version for ip in service.cluster_ips} or {4}
@@ -286,12 +287,12 @@ def read_service(service: DiagnoseService, mode: str | None, readers: Readers | 
             tool = "iptables-save" if version == 4 else "ip6tables-save"
             try:
                 text, cut = readers.text([tool, "-c", "-t", "nat"], MAX_SAVE_BYTES)
-                counted = parse_iptables_counters(text, key)
+                chain_counts = parse_iptables_counters(text, key)
                 truncated |= cut
-                rules += [f"{chain[:80]} ({n} rules)" for chain, n in counted.chains.items()]
-                if counted.chains_cut:
+                rules += [f"{chain[:80]} ({n} rules)" for chain, n in chain_counts.chains.items()]
+                if chain_counts.chains_cut:
                     rules.append(f"... more than {MAX_RULES} chains of it in {tool}, not listed")
-                for endpoint, n in counted.flows.items():
+                for endpoint, n in chain_counts.flows.items():
                     flows[endpoint] = flows.get(endpoint, 0) + n
             except (CommandError, DiagnosticsOutputError) as exc:
                 errors.append(_error(tool, exc))

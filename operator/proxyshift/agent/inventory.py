@@ -71,7 +71,7 @@ class Inventory:
         evidence = self._evidence()
         hits = set(modes & evidence)
         if observed in modes:
-            hits.add(observed)  # type: ignore[arg-type]
+            hits.add(observed)
         if not hits:
             hits = {"iptables"} if "iptables" in modes else set(modes)
         return hits

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from proxyshift.agent import diagnostics as diagnostics_mod
 from proxyshift.agent import flush as flush_mod
@@ -82,7 +82,7 @@ class ProxyNodeAPI(Protocol):
 
     def get(self, name: str) -> dict[str, Any] | None: ...
 
-    def watch(self, name: str, resource_version: str | None, timeout: int) -> Iterator[tuple[str, dict]]: ...
+    def watch(self, name: str, resource_version: str | None, timeout: int) -> Iterator[tuple[str, dict[str, Any]]]: ...
 
     def patch_status(self, name: str, status: dict[str, Any]) -> dict[str, Any]: ...
 
@@ -105,13 +105,14 @@ class KubeProxyNodeAPI:
         from kubernetes.client.exceptions import ApiException
 
         try:
-            return self._api.get_cluster_custom_object(API_GROUP, API_VERSION, PLURAL, name)
+            # The custom-objects API types its answers `object`: they are the decoded JSON, dicts here.
+            return cast(dict[str, Any], self._api.get_cluster_custom_object(API_GROUP, API_VERSION, PLURAL, name))
         except ApiException as exc:
             if exc.status == 404:
                 return None
             raise
 
-    def watch(self, name: str, resource_version: str | None, timeout: int) -> Iterator[tuple[str, dict]]:
+    def watch(self, name: str, resource_version: str | None, timeout: int) -> Iterator[tuple[str, dict[str, Any]]]:
         from kubernetes import watch
 
         kwargs: dict[str, Any] = {"field_selector": f"metadata.name={name}", "timeout_seconds": timeout,
@@ -123,10 +124,10 @@ class KubeProxyNodeAPI:
             yield event["type"], event["object"]
 
     def patch_status(self, name: str, status: dict[str, Any]) -> dict[str, Any]:
-        return self._api.patch_cluster_custom_object_status(
+        return cast(dict[str, Any], self._api.patch_cluster_custom_object_status(
             API_GROUP, API_VERSION, PLURAL, name, {"status": status},
             _content_type="application/merge-patch+json",
-        )
+        ))
 
 
 def facts_patch(facts: KubeProxyFacts) -> dict[str, Any]:
@@ -416,8 +417,8 @@ class Agent:
                                             extra_modules=p.extra_modules, allow_changes=p.allow_changes)
             matrix = pending.result() if pending is not None else None
         self._node_facts = None if report.loaded else self._node_facts
-        extra = {"kernelRelease": report.kernel_release, "modules": report.present_modules(),
-                 "tools": report.tools.as_status()}
+        extra: dict[str, Any] = {"kernelRelease": report.kernel_release, "modules": report.present_modules(),
+                                 "tools": report.tools.as_status()}
         if report.foreign_ipvs is not None:
             extra["foreignIPVS"] = report.foreign_ipvs.to_k8s()
         message, details = report.message(), PreflightResult.model_validate(report.details())
@@ -516,7 +517,7 @@ class Agent:
             return
         extra = self.observe(inventory=True)
         assert self.inventory is not None
-        counted = {m: self.inventory.count(m, observed=target, stale_only=True)  # type: ignore[arg-type]
+        counted = {m: self.inventory.count(m, observed=target, stale_only=True)
                    for m in remove if m in MODES and m != target}
         left: dict[str, int] = {m: n for m, n in counted.items() if n}
         if not left:

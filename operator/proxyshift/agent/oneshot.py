@@ -94,10 +94,10 @@ def main(argv: Sequence[str]) -> int:
                 "foreignIPVS": inventory_mod.foreign_ipvs(found).to_k8s(), "errors": found.errors})
         return 1 if found.errors else 0
     if args.command == "preflight":
-        report = preflight_mod.check(args.mode, args.scheduler, load_modules=args.load_modules,
-                                     extra_modules=args.extra_module, allow_changes=args.allow_change)
-        _print({"ok": report.ok, "message": report.message(), **report.details()})
-        return 0 if report.ok else 1
+        verdict = preflight_mod.check(args.mode, args.scheduler, load_modules=args.load_modules,
+                                      extra_modules=args.extra_module, allow_changes=args.allow_change)
+        _print({"ok": verdict.ok, "message": verdict.message(), **verdict.details()})
+        return 0 if verdict.ok else 1
     if args.command == "cleanup":
         result = flush_mod.flush(args.remove, args.target, dry_run=args.dry_run)
         _print({"ok": result.ok, "message": result.message(), **result.details()})

@@ -379,7 +379,7 @@ def check(mode: str, scheduler: str | None = None, *, proc_root: str | Path = "/
         raise ValueError(f"invalid kernel module name(s) {bad}: letters, digits, '_' and '-' only")
     view = KernelView(Path(proc_root), Path(sys_root), Path(modules_root)).read()
     tools = tools if tools is not None else detect_tools(runner, proc_root=proc_root)
-    needed = required_modules(mode, scheduler, extra_modules)  # type: ignore[arg-type]
+    needed = required_modules(mode, scheduler, extra_modules)
     loaded: list[str] = []
     if load_modules:
         for module, _ in needed:
@@ -391,13 +391,13 @@ def check(mode: str, scheduler: str | None = None, *, proc_root: str | Path = "/
                     pass  # reported below as still missing
         if loaded:
             view.read()
-    on_demand = loaded_on_demand(mode, scheduler) if view.autoload else set()  # type: ignore[arg-type]
+    on_demand = loaded_on_demand(mode, scheduler) if view.autoload else set()
     accepted = [m for m, _ in needed if view.state(m) == "loadable" and m in on_demand]
     missing = [_module_missing(view, m, why) for m, why in needed
                if view.state(m) != "present" and m not in accepted]
-    missing += _check_tools(mode, parse_kernel_release(view.release or ""), view.release, tools)  # type: ignore[arg-type]
+    missing += _check_tools(mode, parse_kernel_release(view.release or ""), view.release, tools)
     foreign, unreadable, foreign_missing = _foreign_ipvs(
-        mode, Path(proc_root),  # type: ignore[arg-type]
+        mode, Path(proc_root),
         ipvs_inventory or (lambda: take_ipvs_inventory(runner=runner, proc_root=Path(proc_root))))
     foreign_accepted = FOREIGN_IPVS_CHANGE in set(allow_changes)
     if not foreign_accepted:

@@ -19,6 +19,7 @@ import argparse
 import ipaddress
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -93,7 +94,7 @@ def answer(body: bytes, *, dialer: Dialer = dial) -> dict[str, Any]:
 
 class ProbeHandler(BaseHTTPRequestHandler):
     server_version = "proxyshift-probe"
-    dialer: Dialer = staticmethod(dial)  # type: ignore[assignment]
+    dialer: Dialer = staticmethod(dial)
 
     def _send(self, code: int, payload: dict[str, Any] | str) -> None:
         body = (json.dumps(payload) if isinstance(payload, dict) else payload).encode()
@@ -140,7 +141,7 @@ class ProbeServer(ThreadingHTTPServer):
     def __init__(self, listen: tuple[str, int]) -> None:
         super().__init__(listen, ProbeHandler)
 
-    def get_request(self):  # type: ignore[no-untyped-def]
+    def get_request(self) -> tuple[socket.socket, Any]:
         conn, addr = super().get_request()
         conn.settimeout(self.timeout)
         return conn, addr

@@ -129,7 +129,7 @@ def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     """Replace a $ref (pydantic puts field-level keys beside it) with the definition plus those keys."""
     if "$ref" in node:
         name = node["$ref"].rsplit("/", 1)[-1]
-        merged = copy.deepcopy(defs[name])
+        merged: dict[str, Any] = copy.deepcopy(defs[name])
         merged.update({k: v for k, v in node.items() if k != "$ref"})
         return merged
     if "allOf" in node and len(node["allOf"]) == 1:

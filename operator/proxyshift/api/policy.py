@@ -534,7 +534,7 @@ class ProxyPolicy(KubeModel):
 
     api_version: str = Field(default="proxyshift.io/v1alpha1")
     kind: str = Field(default="ProxyPolicy")
-    metadata: dict = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)
     spec: ProxyPolicySpec
     status: ProxyPolicyStatus = Field(default_factory=ProxyPolicyStatus)
 

@@ -530,7 +530,7 @@ class ProxyNode(KubeModel):
 
     api_version: str = Field(default="proxyshift.io/v1alpha1")
     kind: str = Field(default="ProxyNode")
-    metadata: dict = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)
     spec: ProxyNodeSpec = Field(default_factory=ProxyNodeSpec)
     status: ProxyNodeStatus = Field(default_factory=ProxyNodeStatus)
 

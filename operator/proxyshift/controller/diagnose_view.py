@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import kubernetes
 from kubernetes.client.exceptions import ApiException
@@ -193,8 +193,9 @@ def main(argv: Sequence[str]) -> int:
             print(f"Service {service.key} is headless: kube-proxy writes no rules for it, clients pick "
                   "endpoints themselves (DNS), so there is nothing on the nodes to count")
             return 0
-        known = sorted(p["metadata"]["name"] for p in
-                       custom.list_cluster_custom_object(API_GROUP, API_VERSION, "proxynodes")["items"])
+        # The custom-objects API types its answers `object`: they are the decoded JSON, dicts here.
+        listed = cast(dict[str, Any], custom.list_cluster_custom_object(API_GROUP, API_VERSION, "proxynodes"))
+        known = sorted(p["metadata"]["name"] for p in listed["items"])
         unknown = [n for n in args.node if n not in known]
         if unknown:
             raise UsageError(f"no ProxyNode for {', '.join(unknown)} (known: {', '.join(known[:10]) or 'none'})")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import jsonpatch
 from kubernetes import client
@@ -51,11 +51,12 @@ class ClusterAPI:
 
     def set_node_label(self, node: str, key: str, value: str | None) -> str:
         """Returns the Node's new resourceVersion. A merge patch with null removes the label."""
-        return str(self.core.patch_node(node, {"metadata": {"labels": {key: value}}}).metadata.resource_version)
+        patched = self.core.patch_node(node, {"metadata": {"labels": {key: value}}})
+        return str(cast(client.V1ObjectMeta, patched.metadata).resource_version)
 
     def set_unschedulable(self, node: str, unschedulable: bool) -> str:
         patched = self.core.patch_node(node, {"spec": {"unschedulable": unschedulable or None}})
-        return str(patched.metadata.resource_version)
+        return str(cast(client.V1ObjectMeta, patched.metadata).resource_version)
 
     def evict_pods(self, node: str) -> tuple[int, list[str]]:
         """Evict the node's pods except DaemonSet and mirror pods; PDBs are honoured by the API.
@@ -66,24 +67,26 @@ class ClusterAPI:
         remaining = 0
         blocked: list[str] = []
         for pod in pods:
-            owners = pod.metadata.owner_references or []
+            # The API server fills metadata (name, namespace) and status of every listed pod; the client's
+            # models type them all Optional.
+            meta = cast(client.V1ObjectMeta, pod.metadata)
+            name, namespace = cast(str, meta.name), cast(str, meta.namespace)
+            owners = meta.owner_references or []
             if any(o.kind == "DaemonSet" for o in owners):
                 continue
-            if "kubernetes.io/config.mirror" in (pod.metadata.annotations or {}):
+            if "kubernetes.io/config.mirror" in (meta.annotations or {}):
                 continue
-            if pod.status.phase in ("Succeeded", "Failed"):
+            if cast(client.V1PodStatus, pod.status).phase in ("Succeeded", "Failed"):
                 continue
             remaining += 1
-            if pod.metadata.deletion_timestamp:
+            if meta.deletion_timestamp:
                 continue
-            body = client.V1Eviction(
-                metadata=client.V1ObjectMeta(name=pod.metadata.name, namespace=pod.metadata.namespace)
-            )
+            body = client.V1Eviction(metadata=client.V1ObjectMeta(name=name, namespace=namespace))
             try:
-                self.core.create_namespaced_pod_eviction(pod.metadata.name, pod.metadata.namespace, body)
+                self.core.create_namespaced_pod_eviction(name, namespace, body)
             except ApiException as exc:
                 if exc.status == 429:
-                    blocked.append(f"{pod.metadata.namespace}/{pod.metadata.name}: disruption budget")
+                    blocked.append(f"{namespace}/{name}: disruption budget")
                 elif exc.status != 404:
                     raise
         return remaining, blocked
@@ -92,7 +95,8 @@ class ClusterAPI:
 
     def get_proxynode(self, name: str) -> dict[str, Any] | None:
         try:
-            return self.custom.get_cluster_custom_object(API_GROUP, API_VERSION, PROXYNODES, name)
+            # The custom-objects API types every answer `object`: it is the decoded JSON, a dict here.
+            return cast(dict[str, Any], self.custom.get_cluster_custom_object(API_GROUP, API_VERSION, PROXYNODES, name))
         except ApiException as exc:
             _ignore(404, exc)
             return None
@@ -104,8 +108,8 @@ class ClusterAPI:
         """
         try:
             if not replace:
-                patched = self.custom.patch_cluster_custom_object(API_GROUP, API_VERSION, PROXYNODES, name,
-                                                                  {"spec": spec})
+                patched = cast(dict[str, Any], self.custom.patch_cluster_custom_object(
+                    API_GROUP, API_VERSION, PROXYNODES, name, {"spec": spec}))
                 return str(patched["metadata"]["resourceVersion"])
             return self.patch_proxynode_spec(name, spec)
         except ApiException as exc:
@@ -122,7 +126,8 @@ class ClusterAPI:
                 {"apiVersion": "v1", "kind": "Node", "name": name, "uid": node_uid}
             ]
         try:
-            created = self.custom.create_cluster_custom_object(API_GROUP, API_VERSION, PROXYNODES, body)
+            created = cast(dict[str, Any],
+                           self.custom.create_cluster_custom_object(API_GROUP, API_VERSION, PROXYNODES, body))
             return str(created["metadata"]["resourceVersion"])
         except ApiException as exc:
             _ignore(409, exc)  # created meanwhile (by a peer): write it again
@@ -132,8 +137,8 @@ class ClusterAPI:
         """Replace the whole spec (JSON patch `add /spec`): a merge patch would keep keys the planner dropped,
         e.g. an old toRevision inside migration or an old operation's params."""
         body = [{"op": "add", "path": "/spec", "value": {k: v for k, v in spec.items() if v is not None}}]
-        patched = self.custom.patch_cluster_custom_object(API_GROUP, API_VERSION, PROXYNODES, name, body,
-                                                          _content_type=JSON_PATCH)
+        patched = cast(dict[str, Any], self.custom.patch_cluster_custom_object(
+            API_GROUP, API_VERSION, PROXYNODES, name, body, _content_type=JSON_PATCH))
         return str(patched["metadata"]["resourceVersion"])
 
     def ensure_peering(self, name: str) -> None:
@@ -174,7 +179,8 @@ class ClusterAPI:
     def apply_configmap(self, desired: dict[str, Any]) -> None:
         name = desired["metadata"]["name"]
         try:
-            self.core.create_namespaced_config_map(self.namespace, desired)
+            # The client's validation turns the dict body into the model it is typed with.
+            self.core.create_namespaced_config_map(self.namespace, desired)  # type: ignore[arg-type]
         except ApiException as exc:
             _ignore(409, exc)
             self.core.patch_namespaced_config_map(name, self.namespace, desired)
@@ -182,7 +188,8 @@ class ClusterAPI:
     def apply_daemonset(self, desired: dict[str, Any]) -> None:
         name = desired["metadata"]["name"]
         try:
-            self.apps.create_namespaced_daemon_set(self.namespace, desired)
+            # The client's validation turns the dict body into the model it is typed with.
+            self.apps.create_namespaced_daemon_set(self.namespace, desired)  # type: ignore[arg-type]
         except ApiException as exc:
             _ignore(409, exc)
             self.apps.patch_namespaced_daemon_set(name, self.namespace, desired)
@@ -217,8 +224,9 @@ class ClusterAPI:
             reason=reason,
             message=message[:1024],
             type=type_,
-            first_timestamp=stamp,
-            last_timestamp=stamp,
+            # The model (pydantic) parses the RFC 3339 text into its datetime.
+            first_timestamp=stamp,  # type: ignore[arg-type]
+            last_timestamp=stamp,  # type: ignore[arg-type]
             count=1,
             source=client.V1EventSource(component="proxyshift"),
             reporting_component="proxyshift.io/operator",
@@ -232,6 +240,6 @@ class ClusterAPI:
 
 def describe_api_error(exc: ApiException) -> str:
     try:
-        return str(json.loads(exc.body).get("message", exc.reason))
+        return str(json.loads(exc.body).get("message", exc.reason))  # type: ignore[arg-type]  # None: TypeError below
     except (TypeError, ValueError):
         return str(exc.reason)

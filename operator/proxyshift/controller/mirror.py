@@ -90,10 +90,11 @@ class Mirror:
 
     def _run(self) -> None:
         client = kubernetes.client.ApiClient()  # one per thread: the client's pool is not shared
-        bound = getattr(type(self.list_fn.__self__)(client), self.list_fn.__name__)
+        api = self.list_fn.__self__  # type: ignore[attr-defined]  # list_fn is a bound method of an API class
+        bound = getattr(type(api)(client), self.list_fn.__name__)
         while not self._stop.is_set():
             try:
-                version = self._list(bound)
+                version: str | None = self._list(bound)
                 while not self._stop.is_set() and version is not None:
                     version = self._watch(bound, version)
             except ApiException as exc:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import kubernetes
 from pydantic import ValidationError
@@ -44,7 +44,7 @@ from proxyshift.planner.preview import (
 )
 from proxyshift.planner.reports import conflicting_nodes, dump, plan_report, preflight_verdict
 from proxyshift.planner.services import EndpointView, ServiceView, endpoints_from_slice, service_view_from_k8s
-from proxyshift.planner.world import World
+from proxyshift.planner.world import NodeView, World
 from proxyshift.render import LABEL_MANAGED_BY, MANAGED_BY
 from proxyshift.render.kubeproxyconfig import baseline_config, render_config
 from proxyshift.render.names import revision_object_names
@@ -70,15 +70,22 @@ def read_world(policy: ProxyPolicy) -> World:
     custom = kubernetes.client.CustomObjectsApi()
     core, apps = kubernetes.client.CoreV1Api(), kubernetes.client.AppsV1Api()
     ns = CONFIG.kube_proxy_namespace
-    nodes = {}
+    nodes: dict[str, NodeView] = {}
     for n in core.list_node().items:
-        conditions = [{"type": c.type, "status": c.status} for c in (n.status.conditions or [])]
-        nodes[n.metadata.name] = node_view(n.metadata.name, n.metadata.labels or {},
-                                           {"unschedulable": n.spec.unschedulable}, {"conditions": conditions})
-    proxynodes = {p["metadata"]["name"]: ProxyNode.model_validate(p)
-                  for p in custom.list_cluster_custom_object(API_GROUP, API_VERSION, "proxynodes")["items"]}
+        # A listed Node always has metadata (with its name), spec and status; the client types them Optional.
+        meta = cast(kubernetes.client.V1ObjectMeta, n.metadata)
+        name = cast(str, meta.name)
+        status = cast(kubernetes.client.V1NodeStatus, n.status)
+        conditions = [{"type": c.type, "status": c.status} for c in (status.conditions or [])]
+        nodes[name] = node_view(name, meta.labels or {},
+                                {"unschedulable": cast(kubernetes.client.V1NodeSpec, n.spec).unschedulable},
+                                {"conditions": conditions})
+    # The custom-objects API types its answers `object`: they are the decoded JSON, dicts here.
+    listed_proxynodes = cast(dict[str, Any], custom.list_cluster_custom_object(API_GROUP, API_VERSION, "proxynodes"))
+    proxynodes = {p["metadata"]["name"]: ProxyNode.model_validate(p) for p in listed_proxynodes["items"]}
+    listed_policies = cast(dict[str, Any], custom.list_cluster_custom_object(API_GROUP, API_VERSION, "proxypolicies"))
     policies: dict[str, ProxyPolicy] = {}
-    for body in custom.list_cluster_custom_object(API_GROUP, API_VERSION, "proxypolicies")["items"]:
+    for body in listed_policies["items"]:
         try:
             policies[body["metadata"]["name"]] = ProxyPolicy.model_validate(body)
         except ValidationError:

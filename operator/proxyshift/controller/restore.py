@@ -29,7 +29,8 @@ def main(argv: Sequence[str]) -> int:
     with cluster_errors():
         labelled = kubernetes.client.CoreV1Api().list_node(label_selector=REVISION_LABEL).items
         if labelled:
-            names = ", ".join(n.metadata.name for n in labelled[:10])
+            # A listed Node always has metadata.name; the client's models type both Optional.
+            names = ", ".join(n.metadata.name for n in labelled[:10])  # type: ignore[union-attr, misc]
             print(f"refusing: {len(labelled)} nodes still run a proxyshift revision ({names}); delete the policies "
                   "(deletionPolicy: Revert) first", file=sys.stderr)
             return 1  # not ready for it yet: the same code as any command's "not ready"

@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import kubernetes
 from kubernetes.client.exceptions import ApiException
@@ -93,15 +93,17 @@ def render_policy(policy: dict[str, Any], proxynodes: list[dict[str, Any]], now:
 def read(api: kubernetes.client.CustomObjectsApi, policy: str | None) -> tuple[list[dict[str, Any]],
                                                                           list[dict[str, Any]] | None]:
     """The policies to show (all, or the one named) and, for one policy, every ProxyNode."""
+    # The custom-objects API types its answers `object`: they are the decoded JSON, dicts here.
     if policy is None:
-        return api.list_cluster_custom_object(API_GROUP, API_VERSION, "proxypolicies")["items"], None
+        listed = cast(dict[str, Any], api.list_cluster_custom_object(API_GROUP, API_VERSION, "proxypolicies"))
+        return listed["items"], None
     try:
-        body = api.get_cluster_custom_object(API_GROUP, API_VERSION, "proxypolicies", policy)
+        body = cast(dict[str, Any], api.get_cluster_custom_object(API_GROUP, API_VERSION, "proxypolicies", policy))
     except ApiException as exc:
         if exc.status == 404:
             raise UsageError(f"ProxyPolicy {policy!r} not found") from None
         raise
-    return [body], api.list_cluster_custom_object(API_GROUP, API_VERSION, "proxynodes")["items"]
+    return [body], cast(dict[str, Any], api.list_cluster_custom_object(API_GROUP, API_VERSION, "proxynodes"))["items"]
 
 
 def render_table(api: kubernetes.client.CustomObjectsApi, policy: str | None) -> tuple[str, StatusReport]:

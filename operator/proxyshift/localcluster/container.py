@@ -39,7 +39,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
@@ -112,8 +112,8 @@ def run_in_netns(netns: str, fn: Callable[..., T], *args: object, **kwargs: obje
     thread.start()
     thread.join()
     if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box["result"]  # type: ignore[return-value]
+        raise cast(BaseException, box["error"])
+    return cast(T, box["result"])
 
 
 def parse_bind(spec: str) -> tuple[str, str, bool]:

@@ -391,14 +391,17 @@ def _up_controlplane(state_dir: Path, bin_dir: Path | None) -> ClusterInfo:
     for component, port in (("kube-controller-manager", CONTROLLER_MANAGER_PORT),
                             ("kube-scheduler", SCHEDULER_PORT)):
         url = f"https://127.0.0.1:{port}/healthz"
-        _wait(f"{component} /healthz", lambda url=url: http_get(url, loopback)[0] == 200, state_dir, component)
+        # mypy cannot type a lambda whose default binds the loop variable (python/mypy#15459).
+        _wait(f"{component} /healthz", lambda url=url: http_get(url, loopback)[0] == 200,  # type: ignore[misc]
+              state_dir, component)
 
     # Pods can be created only once their namespace has its ServiceAccount, and
     # projected tokens mount kube-root-ca.crt: wait for the controllers' work.
     for namespace in ("default", "kube-system"):
         for kind, name in (("serviceaccounts", "default"), ("configmaps", "kube-root-ca.crt")):
             url = f"{api_url}/api/v1/namespaces/{namespace}/{kind}/{name}"
-            _wait(f"{namespace}/{kind}/{name}", lambda url=url: http_get(url, context)[0] == 200,
+            # mypy cannot type a lambda whose default binds the loop variable (python/mypy#15459).
+            _wait(f"{namespace}/{kind}/{name}", lambda url=url: http_get(url, context)[0] == 200,  # type: ignore[misc]
                   state_dir, "kube-controller-manager")
 
     info = ClusterInfo(state_dir=state_dir, kubeconfig=layout.admin_kubeconfig, api_url=api_url,

@@ -98,8 +98,10 @@ async def serve(endpoints: list[tuple[str, list[int]]], ready_file: Path | None,
     for name, ports in udp_endpoints or []:
         for port in ports:
             sock = run_in_netns(name, udp_socket, port)
-            transport, _ = await loop.create_datagram_endpoint(lambda name=name: UDPAnswerer(name), sock=sock)
-            transports.append(transport)
+            # mypy cannot type a lambda whose default binds the loop variable (python/mypy#15459).
+            udp_transport, _ = await loop.create_datagram_endpoint(
+                lambda name=name: UDPAnswerer(name), sock=sock)  # type: ignore[misc]
+            transports.append(udp_transport)
     if ready_file is not None:
         ready_file.write_text(f"{sum(len(p) for _, p in endpoints) + len(transports)} sockets\n")
     stop = asyncio.Event()

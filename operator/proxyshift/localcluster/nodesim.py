@@ -1350,8 +1350,8 @@ class Simulator:
                     resource_version = obj["metadata"].get("resourceVersion", resource_version)
                     if kind in ("ADDED", "MODIFIED"):
                         self.dispatch(obj)
-                    elif kind == "DELETED" and (worker := self.workers.get(obj["metadata"]["uid"])):
-                        worker.mark_gone()
+                    elif kind == "DELETED" and (deleted := self.workers.get(obj["metadata"]["uid"])):
+                        deleted.mark_gone()
                 self.forget_finished()
             except Exception as exc:
                 log.warning("pod watch failed (%s); relisting", exc)

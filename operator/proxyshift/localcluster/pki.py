@@ -183,9 +183,9 @@ def ensure_pki(pki_dir: Path) -> Pki:
         _write_secret(pki.apiserver_key, key)
         pki.apiserver_cert.write_bytes(cert)
     if not pki.sa_key.is_file():
-        key = _new_key()
-        _write_secret(pki.sa_key, _key_pem(key))
-        pki.sa_pub.write_bytes(key.public_key().public_bytes(
+        sa_key = _new_key()
+        _write_secret(pki.sa_key, _key_pem(sa_key))
+        pki.sa_pub.write_bytes(sa_key.public_key().public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
     for name, (common_name, orgs) in CLIENT_IDENTITIES.items():
         if not pki.client_cert(name).is_file():

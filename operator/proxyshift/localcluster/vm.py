@@ -38,7 +38,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import BinaryIO, TextIO
 
 from proxyshift.commands import stop_child
 from proxyshift.localcluster import vmkernel
@@ -198,8 +198,8 @@ def run_in_vm(argv: Sequence[str], *, cwd: str | Path = "/", env: Mapping[str, s
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _drain(reader: object, chunks: list[str], stream: TextIO | None) -> None:
-    data = reader.read()  # type: ignore[attr-defined]
+def _drain(reader: BinaryIO, chunks: list[str], stream: TextIO | None) -> None:
+    data = reader.read()
     if data:
         text = data.decode(errors="replace")
         chunks.append(text)

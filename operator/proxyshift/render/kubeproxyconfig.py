@@ -30,7 +30,7 @@ CONFIG_KEY = "config.conf"
 
 def find_config_key(configmap: dict[str, Any]) -> str:
     """The data key holding the KubeProxyConfiguration (kubeadm: config.conf)."""
-    data = configmap.get("data") or {}
+    data: dict[str, Any] = configmap.get("data") or {}
     if CONFIG_KEY in data:
         return CONFIG_KEY
     for key, text in sorted(data.items()):

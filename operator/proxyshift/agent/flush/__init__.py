@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from proxyshift.agent.flush.base import FlushReport, FlushStep, Runner
+from proxyshift.agent.flush.base import Flusher, FlushReport, FlushStep, Runner
 from proxyshift.agent.flush.iptables import IptablesFlusher, IptablesTool
 from proxyshift.agent.flush.ipvs import IpvsFlusher
 from proxyshift.agent.flush.nftables import NftablesFlusher
@@ -25,7 +25,7 @@ def validate_modes(remove_modes: Iterable[str], target_mode: str | None) -> tupl
     if bad:
         raise ValueError(f"unknown kube-proxy mode(s) {bad}; expected one of {list(MODES)}")
     remove = frozenset(m for m in remove_modes if m != target_mode)
-    return remove, target_mode  # type: ignore[return-value]
+    return remove, target_mode  # type: ignore[return-value]  # every name was checked against MODES above
 
 
 def flush(remove_modes: Iterable[str], target_mode: str | None, *, runner: Runner = run,
@@ -39,7 +39,7 @@ def flush(remove_modes: Iterable[str], target_mode: str | None, *, runner: Runne
     remove, target = validate_modes(remove_modes, target_mode)
     report = FlushReport(sorted(remove), target)
     destroy_sets = frozenset(IPVS_IPSETS) if "ipvs" in remove and target != "ipvs" else frozenset()
-    flushers = [
+    flushers: list[Flusher] = [
         IptablesFlusher(run=runner, tools=iptables_tools, destroy_sets=destroy_sets, verify=verify,
                         dry_run=dry_run),
         IpvsFlusher(run=runner, proc_root=proc_root, dry_run=dry_run),
