@@ -9,6 +9,7 @@ import pytest
 
 from proxyshift.localcluster import paths
 from tests.support.operator_harness import REVISION_LABEL, policy
+from tests.support.processes import mount_options, status
 
 pytestmark = pytest.mark.e2e
 
@@ -24,13 +25,11 @@ def assert_operator_confined(state_dir: Path) -> None:
             pids.append(pid)
     assert len(pids) == 2, f"two operator replicas expected running, found {pids}"
     for pid in pids:
-        status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
-        assert status["Uid"].split()[0] == "65532", status["Uid"]
-        assert int(status["CapEff"], 16) == 0 and int(status["CapBnd"], 16) == 0
-        assert status["NoNewPrivs"].strip() == "1"
-        root = next(line.split() for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
-                    if line.split()[4] == "/")
-        assert "ro" in root[5].split(","), root
+        s = status(int(pid))
+        assert s["Uid"].split()[0] == "65532", s["Uid"]
+        assert int(s["CapEff"], 16) == 0 and int(s["CapBnd"], 16) == 0
+        assert s["NoNewPrivs"] == "1"
+        assert "ro" in mount_options(int(pid))["/"], mount_options(int(pid))["/"]
 
 
 def test_in_cluster_operator_with_peering_migrates_a_pool(cluster: Any, harness: Any) -> None:

@@ -31,6 +31,7 @@ from proxyshift.commands import run
 from proxyshift.localcluster import controlplane, state
 from proxyshift.localcluster.nodesim import Kube
 from tests.support.operator_harness import IPTABLES_MODE_CHAINS, REVISION_LABEL, Harness, migration
+from tests.support.processes import container_pid
 
 BLUE = ["ps-node-1", "ps-node-2"]
 ALL_NODES = [*BLUE, "ps-node-3"]
@@ -182,20 +183,6 @@ def _wait(predicate: Callable[[], Any], timeout: float, what: str, interval: flo
                 return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:g}s waiting for {what}; last: {last!r}")
-
-
-def _pid_alive(pid: int) -> bool:
-    return state.start_ticks(pid) is not None
-
-
-def container_pid(state_dir: Path, node: str, namespace: str, pod_prefix: str, container: str) -> int | None:
-    """The pid of a running container on a simulated node, from the simulator's pid files."""
-    for pid_file in sorted((state_dir / "nodes" / node / "pids").glob(f"{namespace}_{pod_prefix}*_{container}.pid")):
-        with contextlib.suppress(OSError, ValueError):
-            pid = int(pid_file.read_text().strip())
-            if _pid_alive(pid):
-                return pid
-    return None
 
 
 def agent_pid(state_dir: Path, node: str) -> int | None:
