@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from proxyshift.localcluster import install
-from tests.support.operator_harness import service_account_kubeconfig
+from tests.support.operator_harness import operator_as_service_account
 
 NAMESPACE = "proxyshift-system"
 
@@ -27,22 +27,12 @@ NAMESPACE = "proxyshift-system"
 @pytest.fixture(scope="module", name="operator_process")
 def operator_process_fixture(cluster: Any, proxyshift_installed: Path) -> Iterator[install.OperatorProcess]:
     """The operator as a host process logged in as its own ServiceAccount, as the e2e tests run it."""
-    state_dir = cluster.state_dir or Path("/tmp")
-    kubeconfig = proxyshift_installed
-    # Outside the cluster's state folder: `down` removes only what it recorded there.
-    work = tempfile.TemporaryDirectory(prefix="ps-operator-token-")
-    if cluster.state_dir is not None:
-        kubeconfig = service_account_kubeconfig(cluster, "proxyshift-operator",
-                                                Path(work.name) / "operator-reliability-input.kubeconfig")
     # Ports of our own: an operator left running by another session on the default ports would answer
     # wait_healthy for a process of ours that could not bind and exited.
-    op = install.OperatorProcess(kubeconfig, state_dir / "logs" / "operator-reliability-input.log",
-                                 metrics_port=18280, health_port=18281).start()
-    op.wait_healthy()
-    assert op.running, f"the operator exited; see {op.log_path}"
-    yield op
-    op.stop()
-    work.cleanup()
+    with operator_as_service_account(cluster, proxyshift_installed, "operator-reliability-input",
+                                     metrics_port=18280, health_port=18281) as op:
+        assert op.running, f"the operator exited; see {op.log_path}"
+        yield op
 
 
 def agent_pod(cluster: Any, node: str) -> str:

@@ -31,11 +31,10 @@ from input_harness import (  # noqa: F401 - the *_fixture names are fixtures, us
     agent_pod,
     operator_process_fixture,
     scratch_dir,
-    service_account_kubeconfig,
 )
 
 from tests.support.bad_policies import CASES  # the one table, read from its files
-from tests.support.operator_harness import GROUP, VERSION, policy
+from tests.support.operator_harness import GROUP, VERSION, policy, service_account_kubeconfig
 
 pytestmark = pytest.mark.reliability
 

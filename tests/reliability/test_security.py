@@ -24,9 +24,9 @@ import pytest
 import sec_checks as sec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from input_harness import scratch_dir, service_account_kubeconfig
+from input_harness import scratch_dir
 
-from tests.support.operator_harness import Harness
+from tests.support.operator_harness import Harness, service_account_kubeconfig
 
 OPERATOR_DIR = sec.ROOT / "operator"
 

@@ -6,6 +6,7 @@ Shared by tests/e2e and tests/reliability: each conftest imports the fixtures at
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import tempfile
@@ -248,18 +249,28 @@ def service_account_kubeconfig(cluster: Any, account: str, path: Path, *, pod: s
 # a permission missing on a rare path (rollback, blocked eviction, node delete) fails a test.
 @pytest.fixture(scope="module")
 def operator_process(cluster: Any, proxyshift_installed: Path) -> Iterator[OperatorProcess]:
+    with operator_as_service_account(cluster, proxyshift_installed, "operator-e2e") as op:
+        yield op
+
+
+@contextlib.contextmanager
+def operator_as_service_account(cluster: Any, admin_kubeconfig: Path, name: str,
+                                **ports: int) -> Iterator[OperatorProcess]:
+    """The operator as a host process, logged in with a fresh token of its ServiceAccount (on a local
+    cluster; elsewhere with `admin_kubeconfig`), healthy; stopped at the end. Its log is logs/<name>.log."""
     state_dir = cluster.state_dir or Path("/tmp")
-    kubeconfig = proxyshift_installed
     # Outside the cluster's state folder: `down` removes only what it recorded there.
-    work = tempfile.TemporaryDirectory(prefix="ps-operator-token-")
-    if cluster.state_dir is not None:
-        kubeconfig = service_account_kubeconfig(cluster, "proxyshift-operator",
-                                                Path(work.name) / "operator-e2e.kubeconfig")
-    op = OperatorProcess(kubeconfig, state_dir / "logs" / "operator-e2e.log").start()
-    op.wait_healthy()
-    yield op
-    op.stop()
-    work.cleanup()
+    with tempfile.TemporaryDirectory(prefix="ps-operator-token-") as work:
+        kubeconfig = admin_kubeconfig
+        if cluster.state_dir is not None:
+            kubeconfig = service_account_kubeconfig(cluster, "proxyshift-operator",
+                                                    Path(work) / f"{name}.kubeconfig")
+        op = OperatorProcess(kubeconfig, state_dir / "logs" / f"{name}.log", **ports).start()
+        try:
+            op.wait_healthy()
+            yield op
+        finally:
+            op.stop()
 
 
 @pytest.fixture
