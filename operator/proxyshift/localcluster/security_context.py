@@ -82,13 +82,12 @@ def confinement(pod_spec: Mapping[str, Any], container: Mapping[str, Any], image
     if privileged and escalation is False:
         raise SecurityContextError(f"container {name}: cannot set allowPrivilegeEscalation to false and "
                                    "privileged to true")
+    read_only_root = bool(sc.get("readOnlyRootFilesystem"))
     if privileged:
-        return Confinement(uid, gid, None, bool(sc.get("readOnlyRootFilesystem")), False)
+        return Confinement(uid, gid, None, read_only_root, False)
     caps_spec: Mapping[str, Any] = sc.get("capabilities") or {}
     drop = {_capability(c) for c in caps_spec.get("drop") or []}
     add = {_capability(c) for c in caps_spec.get("add") or []}
-    caps = set() if "ALL" in drop else set(DEFAULT_CAPABILITIES) - drop
-    caps |= add
-    if "ALL" in caps:
-        return Confinement(uid, gid, None, bool(sc.get("readOnlyRootFilesystem")), escalation is False)
-    return Confinement(uid, gid, frozenset(caps), bool(sc.get("readOnlyRootFilesystem")), escalation is False)
+    caps = (set() if "ALL" in drop else set(DEFAULT_CAPABILITIES) - drop) | add
+    # add: [ALL] grants every capability, as privileged does (without its escalation).
+    return Confinement(uid, gid, None if "ALL" in caps else frozenset(caps), read_only_root, escalation is False)
