@@ -395,7 +395,10 @@ def check_end_state(h: Harness, name: str, history: History, tcp_probe: Callable
                    f"traffic through {service.name} from {node} after the run")
     attempts = {n: migration(pn).get("attempt") for n, pn in h.proxynodes().items() if n in history.phases}
     switches = {n: sum(1 for k in history.switched_at if k[0] == n) for n in ALL_NODES}
-    return {"modes": modes, "attempts": attempts, "switches": switches,
+    # Why a node rolled back or failed: without it a Degraded end in the report says only that it did.
+    reasons = {n: f"{m.get('reason')}: {(m.get('message') or '')[:300]}"
+               for n, pn in h.proxynodes().items() if n in history.phases and (m := migration(pn)).get("reason")}
+    return {"modes": modes, "attempts": attempts, "switches": switches, "reasons": reasons,
             "longest_outage_s": {n: round(v, 2) for n, v in longest.items()},
             "phases": dict(history.phases)}
 

@@ -399,6 +399,50 @@ def test_the_watch_loop_gets_once_then_follows_resource_versions_and_gets_again_
     assert events.qsize() == 3
 
 
+def test_the_watch_back_off_starts_anew_after_a_watch_that_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two outages with a healthy watch between them: the second waits 1 s first, not where the first ended."""
+    import queue
+    import threading
+
+    from proxyshift.agent import loop as loop_mod
+
+    clock = [0.0]
+    monkeypatch.setattr(loop_mod.time, "monotonic", lambda: clock[0])
+    script = ["down", "down", "down", "ok", "down", "down"]
+
+    class Stop(threading.Event):
+        waits: list[float] = []
+
+        def wait(self, timeout: float | None = None) -> bool:
+            self.waits.append(timeout or 0.0)
+            clock[0] += timeout or 0.0
+            if not script:
+                self.set()
+            return self.is_set()
+
+    class FlakyAPI(FakeAPI):
+        def get(self, name):
+            if script and script[0] == "down":
+                script.pop(0)
+                raise ConnectionRefusedError("API server away")
+            return super().get(name)
+
+        def watch(self, name, rv, timeout):
+            script.pop(0)  # "ok": the watch runs 60 s, then the API server goes away again
+            clock[0] += 60.0
+            raise ConnectionResetError("API server restarting")
+            yield  # a generator, like the real watch
+
+    stop = Stop()
+    agent = Agent(AgentConfig(node="n1", watch_timeout=300), FlakyAPI(node_obj()), FakeNode())
+    thread = threading.Thread(target=agent._watch_loop, args=(queue.Queue(), stop))
+    thread.start()
+    thread.join(timeout=20)
+    assert not thread.is_alive()
+    # first outage: 1, 2, 4; the watch ran 60 s and broke: 1 again; then 2, 4 for the second outage
+    assert stop.waits[:6] == [1.0, 2.0, 4.0, 1.0, 2.0, 4.0], stop.waits
+
+
 # ---- rule hold ----
 
 def hold_op(n: int = 0) -> dict[str, Any]:

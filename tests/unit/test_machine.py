@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 from typing import Any
 
@@ -207,6 +208,33 @@ def test_crashlooping_new_pod_rolls_back() -> None:
 def test_switch_timeout_rolls_back() -> None:
     step = machine.step(inp(mig("Switch"), label=REV, pods=[pod(f"kube-proxy-{REV}", ready=False)], now_plus=121))
     assert step.phase == "RollingBack" and writes(step)[0].migration.reason == "SwitchTimeout"
+
+
+def test_a_switch_that_outlasted_an_api_server_outage_gets_its_whole_timeout_after_the_api_came_back() -> None:
+    waiting = inp(mig("Switch"), label=REV, pods=[pod(f"kube-proxy-{REV}", ready=False)], now_plus=121)
+    # The API server came back 30 s ago: the DaemonSet controller's watches are still backing off.
+    back = dataclasses.replace(waiting, api_back_at=waiting.now - timedelta(seconds=30))
+    step = machine.step(back)
+    assert step.phase == "Switch" and not writes(step)
+    # An outage before the node entered the step changes nothing: the timeout counts from the step.
+    before = dataclasses.replace(waiting, api_back_at=T0 - timedelta(seconds=5))
+    assert writes(machine.step(before))[0].migration.reason == "SwitchTimeout"
+    # Once the API server has been back for the whole timeout, the switch times out as before.
+    long_back = dataclasses.replace(waiting, api_back_at=waiting.now - timedelta(seconds=120))
+    assert writes(machine.step(long_back))[0].migration.reason == "SwitchTimeout"
+
+
+def test_every_step_timeout_counts_from_the_api_server_s_return() -> None:
+    probe_op = Operation(id=f"{REV}.1.0.Gate.0", type="Probe", params={})
+    cases = {"Preflight": "PreflightTimeout", "Gate": "GateTimeout", "Cleanup": "CleanupTimeout"}
+    for phase, reason in cases.items():
+        op = probe_op if phase == "Gate" else Operation(id=f"{REV}.1.0.{phase}.0",
+                                                        type="Preflight" if phase == "Preflight" else "Cleanup",
+                                                        params={})
+        late = inp(mig(phase), label=REV, pods=[pod(f"kube-proxy-{REV}")], op=op, now_plus=121)
+        assert any(w.migration.reason == reason for w in writes(machine.step(late))), phase
+        back = dataclasses.replace(late, api_back_at=late.now - timedelta(seconds=10))
+        assert not any(w.migration.reason == reason for w in writes(machine.step(back))), phase
 
 
 def _good_facts() -> KubeProxyFacts:

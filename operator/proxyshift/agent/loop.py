@@ -69,6 +69,8 @@ MAX_PROBE_AWAIT_SECONDS = 30.0  # whatever a Probe asks, the agent never sits lo
 # A Probe that waits notices kube-proxy's sync this soon (half of it on average: the gate's verdict lag per
 # node); one poll is three HTTP GETs to the node's own kube-proxy.
 PROBE_AWAIT_POLL_SECONDS = 0.05
+# A watch that ran this long before failing was healthy: the failure is a new outage, the back-off starts anew.
+HEALTHY_WATCH_SECONDS = 5.0
 # Operations that change nothing on the node: a diagnose request may be read while one runs.
 READ_ONLY_OPERATIONS: tuple[OperationType, ...] = ("Preflight", "Probe")
 
@@ -577,6 +579,7 @@ class Agent:
         """
         backoff = 1.0
         rv: str | None = None
+        watching_since: float | None = None
         said_missing = -math.inf
         while not stop.is_set():
             started = time.monotonic()
@@ -592,6 +595,7 @@ class Agent:
                         continue
                     events.put(obj)
                     rv = (obj.get("metadata") or {}).get("resourceVersion")
+                watching_since = time.monotonic()
                 for kind, item in self.api.watch(self.cfg.node, rv, self.cfg.watch_timeout):
                     if stop.is_set():
                         return
@@ -610,6 +614,12 @@ class Agent:
                 log.warning("watching ProxyNode %s: %s", self.cfg.node, exc)
                 metrics_mod.record_error("watch")
                 rv = None
+                if watching_since is not None and time.monotonic() - watching_since >= HEALTHY_WATCH_SECONDS:
+                    # A watch that ran ended by a new outage, not a longer one. Kept growing, two API server
+                    # restarts a minute apart left the agent asleep up to 30 s after the second, the
+                    # operator's Hold, Probe or Cleanup unseen meanwhile.
+                    backoff = 1.0
+                watching_since = None
                 stop.wait(backoff)
                 backoff = min(backoff * 2, 30.0)
 

@@ -11,6 +11,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import kubernetes
@@ -67,6 +68,7 @@ class FleetView:
     nodes: dict[str, w.NodeView]
     proxynodes: dict[str, ProxyNode]
     pods: dict[str, list[w.KubeProxyPodView]]  # node -> its kube-proxy pods
+    api_back_at: datetime | None = None  # the latest reconnection of any mirror (planner World.api_back_at)
 
 
 class NodeUids(Mapping[str, str]):
@@ -140,7 +142,8 @@ class Fleet:
         pods: dict[str, list[w.KubeProxyPodView]] = {}
         for pod in self.mirrors[PODS].items.values():
             pods.setdefault(pod.node, []).append(pod)
-        return FleetView(nodes, dict(self.mirrors[PROXYNODE_MIRROR].items), pods)
+        back = [m.reconnected_at for m in self.mirrors.values() if m.reconnected_at is not None]
+        return FleetView(nodes, dict(self.mirrors[PROXYNODE_MIRROR].items), pods, max(back, default=None))
 
     def services(self) -> w.ServiceSide:
         return service_world(self.mirrors)

@@ -18,9 +18,11 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import kubernetes
+import urllib3
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
@@ -48,6 +50,8 @@ class Mirror:
     kwargs: dict[str, Any] = field(default_factory=dict)
     items: dict[str, Any] = field(default_factory=dict)
     synced: asyncio.Event = field(default_factory=asyncio.Event)
+    # When a list first succeeded after the API server could not be reached (event-loop side).
+    reconnected_at: datetime | None = None
     _loop: asyncio.AbstractEventLoop | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -73,6 +77,9 @@ class Mirror:
                 self.on_change(self, key, old.get(key), value)
         self.synced.set()
 
+    def _reconnected(self, moment: datetime) -> None:
+        self.reconnected_at = moment
+
     def _apply(self, key: str, value: Any) -> None:
         old = self.items.get(key)
         if value is None:
@@ -92,13 +99,22 @@ class Mirror:
         client = kubernetes.client.ApiClient()  # one per thread: the client's pool is not shared
         api = self.list_fn.__self__  # type: ignore[attr-defined]  # list_fn is a bound method of an API class
         bound = getattr(type(api)(client), self.list_fn.__name__)
+        unreachable = False
         while not self._stop.is_set():
             try:
                 version: str | None = self._list(bound)
+                if unreachable:
+                    self._post(self._reconnected, datetime.now(UTC))
+                    unreachable = False
                 while not self._stop.is_set() and version is not None:
                     version = self._watch(bound, version)
             except ApiException as exc:
                 log.warning("mirror %s: API error %s %s; listing again", self.name, exc.status, exc.reason)
+                self._stop.wait(RETRY_SECONDS)
+            except (urllib3.exceptions.HTTPError, OSError) as exc:
+                # Refused, reset or timed out: the API server is away (restarting, or the network).
+                log.warning("mirror %s: API server unreachable (%s); listing again", self.name, exc)
+                unreachable = True
                 self._stop.wait(RETRY_SECONDS)
             except Exception:  # the mirror must outlive any one bad response
                 log.exception("mirror %s failed; listing again", self.name)

@@ -83,6 +83,7 @@ async def step(runtime: OperatorRuntime, name: str, indexes: Indexes) -> w.Plan:
         render_errors=render_errors,
         service_ips=probe_service_ips(services, policy) if policy else {},
         services=services,
+        api_back_at=view.api_back_at,
     )
     report = runtime.compat.report(world, name, baseline_cm) if policy else None
     if report is not None:

@@ -50,7 +50,7 @@ from proxyshift.api.requirements import startup_cleanup_drops_old_rules
 from proxyshift.planner.behaviour import compare_matrices
 from proxyshift.planner.gate import GateVerdict, evaluate_gate
 from proxyshift.planner.gate import Result as GateResult
-from proxyshift.planner.timeutil import fmt, parse, remaining, seconds_since
+from proxyshift.planner.timeutil import fmt, parse, remaining, seconds_since, utc
 from proxyshift.planner.world import (
     Action,
     Cordon,
@@ -114,6 +114,7 @@ class NodeInput:
     # The Services whose distribution the node records before and after its move (id and record are set
     # by the machine); None: nothing worth recording.
     distribution: DiagnoseRequest | None = None
+    api_back_at: datetime | None = None  # see World.api_back_at
 
     @property
     def migration(self) -> NodeMigration | None:
@@ -159,6 +160,17 @@ def is_in_flight(m: NodeMigration | None) -> bool:
 
 def _timeout(inp: NodeInput) -> timedelta:
     return parse_duration(inp.spec.gate.timeout)
+
+
+def _step_since(inp: NodeInput, m: NodeMigration) -> str | None:
+    """Where a step's timeout starts: when the node entered it, or when the API server came back, the later.
+
+    A step that outlasted an API server outage was not given its time: the controllers it waits for
+    reconnect only after the outage, with their own back-off (world.World.api_back_at)."""
+    entered = parse(m.phase_since)
+    if entered is None or inp.api_back_at is None or utc(inp.api_back_at) <= entered:
+        return m.phase_since
+    return fmt(inp.api_back_at)
 
 
 def _result(inp: NodeInput, operation: Operation | None) -> OperationStatus | None:
@@ -386,7 +398,7 @@ def _preflight(inp: NodeInput, m: NodeMigration) -> Step:
         return Step(told + nxt.actions, nxt.phase, nxt.message, nxt.requeue_after)
     if res is not None and res.state == "Failed":
         return _fail(inp, m, "PreflightFailed", f"preflight failed, node untouched: {res.message}")
-    left = remaining(m.phase_since, _timeout(inp), inp.now)
+    left = remaining(_step_since(inp, m), _timeout(inp), inp.now)
     if left <= 0:
         return _fail(inp, m, "PreflightTimeout",
                      f"the agent did not report preflight {op.id} within {inp.spec.gate.timeout}; node untouched")
@@ -435,7 +447,7 @@ def _cordon(inp: NodeInput, m: NodeMigration) -> Step:
     actions: list[Action] = []
     if inp.spec.rollout.drain:
         limit = parse_duration(inp.spec.rollout.drain_timeout)
-        if remaining(m.phase_since, limit, inp.now) <= 0:
+        if remaining(_step_since(inp, m), limit, inp.now) <= 0:
             # Nothing on the node changed but its schedulability: give that back, then fail.
             why = (f"pods could not be evicted within {inp.spec.rollout.drain_timeout} (a PodDisruptionBudget "
                    "refuses, or pods do not terminate); node untouched")
@@ -520,7 +532,7 @@ def _switch(inp: NodeInput, m: NodeMigration) -> Step:
         return _start_rollback(inp, m, "KubeProxyCrashLooping",
                                f"the new kube-proxy pod {pod.name} restarted {pod.restarts} times without "
                                "becoming Ready (kube-proxy exits when its mode cannot run)")
-    left = remaining(m.phase_since, _timeout(inp), inp.now)
+    left = remaining(_step_since(inp, m), _timeout(inp), inp.now)
     if left <= 0:
         return _start_rollback(inp, m, "SwitchTimeout", f"{waiting} for longer than {inp.spec.gate.timeout}")
     return _wait("Switch", waiting, min(POLL_SECONDS, left))
@@ -658,7 +670,7 @@ def _gate(inp: NodeInput, m: NodeMigration) -> Step:
                                f"{phase.lower()}: {verdict.message}")
     if verdict is not None and verdict.passed:
         return _after_gate(inp, m, verdict)
-    left = remaining(m.phase_since, _timeout(inp), inp.now)
+    left = remaining(_step_since(inp, m), _timeout(inp), inp.now)
     waiting = verdict.message if verdict else "waiting for the agent's probe"
     if left <= 0:
         reason = "GateTimeout" if phase == "Gate" else "VerifyTimeout"
@@ -728,7 +740,7 @@ def _cleanup(inp: NodeInput, m: NodeMigration) -> Step:
         return _enter_probe(inp, m, "Verify", f"cleanup done: {clip(res.message)}")
     if res is not None and res.state == "Failed":
         return _start_rollback(inp, m, "CleanupFailed", f"cleanup of stale rules failed: {res.message}")
-    left = remaining(m.phase_since, _timeout(inp), inp.now)
+    left = remaining(_step_since(inp, m), _timeout(inp), inp.now)
     if left <= 0:
         return _start_rollback(inp, m, "CleanupTimeout",
                                f"the agent did not finish cleanup {op.id} within {inp.spec.gate.timeout}")
@@ -825,7 +837,7 @@ def _rolling_back(inp: NodeInput, m: NodeMigration) -> Step:
         op = inp.proxynode.spec.operation
         res = _result(inp, op)
         finished = res is not None and res.state in ("Succeeded", "Failed")
-        if not finished and remaining(m.phase_since, _timeout(inp), inp.now) > 0:
+        if not finished and remaining(_step_since(inp, m), _timeout(inp), inp.now) > 0:
             return _wait("RollingBack", "waiting for the agent's cleanup of the target mode")
         # A failed cleanup leaves stale rules of a mode nobody runs: worth a note, not worth stopping.
         note = None if res is not None and res.state == "Succeeded" else clip(
@@ -848,7 +860,7 @@ def _rolling_back(inp: NodeInput, m: NodeMigration) -> Step:
                 return Step([_rollback_write(inp, nxt, None), Uncordon(node=inp.node.name, reason="Uncordoned")],
                             "RollingBack", "uncordoning", POLL_SECONDS)
             return _rolled_back(inp, m)
-        left = remaining(m.phase_since, _timeout(inp), inp.now)
+        left = remaining(_step_since(inp, m), _timeout(inp), inp.now)
         waiting = verdict.message if verdict else "waiting for the agent's probe"
         if (verdict is not None and verdict.result == "fail") or left <= 0:
             why = waiting if left > 0 else f"not proven within {inp.spec.gate.timeout}: {waiting}"

@@ -127,7 +127,8 @@ def _node_input(ctx: _Ctx, name: str, pn: ProxyNode) -> NodeInput:
     node = w.nodes[name]
     return NodeInput(policy=ctx.name, spec=ctx.policy.spec, node=node, proxynode=pn,
                      pods=tuple(w.kube_proxy_pods.get(name, ())), now=ctx.now, service_ips=w.service_ips,
-                     behaviour=_behaviour_sample(ctx, node), conntrack=ctx.conntrack, distribution=ctx.distribution)
+                     behaviour=_behaviour_sample(ctx, node), conntrack=ctx.conntrack, distribution=ctx.distribution,
+                     api_back_at=w.api_back_at)
 
 
 def _distribution_request(ctx: _Ctx) -> DiagnoseRequest | None:
