@@ -208,6 +208,9 @@ def test_fault_at_every_step(harness: Harness, cluster: Any, kube: Any, test_ser
             h.wait_for(lambda: all(agent_pid(state_dir, n) for n in ALL_NODES), 120, "every agent running again")
         fired = {f.step for f in injector.fired}
         missing = [step for step in missing if step not in fired]
+        # The pool that does not move must not notice: its kube-proxy never changed (docs/reliability.md).
+        untouched = [n for n in ALL_NODES if n not in nodes]
+        assert all(facts["traffic"][n]["failed"] == 0 for n in untouched), facts["traffic"]
         if fault_name in ABSORBED:
             assert facts["switches"] == {n: int(n in nodes) for n in ALL_NODES}, facts["switches"]
             assert outcome == "Ready", f"{fault_name}: expected Ready, got {outcome}: {cond}"
@@ -270,6 +273,51 @@ def test_target_kube_proxy_crash_looping(harness: Harness, cluster: Any, kube: A
                                                       gate_timeout=CRASHLOOP_GATE_TIMEOUT)
     record(cluster, _row("kube-proxy-crashloop/retry", outcome, cond, injector, facts))
     assert outcome == "Ready", cond
+
+
+@pytest.mark.parametrize("fault_name", ["operator-kill", "apiserver-restart", "agent-kill"])
+def test_a_fault_while_a_node_rolls_back(harness: Harness, cluster: Any, kube: Any, test_service: Any,
+                                         tcp_probe: Callable[..., Any], continuous_prober: Callable[..., Any],
+                                         fault_name: str) -> None:
+    """The target kube-proxy crash-loops from Switch, so the node rolls back; the fault fires the moment the
+    node enters RollingBack. The rollback must still end RolledBack on the old mode, the policy Degraded with
+    the rollback's reason, and every end-state invariant must hold."""
+    h = harness
+    state_dir = cluster.require_local("fault injection")
+    faults = Faults(h, kube, state_dir, ALL_NODES)
+    fault = {"operator-kill": faults.operator_kill, "apiserver-restart": faults.apiserver_restart,
+             "agent-kill": faults.agent_kill}[fault_name]
+    loops: list[KubeProxyCrashLoop] = []
+
+    def crash_then_fault(step: str, node: str) -> str:
+        if step == "Switch":
+            revision = migration(h.proxynodes()[node]).get("toRevision")
+            assert revision, f"{node} has no target revision at {step}"
+            loops.append(KubeProxyCrashLoop(state_dir, node, revision).start())
+            return f"kube-proxy of {revision} on {node} SIGKILLed whenever it starts"
+        return fault(step, node)
+
+    def stop_loops() -> None:
+        for loop in loops:
+            loop.stop()
+
+    try:
+        outcome, cond, injector, facts, _ = migrate_under(
+            h, cluster, kube, test_service, tcp_probe, continuous_prober, f"rel-rollback-{fault_name}",
+            crash_then_fault, ("Switch", "RollingBack"), before_end=stop_loops, gate_timeout=CRASHLOOP_GATE_TIMEOUT)
+    finally:
+        stop_loops()
+    record(cluster, _row(f"{fault_name} while rolling back", outcome, cond, injector, facts))
+    fired = [(f.step, f.node) for f in injector.fired]
+    assert [step for step, _ in fired] == ["Switch", "RollingBack"], fired
+    assert fired[0][1] == fired[1][1], f"the fault fired on another node than the rollback: {fired}"
+    node = fired[0][1]
+    assert outcome == "Degraded" and cond.get("reason"), cond
+    pn = migration(h.proxynodes()[node])
+    assert pn.get("phase") == "RolledBack", f"{node} ended {pn.get('phase')}: {facts['reasons']}"
+    assert pn.get("reason") in ("KubeProxyCrashLooping", "GateTimeout"), facts["reasons"]
+    assert facts["modes"][node] == "iptables", f"{node} not back on its old mode: {facts['modes']}"
+    assert all(not h.unschedulable(n) for n in ALL_NODES), "a node was left cordoned"
 
 
 def _set_agent_env(h: Harness, cluster: Any, env: list[dict[str, Any]]) -> None:

@@ -22,6 +22,8 @@ from proxyshift.localcluster import paths
 
 AGENT_NAMESPACE = "proxyshift-system"
 AGENT_DAEMONSET = "proxyshift-agent"
+CRDS = ("proxypolicies.proxyshift.io", "proxynodes.proxyshift.io")
+CRD_ESTABLISHED_SECONDS = 60.0
 # Applied in this order: CRDs must be established before anything refers to them.
 INSTALL_STEPS: tuple[tuple[str, list[str]], ...] = (
     ("CRDs", ["-k", "config/crd"]),
@@ -42,6 +44,22 @@ def kubectl(bin_dir: Path | None, kubeconfig: Path, *args: str, timeout: float =
     return run(argv, timeout=timeout, check=check, input=input).stdout
 
 
+def _wait_established(bin_dir: Path | None, kubeconfig: Path, crds: tuple[str, ...],
+                      timeout: float = CRD_ESTABLISHED_SECONDS) -> None:
+    """Until every CRD says Established. Not `kubectl wait --for=condition=Established`: on a CRD the API
+    server has not yet given a status it exits 1 at once (".status.conditions accessor error: <nil>")."""
+    established = '{.status.conditions[?(@.type=="Established")].status}'
+    deadline = time.monotonic() + timeout
+    waiting = list(crds)
+    while waiting:
+        waiting = [crd for crd in waiting
+                   if kubectl(bin_dir, kubeconfig, "get", f"crd/{crd}", "-o", f"jsonpath={established}") != "True"]
+        if waiting and time.monotonic() > deadline:
+            raise RuntimeError(f"CRDs not Established within {timeout:g}s: {', '.join(waiting)}")
+        if waiting:
+            time.sleep(0.2)
+
+
 def install(bin_dir: Path | None, kubeconfig: Path, *, agents: bool = True) -> None:
     """Apply proxyshift's manifests (idempotent) and wait until the agents run on every node."""
     root = paths.repo_root()
@@ -52,8 +70,7 @@ def install(bin_dir: Path | None, kubeconfig: Path, *, agents: bool = True) -> N
         kubectl(bin_dir, kubeconfig, "apply", "--server-side", "--force-conflicts",
                 "--field-manager=proxyshift-install", *[str(root / t) if t.startswith("config") else t for t in target])
         if what == "CRDs":
-            kubectl(bin_dir, kubeconfig, "wait", "--for=condition=Established", "--timeout=60s",
-                    "crd/proxypolicies.proxyshift.io", "crd/proxynodes.proxyshift.io")
+            _wait_established(bin_dir, kubeconfig, CRDS)
     if agents:
         _say("waiting for the agent DaemonSet to be ready on every node")
         kubectl(bin_dir, kubeconfig, "-n", AGENT_NAMESPACE, "rollout", "status",
