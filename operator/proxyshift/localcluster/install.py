@@ -9,6 +9,7 @@ to the cluster's state directory.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -46,18 +47,23 @@ def kubectl(bin_dir: Path | None, kubeconfig: Path, *args: str, timeout: float =
 
 def _wait_established(bin_dir: Path | None, kubeconfig: Path, crds: tuple[str, ...],
                       timeout: float = CRD_ESTABLISHED_SECONDS) -> None:
-    """Until every CRD says Established. Not `kubectl wait --for=condition=Established`: on a CRD the API
-    server has not yet given a status it exits 1 at once (".status.conditions accessor error: <nil>")."""
-    established = '{.status.conditions[?(@.type=="Established")].status}'
+    """Until every CRD says Established. Not `kubectl wait --for=condition=Established`, nor a jsonpath filter
+    on the conditions: on a CRD the API server has not yet given a status both exit 1 at once
+    (".status.conditions accessor error: <nil>", "<nil> is not array or slice")."""
     deadline = time.monotonic() + timeout
     waiting = list(crds)
     while waiting:
-        waiting = [crd for crd in waiting
-                   if kubectl(bin_dir, kubeconfig, "get", f"crd/{crd}", "-o", f"jsonpath={established}") != "True"]
+        waiting = [crd for crd in waiting if not _established(kubectl(bin_dir, kubeconfig, "get", f"crd/{crd}",
+                                                                      "-o", "json"))]
         if waiting and time.monotonic() > deadline:
             raise RuntimeError(f"CRDs not Established within {timeout:g}s: {', '.join(waiting)}")
         if waiting:
             time.sleep(0.2)
+
+
+def _established(crd_json: str) -> bool:
+    conditions = (json.loads(crd_json).get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions)
 
 
 def install(bin_dir: Path | None, kubeconfig: Path, *, agents: bool = True) -> None:
