@@ -16,8 +16,7 @@ import pytest
 from kubernetes import client, config
 
 from proxyshift.controller.kube import ClusterAPI
-from tests.support.operator_harness import GROUP, REVISION_LABEL, VERSION, Harness, policy, \
-    service_account_kubeconfig
+from tests.support.operator_harness import GROUP, REVISION_LABEL, VERSION, Harness, policy, service_account_kubeconfig
 
 pytestmark = pytest.mark.e2e
 
