@@ -83,7 +83,7 @@ def test_an_existing_revision_is_applied_again_quietly_on_every_plan() -> None:
     assert rev in sim.revisions
     again = plan(sim.world(), "p")
     ensures = [a for a in again.actions if isinstance(a, EnsureRevision)]
-    assert ensures == [EnsureRevision(policy="p", revision=rev)]
+    assert ensures == [EnsureRevision(policy="p", revision=rev, existing=True)]
     assert ensures[0].reason == ""  # the executor announces only actions with a reason
 
 

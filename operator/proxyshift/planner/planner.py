@@ -332,7 +332,7 @@ def plan(world: World, policy_name: str) -> Plan:
                                               message=f"kube-proxy {current.mode} revision {current.revision}"))
             ctx.wake(machine.POLL_SECONDS)
         else:
-            ctx.actions.append(EnsureRevision(policy=policy_name, revision=current.revision))
+            ctx.actions.append(EnsureRevision(policy=policy_name, revision=current.revision, existing=True))
 
     forward = [e for e in nodes if e.forward and e.target is not RELEASE]
     selected = len(forward)
