@@ -16,6 +16,7 @@ real baseline is never touched.
 from __future__ import annotations
 
 import copy
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,24 +80,34 @@ def test_rendered_objects_are_applied_and_do_not_churn(which: str, k8s: tuple[An
     api.namespace = namespace
     rev = _rendered(which, namespace, mode="ipvs")
     cm_name, ds_name = rev.configmap["metadata"]["name"], rev.daemonset["metadata"]["name"]
+    def settled() -> Any:
+        """The DaemonSet once its controller has written the status of its generation (that write is a
+        new resourceVersion too, and not the apply's)."""
+        deadline = time.monotonic() + 60
+        while True:
+            ds = apps.read_namespaced_daemon_set(ds_name, namespace)
+            if (ds.status and ds.status.observed_generation == ds.metadata.generation) or time.monotonic() > deadline:
+                return ds
+            time.sleep(0.5)
+
     cm_rv = api.apply_configmap(rev.configmap)
-    ds_rv = api.apply_daemonset(rev.daemonset)  # nodeSelector: a revision no node carries
-    first = apps.read_namespaced_daemon_set(ds_name, namespace)
+    api.apply_daemonset(rev.daemonset)  # nodeSelector: a revision no node carries
+    first = settled()
     assert _applied_by_proxyshift(first) and _applied_by_proxyshift(core.read_namespaced_config_map(cm_name, namespace))
 
     # Applied again unchanged: the server defaults and nothing is written.
     assert api.apply_configmap(copy.deepcopy(rev.configmap)) == cm_rv
-    assert api.apply_daemonset(copy.deepcopy(rev.daemonset)) == ds_rv
+    assert api.apply_daemonset(copy.deepcopy(rev.daemonset)) == first.metadata.resource_version
     assert apps.read_namespaced_daemon_set(ds_name, namespace).metadata.generation == first.metadata.generation
 
     # A new baseline image: written, one new generation, and applying it again writes nothing.
     desired = copy.deepcopy(rev.daemonset)
     desired["spec"]["template"]["spec"]["containers"][0]["image"] = "registry.k8s.io/kube-proxy:v1.99.0"
     new_rv = api.apply_daemonset(desired)
-    after = apps.read_namespaced_daemon_set(ds_name, namespace)
-    assert new_rv != ds_rv and after.metadata.generation == first.metadata.generation + 1
+    after = settled()
+    assert new_rv != first.metadata.resource_version and after.metadata.generation == first.metadata.generation + 1
     assert after.spec.template.spec.containers[0].image == "registry.k8s.io/kube-proxy:v1.99.0"
-    assert api.apply_daemonset(copy.deepcopy(desired)) == new_rv
+    assert api.apply_daemonset(copy.deepcopy(desired)) == after.metadata.resource_version
 
     # A field the rendering drops is removed: `proxyshift` applied it and no longer does.
     dropped = copy.deepcopy(desired)

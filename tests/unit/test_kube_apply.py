@@ -46,6 +46,7 @@ class Response:
         self.reason = "OK" if status < 300 else "Error"
         self.data = json.dumps(body).encode()
         self.headers = {"content-type": "application/json"}
+        self.response = self  # what a call with _preload_content=False hands back
 
     def read(self) -> bytes:
         return self.data
@@ -182,6 +183,12 @@ def test_the_proxynode_spec_is_applied_with_its_identity() -> None:
                      "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": "n1", "uid": "uid-1"}]},
         "spec": {"policy": "blue", "revision": "blue-abc"},  # None: left out, so removed if applied before
     }
+
+
+def test_an_apply_that_creates_the_proxynode_answers_201() -> None:
+    fake = FakeApiClient(answer=lambda r: (201, with_rv(r.body, "5", managedFields=[OURS_ENTRY])))
+    assert ClusterAPI(fake).ensure_proxynode("n1", "uid-1", {"policy": "blue"}) == "5"
+    assert [r.method for r in fake.requests] == ["PATCH"]
 
 
 def test_spec_fields_of_another_manager_are_taken_over_and_applied_again() -> None:

@@ -183,10 +183,7 @@ class ClusterAPI:
         old toRevision inside migration or an old operation's params, is removed because `proxyshift`
         applied it before and applies it no more. Returns the resulting resourceVersion."""
         body = self._proxynode_body(name, node_uid, spec, resource_version)
-        # force: the operator alone owns the spec (the agent writes only the status subresource); a
-        # person's `kubectl edit` or the pre-apply operator's own patches must not block the rollout.
-        applied = cast(dict[str, Any], self.custom.patch_cluster_custom_object(
-            API_GROUP, API_VERSION, PROXYNODES, name, body, **_apply_options(force=True)))
+        applied = self._apply_proxynode(name, body)
         meta = applied["metadata"]
         owned = render.take_spec_ownership(meta.get("managedFields"), body["apiVersion"])
         if owned is None:
@@ -206,9 +203,16 @@ class ClusterAPI:
             if exc.status not in (409, 422):
                 raise
             return str(meta["resourceVersion"])
-        again = cast(dict[str, Any], self.custom.patch_cluster_custom_object(
-            API_GROUP, API_VERSION, PROXYNODES, name, body, **_apply_options(force=True)))
-        return str(again["metadata"]["resourceVersion"])
+        return str(self._apply_proxynode(name, body)["metadata"]["resourceVersion"])
+
+    def _apply_proxynode(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        # force: the operator alone owns the spec (the agent writes only the status subresource); a
+        # person's `kubectl edit` or the pre-apply operator's own patches must not block the rollout.
+        # Read raw: the client maps only a 200 answer of a custom-object patch to its body, and an apply
+        # that creates the ProxyNode answers 201.
+        answer = self.custom.patch_cluster_custom_object(API_GROUP, API_VERSION, PROXYNODES, name, body,
+                                                         _preload_content=False, **_apply_options(force=True))
+        return cast(dict[str, Any], json.loads(answer.data))
 
     def ensure_peering(self, name: str) -> None:
         body = {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}}
