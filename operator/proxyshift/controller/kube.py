@@ -212,7 +212,8 @@ class ClusterAPI:
         # that creates the ProxyNode answers 201.
         answer = self.custom.patch_cluster_custom_object(API_GROUP, API_VERSION, PROXYNODES, name, body,
                                                          _preload_content=False, **_apply_options(force=True))
-        return cast(dict[str, Any], json.loads(answer.data))
+        # With _preload_content=False the answer is urllib3's response, which the client types `object`.
+        return cast(dict[str, Any], json.loads(cast(Any, answer).data))
 
     def ensure_peering(self, name: str) -> None:
         body = {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}}
