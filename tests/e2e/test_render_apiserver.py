@@ -2,9 +2,11 @@
 
 Proves what unit tests cannot: the API server accepts the rendered ConfigMap
 and DaemonSet as they are, applies the affinity patch and its guarded inverse
-(JSON patch `test` operations included), and `diff(live, desired)` is empty
-right after creation, i.e. the fields the server defaults never cause an
-update loop.
+(JSON patch `test` operations included), and the operator's server-side
+apply of a revision (controller/kube.py) writes nothing when it is applied
+again unchanged, i.e. the fields the server defaults never cause an update
+loop, while a changed rendering is written and an immutable selector change
+is a delete and create.
 
 Everything happens in a namespace of its own, on objects whose node
 selectors match no node, so no kube-proxy pod is started and the cluster's
@@ -14,6 +16,7 @@ real baseline is never touched.
 from __future__ import annotations
 
 import copy
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +26,8 @@ import pytest
 import yaml
 
 from proxyshift.api.policy import ProxyPolicy
-from proxyshift.render import affinity_patch_pair, diff, render_revision, undo_baseline_affinity_patch
+from proxyshift.controller.kube import ClusterAPI
+from proxyshift.render import affinity_patch_pair, render_revision, undo_baseline_affinity_patch
 
 pytestmark = pytest.mark.e2e
 
@@ -65,28 +69,60 @@ def _rendered(which: str, namespace: str, mode: str = "nftables") -> Any:
     return render_revision(policy, cm, ds)
 
 
-@pytest.mark.parametrize("which", ["baseline", "kubeadm"])
-def test_rendered_objects_are_accepted_and_do_not_churn(which: str, k8s: tuple[Any, Any, str]) -> None:
-    core, apps, namespace = k8s
-    rev = _rendered(which, namespace, mode="ipvs")
-    core.create_namespaced_config_map(namespace, rev.configmap)
-    apps.create_namespaced_daemon_set(namespace, rev.daemonset)  # nodeSelector: a revision no node carries
-    live_cm = core.api_client.sanitize_for_serialization(core.read_namespaced_config_map(
-        rev.configmap["metadata"]["name"], namespace))
-    live_ds = apps.api_client.sanitize_for_serialization(apps.read_namespaced_daemon_set(
-        rev.daemonset["metadata"]["name"], namespace))
-    assert diff(live_cm, rev.configmap).patch == []
-    assert diff(live_ds, rev.daemonset).patch == [], diff(live_ds, rev.daemonset).patch
+def _applied_by_proxyshift(obj: Any) -> bool:
+    return any(m.manager == "proxyshift" and m.operation == "Apply" for m in obj.metadata.managed_fields or [])
 
-    # A new baseline image: the patch carries exactly that, and afterwards nothing is left to do.
+
+@pytest.mark.parametrize("which", ["baseline", "kubeadm"])
+def test_rendered_objects_are_applied_and_do_not_churn(which: str, k8s: tuple[Any, Any, str]) -> None:
+    core, apps, namespace = k8s
+    api = ClusterAPI(core.api_client)
+    api.namespace = namespace
+    rev = _rendered(which, namespace, mode="ipvs")
+    cm_name, ds_name = rev.configmap["metadata"]["name"], rev.daemonset["metadata"]["name"]
+    def settled() -> Any:
+        """The DaemonSet once its controller has written the status of its generation (that write is a
+        new resourceVersion too, and not the apply's)."""
+        deadline = time.monotonic() + 60
+        while True:
+            ds = apps.read_namespaced_daemon_set(ds_name, namespace)
+            if (ds.status and ds.status.observed_generation == ds.metadata.generation) or time.monotonic() > deadline:
+                return ds
+            time.sleep(0.5)
+
+    cm_rv = api.apply_configmap(rev.configmap)
+    api.apply_daemonset(rev.daemonset)  # nodeSelector: a revision no node carries
+    first = settled()
+    assert _applied_by_proxyshift(first) and _applied_by_proxyshift(core.read_namespaced_config_map(cm_name, namespace))
+
+    # Applied again unchanged: the server defaults and nothing is written.
+    assert api.apply_configmap(copy.deepcopy(rev.configmap)) == cm_rv
+    assert api.apply_daemonset(copy.deepcopy(rev.daemonset)) == first.metadata.resource_version
+    assert apps.read_namespaced_daemon_set(ds_name, namespace).metadata.generation == first.metadata.generation
+
+    # A new baseline image: written, one new generation, and applying it again writes nothing.
     desired = copy.deepcopy(rev.daemonset)
     desired["spec"]["template"]["spec"]["containers"][0]["image"] = "registry.k8s.io/kube-proxy:v1.99.0"
-    patch = diff(live_ds, desired)
-    assert [op["path"] for op in patch.patch] == ["/spec/template/spec/containers/0/image"]
-    apps.patch_namespaced_daemon_set(desired["metadata"]["name"], namespace, patch.patch)
-    after = apps.api_client.sanitize_for_serialization(apps.read_namespaced_daemon_set(
-        desired["metadata"]["name"], namespace))
-    assert diff(after, desired).patch == []
+    new_rv = api.apply_daemonset(desired)
+    after = settled()
+    assert new_rv != first.metadata.resource_version and after.metadata.generation == first.metadata.generation + 1
+    assert after.spec.template.spec.containers[0].image == "registry.k8s.io/kube-proxy:v1.99.0"
+    assert api.apply_daemonset(copy.deepcopy(desired)) == after.metadata.resource_version
+
+    # A field the rendering drops is removed: `proxyshift` applied it and no longer does.
+    dropped = copy.deepcopy(desired)
+    dropped["spec"]["template"]["spec"]["tolerations"] = []
+    api.apply_daemonset(dropped)
+    assert not apps.read_namespaced_daemon_set(ds_name, namespace).spec.template.spec.tolerations
+
+    # The selector is immutable: the DaemonSet is deleted and created again.
+    moved = copy.deepcopy(dropped)
+    moved["spec"]["selector"]["matchLabels"]["proxyshift.io/e2e-selector"] = "moved"
+    moved["spec"]["template"]["metadata"]["labels"]["proxyshift.io/e2e-selector"] = "moved"
+    api.apply_daemonset(moved)
+    recreated = apps.read_namespaced_daemon_set(ds_name, namespace)
+    assert recreated.metadata.uid != first.metadata.uid
+    assert recreated.spec.selector.match_labels["proxyshift.io/e2e-selector"] == "moved"
 
 
 @pytest.mark.parametrize("user_affinity", [None, {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {

@@ -74,6 +74,10 @@ def _allowed(result: tuple[int, str]) -> None:
 def test_the_revision_objects_the_operator_renders_are_allowed(cluster: Any, rendered: Any) -> None:
     _allowed(_as_operator(cluster, "create", body=rendered.configmap))
     _allowed(_as_operator(cluster, "create", body=rendered.daemonset))
+    # The operator writes them as server-side applies (controller/kube.py): judged the same way.
+    for body in (rendered.configmap, rendered.daemonset):
+        _allowed(_as_operator(cluster, "apply", "--server-side", "--field-manager=proxyshift", "--force-conflicts",
+                              body=body))
 
 
 def test_objects_that_are_not_its_revisions_are_refused(cluster: Any, rendered: Any) -> None:

@@ -57,6 +57,7 @@ class FakeCluster:
         self.policy_status: dict[str, dict[str, Any]] = {}  # policy -> the last status written
         self.events: list[dict[str, Any]] = []
         self.calls: list[str] = []  # every call, in order
+        self.writes: list[str] = []  # the revision objects an apply changed (an unchanged apply writes nothing)
         self.fail: dict[tuple[str, str], Exception] = {}  # (call, node or object name) -> raised instead
         self.runtime: OperatorRuntime | None = None
         self.echo_delay = 0.0  # seconds between a write and its watch event reaching the mirror
@@ -230,13 +231,31 @@ class FakeCluster:
     def read_daemonset(self, name: str) -> dict[str, Any] | None:
         return copy.deepcopy(self.daemonsets.get(name))
 
-    def apply_configmap(self, desired: dict[str, Any]) -> None:
-        self._call("apply_configmap", desired["metadata"]["name"])
-        self.configmaps[desired["metadata"]["name"]] = desired
+    def _applied(self, store: dict[str, dict[str, Any]], desired: dict[str, Any]) -> tuple[bool, str]:
+        """Server-side apply's rule for the fake: an unchanged rendering writes nothing, keeps the resourceVersion."""
+        name = desired["metadata"]["name"]
+        live = store.get(name)
+        if live is not None:
+            rv = live["metadata"].get("resourceVersion")
+            unchanged = {**live, "metadata": {k: v for k, v in live["metadata"].items() if k != "resourceVersion"}}
+            if rv and unchanged == desired:
+                return False, rv
+        body = copy.deepcopy(desired)
+        body["metadata"]["resourceVersion"] = rv = self._next()
+        store[name] = body
+        self.writes.append(name)
+        return True, rv
 
-    def apply_daemonset(self, desired: dict[str, Any]) -> None:
+    def apply_configmap(self, desired: dict[str, Any]) -> str:
+        self._call("apply_configmap", desired["metadata"]["name"])
+        return self._applied(self.configmaps, desired)[1]
+
+    def apply_daemonset(self, desired: dict[str, Any]) -> str:
         self._call("apply_daemonset", desired["metadata"]["name"])
-        self.add_revision_daemonset(desired)
+        written, rv = self._applied(self.daemonsets, desired)
+        if written:
+            self.add_revision_daemonset(self.daemonsets[desired["metadata"]["name"]])
+        return rv
 
     def delete_configmap(self, name: str) -> None:
         self._call("delete_configmap", name)

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
+from kubernetes.client.exceptions import ApiException
 
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.api.proxynode import NodeMigration, Operation
@@ -120,6 +121,26 @@ def test_executor_ensure_revision_patches_baseline_once_and_records_the_undo() -
     patch = next(c[1][1] for c in api.calls if c[0] == "json_patch_daemonset")
     undo_op = next(op for op in patch.patch if op["path"].endswith("baseline-affinity-undo"))
     assert json.loads(undo_op["value"]), "the exact inverse patch is recorded on the baseline"
+
+
+class RefusingAPI(FakeAPI):
+    """Every apply of a revision object fails as an API server error would."""
+
+    def apply_daemonset(self, desired: dict[str, Any]) -> str:
+        self.calls.append(("apply_daemonset", (desired,)))
+        raise ApiException(status=500, reason="etcd timeout")
+
+
+def test_a_failed_apply_stops_a_new_revision_but_not_an_existing_one() -> None:
+    api = RefusingAPI()
+    executor = ex.Executor(api)  # type: ignore[arg-type]
+    p = policy()
+    name = render_revision(p, api.cm, api.ds).name
+    with pytest.raises(ApiException):
+        executor.perform(w.EnsureRevision(policy="blue", revision=name), {"blue": p})
+    # Keeping an existing revision as rendered: counted and logged; the nodes run it as it is.
+    executor.perform(w.EnsureRevision(policy="blue", revision=name, existing=True), {"blue": p})
+    assert [c[0] for c in api.calls].count("apply_daemonset") == 2
 
 
 def test_executor_refuses_a_revision_that_no_longer_matches_the_spec() -> None:

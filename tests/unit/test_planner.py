@@ -71,6 +71,20 @@ def test_revision_is_ensured_before_any_node_moves() -> None:
     first = plan(sim.world(), "p")
     assert isinstance(first.actions[0], EnsureRevision)
     assert not any(isinstance(a, SetMigration) for a in first.actions)
+    assert first.actions[0].reason == "RevisionCreated"
+
+
+def test_an_existing_revision_is_applied_again_quietly_on_every_plan() -> None:
+    """Server-side apply writes nothing while the revision matches its rendering, so the planner asks for it
+    on every plan (a baseline image change reaches the revision) without an Event or a wakeup each time."""
+    sim = Sim.build(blue(2), [make_policy("p")])
+    sim.step()
+    rev = sim.render(sim.policies["p"]).name
+    assert rev in sim.revisions
+    again = plan(sim.world(), "p")
+    ensures = [a for a in again.actions if isinstance(a, EnsureRevision)]
+    assert ensures == [EnsureRevision(policy="p", revision=rev, existing=True)]
+    assert ensures[0].reason == ""  # the executor announces only actions with a reason
 
 
 @pytest.mark.parametrize(("value", "total", "expected"), [(1, 10, 1), (3, 10, 3), ("25%", 10, 2), ("1%", 10, 1),

@@ -1,4 +1,5 @@
-"""JSON patches: the baseline DaemonSet's one-time affinity (and its undo), and revision object updates."""
+"""JSON patches: the baseline DaemonSet's one-time affinity (and its undo); the immutable selector of a
+revision DaemonSet, the one change server-side apply cannot make."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from proxyshift.render import (
     LABEL_REVISION,
     affinity_patch_pair,
     baseline_affinity_patch,
-    diff,
     needs_recreate,
     render_revision,
     undo_baseline_affinity_patch,
@@ -140,7 +140,7 @@ def test_patches_are_plain_json_for_the_api_server() -> None:
         assert jsonpatch.JsonPatch.from_string(patch.to_string()) == patch
 
 
-# ---- diff(live, desired) for revision objects -----------------------------------------------
+# ---- the immutable selector of a revision DaemonSet -------------------------------------------
 
 
 def rendered(**spec: Any) -> Any:
@@ -164,48 +164,12 @@ def as_server_returns(obj: dict[str, Any]) -> dict[str, Any]:
     return live
 
 
-@pytest.mark.parametrize("part", ["configmap", "daemonset"])
-def test_diff_ignores_server_fields_and_defaults(part: str) -> None:
-    desired = getattr(rendered(), part)
-    assert diff(as_server_returns(desired), desired).patch == []
-
-
-def test_diff_updates_what_changed_and_converges() -> None:
-    old, new = rendered(), rendered()
-    live = as_server_returns(old.daemonset)
-    new_ds = copy.deepcopy(new.daemonset)
-    new_ds["spec"]["template"]["spec"]["containers"][0]["image"] = "registry.k8s.io/kube-proxy:v1.34.0"
-    del new_ds["spec"]["template"]["spec"]["nodeSelector"]["kubernetes.io/os"]
-    patch = diff(live, new_ds)
-    paths = {op["path"] for op in patch.patch}
-    assert paths == {"/spec/template/spec/containers/0/image", "/spec/template/spec/nodeSelector"}
-    updated = patch.apply(live)
-    assert updated["spec"]["template"]["spec"]["nodeSelector"] == new_ds["spec"]["template"]["spec"]["nodeSelector"]
-    assert updated["spec"]["template"]["spec"]["dnsPolicy"] == "ClusterFirst"  # defaults kept
-    assert diff(updated, new_ds).patch == []
-
-
-def test_diff_replaces_configmap_data_exactly() -> None:
-    live = as_server_returns(rendered().configmap)
-    desired = copy.deepcopy(live)
-    desired["data"] = {"config.conf": "mode: nftables\n"}
-    patch = diff(live, desired)
-    assert patch.patch == [{"op": "replace", "path": "/data", "value": desired["data"]}]
-
-
-def test_diff_replaces_a_list_whose_length_changed() -> None:
-    desired = rendered().daemonset
-    live = as_server_returns(desired)
-    desired = copy.deepcopy(desired)
-    desired["spec"]["template"]["spec"]["tolerations"].append({"key": "x", "operator": "Exists"})
-    assert diff(live, desired).patch == [{"op": "replace", "path": "/spec/template/spec/tolerations",
-                                          "value": desired["spec"]["template"]["spec"]["tolerations"]}]
-
-
-def test_selector_change_needs_recreate_not_a_patch() -> None:
+def test_only_a_selector_change_needs_recreate() -> None:
     desired = rendered().daemonset
     live = as_server_returns(desired)
     other = copy.deepcopy(desired)
     other["spec"]["selector"]["matchLabels"]["tier"] = "node"
-    assert all(not op["path"].startswith("/spec/selector") for op in diff(live, other).patch)
     assert needs_recreate(live, other) and not needs_recreate(live, desired)
+    image = copy.deepcopy(desired)
+    image["spec"]["template"]["spec"]["containers"][0]["image"] = "registry.k8s.io/kube-proxy:v1.34.0"
+    assert not needs_recreate(live, image)  # any other change is the apply's

@@ -10,11 +10,12 @@ from types import MappingProxyType
 from typing import Any
 
 import jsonpatch
+from kubernetes.client.exceptions import ApiException
 
 from proxyshift import render
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.controller import metrics
-from proxyshift.controller.kube import ClusterAPI
+from proxyshift.controller.kube import ClusterAPI, describe_api_error
 from proxyshift.controller.settings import BASELINE_PATCH_ANNOTATION, CONFIG
 from proxyshift.planner import world as w
 
@@ -139,8 +140,16 @@ class Executor:
         if rendered.name != action.revision:
             raise StepBlocked(f"revision {action.revision} no longer matches the spec (now {rendered.name})")
         self.ensure_baseline_affinity(ds)
-        self.api.apply_configmap(rendered.configmap)
-        self.api.apply_daemonset(rendered.daemonset)
+        try:
+            self.api.apply_configmap(rendered.configmap)
+            self.api.apply_daemonset(rendered.daemonset)
+        except ApiException as exc:
+            if not action.existing:
+                raise
+            # Keeping an existing revision as rendered must not stop the policy's rollout and status:
+            # its nodes run the revision as it is. Counted, so the reconcile-errors alert sees it.
+            metrics.RECONCILE_ERRORS.labels(action.policy, f"revision-apply-api{exc.status}").inc()
+            log.warning("could not apply revision %s again: %s", action.revision, describe_api_error(exc))
 
     def ensure_baseline_affinity(self, ds: dict[str, Any]) -> None:
         """Keep the baseline DaemonSet off nodes that carry a revision label, once; record the exact undo."""

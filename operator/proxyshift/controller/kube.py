@@ -2,14 +2,21 @@
 
 Synchronous `kubernetes` client calls, run by the rollout loop in a worker
 thread. Every method can be called again after a crash with the same
-arguments and leaves the same result: create-or-leave, patch-to-value,
+arguments and leaves the same result: apply-to-value, patch-to-value,
 delete-if-present.
+
+The objects the operator manages (revision ConfigMaps and DaemonSets, ProxyNode specs) are written with
+server-side apply under the field manager `proxyshift` (render/apply.py says why). The baseline
+DaemonSet is not ours: its one-time affinity stays a JSON patch with `test` operations, which changes
+exactly that and records its exact undo, where an apply would make `proxyshift` a co-owner of the
+baseline's fields.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from datetime import UTC, datetime
 from typing import Any, cast
 
@@ -17,6 +24,7 @@ import jsonpatch
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from proxyshift import render
 from proxyshift.api.common import API_GROUP, API_VERSION
 from proxyshift.controller.settings import CONFIG
 
@@ -25,6 +33,18 @@ log = logging.getLogger(__name__)
 PROXYNODES = "proxynodes"
 JSON_PATCH = "application/json-patch+json"
 PROXYPOLICIES = "proxypolicies"
+
+
+# force on revision objects: they are ours alone (named after the revision, only the operator's
+# ServiceAccount may write them, config/admission). A field another manager set there (a person's
+# `kubectl edit`, or the create and strategic-merge patch of an operator from before apply) must still
+# follow the rendering, so the operator takes it over instead of failing on the conflict.
+REVISION_FORCE = True
+
+
+def _apply_options(*, force: bool) -> dict[str, Any]:
+    """The keyword arguments of a server-side apply through the kubernetes client's patch_* methods."""
+    return {"field_manager": render.FIELD_MANAGER, "force": force, "_content_type": render.APPLY_PATCH}
 
 
 def now_rfc3339() -> str:
@@ -106,14 +126,42 @@ class ClusterAPI:
 
         Returns the resulting resourceVersion.
         """
+        if replace:
+            return self.apply_proxynode_spec(name, node_uid, spec)
+        for _ in range(5):
+            live = self.get_proxynode(name)
+            if live is None:
+                # Created without a spec: an apply of `spec` here could race a SetMigration's apply of the
+                # whole spec and, applied last, drop its fields (both are the manager `proxyshift`).
+                live = self._create_proxynode(name, node_uid)
+            live_spec = live.get("spec") or {}
+            # A merge patch's rules: None removes the field.
+            merged = {k: v for k, v in {**live_spec, **spec}.items() if v is not None}
+            if merged == live_spec:
+                return str(live["metadata"]["resourceVersion"])
+            try:
+                # The resourceVersion makes this read-merge-apply one step: a spec written meanwhile is a 409.
+                return self.apply_proxynode_spec(name, node_uid, merged,
+                                                 resource_version=str(live["metadata"]["resourceVersion"]))
+            except ApiException as exc:
+                _ignore(409, exc)
+        raise RuntimeError(f"ProxyNode {name}: its spec kept changing under a merge, five times in a row")
+
+    def _create_proxynode(self, name: str, node_uid: str | None) -> dict[str, Any]:
         try:
-            if not replace:
-                patched = cast(dict[str, Any], self.custom.patch_cluster_custom_object(
-                    API_GROUP, API_VERSION, PROXYNODES, name, {"spec": spec}))
-                return str(patched["metadata"]["resourceVersion"])
-            return self.patch_proxynode_spec(name, spec)
+            return cast(dict[str, Any], self.custom.create_cluster_custom_object(
+                API_GROUP, API_VERSION, PROXYNODES, self._proxynode_body(name, node_uid, {}),
+                field_manager=render.FIELD_MANAGER))
         except ApiException as exc:
-            _ignore(404, exc)
+            _ignore(409, exc)  # created meanwhile (by a peer or the inventory)
+        live = self.get_proxynode(name)
+        if live is None:
+            raise RuntimeError(f"ProxyNode {name} was created and is gone again")
+        return live
+
+    @staticmethod
+    def _proxynode_body(name: str, node_uid: str | None, spec: dict[str, Any],
+                        resource_version: str | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {
             "apiVersion": f"{API_GROUP}/{API_VERSION}",
             "kind": "ProxyNode",
@@ -125,21 +173,47 @@ class ClusterAPI:
             body["metadata"]["ownerReferences"] = [
                 {"apiVersion": "v1", "kind": "Node", "name": name, "uid": node_uid}
             ]
-        try:
-            created = cast(dict[str, Any],
-                           self.custom.create_cluster_custom_object(API_GROUP, API_VERSION, PROXYNODES, body))
-            return str(created["metadata"]["resourceVersion"])
-        except ApiException as exc:
-            _ignore(409, exc)  # created meanwhile (by a peer): write it again
-            return self.ensure_proxynode(name, node_uid, spec, replace=replace)
+        if resource_version:
+            body["metadata"]["resourceVersion"] = resource_version
+        return body
 
-    def patch_proxynode_spec(self, name: str, spec: dict[str, Any]) -> str:
-        """Replace the whole spec (JSON patch `add /spec`): a merge patch would keep keys the planner dropped,
-        e.g. an old toRevision inside migration or an old operation's params."""
-        body = [{"op": "add", "path": "/spec", "value": {k: v for k, v in spec.items() if v is not None}}]
-        patched = cast(dict[str, Any], self.custom.patch_cluster_custom_object(
-            API_GROUP, API_VERSION, PROXYNODES, name, body, _content_type=JSON_PATCH))
-        return str(patched["metadata"]["resourceVersion"])
+    def apply_proxynode_spec(self, name: str, node_uid: str | None, spec: dict[str, Any],
+                             resource_version: str | None = None) -> str:
+        """Server-side apply of the whole spec (None leaves a field out): a field the planner dropped, e.g. an
+        old toRevision inside migration or an old operation's params, is removed because `proxyshift`
+        applied it before and applies it no more. Returns the resulting resourceVersion."""
+        body = self._proxynode_body(name, node_uid, spec, resource_version)
+        applied = self._apply_proxynode(name, body)
+        meta = applied["metadata"]
+        owned = render.take_spec_ownership(meta.get("managedFields"), body["apiVersion"])
+        if owned is None:
+            return str(meta["resourceVersion"])
+        # Another manager owns spec fields, so a field this apply left out may have stayed: hand its
+        # ownership to `proxyshift` (only if nothing changed meanwhile) and apply again, which removes it.
+        log.info("ProxyNode %s: taking over the spec fields of %s", name,
+                 ", ".join(render.foreign_spec_owners(meta.get("managedFields"))))
+        takeover = [{"op": "test", "path": "/metadata/resourceVersion", "value": meta["resourceVersion"]},
+                    {"op": "replace", "path": "/metadata/managedFields", "value": owned}]
+        try:
+            self.custom.patch_cluster_custom_object(API_GROUP, API_VERSION, PROXYNODES, name, takeover,
+                                                    _content_type=JSON_PATCH)
+        except ApiException as exc:
+            # 409 (a write came between, the resourceVersion test failed, a 422 on some servers): the
+            # next SetMigration applies and tries again.
+            if exc.status not in (409, 422):
+                raise
+            return str(meta["resourceVersion"])
+        return str(self._apply_proxynode(name, body)["metadata"]["resourceVersion"])
+
+    def _apply_proxynode(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        # force: the operator alone owns the spec (the agent writes only the status subresource); a
+        # person's `kubectl edit` or the pre-apply operator's own patches must not block the rollout.
+        # Read raw: the client maps only a 200 answer of a custom-object patch to its body, and an apply
+        # that creates the ProxyNode answers 201.
+        answer = self.custom.patch_cluster_custom_object(API_GROUP, API_VERSION, PROXYNODES, name, body,
+                                                         _preload_content=False, **_apply_options(force=True))
+        # With _preload_content=False the answer is urllib3's response, which the client types `object`.
+        return cast(dict[str, Any], json.loads(cast(Any, answer).data))
 
     def ensure_peering(self, name: str) -> None:
         body = {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}}
@@ -176,23 +250,43 @@ class ClusterAPI:
             _ignore(404, exc)
             return None
 
-    def apply_configmap(self, desired: dict[str, Any]) -> None:
-        name = desired["metadata"]["name"]
-        try:
-            # The client's validation turns the dict body into the model it is typed with.
-            self.core.create_namespaced_config_map(self.namespace, desired)  # type: ignore[arg-type]
-        except ApiException as exc:
-            _ignore(409, exc)
-            self.core.patch_namespaced_config_map(name, self.namespace, desired)
+    def apply_configmap(self, desired: dict[str, Any]) -> str:
+        """Server-side apply of the rendered ConfigMap (creates it if missing). Returns its resourceVersion;
+        an unchanged rendering writes nothing and keeps it."""
+        applied = self.core.patch_namespaced_config_map(
+            desired["metadata"]["name"], self.namespace, desired, **_apply_options(force=REVISION_FORCE))
+        return str(cast(client.V1ObjectMeta, applied.metadata).resource_version)
 
-    def apply_daemonset(self, desired: dict[str, Any]) -> None:
+    def apply_daemonset(self, desired: dict[str, Any]) -> str:
+        """Server-side apply of the rendered DaemonSet (creates it if missing). Returns its resourceVersion;
+        an unchanged rendering writes nothing: no new generation, no rollout.
+
+        The one change apply cannot make is the immutable selector (refused, 422): then the DaemonSet
+        is deleted and created again, its pods replaced by the new one's.
+        """
         name = desired["metadata"]["name"]
         try:
-            # The client's validation turns the dict body into the model it is typed with.
-            self.apps.create_namespaced_daemon_set(self.namespace, desired)  # type: ignore[arg-type]
+            return self._apply_daemonset(desired)
         except ApiException as exc:
-            _ignore(409, exc)
-            self.apps.patch_namespaced_daemon_set(name, self.namespace, desired)
+            if exc.status != 422:
+                raise
+            live = self.read_daemonset(name)
+            if live is None or not render.needs_recreate(live, desired):
+                raise
+        log.warning("DaemonSet %s/%s: its selector changed with the baseline's; deleting and creating it again",
+                    self.namespace, name)
+        # Foreground: the new DaemonSet must not find the old one's pods still there under the same name.
+        self.apps.delete_namespaced_daemon_set(name, self.namespace, propagation_policy="Foreground")
+        for _ in range(60):
+            if self.read_daemonset(name) is None:
+                break
+            time.sleep(1)
+        return self._apply_daemonset(desired)
+
+    def _apply_daemonset(self, desired: dict[str, Any]) -> str:
+        applied = self.apps.patch_namespaced_daemon_set(
+            desired["metadata"]["name"], self.namespace, desired, **_apply_options(force=REVISION_FORCE))
+        return str(cast(client.V1ObjectMeta, applied.metadata).resource_version)
 
     def delete_configmap(self, name: str) -> None:
         try:

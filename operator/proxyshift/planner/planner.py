@@ -320,13 +320,19 @@ def plan(world: World, policy_name: str) -> Plan:
         progress.append(NodeProgress(name=e.name, phase=m.phase, since=m.phase_since or fmt(ctx.now),
                                      revision=m.to_revision, message=result.message))
 
-    # 2. the revision of the current spec must exist before any node can move to it.
+    # 2. the revision of the current spec must exist before any node can move to it. An existing one is
+    # applied again on every plan, without an Event: server-side apply writes nothing while it matches its
+    # rendering and brings it back when it does not (the baseline's image moved, someone edited it).
     revision_missing = False
-    if current is not None and current.revision is not None and current.revision not in world.revisions:
-        revision_missing = True
-        ctx.actions.append(EnsureRevision(policy=policy_name, revision=current.revision, reason="RevisionCreated",
-                                          message=f"kube-proxy {current.mode} revision {current.revision}"))
-        ctx.wake(machine.POLL_SECONDS)
+    if current is not None and current.revision is not None:
+        if current.revision not in world.revisions:
+            revision_missing = True
+            ctx.actions.append(EnsureRevision(policy=policy_name, revision=current.revision,
+                                              reason="RevisionCreated",
+                                              message=f"kube-proxy {current.mode} revision {current.revision}"))
+            ctx.wake(machine.POLL_SECONDS)
+        else:
+            ctx.actions.append(EnsureRevision(policy=policy_name, revision=current.revision, existing=True))
 
     forward = [e for e in nodes if e.forward and e.target is not RELEASE]
     selected = len(forward)

@@ -136,10 +136,13 @@ class Action:
 
 @dataclass(frozen=True)
 class EnsureRevision(Action):
-    """Create (or leave as is) the revision's ConfigMap and DaemonSet for the policy's current spec."""
+    """Apply the revision's ConfigMap and DaemonSet for the policy's current spec (server-side apply: creates
+    them, brings them back to their rendering, or writes nothing). `existing`: the revision exists
+    already, this only keeps it as rendered."""
 
     policy: str
     revision: str
+    existing: bool = field(default=False, kw_only=True)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Revision rendering: kube-proxy ConfigMaps/DaemonSets per policy config, their hashes and JSON patches. No I/O."""
+"""Revision rendering: kube-proxy ConfigMaps/DaemonSets per policy config, their hashes, the baseline's JSON
+patches and the server-side apply bookkeeping. No I/O."""
 
 from proxyshift.render.affinity import (
     affinity_patch_pair,
@@ -6,7 +7,8 @@ from proxyshift.render.affinity import (
     undo_baseline_affinity_patch,
     without_revision_affinity,
 )
-from proxyshift.render.diff import diff, needs_recreate
+from proxyshift.render.apply import APPLY_PATCH, FIELD_MANAGER, foreign_spec_owners, take_spec_ownership
+from proxyshift.render.immutable import needs_recreate
 from proxyshift.render.kubeproxyconfig import config_hash, render_config
 from proxyshift.render.names import (
     ANNOTATION_CONFIG_HASH,
@@ -26,6 +28,8 @@ __all__ = [
     "ANNOTATION_CONFIG_HASH",
     "ANNOTATION_MODE",
     "ANNOTATION_POLICY",
+    "APPLY_PATCH",
+    "FIELD_MANAGER",
     "LABEL_MANAGED_BY",
     "LABEL_POLICY",
     "LABEL_REVISION",
@@ -34,7 +38,7 @@ __all__ = [
     "affinity_patch_pair",
     "baseline_affinity_patch",
     "config_hash",
-    "diff",
+    "foreign_spec_owners",
     "needs_recreate",
     "policy_label_value",
     "render_config",
@@ -42,6 +46,7 @@ __all__ = [
     "revision_labels",
     "revision_name",
     "revision_object_names",
+    "take_spec_ownership",
     "undo_baseline_affinity_patch",
     "without_revision_affinity",
 ]
