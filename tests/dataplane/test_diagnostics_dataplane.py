@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -231,7 +232,7 @@ def kernel_filtered(node: Netns, service: DiagnoseService) -> dict[str, tuple[in
     return out
 
 
-def test_one_dump_answers_every_service_of_a_request_with_its_own_flows(node: Netns) -> None:
+def test_one_dump_answers_every_service_of_a_request_with_its_own_flows(node: Netns, tmp_path: Path) -> None:
     node.run(["ip", "route", "add", f"{OTHER_IP}/32", "dev", "lo", "src", CLIENT])
     node.run(["nft", "-f", "-"], input=two_services_nft())
     web = SERVICE.model_copy(update={"endpoints": ENDPOINTS[:2],
@@ -252,7 +253,12 @@ def test_one_dump_answers_every_service_of_a_request_with_its_own_flows(node: Ne
         clients.append(c)
         seen_api, c = connect(node, 9, 2, OTHER_IP)
         clients.append(c)
-        answer = serve(DiagnoseRequest(id="d", services=[web, api]), "nftables", Readers(runner=runner))
+        # The table's size as the agent reads it, from the namespace the tools run in (not this process's).
+        count = tmp_path / "sys" / "net" / "netfilter" / "nf_conntrack_count"
+        count.parent.mkdir(parents=True)
+        count.write_text(node.run(["cat", "/proc/sys/net/netfilter/nf_conntrack_count"]).stdout)
+        answer = serve(DiagnoseRequest(id="d", services=[web, api]), "nftables",
+                       Readers(runner=runner, proc_root=tmp_path))
         # The kernel's own filter, one `conntrack -L` per Service port (the path before), on the same flows.
         filtered = [kernel_filtered(node, s) for s in (web, api)]
     finally:

@@ -414,7 +414,8 @@ IDENTITIES = {("TCP", "198.18.1.2", 41000, "198.19.0.10", 80): "198.18.5.5",
 
 def test_identities_come_from_one_dump_per_protocol_matched_on_the_whole_tuple():
     table = ConntrackTable(*IDENTITY_TABLE)
-    found = bh.conntrack_identities(IDENTITY_KEYS, runner=table, deadline=time.monotonic() + 5)
+    found = bh.conntrack_identities(IDENTITY_KEYS, runner=table, deadline=time.monotonic() + 5,
+                                    table_size=lambda: 40)
     assert found == IDENTITIES
     # Three sources and two protocols were four `-s SRC` look-ups; now two dumps.
     assert sorted(table.calls) == [["conntrack", "-L", "-p", p, "-o", "xml"] for p in ("tcp", "udp")]
@@ -429,7 +430,16 @@ def test_a_dump_cut_at_its_bound_is_looked_up_again_per_source(monkeypatch):
 
     monkeypatch.setattr(ct, "list_flows", tcp_dump_cut)
     table = ConntrackTable(*IDENTITY_TABLE)
-    found = bh.conntrack_identities(IDENTITY_KEYS, runner=table, deadline=time.monotonic() + 5)
+    found = bh.conntrack_identities(IDENTITY_KEYS, runner=table, deadline=time.monotonic() + 5,
+                                    table_size=lambda: 40)
     assert found == IDENTITIES
     sources = sorted(c[c.index("-s") + 1] for c in table.calls if "-s" in c)
     assert sources == ["10.244.1.9", "127.0.0.1", "198.18.1.2"]  # TCP only: the UDP dump was whole
+
+
+def test_a_large_table_is_never_dumped_the_kernel_filters_per_source():
+    table = ConntrackTable(*IDENTITY_TABLE)
+    found = bh.conntrack_identities(IDENTITY_KEYS, runner=table, deadline=time.monotonic() + 5,
+                                    table_size=lambda: ct.DUMP_MAX_ENTRIES + 1)
+    assert found == IDENTITIES
+    assert all("-s" in c for c in table.calls) and len(table.calls) == 4  # (TCP, 3 sources) + (UDP, 1)

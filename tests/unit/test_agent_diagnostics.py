@@ -368,10 +368,11 @@ def test_one_dump_per_protocol_is_bucketed_per_service_port_as_the_kernel_filter
 def test_a_dump_cut_at_its_bound_falls_back_to_the_kernels_filter_per_service_port(
         monkeypatch: pytest.MonkeyPatch) -> None:
     whole = diag.serve(DiagnoseRequest(id="d", services=SERVICES), "nftables",
-                       diag.Readers(runner=KernelConntrack(TABLE)))
+                       diag.Readers(runner=KernelConntrack(TABLE), proc_root=Path("/nonexistent")))
     monkeypatch.setattr(diag, "MAX_CONNTRACK_FLOWS", 5)  # the TCP dump (10 flows) is cut, each query's is not
     kernel = KernelConntrack(TABLE)
-    cut = diag.serve(DiagnoseRequest(id="d", services=SERVICES), "nftables", diag.Readers(runner=kernel))
+    cut = diag.serve(DiagnoseRequest(id="d", services=SERVICES), "nftables",
+                     diag.Readers(runner=kernel, proc_root=Path("/nonexistent")))
     assert conntrack_rows(cut) == conntrack_rows(whole)
     assert not any(s.truncated for s in cut.services)
     filtered = [c for c in kernel.calls if "--orig-port-dst" in c]
@@ -386,3 +387,16 @@ def test_a_failing_dump_is_one_error_per_service_and_run_once() -> None:
     answer = diag.serve(DiagnoseRequest(id="d", services=[WEB_TCP, API_TCP]), "nftables", node.readers)
     assert [e.split(":")[0] for s in answer.services for e in s.errors] == ["conntrack", "conntrack"]
     assert len(node.calls) == 1
+
+
+def test_a_table_too_large_to_dump_is_filtered_by_the_kernel_per_service_port(tmp_path: Path) -> None:
+    count = tmp_path / "sys" / "net" / "netfilter" / "nf_conntrack_count"
+    count.parent.mkdir(parents=True)
+    count.write_text(f"{conntrack_mod.DUMP_MAX_ENTRIES + 1}\n")
+    whole = diag.serve(DiagnoseRequest(id="d", services=SERVICES), "nftables",
+                       diag.Readers(runner=KernelConntrack(TABLE), proc_root=Path("/nonexistent")))
+    kernel = KernelConntrack(TABLE)
+    filtered = diag.serve(DiagnoseRequest(id="d", services=SERVICES), "nftables",
+                          diag.Readers(runner=kernel, proc_root=tmp_path))
+    assert conntrack_rows(filtered) == conntrack_rows(whole)
+    assert all("--orig-port-dst" in c for c in kernel.calls) and len(kernel.calls) == 5  # 4 TCP + 1 UDP

@@ -325,15 +325,16 @@ FlowKey = tuple[Protocol, str, int, str, int]  # protocol, source address, sourc
 
 
 def conntrack_identities(keys: set[FlowKey], *, runner: Runner = run, deadline: float,
-                         clock: Callable[[], float] = time.monotonic) -> dict[FlowKey, str]:
+                         clock: Callable[[], float] = time.monotonic,
+                         table_size: Callable[[], int | None] = conntrack_mod.table_entries) -> dict[FlowKey, str]:
     """The reply source (the endpoint the flow was NATed to) of each of these flows found in conntrack.
 
     One `conntrack -L -p P` dump per protocol and IP family, run side by side, each flow looked up
     by its whole tuple: the process starts are what a look-up costs (10-100 ms each on a loaded
     node), and one per source address (node IP, second address, 127.0.0.1, the pod) was three to
-    four times as many. A dump cut at its bound (a table too large to print whole) is looked up
-    again one source at a time, the kernel filtering. A look-up not done by `deadline` names
-    nothing (the payload stands in).
+    four times as many. On a table larger than conntrack_mod.DUMP_MAX_ENTRIES, or where the dump
+    is cut at its bound, the look-up is one source at a time, the kernel filtering. A look-up not
+    done by `deadline` names nothing (the payload stands in).
     """
     def family_of(address: str) -> int | None:
         try:
@@ -350,11 +351,14 @@ def conntrack_identities(keys: set[FlowKey], *, runner: Runner = run, deadline: 
         except (CommandError, conntrack_mod.ConntrackOutputError, ValueError):
             return [], False
 
+    dump = conntrack_mod.dump_pays(table_size()) if keys else False
+
     def one(group: tuple[Protocol, int]) -> list[conntrack_mod.Flow]:
         protocol, family = group
-        flows, cut = flows_of(protocol, family, None)
-        if not cut:
-            return flows
+        if dump:
+            flows, cut = flows_of(protocol, family, None)
+            if not cut:
+                return flows
         sources = sorted({k[1] for k in keys if k[0] == protocol and family_of(k[1]) == family})
         return [f for source in sources for f in flows_of(protocol, family, source)[0]]
 

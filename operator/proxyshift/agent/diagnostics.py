@@ -310,6 +310,7 @@ class Readers:
 
     _dumps: dict[tuple[int, str], tuple[list[conntrack_mod.Flow], bool] | Exception] = field(
         default_factory=dict, init=False, repr=False)
+    _dump_pays: bool | None = field(default=None, init=False, repr=False)  # asked once per request
 
     def text(self, argv: list[str], limit: int) -> tuple[str, bool]:
         key = tuple(argv)
@@ -341,20 +342,24 @@ class Readers:
         """Each query's flows (query -> flows, truncated).
 
         From one dump per family and protocol, bucketed here: the look-ups of a request were one
-        `conntrack -L` each (0.3-0.45 s per node for eight Services, a process start apiece). Where
-        the dump is cut at its bounds (a table of more than ~15,000 flows of that protocol) the
-        kernel filters each query instead, so a busy node's counts stay whole as they were before.
+        `conntrack -L` each (0.3-0.45 s per node for eight Services, a process start apiece). On a
+        table larger than conntrack_mod.DUMP_MAX_ENTRIES (nf_conntrack_count), or where the dump is
+        cut at its bounds, the kernel filters each query instead, as before: a busy node's table is
+        not printed and parsed whole, and its counts stay whole.
         """
         out: dict[ConntrackQuery, list[conntrack_mod.Flow]] = {}
         truncated = False
         groups: dict[tuple[int, str], list[ConntrackQuery]] = {}
         for query in queries:
             groups.setdefault((query.family, query.protocol), []).append(query)
+        if groups and self._dump_pays is None:
+            self._dump_pays = conntrack_mod.dump_pays(conntrack_mod.table_entries(self.proc_root))
         for (family, protocol), group in groups.items():
-            flows, cut = self.conntrack_dump(family, protocol)
-            if not cut:
-                out.update(bucket_flows(flows, group))
-                continue
+            if self._dump_pays:
+                flows, cut = self.conntrack_dump(family, protocol)
+                if not cut:
+                    out.update(bucket_flows(flows, group))
+                    continue
             for query in group:
                 text, cut_text = self.text(query.argv(), MAX_SAVE_BYTES)
                 found, cut_flows = conntrack_mod.parse_flows(text, max_flows=MAX_CONNTRACK_FLOWS)
