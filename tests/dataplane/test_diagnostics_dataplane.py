@@ -13,12 +13,14 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from proxyshift.agent.diagnostics import Readers, read_service
-from proxyshift.api.diagnostics import DiagnosePort, DiagnoseService
-from proxyshift.commands import stop_child
+from proxyshift.agent.conntrack import parse_flows
+from proxyshift.agent.diagnostics import ConntrackCounts, Readers, conntrack_queries, count_flows, read_service, serve
+from proxyshift.api.diagnostics import DiagnosePort, DiagnoseRequest, DiagnoseService
+from proxyshift.commands import Result, stop_child
 from proxyshift.planner.diagnosis import diagnose
 from proxyshift.planner.services import EndpointView, ServicePortView, ServiceView
 from tests.support.ps_netns import Netns
@@ -52,7 +54,7 @@ import collections, json, socket, sys
 n, held = int(sys.argv[1]), int(sys.argv[2])
 seen, kept = collections.Counter(), []
 for i in range(n + held):
-    c = socket.create_connection((sys.argv[3], 80), timeout=3)
+    c = socket.create_connection((sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 80), timeout=3)
     seen[c.makefile().readline().strip()] += 1
     (kept.append(c) if i >= n else c.close())
 print(json.dumps(seen), flush=True)
@@ -102,10 +104,12 @@ def node(netns: Netns) -> Iterator[Netns]:
         stop_child(server, grace=5)
 
 
-def connect(netns: Netns, n: int, held: int) -> tuple[dict[str, int], subprocess.Popen[str]]:
+def connect(netns: Netns, n: int, held: int, target: str = CLUSTER_IP,
+            port: int = 80) -> tuple[dict[str, int], subprocess.Popen[str]]:
     """n connections closed at once, then `held` kept open (long-lived) until the returned client is stopped."""
     client = subprocess.Popen(["ip", "netns", "exec", netns.name, sys.executable, "-c", CLIENT_SCRIPT, str(n),
-                               str(held), CLUSTER_IP], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                               str(held), target, str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
     assert client.stdout is not None
     line = client.stdout.readline()
     assert line, "the client failed to connect through the rules"
@@ -189,3 +193,84 @@ def test_nftables_mode_counts_conntrack_entries_by_endpoint(node: Netns) -> None
     slices = [EndpointView(service=KEY, address=ep, ready=True) for ep in ENDPOINTS]
     d = diagnose(view(), slices, "ps-test", counters, "nftables")
     assert d.basis == "conntrack entries" and d.verdict == "balanced", d
+
+
+OTHER_IP = "198.19.200.11"  # a second Service on the same port 80: only the address tells their flows apart
+NODE_PORT = 30080
+
+
+def two_services_nft() -> str:
+    """web (ClusterIP and NodePort 30080 on the client address) over all endpoints, api over the third alone."""
+    elements = ", ".join(f"{i} : {ep} . 8080" for i, ep in enumerate(ENDPOINTS[:2]))
+    return f"""table ip kube-proxy {{
+	chain service-web {{
+		meta l4proto tcp dnat ip to numgen inc mod 2 map {{ {elements} }}
+	}}
+	chain service-api {{
+		meta l4proto tcp dnat ip to {ENDPOINTS[2]}:8080
+	}}
+	chain nat-output {{
+		type nat hook output priority -100; policy accept;
+		ip daddr {CLUSTER_IP} tcp dport 80 goto service-web
+		ip daddr {CLIENT} tcp dport {NODE_PORT} goto service-web
+		ip daddr {OTHER_IP} tcp dport 80 goto service-api
+	}}
+}}
+"""
+
+
+def kernel_filtered(node: Netns, service: DiagnoseService) -> dict[str, tuple[int, int]]:
+    """(entries, established) per endpoint ip, one kernel-filtered `conntrack -L` per look-up."""
+    counts = ConntrackCounts()
+    for query in conntrack_queries(service):
+        count_flows(parse_flows(node.run(query.argv()).stdout)[0], counts)
+    out: dict[str, tuple[int, int]] = {ep: (0, 0) for ep in service.endpoints}
+    for endpoint, n in counts.entries.items():
+        ip = endpoint.rsplit(":", 1)[0]
+        entries, established = out.get(ip, (0, 0))
+        out[ip] = (entries + n, established + counts.established.get(endpoint, 0))
+    return out
+
+
+def test_one_dump_answers_every_service_of_a_request_with_its_own_flows(node: Netns, tmp_path: Path) -> None:
+    node.run(["ip", "route", "add", f"{OTHER_IP}/32", "dev", "lo", "src", CLIENT])
+    node.run(["nft", "-f", "-"], input=two_services_nft())
+    web = SERVICE.model_copy(update={"endpoints": ENDPOINTS[:2],
+                                     "ports": [DiagnosePort(name="http", port=80, node_port=NODE_PORT)]})
+    api = DiagnoseService(namespace="ps-diag", name="api", cluster_ips=[OTHER_IP],
+                          ports=[DiagnosePort(name="http", port=80)], endpoints=ENDPOINTS[2:])
+    calls: list[list[str]] = []
+
+    def runner(argv: list[str], timeout: float) -> Result:
+        calls.append(argv)
+        return node.run(argv, timeout=timeout)
+
+    clients = []
+    try:
+        seen_web, c = connect(node, 20, 1)
+        clients.append(c)
+        seen_node_port, c = connect(node, 6, 1, CLIENT, NODE_PORT)
+        clients.append(c)
+        seen_api, c = connect(node, 9, 2, OTHER_IP)
+        clients.append(c)
+        # The table's size as the agent reads it, from the namespace the tools run in (not this process's).
+        count = tmp_path / "sys" / "net" / "netfilter" / "nf_conntrack_count"
+        count.parent.mkdir(parents=True)
+        count.write_text(node.run(["cat", "/proc/sys/net/netfilter/nf_conntrack_count"]).stdout)
+        answer = serve(DiagnoseRequest(id="d", services=[web, api]), "nftables",
+                       Readers(runner=runner, proc_root=tmp_path))
+        # The kernel's own filter, one `conntrack -L` per Service port (the path before), on the same flows.
+        filtered = [kernel_filtered(node, s) for s in (web, api)]
+    finally:
+        for c in clients:
+            stop_child(c, grace=5)
+    assert [c for c in calls if c[0] == "conntrack"] == [["conntrack", "-L", "-f", "ipv4", "-p", "tcp", "-o", "xml"]]
+    counted = {s.service: {e.address: (e.conntrack_entries, e.conntrack_established) for e in s.endpoints}
+               for s in answer.services}
+    expected_web = {ep: seen_web.get(ep, 0) + seen_node_port.get(ep, 0) for ep in ENDPOINTS[:2]}
+    assert {a: n for a, (n, _) in counted[KEY].items()} == expected_web
+    assert sum(est for _, est in counted[KEY].values()) == 2
+    assert seen_api == {ENDPOINTS[2]: 11} and counted["ps-diag/api"] == {ENDPOINTS[2]: (11, 2)}
+    assert not any(s.errors or s.truncated for s in answer.services), answer
+    assert filtered == [{e.address: (e.conntrack_entries, e.conntrack_established) for e in s.endpoints}
+                        for s in answer.services]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.request
 from xml.sax.saxutils import escape
 
@@ -376,3 +377,69 @@ def test_the_step_lists_each_ip_family_the_service_destinations_are_in():
     assert ct.delete_argv(v6)[:4] == ["conntrack", "-D", "-f", "ipv6"]
     ct.clean_unnated(ConntrackParams(node_ports=[30080], protocols=["UDP"]), [], runner=runner)
     assert calls[-1][-2:] == ["-o", "xml"]  # NodePorts with no known address: IPv4 (loopback)
+
+
+class ConntrackTable:
+    """`conntrack -L -p P [-s SRC]` over a fixed table, filtering as the kernel does; records calls."""
+
+    def __init__(self, *flows: str) -> None:
+        self.flows = [(x, ct.parse_flows(document(x))[0][0]) for x in flows]
+        self.calls: list[list[str]] = []
+
+    def __call__(self, argv, timeout, **kw):  # type: ignore[no-untyped-def]
+        self.calls.append(list(argv))
+        opts = dict(zip(argv[2::2], argv[3::2], strict=False))
+        chosen = [x for x, f in self.flows
+                  if f.protocol == opts["-p"] and ("-s" not in opts or f.src == opts["-s"])]
+        return Result(list(argv), 0, document(*chosen), "")
+
+
+IDENTITY_TABLE = (
+    # the node's probe from its own address, from 127.0.0.1 (a NodePort) and the pod's, all NATed
+    flow_xml("tcp", "198.18.1.2", "198.19.0.10", 41000, 80, "198.18.5.5", "198.18.1.2", 8080, 41000, "TIME_WAIT"),
+    flow_xml("tcp", "127.0.0.1", "127.0.0.1", 41001, 30080, "198.18.5.6", "198.18.1.2", 8080, 41001, "TIME_WAIT"),
+    flow_xml("tcp", "10.244.1.9", "198.19.0.10", 41002, 80, "198.18.5.7", "10.244.1.9", 8080, 41002, "TIME_WAIT"),
+    flow_xml("udp", "198.18.1.2", "198.19.0.53", 41003, 53, "198.18.5.8", "198.18.1.2", 5353, 41003),
+    # someone else's flow from the same source and to the same Service: never an identity
+    flow_xml("tcp", "198.18.1.2", "198.19.0.10", 41999, 80, "198.18.9.9", "198.18.1.2", 8080, 41999, "TIME_WAIT"),
+)
+IDENTITY_KEYS = {("TCP", "198.18.1.2", 41000, "198.19.0.10", 80), ("TCP", "127.0.0.1", 41001, "127.0.0.1", 30080),
+                 ("TCP", "10.244.1.9", 41002, "198.19.0.10", 80), ("UDP", "198.18.1.2", 41003, "198.19.0.53", 53),
+                 ("TCP", "198.18.1.2", 41004, "198.19.0.10", 80)}  # the last one has no entry
+IDENTITIES = {("TCP", "198.18.1.2", 41000, "198.19.0.10", 80): "198.18.5.5",
+              ("TCP", "127.0.0.1", 41001, "127.0.0.1", 30080): "198.18.5.6",
+              ("TCP", "10.244.1.9", 41002, "198.19.0.10", 80): "198.18.5.7",
+              ("UDP", "198.18.1.2", 41003, "198.19.0.53", 53): "198.18.5.8"}
+
+
+def test_identities_come_from_one_dump_per_protocol_matched_on_the_whole_tuple():
+    table = ConntrackTable(*IDENTITY_TABLE)
+    found = bh.conntrack_identities(IDENTITY_KEYS, runner=table, deadline=time.monotonic() + 5,
+                                    table_size=lambda: 40)
+    assert found == IDENTITIES
+    # Three sources and two protocols were four `-s SRC` look-ups; now two dumps.
+    assert sorted(table.calls) == [["conntrack", "-L", "-p", p, "-o", "xml"] for p in ("tcp", "udp")]
+
+
+def test_a_dump_cut_at_its_bound_is_looked_up_again_per_source(monkeypatch):
+    whole = ct.list_flows
+
+    def tcp_dump_cut(protocol, **kw):  # type: ignore[no-untyped-def]
+        flows, cut = whole(protocol, **kw)
+        return flows, cut or (protocol == "TCP" and kw.get("source") is None)  # as past MAX_XML_BYTES
+
+    monkeypatch.setattr(ct, "list_flows", tcp_dump_cut)
+    table = ConntrackTable(*IDENTITY_TABLE)
+    found = bh.conntrack_identities(IDENTITY_KEYS, runner=table, deadline=time.monotonic() + 5,
+                                    table_size=lambda: 40)
+    assert found == IDENTITIES
+    sources = sorted(c[c.index("-s") + 1] for c in table.calls if "-s" in c)
+    assert sources == ["10.244.1.9", "127.0.0.1", "198.18.1.2"]  # TCP only: the UDP dump was whole
+
+
+def test_a_large_table_is_never_dumped_the_kernel_filters_per_source():
+    table = ConntrackTable(*IDENTITY_TABLE)
+    found = bh.conntrack_identities(IDENTITY_KEYS, runner=table, deadline=time.monotonic() + 5,
+                                    table_size=lambda: ct.DUMP_MAX_ENTRIES + 1)
+    assert found == IDENTITIES
+    assert all("-s" in c for c in table.calls) and len(table.calls) == 4  # (TCP, 3 sources) + (UDP, 1)

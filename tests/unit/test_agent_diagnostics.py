@@ -140,9 +140,9 @@ def test_read_service_in_iptables_mode_has_rule_flows_and_conntrack_for_every_li
     rows = {e.address: (e.flows, e.conntrack_entries) for e in counters.endpoints}
     assert rows == {"198.18.16.25": (7, 0), "198.18.16.26": (0, 0), "198.18.16.27": (0, 0)}
     assert ["iptables-save", "-c", "-t", "nat"] in node.calls
-    assert ["conntrack", "-L", "-f", "ipv4", "-p", "tcp", "-o", "xml", "--orig-dst", "198.19.0.22",
-            "--orig-port-dst", "80"] in node.calls
-    assert ["conntrack", "-L", "-p", "tcp", "-o", "xml", "--orig-port-dst", "30012"] in node.calls
+    # The ClusterIP port and the NodePort come out of one dump of the table's IPv4 TCP flows.
+    assert [c for c in node.calls if c[0] == "conntrack"] == [["conntrack", "-L", "-f", "ipv4", "-p", "tcp", "-o",
+                                                                "xml"]]
 
 
 WEB = DiagnoseService(namespace="ps-diag", name="web", cluster_ips=["198.19.200.10"],
@@ -262,3 +262,141 @@ def test_the_agent_answers_spec_diagnose_once_beside_its_operations() -> None:
     assert len(answers) == 1 and answers[0]["mode"] == "iptables"
     flows = {e["address"]: e["flows"] for e in answers[0]["services"][0]["endpoints"]}
     assert flows == {"198.18.16.25": 0, "198.18.16.26": 4, "198.18.16.27": 0}
+
+
+def flow_xml(proto: str, src: str, dst: str, sport: int, dport: int, reply_src: str, reply_sport: int,
+             state: str | None = None, unreplied: bool = False) -> str:
+    """One flow as `conntrack -L -o xml` prints it (the fixtures' shape)."""
+    family = "ipv6" if ":" in dst else "ipv4"
+    l3 = '<layer3 protonum="{n}" protoname="{f}"><src>{s}</src><dst>{d}</dst></layer3>'
+    l4 = '<layer4 protonum="0" protoname="{p}"><sport>{sp}</sport><dport>{dp}</dport></layer4>'
+    orig = l3.format(n=2, f=family, s=src, d=dst) + l4.format(p=proto, sp=sport, dp=dport)
+    reply = l3.format(n=2, f=family, s=reply_src, d=src) + l4.format(p=proto, sp=reply_sport, dp=sport)
+    independent = (f"<state>{state}</state>" if state else "") + ("<unreplied/>" if unreplied else "")
+    return (f'<flow><meta direction="original">{orig}</meta><meta direction="reply">{reply}</meta>'
+            f'<meta direction="independent">{independent}</meta></flow>')
+
+
+def table_xml(flows: list[str]) -> str:
+    return '<?xml version="1.0" encoding="utf-8"?>\n<conntrack>\n' + "\n".join(flows) + "\n</conntrack>\n"
+
+
+NODE_IP = "198.18.0.2"
+WEB_TCP = DiagnoseService(namespace="a", name="web", cluster_ips=["198.19.0.10"],
+                          ports=[DiagnosePort(name="http", port=80, node_port=30080)],
+                          endpoints=["198.18.1.1", "198.18.1.2"])
+DNS_UDP = DiagnoseService(namespace="a", name="dns", cluster_ips=["198.19.0.53"],
+                          ports=[DiagnosePort(name="dns", port=53, protocol="UDP")],
+                          endpoints=["198.18.1.3", "198.18.1.4"])
+API_TCP = DiagnoseService(namespace="b", name="api", cluster_ips=["198.19.0.11"],
+                          ports=[DiagnosePort(name="https", port=443), DiagnosePort(name="http", port=80)],
+                          endpoints=["198.18.1.5"])
+SERVICES = [WEB_TCP, DNS_UDP, API_TCP]
+TABLE = [
+    *(flow_xml("tcp", "198.18.0.9", "198.19.0.10", 40000 + i, 80, "198.18.1.1", 8080, "TIME_WAIT")
+      for i in range(3)),
+    flow_xml("tcp", "198.18.0.9", "198.19.0.10", 40100, 80, "198.18.1.2", 8080, "ESTABLISHED"),
+    # web's NodePort, on the node address and on loopback
+    flow_xml("tcp", "198.18.0.7", NODE_IP, 41000, 30080, "198.18.1.2", 8080, "ESTABLISHED"),
+    flow_xml("tcp", "127.0.0.1", "127.0.0.1", 41001, 30080, "198.18.1.1", 8080, "TIME_WAIT"),
+    # api: same port 80 as web on another ClusterIP, and 443
+    flow_xml("tcp", "198.18.0.9", "198.19.0.11", 42000, 80, "198.18.1.5", 8080, "ESTABLISHED"),
+    flow_xml("tcp", "198.18.0.9", "198.19.0.11", 42001, 443, "198.18.1.5", 8443, "TIME_WAIT"),
+    # dns over UDP, one answered, one not
+    flow_xml("udp", "198.18.0.9", "198.19.0.53", 43000, 53, "198.18.1.3", 5353),
+    flow_xml("udp", "198.18.0.9", "198.19.0.53", 43001, 53, "198.18.1.4", 5353, unreplied=True),
+    # nobody's: another Service's port, a UDP flow to web's TCP port, an IPv6 flow to the NodePort
+    flow_xml("tcp", "198.18.0.9", "198.19.0.99", 44000, 80, "198.18.1.9", 8080, "ESTABLISHED"),
+    flow_xml("udp", "198.18.0.9", "198.19.0.10", 44001, 80, "198.19.0.10", 80, unreplied=True),
+    flow_xml("tcp", "fd00::9", "fd00::2", 44002, 30080, "fd00::1:1", 8080, "ESTABLISHED"),
+]
+
+
+class KernelConntrack:
+    """`conntrack -L` over TABLE with the kernel's filters (-f, -p, --orig-dst, --orig-port-dst); records calls."""
+
+    def __init__(self, table: list[str]) -> None:
+        self.flows = [(x, conntrack_mod.parse_flows(table_xml([x]))[0][0]) for x in table]
+        self.calls: list[list[str]] = []
+
+    def __call__(self, argv: list[str], timeout: float) -> Result:
+        assert timeout <= diag.TOOL_TIMEOUT_SECONDS and argv[:2] == ["conntrack", "-L"]
+        self.calls.append(argv)
+        opts = dict(zip(argv[2::2], argv[3::2], strict=False))
+        chosen = [x for x, f in self.flows
+                  if f.protocol == opts["-p"]
+                  and (":" in f.dst) == (opts.get("-f", "ipv4") == "ipv6")
+                  and ("--orig-dst" not in opts or f.dst == opts["--orig-dst"])
+                  and ("--orig-port-dst" not in opts or str(f.dport) == opts["--orig-port-dst"])]
+        return Result(argv, 0, table_xml(chosen), "")
+
+
+def conntrack_rows(answer: Any) -> dict[str, dict[str, tuple[int, int]]]:
+    return {s.service: {e.address: (e.conntrack_entries, e.conntrack_established) for e in s.endpoints}
+            for s in answer.services}
+
+
+def test_one_dump_per_protocol_is_bucketed_per_service_port_as_the_kernel_filter_would() -> None:
+    kernel = KernelConntrack(TABLE)
+    answer = diag.serve(DiagnoseRequest(id="d", services=SERVICES), "nftables",
+                        diag.Readers(runner=kernel, proc_root=Path("/nonexistent")))
+    assert sorted(kernel.calls) == [["conntrack", "-L", "-f", "ipv4", "-p", p, "-o", "xml"] for p in ("tcp", "udp")]
+    assert conntrack_rows(answer) == {
+        # three closed and one open to the ClusterIP; the NodePort's two (node address and loopback)
+        "a/web": {"198.18.1.1": (4, 0), "198.18.1.2": (2, 2)},
+        # a UDP flow that saw its answer counts as established; the unreplied one does not
+        "a/dns": {"198.18.1.3": (1, 1), "198.18.1.4": (1, 0)},
+        "b/api": {"198.18.1.5": (2, 1)},
+    }
+    assert not any(s.truncated or s.errors for s in answer.services)
+
+    # The old path, one kernel-filtered `conntrack -L` per ClusterIP port and NodePort, counted the same.
+    def per_query(service: DiagnoseService) -> diag.ConntrackCounts:
+        counts = diag.ConntrackCounts()
+        for query in diag.conntrack_queries(service):
+            diag.count_flows(conntrack_mod.parse_flows(kernel(query.argv(), timeout=1).stdout)[0], counts)
+        return counts
+    for service, counted in zip(SERVICES, answer.services, strict=True):
+        old = per_query(service)
+        by_ip: dict[str, int] = {}
+        for endpoint, n in old.entries.items():
+            by_ip[endpoint.rsplit(":", 1)[0]] = by_ip.get(endpoint.rsplit(":", 1)[0], 0) + n
+        assert {e.address: e.conntrack_entries for e in counted.endpoints} == by_ip
+        assert sum(e.conntrack_established for e in counted.endpoints) == sum(old.established.values())
+
+
+def test_a_dump_cut_at_its_bound_falls_back_to_the_kernels_filter_per_service_port(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    whole = diag.serve(DiagnoseRequest(id="d", services=SERVICES), "nftables",
+                       diag.Readers(runner=KernelConntrack(TABLE), proc_root=Path("/nonexistent")))
+    monkeypatch.setattr(diag, "MAX_CONNTRACK_FLOWS", 5)  # the TCP dump (10 flows) is cut, each query's is not
+    kernel = KernelConntrack(TABLE)
+    cut = diag.serve(DiagnoseRequest(id="d", services=SERVICES), "nftables",
+                     diag.Readers(runner=kernel, proc_root=Path("/nonexistent")))
+    assert conntrack_rows(cut) == conntrack_rows(whole)
+    assert not any(s.truncated for s in cut.services)
+    filtered = [c for c in kernel.calls if "--orig-port-dst" in c]
+    assert {(c[c.index("--orig-port-dst") + 1], c[c.index("--orig-dst") + 1] if "--orig-dst" in c else None)
+            for c in filtered} == {("80", "198.19.0.10"), ("30080", None), ("443", "198.19.0.11"),
+                                   ("80", "198.19.0.11")}
+    assert all("tcp" in c for c in filtered)  # the UDP dump was whole: no per-query read for it
+
+
+def test_a_failing_dump_is_one_error_per_service_and_run_once() -> None:
+    node = FakeNode({})
+    answer = diag.serve(DiagnoseRequest(id="d", services=[WEB_TCP, API_TCP]), "nftables", node.readers)
+    assert [e.split(":")[0] for s in answer.services for e in s.errors] == ["conntrack", "conntrack"]
+    assert len(node.calls) == 1
+
+
+def test_a_table_too_large_to_dump_is_filtered_by_the_kernel_per_service_port(tmp_path: Path) -> None:
+    count = tmp_path / "sys" / "net" / "netfilter" / "nf_conntrack_count"
+    count.parent.mkdir(parents=True)
+    count.write_text(f"{conntrack_mod.DUMP_MAX_ENTRIES + 1}\n")
+    whole = diag.serve(DiagnoseRequest(id="d", services=SERVICES), "nftables",
+                       diag.Readers(runner=KernelConntrack(TABLE), proc_root=Path("/nonexistent")))
+    kernel = KernelConntrack(TABLE)
+    filtered = diag.serve(DiagnoseRequest(id="d", services=SERVICES), "nftables",
+                          diag.Readers(runner=kernel, proc_root=tmp_path))
+    assert conntrack_rows(filtered) == conntrack_rows(whole)
+    assert all("--orig-port-dst" in c for c in kernel.calls) and len(kernel.calls) == 5  # 4 TCP + 1 UDP

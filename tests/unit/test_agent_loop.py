@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 from typing import Any
 
 import pytest
@@ -366,6 +367,51 @@ def test_an_unrecorded_start_runs_nothing_and_a_lost_result_is_sent_again():
     agent.tick()                             # the result goes out with the next status write
     assert calls == [(["iptables"], "nftables")]
     assert api.obj["status"]["lastOperation"]["state"] == "Succeeded"
+
+
+class SlowAPI(FakeAPI):
+    """The first patch (the Running record) returns only once the preflight has begun, or after 5 s."""
+
+    def __init__(self, obj):
+        super().__init__(obj)
+        self.preflight_began = threading.Event()
+        self.overlapped: bool | None = None
+
+    def patch_status(self, name, status):
+        if self.overlapped is None:
+            self.overlapped = self.preflight_began.wait(5.0)
+        return super().patch_status(name, status)
+
+
+def test_a_read_only_operation_runs_while_its_running_record_is_written_and_reports_after_it():
+    api = SlowAPI(node_obj({"id": "m1.Preflight.0", "type": "Preflight", "params": {"mode": "nftables"}}))
+
+    def preflight(mode, scheduler, **kw):
+        api.preflight_began.set()
+        return FakeNode().preflight(mode, scheduler)
+
+    agent = make_agent(api, preflight=preflight)
+    agent.handle(api.get("n1"))
+    assert api.overlapped is True
+    assert [p["lastOperation"]["state"] for p in api.patches] == ["Running", "Succeeded"]
+
+
+def test_a_read_only_operation_whose_running_record_failed_is_not_reported_and_runs_again():
+    api = FlakyAPI(node_obj({"id": "m1.Preflight.0", "type": "Preflight", "params": {"mode": "nftables"}}),
+                   fail_on={1})
+    ran: list[str] = []
+
+    def preflight(mode, scheduler, **kw):
+        ran.append(mode)
+        return FakeNode().preflight(mode, scheduler)
+
+    agent = make_agent(api, preflight=preflight)
+    with pytest.raises(ConnectionError):
+        agent.handle(api.get("n1"))          # it ran beside the write, but counts as not started
+    assert ran == ["nftables"] and api.patches == []
+    agent.handle(api.get("n1"))              # the next event runs it again, as if it never had
+    assert ran == ["nftables", "nftables"]
+    assert [p["lastOperation"]["state"] for p in api.patches] == ["Running", "Succeeded"]
 
 
 def test_the_watch_loop_gets_once_then_follows_resource_versions_and_gets_again_after_an_error():

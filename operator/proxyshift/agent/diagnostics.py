@@ -7,7 +7,8 @@ Per mode, the counters that exist:
 - ipvs: `ipvsadm -Ln --stats --exact` (Conns, InPkts per real server) and `ipvsadm -Sn` (scheduler,
   persistence, weights). Asked only when /proc/net/ip_vs exists: ipvsadm would otherwise load ip_vs.
 - nftables: kube-proxy's rules keep no per-endpoint counters, so conntrack is the source there.
-Everywhere conntrack is read as a second source (`conntrack -L -o xml`, parsed by agent/conntrack.py):
+Everywhere conntrack is read as a second source (`conntrack -L -o xml`, parsed by agent/conntrack.py;
+one dump per IP family and protocol for a whole request, bucketed per Service port in Python):
 entries by reply source (the endpoint the flow was NATed to), and how many are ESTABLISHED
 (long-lived connections pin load where they first landed).
 
@@ -44,7 +45,7 @@ from proxyshift.api.diagnostics import (
 from proxyshift.commands import CommandError, run
 
 MAX_SAVE_BYTES = 64 * 1024 * 1024  # iptables-save of 10,000 Services is ~20 MiB
-MAX_CONNTRACK_FLOWS = 20_000  # per query (one Service address and port); the XML is cut at 8 MiB anyway
+MAX_CONNTRACK_FLOWS = 20_000  # per dump (or per query on a table too large to dump); the XML is cut at 8 MiB anyway
 MAX_IPVS_BYTES = 16 * 1024 * 1024
 TOOL_TIMEOUT_SECONDS = 20.0
 ERROR_LENGTH = 200
@@ -218,19 +219,67 @@ def count_flows(flows: Iterable[conntrack_mod.Flow], counts: ConntrackCounts | N
     return counts
 
 
-def conntrack_queries(service: DiagnoseService) -> list[list[str]]:
-    """One `conntrack -L` per ClusterIP and port, and one per nodePort (any node address)."""
-    queries: list[list[str]] = []
+@dataclass(frozen=True)
+class ConntrackQuery:
+    """Which of a Service's flows one look-up counts: original destination (address and) port."""
+
+    family: int  # 4 or 6
+    protocol: str  # conntrack's name: tcp, udp, sctp
+    dport: int
+    dst: str | None = None  # None: any destination address (a NodePort, on whichever node address)
+
+    def matches(self, flow: conntrack_mod.Flow) -> bool:
+        if flow.protocol != self.protocol or flow.dport != self.dport:
+            return False
+        if self.dst is None:
+            return ":" not in flow.dst if self.family == 4 else ":" in flow.dst
+        return flow.dst == self.dst
+
+    def argv(self) -> list[str]:
+        """The same look-up filtered by the kernel: for a table too large to be read whole."""
+        family = "ipv6" if self.family == 6 else "ipv4"
+        return ["conntrack", "-L", "-f", family, "-p", self.protocol, "-o", "xml", "--orig-port-dst",
+                str(self.dport), *(["--orig-dst", self.dst] if self.dst is not None else [])]
+
+
+def conntrack_queries(service: DiagnoseService) -> list[ConntrackQuery]:
+    """One look-up per ClusterIP and port, and one per nodePort (any IPv4 node address)."""
+    queries: list[ConntrackQuery] = []
     for ip in service.cluster_ips:
-        family = "ipv6" if ipaddress.ip_address(ip).version == 6 else "ipv4"
+        family = ipaddress.ip_address(ip).version
         for p in service.ports:
-            queries.append(["conntrack", "-L", "-f", family, "-p", p.protocol.lower(), "-o", "xml", "--orig-dst",
-                            ip, "--orig-port-dst", str(p.port)])
+            queries.append(ConntrackQuery(family, p.protocol.lower(), p.port, ip))
     for p in service.ports:
         if p.node_port:
-            queries.append(["conntrack", "-L", "-p", p.protocol.lower(), "-o", "xml", "--orig-port-dst",
-                            str(p.node_port)])
+            queries.append(ConntrackQuery(4, p.protocol.lower(), p.node_port))
     return queries
+
+
+def dump_argv(family: int, protocol: str) -> list[str]:
+    """The whole table of one family and protocol: one dump serves every Service of a request."""
+    return ["conntrack", "-L", "-f", "ipv6" if family == 6 else "ipv4", "-p", protocol, "-o", "xml"]
+
+
+def bucket_flows(flows: Iterable[conntrack_mod.Flow],
+                 queries: Iterable[ConntrackQuery]) -> dict[ConntrackQuery, list[conntrack_mod.Flow]]:
+    """Each query's flows out of one dump, as the kernel's filter would have chosen them. Pure.
+
+    One pass over the flows with an index by (protocol, destination port), so a dump of N flows and
+    Q look-ups costs about N + Q, not N * Q. A flow two queries match is in both, as it was when each
+    query was its own `conntrack -L`.
+    """
+    by_port: dict[tuple[str, int], list[ConntrackQuery]] = {}
+    out: dict[ConntrackQuery, list[conntrack_mod.Flow]] = {}
+    for query in queries:
+        by_port.setdefault((query.protocol, query.dport), []).append(query)
+        out[query] = []
+    for flow in flows:
+        if flow.dport is None:
+            continue
+        for query in by_port.get((flow.protocol, flow.dport), ()):
+            if query.matches(flow):
+                out[query].append(flow)
+    return out
 
 
 # ---- one Service ----
@@ -259,12 +308,65 @@ class Readers:
     proc_root: Path = Path("/proc")
     _cache: dict[tuple[str, ...], tuple[str, bool]] = field(default_factory=dict, init=False, repr=False)
 
+    _dumps: dict[tuple[int, str], tuple[list[conntrack_mod.Flow], bool] | Exception] = field(
+        default_factory=dict, init=False, repr=False)
+    _dump_pays: bool | None = field(default=None, init=False, repr=False)  # asked once per request
+
     def text(self, argv: list[str], limit: int) -> tuple[str, bool]:
         key = tuple(argv)
         if key not in self._cache:
             out = self.runner(argv, timeout=TOOL_TIMEOUT_SECONDS).stdout
             self._cache[key] = (out[:limit], True) if len(out) > limit else (out, False)
         return self._cache[key]
+
+    def conntrack_dump(self, family: int, protocol: str) -> tuple[list[conntrack_mod.Flow], bool]:
+        """The table's flows of one family and protocol, read and parsed once per request (flows, cut).
+
+        A failure is kept too: the next Service of the request gets the same error, not another try.
+        """
+        key = (family, protocol)
+        if key not in self._dumps:
+            try:
+                text, cut = self.text(dump_argv(family, protocol), MAX_SAVE_BYTES)
+                flows, cut_flows = conntrack_mod.parse_flows(text, max_flows=MAX_CONNTRACK_FLOWS)
+                self._dumps[key] = (flows, cut or cut_flows)
+            except (CommandError, conntrack_mod.ConntrackOutputError) as exc:
+                self._dumps[key] = exc
+        found = self._dumps[key]
+        if isinstance(found, Exception):
+            raise found
+        return found
+
+    def conntrack_flows(self, queries: list[ConntrackQuery]) -> tuple[dict[ConntrackQuery, list[conntrack_mod.Flow]],
+                                                                      bool]:
+        """Each query's flows (query -> flows, truncated).
+
+        From one dump per family and protocol, bucketed here: the look-ups of a request were one
+        `conntrack -L` each (0.3-0.45 s per node for eight Services, a process start apiece). On a
+        table larger than conntrack_mod.DUMP_MAX_ENTRIES (nf_conntrack_count), or where the dump is
+        cut at its bounds, the kernel filters each query instead, as before: a busy node's table is
+        not printed and parsed whole, and its counts stay whole.
+        """
+        out: dict[ConntrackQuery, list[conntrack_mod.Flow]] = {}
+        truncated = False
+        groups: dict[tuple[int, str], list[ConntrackQuery]] = {}
+        for query in queries:
+            groups.setdefault((query.family, query.protocol), []).append(query)
+        if groups and self._dump_pays is None:
+            self._dump_pays = conntrack_mod.dump_pays(conntrack_mod.table_entries(self.proc_root))
+        for (family, protocol), group in groups.items():
+            if self._dump_pays:
+                flows, cut = self.conntrack_dump(family, protocol)
+                if not cut:
+                    out.update(bucket_flows(flows, group))
+                    continue
+            for query in group:
+                text, cut_text = self.text(query.argv(), MAX_SAVE_BYTES)
+                found, cut_flows = conntrack_mod.parse_flows(text, max_flows=MAX_CONNTRACK_FLOWS)
+                # The kernel's filter and ours agree; ours also drops what a lenient filter let through.
+                out[query] = bucket_flows(found, [query])[query]
+                truncated |= cut_text or cut_flows
+        return out, truncated
 
 
 def read_service(service: DiagnoseService, mode: str | None, readers: Readers | None = None) -> ServiceCounters:
@@ -324,12 +426,10 @@ def read_service(service: DiagnoseService, mode: str | None, readers: Readers | 
                 errors.append(_error("ipvsadm", exc))
     conntrack = ConntrackCounts()
     try:
-        for argv in conntrack_queries(service):
-            # conntrack_mod.parse_flows cuts at its own byte and flow bounds, at a whole flow.
-            text, cut = readers.text(argv, MAX_SAVE_BYTES)
-            flows_seen, cut_flows = conntrack_mod.parse_flows(text, max_flows=MAX_CONNTRACK_FLOWS)
+        by_query, cut = readers.conntrack_flows(conntrack_queries(service))
+        for flows_seen in by_query.values():
             count_flows(flows_seen, conntrack)
-            truncated |= cut or cut_flows
+        truncated |= cut
     except (CommandError, conntrack_mod.ConntrackOutputError) as exc:
         errors.append(_error("conntrack", exc))
     counted = [*flows, *conntrack.entries]
