@@ -315,7 +315,9 @@ def test_a_fault_while_a_node_rolls_back(harness: Harness, cluster: Any, kube: A
     assert outcome == "Degraded" and cond.get("reason"), cond
     pn = migration(h.proxynodes()[node])
     assert pn.get("phase") == "RolledBack", f"{node} ended {pn.get('phase')}: {facts['reasons']}"
-    assert pn.get("reason") in ("KubeProxyCrashLooping", "GateTimeout"), facts["reasons"]
+    # Which one depends on where the kills catch the new kube-proxy: never Ready (restarts counted, or the
+    # switch times out) or Ready between kills (the gate times out).
+    assert pn.get("reason") in ("KubeProxyCrashLooping", "SwitchTimeout", "GateTimeout"), facts["reasons"]
     assert facts["modes"][node] == "iptables", f"{node} not back on its old mode: {facts['modes']}"
     assert all(not h.unschedulable(n) for n in ALL_NODES), "a node was left cordoned"
 

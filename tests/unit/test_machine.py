@@ -211,16 +211,21 @@ def test_switch_timeout_rolls_back() -> None:
 
 
 def test_a_switch_that_outlasted_an_api_server_outage_gets_its_whole_timeout_after_the_api_came_back() -> None:
+    grace = machine.RECONNECT_GRACE.total_seconds()
+    timeout = 120  # the test policy's gate.timeout (2m): 121 s after the node entered the step is past it
     waiting = inp(mig("Switch"), label=REV, pods=[pod(f"kube-proxy-{REV}", ready=False)], now_plus=121)
     # The API server came back 30 s ago: the DaemonSet controller's watches are still backing off.
     back = dataclasses.replace(waiting, api_back_at=waiting.now - timedelta(seconds=30))
     step = machine.step(back)
     assert step.phase == "Switch" and not writes(step)
-    # An outage before the node entered the step changes nothing: the timeout counts from the step.
-    before = dataclasses.replace(waiting, api_back_at=T0 - timedelta(seconds=5))
+    # An outage that settled (came back, plus the grace) before the node entered the step changes nothing.
+    before = dataclasses.replace(waiting, api_back_at=T0 - timedelta(seconds=grace + 5))
     assert writes(machine.step(before))[0].migration.reason == "SwitchTimeout"
-    # Once the API server has been back for the whole timeout, the switch times out as before.
-    long_back = dataclasses.replace(waiting, api_back_at=waiting.now - timedelta(seconds=120))
+    # Back shortly before the node entered the step: the grace still runs into it.
+    just_before = dataclasses.replace(waiting, api_back_at=T0 - timedelta(seconds=5))
+    assert not writes(machine.step(just_before))
+    # Once the grace and then the whole timeout have passed since the API server came back, it times out.
+    long_back = dataclasses.replace(waiting, api_back_at=waiting.now - timedelta(seconds=grace + timeout + 1))
     assert writes(machine.step(long_back))[0].migration.reason == "SwitchTimeout"
 
 

@@ -76,6 +76,10 @@ POLL_SECONDS = 2.0  # how soon to look again while waiting for the agent or a po
 PROBE_INTERVAL_SECONDS = 3.0  # gap between two gate probes of the same node
 AGENT_AWAIT_SECONDS = 10.0  # how long one probe may wait on the node for kube-proxy's sync
 CRASHLOOP_RESTARTS = 3  # a new kube-proxy pod restarting this often is not going to come up
+# How long after the API server came back the controllers may still be blind: client-go's reflectors retry a
+# failed watch after up to 30 s plus up to 100 % jitter. A CI run saw the DaemonSet controller's cache stay
+# 53 s behind its own writes after five API server restarts in 90 s (docs/reliability.md).
+RECONNECT_GRACE = timedelta(seconds=60)
 HOLD_WAIT_SECONDS = 20.0  # how long the switch waits for the agent's rule hold before going without
 MESSAGE_LIMIT = 400  # agent messages are copied into API objects: keep them bounded
 class _Keep(enum.Enum):
@@ -163,14 +167,16 @@ def _timeout(inp: NodeInput) -> timedelta:
 
 
 def _step_since(inp: NodeInput, m: NodeMigration) -> str | None:
-    """Where a step's timeout starts: when the node entered it, or when the API server came back, the later.
+    """Where a step's timeout starts: when the node entered it, or RECONNECT_GRACE after the API server came
+    back, the later.
 
     A step that outlasted an API server outage was not given its time: the controllers it waits for
     reconnect only after the outage, with their own back-off (world.World.api_back_at)."""
     entered = parse(m.phase_since)
-    if entered is None or inp.api_back_at is None or utc(inp.api_back_at) <= entered:
+    if entered is None or inp.api_back_at is None:
         return m.phase_since
-    return fmt(inp.api_back_at)
+    settled = utc(inp.api_back_at) + RECONNECT_GRACE
+    return m.phase_since if settled <= entered else fmt(settled)
 
 
 def _result(inp: NodeInput, operation: Operation | None) -> OperationStatus | None:

@@ -107,9 +107,9 @@ class World:
     # The Services side, for the behaviour sample and the conntrack step (controller/service_cache.py).
     services: ServiceSide = field(default_factory=lambda: ServiceSide())
     # When the operator last saw the API server come back after it could not be reached (None: not seen
-    # since the operator started). Every step's timeout counts from no earlier than this: what a step
-    # waits for (the DaemonSet controller, the scheduler, kube-proxy's and the agent's watches) reconnects
-    # with client-go's back-off, up to 30 s per watch, after the API server is back.
+    # since the operator started). Every step's timeout counts from no earlier than a grace after this
+    # (machine.RECONNECT_GRACE): what a step waits for (the DaemonSet controller, the scheduler,
+    # kube-proxy's and the agent's watches) reconnects with its own back-off after the API server is back.
     api_back_at: datetime | None = None
 
 
