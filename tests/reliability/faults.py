@@ -393,11 +393,12 @@ def check_end_state(h: Harness, name: str, history: History, tcp_probe: Callable
     for node in ALL_NODES:
         h.wait_for(lambda n=node: tcp_probe(n, service.cluster_ip, service.port, 3).failed == 0, 30,
                    f"traffic through {service.name} from {node} after the run")
-    attempts = {n: migration(pn).get("attempt") for n, pn in h.proxynodes().items() if n in history.phases}
+    migrations = {n: migration(pn) for n, pn in h.proxynodes().items() if n in history.phases}
+    attempts = {n: m.get("attempt") for n, m in migrations.items()}
     switches = {n: sum(1 for k in history.switched_at if k[0] == n) for n in ALL_NODES}
     # Why a node rolled back or failed: without it a Degraded end in the report says only that it did.
-    reasons = {n: f"{m.get('reason')}: {(m.get('message') or '')[:300]}"
-               for n, pn in h.proxynodes().items() if n in history.phases and (m := migration(pn)).get("reason")}
+    reasons = {n: f"{m.get('reason')}: {(m.get('message') or '')[:300]}" for n, m in migrations.items()
+               if m.get("reason")}
     return {"modes": modes, "attempts": attempts, "switches": switches, "reasons": reasons,
             "longest_outage_s": {n: round(v, 2) for n, v in longest.items()},
             "phases": dict(history.phases)}

@@ -163,6 +163,36 @@ def uncordon_after(harness: Harness) -> Iterator[None]:
             harness.core.patch_node(node, {"spec": {"unschedulable": False}})
 
 
+def _fault(faults: Faults, name: str) -> Callable[[str, str], str]:
+    return {"operator-kill": faults.operator_kill, "agent-kill": faults.agent_kill,
+            "apiserver-restart": faults.apiserver_restart, "etcd-pause": faults.etcd_pause,
+            "node-delete": faults.node_delete, "probe-unreachable": faults.probe_block}[name]
+
+
+class CrashLoops:
+    """The target revision's kube-proxy crash-looping on a node from the step it is started at."""
+
+    def __init__(self, h: Harness, state_dir: Path) -> None:
+        self.h, self.state_dir = h, state_dir
+        self.loops: list[KubeProxyCrashLoop] = []
+
+    def start(self, step: str, node: str) -> str:
+        revision = migration(self.h.proxynodes()[node]).get("toRevision")
+        assert revision, f"{node} has no target revision at {step}"
+        self.loops.append(KubeProxyCrashLoop(self.state_dir, node, revision).start())
+        return f"kube-proxy of {revision} on {node} SIGKILLed whenever it starts"
+
+    def stop(self) -> None:
+        for loop in self.loops:
+            loop.stop()
+
+    def kills(self) -> int:
+        return sum(loop.kills for loop in self.loops)
+
+    def clear(self) -> None:
+        self.loops.clear()
+
+
 # The faults the rollout must absorb without failing a node: Ready is the only acceptable end.
 ABSORBED = ("operator-kill", "apiserver-restart", "etcd-pause", "agent-kill", "probe-unreachable")
 
@@ -174,9 +204,7 @@ def test_fault_at_every_step(harness: Harness, cluster: Any, kube: Any, test_ser
     h = harness
     state_dir = cluster.require_local("fault injection")
     faults = Faults(h, kube, state_dir, ALL_NODES)
-    fault = {"operator-kill": faults.operator_kill, "agent-kill": faults.agent_kill,
-             "apiserver-restart": faults.apiserver_restart, "etcd-pause": faults.etcd_pause,
-             "node-delete": faults.node_delete, "probe-unreachable": faults.probe_block}[fault_name]
+    fault = _fault(faults, fault_name)
     name = f"rel-{fault_name}"
     # The node simulator backs off restarts like the kubelet (immediate, 10 s, 20 s, 40 s, ...; reset after
     # 10 min up): seven kills of one agent within a minute would be a crash loop, not seven kills. So the
@@ -238,17 +266,7 @@ def test_target_kube_proxy_crash_looping(harness: Harness, cluster: Any, kube: A
     h = harness
     state_dir = cluster.require_local("fault injection")
     name = "rel-crashloop"
-    loops: list[KubeProxyCrashLoop] = []
-
-    def crash_loop(step: str, node: str) -> str:
-        revision = migration(h.proxynodes()[node]).get("toRevision")
-        assert revision, f"{node} has no target revision at {step}"
-        loops.append(KubeProxyCrashLoop(state_dir, node, revision).start())
-        return f"kube-proxy of {revision} on {node} SIGKILLed whenever it starts"
-
-    def stop_loops() -> None:
-        for loop in loops:
-            loop.stop()
+    loops = CrashLoops(h, state_dir)
 
     def retry(token: str) -> Callable[[], None]:
         return lambda: _retry(h, name, token)
@@ -259,12 +277,12 @@ def test_target_kube_proxy_crash_looping(harness: Harness, cluster: Any, kube: A
     for i, step in enumerate(("Switch", "Gate")):
         try:
             outcome, cond, injector, facts, _ = migrate_under(
-                h, cluster, kube, test_service, tcp_probe, continuous_prober, name, crash_loop, (step,),
-                before_end=stop_loops, kick=retry(str(i)) if i else None, gate_timeout=CRASHLOOP_GATE_TIMEOUT)
+                h, cluster, kube, test_service, tcp_probe, continuous_prober, name, loops.start, (step,),
+                before_end=loops.stop, kick=retry(str(i)) if i else None, gate_timeout=CRASHLOOP_GATE_TIMEOUT)
         finally:
-            stop_loops()
+            loops.stop()
         row = _row(f"kube-proxy-crashloop@{step}", outcome, cond, injector, facts)
-        row["kills"] = sum(loop.kills for loop in loops)
+        row["kills"] = loops.kills()
         loops.clear()
         record(cluster, row)
         rows.append(row)
@@ -290,29 +308,18 @@ def test_a_fault_while_a_node_rolls_back(harness: Harness, cluster: Any, kube: A
     the rollback's reason, and every end-state invariant must hold."""
     h = harness
     state_dir = cluster.require_local("fault injection")
-    faults = Faults(h, kube, state_dir, ALL_NODES)
-    fault = {"operator-kill": faults.operator_kill, "apiserver-restart": faults.apiserver_restart,
-             "agent-kill": faults.agent_kill}[fault_name]
-    loops: list[KubeProxyCrashLoop] = []
+    fault = _fault(Faults(h, kube, state_dir, ALL_NODES), fault_name)
+    loops = CrashLoops(h, state_dir)
 
     def crash_then_fault(step: str, node: str) -> str:
-        if step == "Switch":
-            revision = migration(h.proxynodes()[node]).get("toRevision")
-            assert revision, f"{node} has no target revision at {step}"
-            loops.append(KubeProxyCrashLoop(state_dir, node, revision).start())
-            return f"kube-proxy of {revision} on {node} SIGKILLed whenever it starts"
-        return fault(step, node)
-
-    def stop_loops() -> None:
-        for loop in loops:
-            loop.stop()
+        return loops.start(step, node) if step == "Switch" else fault(step, node)
 
     try:
         outcome, cond, injector, facts, _ = migrate_under(
             h, cluster, kube, test_service, tcp_probe, continuous_prober, f"rel-rollback-{fault_name}",
-            crash_then_fault, ("Switch", "RollingBack"), before_end=stop_loops, gate_timeout=CRASHLOOP_GATE_TIMEOUT)
+            crash_then_fault, ("Switch", "RollingBack"), before_end=loops.stop, gate_timeout=CRASHLOOP_GATE_TIMEOUT)
     finally:
-        stop_loops()
+        loops.stop()
     record(cluster, _row(f"{fault_name} while rolling back", outcome, cond, injector, facts))
     fired = [(f.step, f.node) for f in injector.fired]
     assert [step for step, _ in fired] == ["Switch", "RollingBack"], fired
