@@ -18,7 +18,7 @@ from typing import Any
 
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.api.proxynode import KubeProxyFacts, OperationStatus, ProxyNode, ProxyNodeSpec, ProxyNodeStatus
-from proxyshift.planner.machine import IN_FLIGHT, is_in_flight
+from proxyshift.planner.machine import IN_FLIGHT, UNTOUCHED, is_in_flight
 from proxyshift.planner.ownership import compute_ownership, is_deleting
 from proxyshift.planner.planner import plan, resolve_max_unavailable
 from proxyshift.planner.timeutil import fmt
@@ -110,6 +110,7 @@ class Sim:
     create_proxynodes: bool = True
     _pod_seq: int = 0
     _starts: dict[str, int] = field(default_factory=dict)  # per policy, since the last world()
+    _touches: dict[str, int] = field(default_factory=dict)  # likewise: nodes moved past Prepared
 
     @classmethod
     def build(cls, node_labels: dict[str, dict[str, str]], policies: Iterable[ProxyPolicy], **kw: Any) -> Sim:
@@ -153,6 +154,7 @@ class Sim:
     def world(self) -> World:
         """A fresh snapshot; every plan gets its own, so start counting for the capacity check anew."""
         self._starts.clear()
+        self._touches.clear()
         live = {n: p.model_copy(deep=True) for n, p in self.policies.items() if n not in self.finalized}
         return World(
             now=self.now,
@@ -245,21 +247,45 @@ class Sim:
                 self.violations.append(f"{policy} started {node} while paused")
             if starting:
                 self._check_capacity(policy, node, world)
+        if isinstance(action, SetMigration) and action.migration is not None \
+                and action.migration.phase not in UNTOUCHED | {"Pending", "Failed"}:
+            before = pn.spec.migration if pn is not None else None
+            if before is not None and before.phase in UNTOUCHED:
+                self._check_touch(policy, node, world)
+
+    def _owned_phases(self, policy: str, world: World) -> tuple[int, list[str]]:
+        owned = [n for n, o in compute_ownership(world).items() if o.owner == policy]
+        limit = resolve_max_unavailable(world.policies[policy].spec.rollout.max_unavailable, len(owned))
+        phases = [m.phase for n in owned if n in world.proxynodes
+                  and is_in_flight(m := world.proxynodes[n].spec.migration) and m is not None]
+        return limit, phases
 
     def _check_capacity(self, policy: str, node: str, world: World) -> None:
-        """A start may only take a free slot: in flight before the plan + started by it < maxUnavailable.
+        """A start may only take a free slot. Untouched nodes (Preflight, Prepared) before the plan + started
+        by it <= maxUnavailable; without preflightAhead (or with a pause between nodes), every node in
+        flight counts.
 
         Checked at the start, not as a standing invariant: with a percentage the limit shrinks when
         nodes leave the policy, and nodes already in flight cannot be un-started.
         """
-        key = policy
-        self._starts[key] = self._starts.get(key, 0) + 1
-        owned = [n for n, o in compute_ownership(world).items() if o.owner == policy]
-        flying = sum(1 for n in owned if n in world.proxynodes and is_in_flight(world.proxynodes[n].spec.migration))
-        limit = resolve_max_unavailable(world.policies[policy].spec.rollout.max_unavailable, len(owned))
-        if flying + self._starts[key] > limit:
-            self.violations.append(f"{self.now}: {policy} started {node} with {flying} in flight "
-                                   f"and {self._starts[key] - 1} started, maxUnavailable {limit}")
+        rollout = world.policies[policy].spec.rollout
+        self._starts[policy] = self._starts.get(policy, 0) + 1
+        limit, phases = self._owned_phases(policy, world)
+        ahead = rollout.preflight_ahead and not rollout.pause_between_nodes
+        counted = sum(ph in UNTOUCHED for ph in phases) if ahead else len(phases)
+        if counted + self._starts[policy] > limit or (ahead and len(phases) + self._starts[policy] > 2 * limit):
+            self.violations.append(f"{self.now}: {policy} started {node} with {phases} in flight "
+                                   f"and {self._starts[policy] - 1} started, maxUnavailable {limit}")
+
+    def _check_touch(self, policy: str, node: str, world: World) -> None:
+        """The standing promise of maxUnavailable: a node leaves Preflight/Prepared for a step that touches it
+        only while fewer than maxUnavailable nodes are touched (those switched in this plan included)."""
+        self._touches[policy] = self._touches.get(policy, 0) + 1
+        limit, phases = self._owned_phases(policy, world)
+        touched = sum(ph not in UNTOUCHED for ph in phases)
+        if touched + self._touches[policy] > limit:
+            self.violations.append(f"{self.now}: {policy} switched {node} with {touched} nodes touched "
+                                   f"and {self._touches[policy] - 1} switched, maxUnavailable {limit}")
 
     # ---- the fake kubelet / DaemonSet controller and agent ----
 

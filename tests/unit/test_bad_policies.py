@@ -261,7 +261,7 @@ def test_defaults_are_applied_before_the_rules(apiserver: ApiServerSim) -> None:
                                                         "ipvs": {}}})
     assert obj["spec"]["rollout"] == {"maxUnavailable": 1, "cordon": False, "drain": False, "drainTimeout": "10m",
                                       "holdRules": True, "conntrackCleanup": True,
-                                      "paused": False}
+                                      "paused": False, "preflightAhead": True}
     assert obj["spec"]["ipvs"]["scheduler"] == "rr"
 
 

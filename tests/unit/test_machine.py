@@ -111,6 +111,40 @@ def test_preflight_waits_then_switches_intent_first() -> None:
     assert label.revision == REV
 
 
+def test_a_preflight_that_passes_without_a_slot_waits_prepared_and_touches_nothing() -> None:
+    m = mig("Preflight")
+    op = Operation(id=f"{REV}.1.0.Preflight.0", type="Preflight")
+    step = machine.step(dataclasses.replace(inp(m, op=op, last=done(op, message="kernel 6.1")), may_switch=False))
+    assert step.phase == "Prepared"
+    assert not any(isinstance(a, SetRevisionLabel | Cordon) for a in step.actions)
+    prepared = writes(step)[0]
+    # The preflight stays the node's operation: its "before" matrix is recorded under that id.
+    assert prepared.operation == op and prepared.migration.phase == "Prepared"
+    assert "kernel 6.1" in (prepared.migration.message or "")
+    waiting = dataclasses.replace(inp(prepared.migration, op=op, last=done(op), now_plus=60), may_switch=False)
+    assert machine.step(waiting).actions == [] and machine.step(waiting).phase == "Prepared"
+
+
+def test_a_prepared_node_switches_once_granted_a_slot() -> None:
+    op = Operation(id=f"{REV}.1.0.Preflight.0", type="Preflight")
+    prepared = mig("Prepared", message="preflight passed: ok")
+    step = machine.step(inp(prepared, op=op, last=done(op), rollout={"holdRules": False}, now_plus=30))
+    assert step.phase == "Switch"
+    assert [a.revision for a in step.actions if isinstance(a, SetRevisionLabel)] == [REV]
+    assert writes(step)[0].migration.message is None
+    cordoned = machine.step(inp(prepared, op=op, last=done(op), rollout={"cordon": True}))
+    assert cordoned.phase == "Cordon" and any(isinstance(a, Cordon) for a in cordoned.actions)
+
+
+def test_a_prepared_node_that_waited_past_the_gate_timeout_goes_back_to_pending() -> None:
+    op = Operation(id=f"{REV}.1.0.Preflight.0", type="Preflight")
+    stale = dataclasses.replace(inp(mig("Prepared"), op=op, last=done(op), now_plus=121), may_switch=False)
+    step = machine.step(stale)
+    assert step.phase == "Pending" and writes(step)[0].migration.reason == "PreflightExpired"
+    assert writes(step)[0].operation is None and writes(step)[0].revision is None  # back where it was
+    assert not any(isinstance(a, SetRevisionLabel | Cordon) for a in step.actions)
+
+
 def test_iptables_to_nftables_holds_the_old_rules_before_the_label_moves() -> None:
     m = mig("Preflight")
     op = Operation(id=f"{REV}.1.0.Preflight.0", type="Preflight")

@@ -9,6 +9,7 @@ from datetime import timedelta
 import pytest
 from simulator import Faults, Sim, edit, make_policy
 
+from proxyshift.planner.machine import UNTOUCHED
 from proxyshift.planner.planner import plan, resolve_max_unavailable, stage_targets
 from proxyshift.planner.preview import preview
 from proxyshift.planner.world import (
@@ -95,16 +96,43 @@ def test_max_unavailable_resolution(value: int | str, total: int, expected: int)
 
 def test_max_unavailable_percent_runs_nodes_in_parallel() -> None:
     sim = Sim.build(blue(8), [make_policy("p", rollout={"maxUnavailable": "50%"})])
-    peak = 0
+    peak = peak_ahead = 0
     for _ in range(200):
         sim.step()
-        flying = sum(1 for pn in sim.proxynodes.values() if pn.spec.migration is not None
-                     and pn.spec.migration.phase not in ("Done", "Failed", "RolledBack", "Pending"))
-        peak = max(peak, flying)
+        phases = [pn.spec.migration.phase for pn in sim.proxynodes.values() if pn.spec.migration is not None
+                  and pn.spec.migration.phase not in ("Done", "Failed", "RolledBack", "Pending")]
+        touched = sum(ph not in UNTOUCHED for ph in phases)
+        peak, peak_ahead = max(peak, touched), max(peak_ahead, len(phases) - touched)
         if sim.settled():
             break
         sim.tick()
-    assert peak == 4 and sim.violations == []
+    # 4 nodes switched at once; 4 more ran their preflight ahead meanwhile (rollout.preflightAhead).
+    assert (peak, peak_ahead) == (4, 4) and sim.violations == []
+
+
+def test_the_next_node_s_preflight_runs_during_this_node_s_gate_and_it_switches_after() -> None:
+    sim = Sim.build(blue(3), [make_policy("p")])
+    sim.run(until=lambda: sim.phase("node-1") == "Gate")
+    sim.run(max_steps=50, until=lambda: sim.phase("node-2") == "Prepared")
+    assert sim.phase("node-2") == "Prepared" and sim.phase("node-1") not in ("Done", None)
+    assert sim.phase("node-3") is None  # maxUnavailable 1: one node ahead, not two
+    sim.run()
+    labels = [a.node for a in sim.actions(SetRevisionLabel)]
+    assert labels == ["node-1", "node-2", "node-3"] and sim.violations == []
+
+
+def test_without_preflight_ahead_every_node_in_flight_counts() -> None:
+    sim = Sim.build(blue(8), [make_policy("p", rollout={"maxUnavailable": "50%", "preflightAhead": False})])
+    peak = 0
+    for _ in range(200):
+        sim.step()
+        peak = max(peak, sum(1 for pn in sim.proxynodes.values() if pn.spec.migration is not None
+                             and pn.spec.migration.phase not in ("Done", "Failed", "RolledBack", "Pending")))
+        if sim.settled():
+            break
+        sim.tick()
+    assert peak == 4 and sim.violations == [] and sim.phase("node-8") == "Done"
+    assert not [e for e in sim.events() if e.reason in ("Paused", "Halted", "PreflightExpired")]
 
 
 def test_stages_pause_between_them() -> None:
@@ -139,7 +167,9 @@ def test_paused_lets_in_flight_finish_and_starts_nothing() -> None:
     sim.run(until=lambda: sim.phase("node-1") == "Gate")
     edit(sim, "p", rollout={"paused": True})
     sim.run(max_steps=100)
-    assert sim.phase("node-1") == "Done" and sim.phase("node-2") is None
+    # node-2's preflight ran ahead during node-1's gate; paused, it goes back to Pending untouched.
+    assert sim.phase("node-1") == "Done" and sim.phase("node-2") in (None, "Pending")
+    assert not [a for a in sim.actions(SetRevisionLabel) if a.node == "node-2"]
     assert sim.policies["p"].status.phase == "Paused"
     assert condition(sim, "p", "Paused")[:2] == ("True", "RolloutPaused")
     assert plan(sim.world(), "p").requeue_after_seconds is None
@@ -215,7 +245,9 @@ def test_failure_halts_until_retry_annotation() -> None:
     st = sim.policies["p"].status
     assert st.phase == "Degraded" and [f.name for f in st.failed] == ["node-2"]
     assert st.failed[0].phase == "RolledBack" and st.failed[0].reason == "SyncFailures"
-    assert sim.phase("node-3") is None  # halted: nothing after the failure started
+    # halted: nothing after the failure was switched (node-3's preflight, run ahead, went back to Pending)
+    assert sim.phase("node-3") in (None, "Pending")
+    assert not [a for a in sim.actions(SetRevisionLabel) if a.node in ("node-3", "node-4")]
     assert sim.nodes["node-2"].revision is None  # back on the baseline
     status, reason, message = condition(sim, "p", "Degraded")
     assert (status, reason) == ("True", "NodeRolledBack") and "proxyshift.io/retry" in message
@@ -224,7 +256,7 @@ def test_failure_halts_until_retry_annotation() -> None:
     for _ in range(30):
         sim.step()
         sim.tick(10)
-    assert sim.phase("node-3") is None
+    assert sim.phase("node-3") in (None, "Pending")
     sim.faults.sync_failures.clear()
     annotate(sim, "p", "proxyshift.io/retry", "1")
     sim.run()

@@ -191,6 +191,12 @@ class RolloutSettings(KubeModel):
     pause_between_nodes: Duration | None = Field(
         default=None, description="Wait this long after a node is done before starting the next one."
     )
+    preflight_ahead: bool = Field(
+        default=True,
+        description="Run the next nodes' preflight (kernel checks, the Service-behaviour matrix before the switch) "
+        "while other nodes are switched and gated; they wait in phase Prepared until a maxUnavailable slot is "
+        "free. Never more than maxUnavailable nodes are touched at once either way. Off with pauseBetweenNodes.",
+    )
     cordon: bool = Field(default=False, description="Cordon each node while its kube-proxy is switched.")
     drain: bool = Field(
         default=False, description="Evict pods (respecting PodDisruptionBudgets) before the switch; needs cordon."
@@ -215,7 +221,8 @@ class RolloutSettings(KubeModel):
         "decided on a flow's first packet. Only those entries are touched. False leaves conntrack alone.",
     )
     paused: bool = Field(
-        default=False, description="Start no new node while true; nodes in flight finish their step sequence."
+        default=False, description="Start no new node while true; nodes already switched finish their step "
+        "sequence, nodes not switched yet (in Preflight or Prepared) go back to Pending."
     )
 
     @field_validator("max_unavailable")

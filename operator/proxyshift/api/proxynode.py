@@ -26,7 +26,7 @@ Mode = Literal["iptables", "ipvs", "nftables"]
 MODES: tuple[Mode, ...] = get_args(Mode)
 # Where the operator is with a node (spec.migration.phase; a string on the wire, see NodeMigration.phase).
 Phase = Literal[
-    "Pending", "Preflight", "Cordon", "Switch", "Gate", "Cleanup", "Verify", "Uncordon", "Done",
+    "Pending", "Preflight", "Prepared", "Cordon", "Switch", "Gate", "Cleanup", "Verify", "Uncordon", "Done",
     "Failed", "RollingBack", "RolledBack",
 ]
 PHASES: tuple[Phase, ...] = get_args(Phase)

@@ -11,11 +11,12 @@ from typing import Any
 from prometheus_client import Counter as PromCounter
 from prometheus_client import Gauge, Histogram
 
+from proxyshift.api.proxynode import PHASES
+
 # The metric objects are module-level on purpose: prometheus_client registers each in its process-wide
 # REGISTRY, which the /metrics server serves, and a second object of one name raises "Duplicated
 # timeseries". What the operator remembers between updates (ProxyNodeSeries) lives in its runtime.
-ALL_PHASES = ("Pending", "Preflight", "Cordon", "Switch", "Gate", "Cleanup", "Verify", "Uncordon", "Done",
-              "Failed", "RollingBack", "RolledBack")
+ALL_PHASES = PHASES
 
 NODES_BY_PHASE = Gauge(
     "proxyshift_nodes", "Nodes owned by a policy, by migration phase.", ["policy", "phase"]

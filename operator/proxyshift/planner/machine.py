@@ -1,7 +1,9 @@
 """The per-node state machine: one node's migration, one transition per call.
 
-    Pending -> Preflight -> [Cordon] -> Switch -> Gate -> [Cleanup [-> Verify]] -> [Uncordon] -> Done
+    Pending -> Preflight -> [Prepared] -> [Cordon] -> Switch -> Gate -> [Cleanup [-> Verify]] -> [Uncordon] -> Done
     Preflight failure            -> Failed (nothing on the node was touched)
+    Prepared: preflight passed while no maxUnavailable slot was free (the planner started the node's
+              preflight ahead, during another node's gate); it switches when the planner grants a slot.
     Switch/Gate/Cleanup/Verify failure -> RollingBack -> RolledBack (or Failed if the old kube-proxy
                                           does not pass the gate either)
 
@@ -65,11 +67,11 @@ from proxyshift.planner.world import (
 )
 
 IN_FLIGHT: frozenset[Phase] = frozenset(
-    {"Preflight", "Cordon", "Switch", "Gate", "Cleanup", "Verify", "Uncordon", "RollingBack"})
+    {"Preflight", "Prepared", "Cordon", "Switch", "Gate", "Cleanup", "Verify", "Uncordon", "RollingBack"})
 TERMINAL: frozenset[Phase] = frozenset({"Done", "Failed", "RolledBack"})
 FAILED: frozenset[Phase] = frozenset({"Failed", "RolledBack"})
 # Before the label moves nothing on the node has changed, so these phases can be abandoned for free.
-UNTOUCHED: frozenset[Phase] = frozenset({"Preflight"})
+UNTOUCHED: frozenset[Phase] = frozenset({"Preflight", "Prepared"})
 ALL_MODES: tuple[Mode, ...] = MODES
 
 POLL_SECONDS = 2.0  # how soon to look again while waiting for the agent or a pod
@@ -119,6 +121,9 @@ class NodeInput:
     # by the machine); None: nothing worth recording.
     distribution: DiagnoseRequest | None = None
     api_back_at: datetime | None = None  # see World.api_back_at
+    # Whether a node that passed preflight may go on to touch the node now: the planner grants it while a
+    # maxUnavailable slot is free and no failed node halts the rollout. Without it the node waits Prepared.
+    may_switch: bool = True
 
     @property
     def migration(self) -> NodeMigration | None:
@@ -371,6 +376,7 @@ def step(inp: NodeInput) -> Step:
         return Step([], m.phase if m is not None and is_phase(m.phase) else "Pending")
     handler = {
         "Preflight": _preflight,
+        "Prepared": _prepared,
         "Cordon": _cordon,
         "Switch": _switch,
         "Gate": _gate,
@@ -399,8 +405,8 @@ def _preflight(inp: NodeInput, m: NodeMigration) -> Step:
             told = [_event(inp, "ForeignIPVSFlush", f"the switch to {m.to_mode} deletes IPVS virtual servers that are "
                            f"not kube-proxy's (accepted by gate.behaviour.allowChanges): {', '.join(flushed)}"
                            + _more(res, len(flushed)), warning=True)]
-        nxt = _enter_cordon(inp, m) if inp.spec.rollout.cordon else _enter_switch(
-            inp, m, f"preflight passed: {clip(res.message)}")
+        why = f"preflight passed: {clip(res.message)}"
+        nxt = _proceed(inp, m, why) if inp.may_switch else _enter_prepared(inp, m, why)
         return Step(told + nxt.actions, nxt.phase, nxt.message, nxt.requeue_after)
     if res is not None and res.state == "Failed":
         return _fail(inp, m, "PreflightFailed", f"preflight failed, node untouched: {res.message}")
@@ -410,6 +416,32 @@ def _preflight(inp: NodeInput, m: NodeMigration) -> Step:
                      f"the agent did not report preflight {op.id} within {inp.spec.gate.timeout}; node untouched")
     state = res.state if res else "not started"
     return _wait("Preflight", f"waiting for the agent's preflight ({state})", min(POLL_SECONDS, left))
+
+
+def _proceed(inp: NodeInput, m: NodeMigration, why: str) -> Step:
+    """The first step that touches the node: cordon, or straight to the switch."""
+    return _enter_cordon(inp, m) if inp.spec.rollout.cordon else _enter_switch(inp, m, why)
+
+
+def _enter_prepared(inp: NodeInput, m: NodeMigration, why: str) -> Step:
+    # The preflight's operation stays in the spec: the agent has run it and its "before" matrix, recorded
+    # under its id, is what the gate compares with after the switch.
+    nxt = _enter(inp, m, "Prepared", message=clip(why))
+    return Step([_forward_write(inp, nxt, inp.proxynode.spec.operation)], "Prepared",
+                f"{why}; waiting for a free maxUnavailable slot", POLL_SECONDS)
+
+
+def _prepared(inp: NodeInput, m: NodeMigration) -> Step:
+    if inp.may_switch:
+        why = f"{m.message or 'preflight passed'}; a slot is free"
+        return _proceed(inp, m.model_copy(update={"message": None}), why)
+    # A preflight is a snapshot (the node's kernel, its Service behaviour): one that waited longer than the
+    # gate timeout is taken again rather than trusted.
+    if remaining(m.phase_since, _timeout(inp), inp.now) <= 0:
+        return abandon(inp, "PreflightExpired",
+                       f"preflight passed more than {inp.spec.gate.timeout} ago and no slot came free; "
+                       "it is taken again when one does")
+    return _wait("Prepared", "preflight passed; waiting for a free maxUnavailable slot")
 
 
 def foreign_ipvs_accepted(res: OperationStatus) -> list[str]:

@@ -122,13 +122,39 @@ def _mode_of(world: World, revision: str | None) -> str:
     return view.mode if view is not None else "unknown"
 
 
-def _node_input(ctx: _Ctx, name: str, pn: ProxyNode) -> NodeInput:
+def _node_input(ctx: _Ctx, name: str, pn: ProxyNode, may_switch: bool = True) -> NodeInput:
     w = ctx.world
     node = w.nodes[name]
     return NodeInput(policy=ctx.name, spec=ctx.policy.spec, node=node, proxynode=pn,
                      pods=tuple(w.kube_proxy_pods.get(name, ())), now=ctx.now, service_ips=w.service_ips,
                      behaviour=_behaviour_sample(ctx, node), conntrack=ctx.conntrack, distribution=ctx.distribution,
-                     api_back_at=w.api_back_at)
+                     api_back_at=w.api_back_at, may_switch=may_switch)
+
+
+def _untouched(e: _Node) -> bool:
+    m = e.proxynode.spec.migration if e.proxynode is not None else None
+    return e.kind == "inflight" and m is not None and m.phase in machine.UNTOUCHED
+
+
+def _moved_on(e: _Node) -> bool:
+    m = e.proxynode.spec.migration if e.proxynode is not None else None
+    return m is not None and (e.target is RELEASE
+                              or (isinstance(e.target, Target) and e.target.revision != m.to_revision))
+
+
+def _switch_grants(nodes: list[_Node], limit: int, halted: bool) -> set[str]:
+    """The untouched in-flight nodes that may go on to touch their node this pass: as many as maxUnavailable
+    has free slots, those whose preflight already passed (Prepared) first, each group in node order.
+
+    Counting only touched nodes against maxUnavailable is what lets the next node's preflight run during
+    this node's gate (rollout.preflightAhead) without ever switching more nodes at once than allowed."""
+    if halted:
+        return set()
+    touched = sum(e.kind == "inflight" and not _untouched(e) for e in nodes)
+    waiting = [e for e in nodes if _untouched(e) and not _moved_on(e)]
+    waiting.sort(key=lambda e: e.proxynode is None or e.proxynode.spec.migration is None
+                 or e.proxynode.spec.migration.phase != "Prepared")  # stable: node order within each group
+    return {e.name for e in waiting[:max(0, limit - touched)]}
 
 
 def _distribution_request(ctx: _Ctx) -> DiagnoseRequest | None:
@@ -300,18 +326,35 @@ def plan(world: World, policy_name: str) -> Plan:
     gen = policy.metadata.get("generation")
     token = (policy.metadata.get("annotations") or {}).get(RETRY_ANNOTATION)
 
-    # 1. in-flight nodes: one transition each (abandon an untouched preflight whose target moved on).
+    base = len([e for e in nodes if e.target is not RELEASE])
+    limit = resolve_max_unavailable(policy.spec.rollout.max_unavailable, base)
+    halting = [e for e in nodes if e.kind == "halting"]
+    halted = bool(halting) or any(e.kind == "inflight" and e.proxynode is not None
+                                  and e.proxynode.spec.migration is not None
+                                  and e.proxynode.spec.migration.phase == "RollingBack" for e in nodes)
+    # A pause holds back every node not switched yet, a started preflight included: "no new node" is read
+    # as "no node touched", which is what a person pausing a rollout means.
+    paused = policy.spec.rollout.paused and not deleting
+    grants = _switch_grants(nodes, limit, halted or paused)
+
+    # 1. in-flight nodes: one transition each (abandon an untouched preflight whose target moved on, or that
+    # waits for a slot a failed node now holds shut).
     progress: list[NodeProgress] = []
     rolling_back = 0
     for e in nodes:
         if e.kind != "inflight" or e.proxynode is None:
             continue
-        inp = _node_input(ctx, e.name, e.proxynode)
+        inp = _node_input(ctx, e.name, e.proxynode, may_switch=e.name in grants)
         m = e.proxynode.spec.migration
         assert m is not None
-        moved_on = e.target is RELEASE or (isinstance(e.target, Target) and e.target.revision != m.to_revision)
-        if m.phase in machine.UNTOUCHED and moved_on:
+        if m.phase in machine.UNTOUCHED and _moved_on(e):
             result = machine.abandon(inp, "Superseded", "the target changed before the switch; starting over")
+        elif m.phase == "Prepared" and halting:
+            result = machine.abandon(inp, "Halted", "a failed node halts the rollout; this node was not switched "
+                                     "and goes back to Pending (its preflight is taken again on a retry)")
+        elif m.phase == "Prepared" and paused:
+            result = machine.abandon(inp, "Paused", "the rollout is paused; this node was not switched and goes "
+                                     "back to Pending (its preflight is taken again when it resumes)")
         else:
             result = machine.step(inp)
         ctx.actions += result.actions
@@ -340,7 +383,6 @@ def plan(world: World, policy_name: str) -> Plan:
     crashlooping = [e.name for e in forward if e.kind == "updated" and _kube_proxy_crashlooping(world, e.name)]
     in_flight = sum(e.kind == "inflight" for e in nodes)
     inflight_forward = sum(e.kind == "inflight" for e in forward)
-    halting = [e for e in nodes if e.kind == "halting"]
     eligible = [e for e in nodes if e.kind in ("pending", "failed") and isinstance(e.target, Target)]
 
     # 3. may new nodes start, and how many?
@@ -356,8 +398,11 @@ def plan(world: World, policy_name: str) -> Plan:
         blocked = waiting
     else:
         blocked = settling or _between_nodes(ctx, nodes)
-    base = len([e for e in nodes if e.target is not RELEASE])
-    capacity = resolve_max_unavailable(policy.spec.rollout.max_unavailable, base) - in_flight
+    capacity = limit - in_flight
+    if policy.spec.rollout.preflight_ahead and not policy.spec.rollout.pause_between_nodes:
+        # Up to maxUnavailable more nodes may run their preflight while others are touched; they wait
+        # Prepared for a slot. A pause between nodes asks for the opposite, so it turns this off.
+        capacity = min(limit - sum(_untouched(e) for e in nodes), 2 * limit - in_flight)
     stage_room -= updated + inflight_forward
     started: list[str] = []
     ensure = 0
