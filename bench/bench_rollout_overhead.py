@@ -1,6 +1,7 @@
 """Rollout overhead: a proxyshift migration against `kubectl rollout restart` of kube-proxy, side by side.
 
     sudo flock /var/lock/proxyshift-localcluster.lock nice -n 10 python -m bench.bench_rollout_overhead --runs 3
+        [--matrix-cost] [--ahead-cost] [--timeline]
 
 On the local cluster with one pool of N nodes (default `blue=4`; the cluster is
 machine-wide, hence the lock). proxyshift is installed and its operator runs as a
@@ -97,6 +98,7 @@ METRICS_PORT, HEALTH_PORT = 18180, 18181
 TARGET_RATIO = 1.5
 KINDS = ("restart", "restart-ready", "migrate", "revert")
 NO_MATRIX = "migrate-no-matrix"  # the same migration with gate.behaviour.enabled false (--matrix-cost)
+NO_AHEAD = "migrate-no-ahead"  # the same migration with rollout.preflightAhead false (--ahead-cost)
 MATRIX_TARGET_RATIO = 1.35  # issue 13: the rollout with the behaviour matrix on, against the sync floor
 JSON_PATCH, STRATEGIC_MERGE_PATCH = "application/json-patch+json", "application/strategic-merge-patch+json"
 
@@ -240,7 +242,7 @@ def watch_policies(custom: kubernetes.client.CustomObjectsApi, seen: Seen) -> No
 # ---- one measured rollout ----
 
 
-PHASES = ("Preflight", "Switch", "Gate", "Cleanup", "Verify")
+PHASES = ("Preflight", "Prepared", "Switch", "Gate", "Cleanup", "Verify")
 
 
 @dataclass
@@ -375,14 +377,15 @@ class Bench:
 
     # ---- proxyshift ----
 
-    def policy_body(self, matrix: bool = True) -> dict[str, Any]:
+    def policy_body(self, matrix: bool = True, ahead: bool = True) -> dict[str, Any]:
         # The behaviour workloads' NodePorts change in nftables mode (localhost, the second address): the
         # policy accepts those two documented changes, so the matrix is probed and compared in full and
         # the rollout still completes.
         behaviour = {"enabled": matrix, "allowChanges": ["LocalhostNodePorts", "NodePortAddresses"]}
         return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ProxyPolicy", "metadata": {"name": POLICY},
                 "spec": {"nodeSelector": {"matchLabels": {"pool": POOL}}, "mode": "nftables",
-                         "rollout": {"maxUnavailable": 1, "cordon": False, "drain": False},
+                         "rollout": {"maxUnavailable": 1, "cordon": False, "drain": False,
+                                     "preflightAhead": ahead},
                          "gate": {"timeout": "2m", "minSyncs": 1, "behaviour": behaviour}}}
 
     def _splits(self, t0: float, end: float) -> list[NodeSplit]:
@@ -434,16 +437,17 @@ class Bench:
                 if name == node and at >= t0:
                     print(f"  {at - t0:7.2f}  {phase:<9} {op:<12} {state:<60} {message}")
 
-    def migrate(self, run: int, matrix: bool = True) -> Result:
+    def migrate(self, run: int, matrix: bool = True, ahead: bool = True) -> Result:
         self.wait_settled()
         t0 = time.monotonic()
         created = self.custom.create_cluster_custom_object(GROUP, VERSION, "proxypolicies",
-                                                           self.policy_body(matrix))
+                                                           self.policy_body(matrix, ahead))
         key = f"{POLICY}/{created['metadata']['uid']}"
         end = self.seen.wait(lambda: self.seen.policy_ready.get(key), self.timeout, "the policy's Ready")
         if self.show_timeline:
             self.timeline(t0, self.nodes[0])
-        return Result("migrate" if matrix else NO_MATRIX, run, end - t0, self._splits(t0, end))
+        kind = NO_MATRIX if not matrix else NO_AHEAD if not ahead else "migrate"
+        return Result(kind, run, end - t0, self._splits(t0, end))
 
     def revert(self, run: int) -> Result:
         t0 = time.monotonic()
@@ -493,26 +497,31 @@ def _verdict(a: float, b: float) -> str:
 
 
 def print_matrix_cost(results: list[Result], nodes: int) -> None:
-    """The behaviour matrix's share: the same migration with it on and off, each against its own floor."""
-    with_matrix = [r for r in results if r.kind == "migrate"]
-    without = [r for r in results if r.kind == NO_MATRIX]
-    if not with_matrix or not without:
+    """The behaviour matrix's share and the preflight lookahead's: the same migration with the matrix off
+    (--matrix-cost) and with rollout.preflightAhead off (--ahead-cost), each against its own floor."""
+    rows_of = {kind: [r for r in results if r.kind == kind] for kind in ("migrate", NO_MATRIX, NO_AHEAD)}
+    if not rows_of["migrate"] or not (rows_of[NO_MATRIX] or rows_of[NO_AHEAD]):
         return
-    on, off = median([r.seconds for r in with_matrix]), median([r.seconds for r in without])
-    floor_on, floor_off = median([r.kube_proxy for r in with_matrix]), median([r.kube_proxy for r in without])
+    total = {k: median([r.seconds for r in rows]) for k, rows in rows_of.items() if rows}
+    floor = {k: median([r.kube_proxy for r in rows]) for k, rows in rows_of.items() if rows}
 
     def phase(rows: list[Result], name: str) -> float:
         return median([n.phases.get(name, 0.0) for r in rows for n in r.nodes])
 
-    print("\nbehaviour matrix on (migrate) and off (migrate-no-matrix), side by side (medians over runs):\n")
-    print("| rollout | total s | sync floor s | total/floor | Preflight per node s | Gate per node s |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for kind, rows, total, floor in (("migrate", with_matrix, on, floor_on), (NO_MATRIX, without, off, floor_off)):
-        print(f"| {kind} | {total:.1f} | {floor:.1f} | {_ratio(total, floor)} | {phase(rows, 'Preflight'):.2f} | "
-              f"{phase(rows, 'Gate'):.2f} |")
-    verdict = _verdict_at(on, floor_on, MATRIX_TARGET_RATIO)
-    print(f"\nthe matrix's cost per node: {(on - off) / max(nodes, 1):.2f} s "
-          f"(target: migrate within {MATRIX_TARGET_RATIO}x of its sync floor: {verdict})")
+    print("\nmigrate (matrix on, preflight ahead) beside its variants, side by side (medians over runs):\n")
+    print("| rollout | total s | sync floor s | total/floor | Preflight per node s | Prepared per node s | "
+          "Gate per node s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for kind in total:
+        rows = rows_of[kind]
+        print(f"| {kind} | {total[kind]:.1f} | {floor[kind]:.1f} | {_ratio(total[kind], floor[kind])} | "
+              f"{phase(rows, 'Preflight'):.2f} | {phase(rows, 'Prepared'):.2f} | {phase(rows, 'Gate'):.2f} |")
+    if NO_MATRIX in total:
+        print(f"\nthe matrix's cost per node: {(total['migrate'] - total[NO_MATRIX]) / max(nodes, 1):.2f} s")
+    if NO_AHEAD in total:
+        print(f"the lookahead's saving per node: {(total[NO_AHEAD] - total['migrate']) / max(nodes, 1):.2f} s")
+    verdict = _verdict_at(total["migrate"], floor["migrate"], MATRIX_TARGET_RATIO)
+    print(f"target: migrate within {MATRIX_TARGET_RATIO}x of its sync floor: {verdict}")
 
 
 def _verdict_at(a: float, b: float, target: float) -> str:
@@ -601,6 +610,8 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="leave the cluster up afterwards")
     parser.add_argument("--no-warmup", action="store_true")
     parser.add_argument("--timeline", action="store_true", help="print one node's ProxyNode states per migration")
+    parser.add_argument("--ahead-cost", action="store_true",
+                        help="also migrate with rollout.preflightAhead off (matrix on), side by side")
     parser.add_argument("--matrix-cost", action="store_true",
                         help="also migrate with the behaviour matrix off, side by side, and create the behaviour "
                         "workloads (every Service kind) so the matrix probes all of them")
@@ -628,18 +639,21 @@ def main() -> int:
             bench.revert(0)
         measure: dict[str, Callable[[int], Result]] = {
             "restart": bench.restart, "restart-ready": bench.restart_ready, "migrate": bench.migrate,
-            NO_MATRIX: lambda run: bench.migrate(run, matrix=False)}
+            NO_MATRIX: lambda run: bench.migrate(run, matrix=False),
+            NO_AHEAD: lambda run: bench.migrate(run, ahead=False)}
         for run in range(1, args.runs + 1):
             # the restarts and the migration alternate which goes first; restart-ready is next to restart
             order: tuple[str, ...] = (("restart", "restart-ready", "migrate") if run % 2
                                       else ("migrate", "restart-ready", "restart"))
             if args.matrix_cost:
                 order = (NO_MATRIX, *order) if run % 2 else (*order, NO_MATRIX)
+            if args.ahead_cost:
+                order = (*order, NO_AHEAD) if run % 2 else (NO_AHEAD, *order)
             for kind in order:
                 result = measure[kind](run)
                 say(f"run {run}: {kind} {result.seconds:.1f}s")
                 results.append(result)
-                if kind in ("migrate", NO_MATRIX):
+                if kind in ("migrate", NO_MATRIX, NO_AHEAD):
                     result = bench.revert(run)
                     say(f"run {run}: revert {result.seconds:.1f}s")
                     results.append(result)
