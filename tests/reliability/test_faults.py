@@ -43,6 +43,7 @@ from faults import (
     service_answers_everywhere,
 )
 
+from proxyshift.planner.machine import IN_FLIGHT
 from tests.support.operator_harness import Harness, migration, policy
 
 pytestmark = pytest.mark.reliability
@@ -51,7 +52,6 @@ GATE_TIMEOUT = 60
 # A crash loop that starts after the gate passed is only seen as probes that fail until the gate times out.
 CRASHLOOP_GATE_TIMEOUT = 30
 END_TIMEOUT = 600
-IN_FLIGHT = {"Preflight", "Cordon", "Switch", "Gate", "Cleanup", "Verify", "Uncordon", "RollingBack"}
 CLOCK_SKEW_SECONDS = 30
 # Why a node may roll back when its Node object was deleted mid-migration.
 NODE_DELETE_REASONS = frozenset({"SwitchTimeout", "KubeProxyCrashLooping", "GateTimeout", "CleanupTimeout"})
