@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -22,10 +23,15 @@ READY_TIMEOUT = 420
 
 
 def _assert_one_at_a_time(h: Harness, nodes: list[str]) -> None:
+    """maxUnavailable 1: no node was touched (cordon, switch) before the one before it was done, while its
+    preflight ran ahead, during that node's migration (rollout.preflightAhead, the default)."""
     windows = h.migration_windows(nodes)
     assert [w[0] for w in windows] and len(windows) == len(nodes), f"every node has a record: {windows}"
+    records = {n: migration(pn) for n, pn in h.proxynodes().items() if n in nodes}
     for (a, _, a_end), (b, b_start, _) in itertools.pairwise(windows):
-        assert b_start >= a_end, f"{b} started before {a} finished: {windows}"
+        assert b_start >= a_end, f"{b} was touched before {a} finished: {windows}"
+        started = datetime.fromisoformat(records[b]["startedAt"].replace("Z", "+00:00")).timestamp()
+        assert started < a_end, f"{b}'s preflight did not run during {a}'s migration: {records[b]}"
 
 
 def _assert_baseline_everywhere(h: Harness) -> None:

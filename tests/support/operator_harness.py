@@ -166,14 +166,17 @@ class Harness:
         return any(p.status.phase == "Running" and not p.metadata.deletion_timestamp for p in pods)
 
     def migration_windows(self, nodes: list[str]) -> list[tuple[str, float, float]]:
-        """(node, start, end) of each node's last migration, from the ProxyNode records."""
+        """(node, start, end) of each node's last migration, from the ProxyNode records: from its first change
+        (touchedAt, its cordon or switch; the preflight before it may overlap another node's migration) to its
+        end."""
         windows = []
         for name, pn in self.proxynodes().items():
             if name not in nodes:
                 continue
             m = (pn.get("spec") or {}).get("migration") or {}
-            if m.get("startedAt") and m.get("finishedAt"):
-                windows.append((name, _ts(m["startedAt"]), _ts(m["finishedAt"])))
+            start = m.get("touchedAt") or m.get("startedAt")
+            if start and m.get("finishedAt"):
+                windows.append((name, _ts(start), _ts(m["finishedAt"])))
         return sorted(windows, key=lambda w: w[1])
 
     def cleanup(self) -> None:

@@ -119,7 +119,7 @@ def test_a_preflight_that_passes_without_a_slot_waits_prepared_and_touches_nothi
     assert not any(isinstance(a, SetRevisionLabel | Cordon) for a in step.actions)
     prepared = writes(step)[0]
     # The preflight stays the node's operation: its "before" matrix is recorded under that id.
-    assert prepared.operation == op and prepared.migration.phase == "Prepared"
+    assert prepared.operation == op and prepared.migration.phase == "Prepared" and prepared.migration.touched_at is None
     assert "kernel 6.1" in (prepared.migration.message or "")
     waiting = dataclasses.replace(inp(prepared.migration, op=op, last=done(op), now_plus=60), may_switch=False)
     assert machine.step(waiting).actions == [] and machine.step(waiting).phase == "Prepared"
@@ -131,7 +131,8 @@ def test_a_prepared_node_switches_once_granted_a_slot() -> None:
     step = machine.step(inp(prepared, op=op, last=done(op), rollout={"holdRules": False}, now_plus=30))
     assert step.phase == "Switch"
     assert [a.revision for a in step.actions if isinstance(a, SetRevisionLabel)] == [REV]
-    assert writes(step)[0].migration.message is None
+    switching = writes(step)[0].migration
+    assert switching.message is None and switching.touched_at == fmt(T0 + timedelta(seconds=30))
     cordoned = machine.step(inp(prepared, op=op, last=done(op), rollout={"cordon": True}))
     assert cordoned.phase == "Cordon" and any(isinstance(a, Cordon) for a in cordoned.actions)
 

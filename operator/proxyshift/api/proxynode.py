@@ -205,6 +205,9 @@ class NodeMigration(KubeModel):
     )
     from_mode: str | None = Field(default=None, description="kube-proxy mode the node came from.")
     to_revision: str | None = Field(default=None, description="Revision the node is moving to.")
+    touched_at: str | None = Field(
+        default=None, description="When the migration first changed the node (its cordon, else its switch): the "
+        "start of its maxUnavailable slot. Unset while it is in Preflight or Prepared.")
     switched_at: str | None = Field(default=None, description="When the node's revision label was changed.")
     cordoned_by_us: bool | None = Field(default=None, description="True when proxyshift cordoned the node.")
     attempt: int | None = Field(default=None, description="How many times this migration was started.")

@@ -420,6 +420,7 @@ def _preflight(inp: NodeInput, m: NodeMigration) -> Step:
 
 def _proceed(inp: NodeInput, m: NodeMigration, why: str) -> Step:
     """The first step that touches the node: cordon, or straight to the switch."""
+    m = m.model_copy(update={"touched_at": fmt(inp.now)})
     return _enter_cordon(inp, m) if inp.spec.rollout.cordon else _enter_switch(inp, m, why)
 
 
