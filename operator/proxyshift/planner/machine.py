@@ -184,6 +184,11 @@ def _step_since(inp: NodeInput, m: NodeMigration) -> str | None:
     return m.phase_since if settled <= entered else fmt(settled)
 
 
+def _time_left(inp: NodeInput, m: NodeMigration) -> float:
+    """Seconds left of gate.timeout for the node's current step (see _step_since)."""
+    return remaining(_step_since(inp, m), _timeout(inp), inp.now)
+
+
 def _result(inp: NodeInput, operation: Operation | None) -> OperationStatus | None:
     """The agent's report on `operation`, if the agent's last operation is that one."""
     last = inp.proxynode.status.last_operation
@@ -410,7 +415,7 @@ def _preflight(inp: NodeInput, m: NodeMigration) -> Step:
         return Step(told + nxt.actions, nxt.phase, nxt.message, nxt.requeue_after)
     if res is not None and res.state == "Failed":
         return _fail(inp, m, "PreflightFailed", f"preflight failed, node untouched: {res.message}")
-    left = remaining(_step_since(inp, m), _timeout(inp), inp.now)
+    left = _time_left(inp, m)
     if left <= 0:
         return _fail(inp, m, "PreflightTimeout",
                      f"the agent did not report preflight {op.id} within {inp.spec.gate.timeout}; node untouched")
@@ -571,7 +576,7 @@ def _switch(inp: NodeInput, m: NodeMigration) -> Step:
         return _start_rollback(inp, m, "KubeProxyCrashLooping",
                                f"the new kube-proxy pod {pod.name} restarted {pod.restarts} times without "
                                "becoming Ready (kube-proxy exits when its mode cannot run)")
-    left = remaining(_step_since(inp, m), _timeout(inp), inp.now)
+    left = _time_left(inp, m)
     if left <= 0:
         return _start_rollback(inp, m, "SwitchTimeout", f"{waiting} for longer than {inp.spec.gate.timeout}")
     return _wait("Switch", waiting, min(POLL_SECONDS, left))
@@ -709,7 +714,7 @@ def _gate(inp: NodeInput, m: NodeMigration) -> Step:
                                f"{phase.lower()}: {verdict.message}")
     if verdict is not None and verdict.passed:
         return _after_gate(inp, m, verdict)
-    left = remaining(_step_since(inp, m), _timeout(inp), inp.now)
+    left = _time_left(inp, m)
     waiting = verdict.message if verdict else "waiting for the agent's probe"
     if left <= 0:
         reason = "GateTimeout" if phase == "Gate" else "VerifyTimeout"
@@ -779,7 +784,7 @@ def _cleanup(inp: NodeInput, m: NodeMigration) -> Step:
         return _enter_probe(inp, m, "Verify", f"cleanup done: {clip(res.message)}")
     if res is not None and res.state == "Failed":
         return _start_rollback(inp, m, "CleanupFailed", f"cleanup of stale rules failed: {res.message}")
-    left = remaining(_step_since(inp, m), _timeout(inp), inp.now)
+    left = _time_left(inp, m)
     if left <= 0:
         return _start_rollback(inp, m, "CleanupTimeout",
                                f"the agent did not finish cleanup {op.id} within {inp.spec.gate.timeout}")
@@ -876,7 +881,7 @@ def _rolling_back(inp: NodeInput, m: NodeMigration) -> Step:
         op = inp.proxynode.spec.operation
         res = _result(inp, op)
         finished = res is not None and res.state in ("Succeeded", "Failed")
-        if not finished and remaining(_step_since(inp, m), _timeout(inp), inp.now) > 0:
+        if not finished and _time_left(inp, m) > 0:
             return _wait("RollingBack", "waiting for the agent's cleanup of the target mode")
         # A failed cleanup leaves stale rules of a mode nobody runs: worth a note, not worth stopping.
         note = None if res is not None and res.state == "Succeeded" else clip(
@@ -899,7 +904,7 @@ def _rolling_back(inp: NodeInput, m: NodeMigration) -> Step:
                 return Step([_rollback_write(inp, nxt, None), Uncordon(node=inp.node.name, reason="Uncordoned")],
                             "RollingBack", "uncordoning", POLL_SECONDS)
             return _rolled_back(inp, m)
-        left = remaining(_step_since(inp, m), _timeout(inp), inp.now)
+        left = _time_left(inp, m)
         waiting = verdict.message if verdict else "waiting for the agent's probe"
         if (verdict is not None and verdict.result == "fail") or left <= 0:
             why = waiting if left > 0 else f"not proven within {inp.spec.gate.timeout}: {waiting}"
