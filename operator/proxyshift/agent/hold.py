@@ -42,8 +42,8 @@ from proxyshift.agent.flush.iptables import CHAIN_BATCH, IptablesTool, TablePlan
 from proxyshift.agent.flush.nftables import list_tables, render_delete
 from proxyshift.agent.iptables_save import BUILTIN_CHAINS, Dump, Rule, parse
 from proxyshift.agent.ownership import NFT_TABLES, iptables_chain_modes
-from proxyshift.api.requirements import startup_cleanup_drops_old_rules
 from proxyshift.commands import CommandError, run
+from proxyshift.modes import startup_cleanup_drops_old_rules
 
 HOLD_CHAIN_PREFIX = "PSHOLD-"
 KUBE_PREFIX = "KUBE-"

@@ -44,20 +44,20 @@ from typing import Any, Literal
 
 from proxyshift.agent.flush.base import Runner
 from proxyshift.agent.inventory import Inventory, foreign_ipvs, take_ipvs_inventory
-from proxyshift.agent.ownership import MODES, Mode
 from proxyshift.api.proxynode import ForeignIPVS
-from proxyshift.api.requirements import (
-    FOREIGN_IPVS_CHANGE,
-    IPVS_MIN_IPSET,
-    NFTABLES_DELETES_IPVS,
-    NFTABLES_MIN_KERNEL,
-    NFTABLES_MIN_NFT,
-    deletes_foreign_ipvs,
-)
 from proxyshift.commands import CommandError, run
-
-DEFAULT_IPVS_SCHEDULER = "rr"
-IPVS_SCHEDULERS = ("rr", "wrr", "lc", "wlc", "lblc", "lblcr", "dh", "sh", "sed", "nq", "mh", "fo", "ovf", "twos")
+from proxyshift.modes import (
+    DEFAULT_IPVS_SCHEDULER,
+    FOREIGN_IPVS_CHANGE,
+    IPVS_SCHEDULERS,
+    MODE_FACTS,
+    MODES,
+    NFTABLES_DELETES_IPVS,
+    Mode,
+    ToolNeed,
+    deletes_foreign_ipvs,
+    version_text,
+)
 
 # What the status lists under "modules": the ones any mode cares about.
 RELEVANT_MODULES = ("ip_vs", *(f"ip_vs_{s}" for s in IPVS_SCHEDULERS), "nf_conntrack", "nf_tables",
@@ -308,55 +308,76 @@ def _module_missing(view: KernelView, module: str, why: str) -> Missing:
 
 def loaded_on_demand(mode: Mode, scheduler: str | None) -> set[str]:
     """The required modules the kernel itself loads when kube-proxy first uses them (see the module doc)."""
-    if mode != "ipvs":
-        return set()
-    return {"ip_vs", f"ip_vs_{scheduler or DEFAULT_IPVS_SCHEDULER}"}
+    return {need.module for need in MODE_FACTS[mode].modules(scheduler) if need.on_demand}
 
 
 def required_modules(mode: Mode, scheduler: str | None, extra_modules: Iterable[str]) -> list[tuple[str, str]]:
-    mods: list[tuple[str, str]] = []
-    if mode == "ipvs":
-        sched = scheduler or DEFAULT_IPVS_SCHEDULER
-        mods += [("ip_vs", "ipvs mode programs IPVS virtual servers"),
-                 (f"ip_vs_{sched}", f"the IPVS scheduler {sched!r} is its own module"),
-                 ("nf_conntrack", "ipvs mode relies on connection tracking")]
+    mods = [(need.module, need.why) for need in MODE_FACTS[mode].modules(scheduler)]
     mods += [(m, "listed in spec.preflight.extraModules") for m in extra_modules]
     return mods
 
 
+def _kernel_missing(mode: Mode, minimum: tuple[int, int], release_v: tuple[int, ...] | None,
+                    release: str | None) -> list[Missing]:
+    if release_v is not None and release_v[:2] >= minimum:
+        return []
+    wanted = version_text(minimum)
+    return [Missing(f"kernel >= {wanted}", f"kube-proxy's {mode} mode needs kernel {wanted} or newer; this "
+                    f"node runs {release or 'an unknown kernel'}",
+                    "upgrade the node's kernel, or keep this pool on iptables")]
+
+
+def _iptables_missing(mode: Mode, need: ToolNeed, tools: ToolVersions) -> list[Missing]:
+    if tools.iptables is None:
+        return [Missing("iptables binary", f"{mode} mode programs rules with iptables-restore",
+                        "install the iptables package")]
+    if tools.iptables_nat is False:
+        return [Missing("iptables nat table", "`iptables -t nat -S` fails: no NAT support",
+                        "load iptable_nat (legacy) or nft_chain_nat (nf_tables backend)")]
+    return []
+
+
+def _ipset_missing(mode: Mode, need: ToolNeed, tools: ToolVersions) -> list[Missing]:
+    ipset_v = parse_version(tools.ipset)
+    if ipset_v is None:
+        return [Missing("ipset binary", f"{mode} mode keeps service addresses in ipsets", "install the ipset package")]
+    if need.min_version is not None and ipset_v < need.min_version:
+        return [Missing(f"ipset >= {version_text(need.min_version)}",
+                        f"ipset {tools.ipset} is older than kube-proxy accepts", "upgrade the ipset package")]
+    return []
+
+
+def _nft_missing(mode: Mode, need: ToolNeed, tools: ToolVersions) -> list[Missing]:
+    missing: list[Missing] = []
+    wanted = version_text(need.min_version) if need.min_version else None
+    nft_v = parse_version(tools.nft)
+    if nft_v is None:
+        missing.append(Missing("nft binary", f"{mode} mode is checked and debugged with nft",
+                               f"install the nftables package (nft >= {wanted})" if wanted
+                               else "install the nftables package"))
+    elif need.min_version is not None and nft_v < need.min_version:
+        missing.append(Missing(f"nft >= {wanted}", f"nft {tools.nft} is older than kube-proxy supports",
+                               f"upgrade the nftables package to {wanted} or newer"))
+    if tools.nft_usable is False:
+        missing.append(Missing("nf_tables", "`nft list tables` fails: the kernel has no usable nf_tables",
+                               "load nf_tables (modprobe nf_tables) or use a kernel with CONFIG_NF_TABLES"))
+    return missing
+
+
+# How the node checks each tool a mode's ToolNeed names (the planner's preview reads the same table).
+_TOOL_CHECKS: dict[str, Callable[[Mode, ToolNeed, ToolVersions], list[Missing]]] = {
+    "iptables": _iptables_missing,
+    "ipset": _ipset_missing,
+    "nft": _nft_missing,
+}
+
+
 def _check_tools(mode: Mode, release_v: tuple[int, ...] | None, release: str | None,
                  tools: ToolVersions) -> list[Missing]:
-    missing: list[Missing] = []
-    if mode == "nftables":
-        if release_v is None or release_v[:2] < NFTABLES_MIN_KERNEL:
-            missing.append(Missing("kernel >= 5.13", f"kube-proxy's nftables mode needs kernel 5.13 or newer; this "
-                                   f"node runs {release or 'an unknown kernel'}",
-                                   "upgrade the node's kernel, or keep this pool on iptables"))
-        nft_v = parse_version(tools.nft)
-        if nft_v is None:
-            missing.append(Missing("nft binary", "nftables mode is checked and debugged with nft",
-                                   "install the nftables package (nft >= 1.0.1)"))
-        elif nft_v < NFTABLES_MIN_NFT:
-            missing.append(Missing("nft >= 1.0.1", f"nft {tools.nft} is older than kube-proxy supports",
-                                   "upgrade the nftables package to 1.0.1 or newer"))
-        if tools.nft_usable is False:
-            missing.append(Missing("nf_tables", "`nft list tables` fails: the kernel has no usable nf_tables",
-                                   "load nf_tables (modprobe nf_tables) or use a kernel with CONFIG_NF_TABLES"))
-    if mode in ("iptables", "ipvs"):
-        if tools.iptables is None:
-            missing.append(Missing("iptables binary", f"{mode} mode programs rules with iptables-restore",
-                                   "install the iptables package"))
-        elif tools.iptables_nat is False:
-            missing.append(Missing("iptables nat table", "`iptables -t nat -S` fails: no NAT support",
-                                   "load iptable_nat (legacy) or nft_chain_nat (nf_tables backend)"))
-    if mode == "ipvs":
-        ipset_v = parse_version(tools.ipset)
-        if ipset_v is None:
-            missing.append(Missing("ipset binary", "ipvs mode keeps service addresses in ipsets",
-                                   "install the ipset package"))
-        elif ipset_v < IPVS_MIN_IPSET:
-            missing.append(Missing("ipset >= 6.0", f"ipset {tools.ipset} is older than kube-proxy accepts",
-                                   "upgrade the ipset package"))
+    facts = MODE_FACTS[mode]
+    missing = _kernel_missing(mode, facts.min_kernel, release_v, release) if facts.min_kernel else []
+    for need in facts.tools:
+        missing += _TOOL_CHECKS[need.tool](mode, need, tools)
     return missing
 
 

@@ -27,11 +27,11 @@ from proxyshift.api.common import API_GROUP, API_VERSION
 from proxyshift.api.kubeproxy import KubeProxyConfiguration
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.api.proxynode import ProxyNode
-from proxyshift.api.requirements import FOREIGN_IPVS_CHANGE, NFTABLES_DELETES_IPVS
 from proxyshift.controller.cliargs import add_cluster_flags, add_output_flag, cluster_errors, load_api
 from proxyshift.controller.settings import CONFIG
 from proxyshift.controller.snapshot import current_revisions, node_view, revision_view
 from proxyshift.manifest import UsageError, read_manifest
+from proxyshift.modes import FOREIGN_IPVS_CHANGE, NFTABLES_DELETES_IPVS
 from proxyshift.planner.advice import advise
 from proxyshift.planner.compat import CompatFinding
 from proxyshift.planner.preview import (

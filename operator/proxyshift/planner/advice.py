@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MODES = ("iptables", "ipvs", "nftables")
+from proxyshift.modes import MODES
+
 UNITS_PER_MEASURED_SERVICE = 4  # 1 Service + 3 endpoints, as benchmarked
 # Below this saving per full sync, speed alone is no reason to move a fleet.
 MIN_SAVING_SECONDS = 0.1

@@ -48,7 +48,7 @@ from proxyshift.api.proxynode import (
     ProxyNode,
     is_phase,
 )
-from proxyshift.api.requirements import startup_cleanup_drops_old_rules
+from proxyshift.modes import startup_cleanup_drops_old_rules
 from proxyshift.planner.behaviour import compare_matrices
 from proxyshift.planner.gate import GateVerdict, evaluate_gate
 from proxyshift.planner.gate import Result as GateResult

@@ -13,13 +13,7 @@ from dataclasses import dataclass, field
 from proxyshift.api.kubeproxy import KubeProxyConfiguration
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.api.proxynode import ProxyNode
-from proxyshift.api.requirements import (
-    FOREIGN_IPVS_CHANGE,
-    NFTABLES_DELETES_IPVS,
-    NFTABLES_MIN_KERNEL,
-    NFTABLES_MIN_NFT,
-    deletes_foreign_ipvs,
-)
+from proxyshift.modes import FOREIGN_IPVS_CHANGE, MODE_FACTS, NFTABLES_DELETES_IPVS, deletes_foreign_ipvs, version_text
 from proxyshift.planner.compat import CompatFinding, compatibility
 from proxyshift.planner.ordering import node_key
 from proxyshift.planner.ownership import compute_ownership
@@ -57,21 +51,23 @@ def predict_preflight(pn: ProxyNode | None, policy: ProxyPolicy) -> list[str]:
     mode = policy.spec.mode
     have = set(pn.status.modules)
     tools = pn.status.tools
+    facts = MODE_FACTS[mode]
     problems = []
-    needed: list[str] = []
-    if mode == "ipvs":
-        needed = ["ip_vs", f"ip_vs_{policy.spec.scheduler}", "nf_conntrack"]
-        if "ipset" not in tools:
-            problems.append("ipset not found (ipvs mode needs it)")
-    elif mode == "nftables":
+    if facts.min_kernel is not None:
         kernel = _version(pn.status.kernel_release, 2)
-        if kernel is None or kernel < NFTABLES_MIN_KERNEL:
-            problems.append(f"kernel {pn.status.kernel_release or 'unknown'} is older than 5.13 (nftables needs it)")
-        nft = _version(tools.get("nft"), 3)
-        if nft is None or nft < NFTABLES_MIN_NFT:
-            problems.append(f"nft {tools.get('nft') or 'not found'}: nftables mode needs nft >= 1.0.1")
-    elif "iptables" not in tools:
-        problems.append("iptables not found")
+        if kernel is None or kernel < facts.min_kernel:
+            problems.append(f"kernel {pn.status.kernel_release or 'unknown'} is older than "
+                            f"{version_text(facts.min_kernel)} ({mode} needs it)")
+    for need in facts.tools:
+        if need.min_version is None:
+            if need.tool not in tools:
+                problems.append(f"{need.tool} not found ({mode} mode needs it)")
+            continue
+        found = _version(tools.get(need.tool), len(need.min_version))
+        if found is None or found < need.min_version:
+            problems.append(f"{need.tool} {tools.get(need.tool) or 'not found'}: {mode} mode needs "
+                            f"{need.tool} >= {version_text(need.min_version)}")
+    needed = [need.module for need in facts.modules(policy.spec.scheduler)]
     foreign = pn.status.foreign_ipvs
     if deletes_foreign_ipvs(mode) and foreign is not None and foreign.count and not accepts_foreign_ipvs(policy):
         problems.append(f"{foreign.describe()}: {NFTABLES_DELETES_IPVS}; accept it with gate.behaviour.allowChanges: "
