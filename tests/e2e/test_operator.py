@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import itertools
 import time
-from datetime import datetime
 from typing import Any
 
 import pytest
 
-from tests.support.operator_harness import IPTABLES_MODE_CHAINS, REVISION_LABEL, Harness, migration, policy
+from tests.support.operator_harness import (
+    IPTABLES_MODE_CHAINS,
+    REVISION_LABEL,
+    Harness,
+    migration,
+    policy,
+    timestamp,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -30,8 +36,8 @@ def _assert_one_at_a_time(h: Harness, nodes: list[str]) -> None:
     records = {n: migration(pn) for n, pn in h.proxynodes().items() if n in nodes}
     for (a, _, a_end), (b, b_start, _) in itertools.pairwise(windows):
         assert b_start >= a_end, f"{b} was touched before {a} finished: {windows}"
-        started = datetime.fromisoformat(records[b]["startedAt"].replace("Z", "+00:00")).timestamp()
-        assert started < a_end, f"{b}'s preflight did not run during {a}'s migration: {records[b]}"
+        assert timestamp(records[b]["startedAt"]) < a_end, \
+            f"{b}'s preflight did not run during {a}'s migration: {records[b]}"
 
 
 def _assert_baseline_everywhere(h: Harness) -> None:

@@ -176,7 +176,7 @@ class Harness:
             m = (pn.get("spec") or {}).get("migration") or {}
             start = m.get("touchedAt") or m.get("startedAt")
             if start and m.get("finishedAt"):
-                windows.append((name, _ts(start), _ts(m["finishedAt"])))
+                windows.append((name, timestamp(start), timestamp(m["finishedAt"])))
         return sorted(windows, key=lambda w: w[1])
 
     def cleanup(self) -> None:
@@ -188,7 +188,8 @@ class Harness:
         self.created.clear()
 
 
-def _ts(text: str) -> float:
+def timestamp(text: str) -> float:
+    """An RFC 3339 time from a ProxyNode record as epoch seconds."""
     from datetime import datetime
 
     return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()

@@ -94,18 +94,24 @@ def test_max_unavailable_resolution(value: int | str, total: int, expected: int)
     assert resolve_max_unavailable(value, total) == expected
 
 
-def test_max_unavailable_percent_runs_nodes_in_parallel() -> None:
-    sim = Sim.build(blue(8), [make_policy("p", rollout={"maxUnavailable": "50%"})])
-    peak = peak_ahead = 0
-    for _ in range(200):
+def _in_flight_phases_per_step(sim: Sim, steps: int = 200) -> list[list[str]]:
+    """The in-flight nodes' phases after each plan, until the rollout settles."""
+    seen = []
+    for _ in range(steps):
         sim.step()
-        phases = [pn.spec.migration.phase for pn in sim.proxynodes.values() if pn.spec.migration is not None
-                  and pn.spec.migration.phase not in ("Done", "Failed", "RolledBack", "Pending")]
-        touched = sum(ph not in UNTOUCHED for ph in phases)
-        peak, peak_ahead = max(peak, touched), max(peak_ahead, len(phases) - touched)
+        seen.append([pn.spec.migration.phase for pn in sim.proxynodes.values() if pn.spec.migration is not None
+                     and pn.spec.migration.phase not in ("Done", "Failed", "RolledBack", "Pending")])
         if sim.settled():
             break
         sim.tick()
+    return seen
+
+
+def test_max_unavailable_percent_runs_nodes_in_parallel() -> None:
+    sim = Sim.build(blue(8), [make_policy("p", rollout={"maxUnavailable": "50%"})])
+    seen = _in_flight_phases_per_step(sim)
+    peak = max(sum(ph not in UNTOUCHED for ph in phases) for phases in seen)
+    peak_ahead = max(sum(ph in UNTOUCHED for ph in phases) for phases in seen)
     # 4 nodes switched at once; 4 more ran their preflight ahead meanwhile (rollout.preflightAhead).
     assert (peak, peak_ahead) == (4, 4) and sim.violations == []
 
@@ -123,14 +129,7 @@ def test_the_next_node_s_preflight_runs_during_this_node_s_gate_and_it_switches_
 
 def test_without_preflight_ahead_every_node_in_flight_counts() -> None:
     sim = Sim.build(blue(8), [make_policy("p", rollout={"maxUnavailable": "50%", "preflightAhead": False})])
-    peak = 0
-    for _ in range(200):
-        sim.step()
-        peak = max(peak, sum(1 for pn in sim.proxynodes.values() if pn.spec.migration is not None
-                             and pn.spec.migration.phase not in ("Done", "Failed", "RolledBack", "Pending")))
-        if sim.settled():
-            break
-        sim.tick()
+    peak = max(len(phases) for phases in _in_flight_phases_per_step(sim))
     assert peak == 4 and sim.violations == [] and sim.phase("node-8") == "Done"
     assert not [e for e in sim.events() if e.reason in ("Paused", "Halted", "PreflightExpired")]
 

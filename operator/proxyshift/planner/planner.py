@@ -18,7 +18,7 @@ from proxyshift.api.behaviour import MAX_NODE_PORTS, MAX_SERVICE_ADDRESSES, Beha
 from proxyshift.api.common import parse_duration
 from proxyshift.api.diagnostics import DiagnoseRequest
 from proxyshift.api.policy import NodeFailure, NodeProgress, ProxyPolicy
-from proxyshift.api.proxynode import ProxyNode
+from proxyshift.api.proxynode import NodeMigration, ProxyNode
 from proxyshift.planner import machine
 from proxyshift.planner.behaviour import behaviour_params
 from proxyshift.planner.diagnosis import migration_request
@@ -131,13 +131,22 @@ def _node_input(ctx: _Ctx, name: str, pn: ProxyNode, may_switch: bool = True) ->
                      api_back_at=w.api_back_at, may_switch=may_switch)
 
 
+def _migration(e: _Node) -> NodeMigration | None:
+    return e.proxynode.spec.migration if e.proxynode is not None else None
+
+
+def _phase(e: _Node) -> str | None:
+    """The phase of an in-flight node, None for any other."""
+    m = _migration(e)
+    return m.phase if e.kind == "inflight" and m is not None else None
+
+
 def _untouched(e: _Node) -> bool:
-    m = e.proxynode.spec.migration if e.proxynode is not None else None
-    return e.kind == "inflight" and m is not None and m.phase in machine.UNTOUCHED
+    return _phase(e) in machine.UNTOUCHED
 
 
 def _moved_on(e: _Node) -> bool:
-    m = e.proxynode.spec.migration if e.proxynode is not None else None
+    m = _migration(e)
     return m is not None and (e.target is RELEASE
                               or (isinstance(e.target, Target) and e.target.revision != m.to_revision))
 
@@ -152,8 +161,7 @@ def _switch_grants(nodes: list[_Node], limit: int, halted: bool) -> set[str]:
         return set()
     touched = sum(e.kind == "inflight" and not _untouched(e) for e in nodes)
     waiting = [e for e in nodes if _untouched(e) and not _moved_on(e)]
-    waiting.sort(key=lambda e: e.proxynode is None or e.proxynode.spec.migration is None
-                 or e.proxynode.spec.migration.phase != "Prepared")  # stable: node order within each group
+    waiting.sort(key=lambda e: _phase(e) != "Prepared")  # stable: node order within each group
     return {e.name for e in waiting[:max(0, limit - touched)]}
 
 
@@ -329,9 +337,8 @@ def plan(world: World, policy_name: str) -> Plan:
     base = len([e for e in nodes if e.target is not RELEASE])
     limit = resolve_max_unavailable(policy.spec.rollout.max_unavailable, base)
     halting = [e for e in nodes if e.kind == "halting"]
-    halted = bool(halting) or any(e.kind == "inflight" and e.proxynode is not None
-                                  and e.proxynode.spec.migration is not None
-                                  and e.proxynode.spec.migration.phase == "RollingBack" for e in nodes)
+    rolling_back = sum(_phase(e) == "RollingBack" for e in nodes)
+    halted = bool(halting) or rolling_back > 0
     # A pause holds back every node not switched yet, a started preflight included: "no new node" is read
     # as "no node touched", which is what a person pausing a rollout means.
     paused = policy.spec.rollout.paused and not deleting
@@ -340,7 +347,6 @@ def plan(world: World, policy_name: str) -> Plan:
     # 1. in-flight nodes: one transition each (abandon an untouched preflight whose target moved on, or that
     # waits for a slot a failed node now holds shut).
     progress: list[NodeProgress] = []
-    rolling_back = 0
     for e in nodes:
         if e.kind != "inflight" or e.proxynode is None:
             continue
@@ -359,7 +365,6 @@ def plan(world: World, policy_name: str) -> Plan:
             result = machine.step(inp)
         ctx.actions += result.actions
         ctx.wake(result.requeue_after)
-        rolling_back += m.phase == "RollingBack"
         progress.append(NodeProgress(name=e.name, phase=m.phase, since=m.phase_since or fmt(ctx.now),
                                      revision=m.to_revision, message=result.message))
 
