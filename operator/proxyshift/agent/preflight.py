@@ -84,7 +84,7 @@ def parse_kernel_release(release: str) -> tuple[int, ...] | None:
 
 
 def _fmt(version: tuple[int, ...] | None) -> str | None:
-    return ".".join(map(str, version)) if version else None
+    return version_text(version) if version else None
 
 
 @dataclass(frozen=True)
