@@ -45,24 +45,24 @@ crds-check: $(PY) ## fail when the committed CRDs differ from the models
 	$(PYTHON) -m proxyshift.cli crds --check
 
 binaries: go-tools ## build the pinned upstream Kubernetes and etcd binaries and the tests' Go tools (cached)
-	$(PYTHON) -m proxyshift.localcluster.build
+	$(PYTHON) -m localcluster.build
 
 go-tools: $(PY) ## build only the tests' small pinned Go tools (argocd-health-runner, helm; cached: seconds, helm minutes the first time)
-	$(PYTHON) -m proxyshift.localcluster.gotools
+	$(PYTHON) -m localcluster.gotools
 
 cluster-up: binaries ## start the local cluster (3 nodes: pools blue=2, green=1)
-	$(PYTHON) -m proxyshift.localcluster.cli up --pools blue=2,green=1
+	$(PYTHON) -m localcluster.cli up --pools blue=2,green=1
 
 cluster-down: $(PY) ## stop the local cluster and remove everything it made
-	$(PYTHON) -m proxyshift.localcluster.cli down
+	$(PYTHON) -m localcluster.cli down
 
 cluster-status: $(PY)
-	$(PYTHON) -m proxyshift.localcluster.cli status
+	$(PYTHON) -m localcluster.cli status
 
 # One command as root in the QEMU guest (stock Debian kernel with IPVS); default: a smoke check.
 VM_CMD ?= sh -c 'uname -r && modprobe ip_vs && ip link add kube-ipvs0 type dummy && ipvsadm -Ln && echo vm ok'
 vm-test: $(PY) ## boot the QEMU guest and run VM_CMD in it (fetches the pinned kernel the first time)
-	$(PYTHON) -m proxyshift.localcluster.cli vm -- $(VM_CMD)
+	$(PYTHON) -m localcluster.cli vm -- $(VM_CMD)
 
 test-unit: setup go-tools ## pure tests (fast, no root once setup has run)
 	$(PYTEST) -m unit
@@ -86,6 +86,6 @@ bench: binaries ## benchmarks (print tables)
 	$(PYTHON) bench/run_all.py
 
 demo: setup binaries ## the main job: local cluster, operator, pool blue iptables -> nftables, live progress
-	$(PYTHON) -m proxyshift.demo
+	$(PYTHON) -m localcluster.demo
 
 clean: cluster-down

@@ -47,9 +47,9 @@ import kubernetes
 import yaml
 
 from bench.harness.scale_harness import GROUP, POOL_LABEL, VERSION, Fleet
+from localcluster import baseline, controlplane, pki
+from localcluster.build import build
 from proxyshift.commands import CommandError, run, stop_child
-from proxyshift.localcluster import baseline, controlplane, pki
-from proxyshift.localcluster.build import build
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,7 +137,7 @@ def control_plane(state: Path, bin_dir: Path, procs: Procs) -> tuple[Path, Path]
     operator = pki.write_kubeconfig(state / "operator.kubeconfig", url, state / "pki", "operator")
     (state / "audit-policy.yaml").write_text(yaml.safe_dump(AUDIT_POLICY))
     etcd_url, peer = f"http://127.0.0.1:{ETCD_PORT}", f"http://127.0.0.1:{ETCD_PEER_PORT}"
-    # The same flags as proxyshift.localcluster.controlplane, other ports and folders.
+    # The same flags as localcluster.controlplane, other ports and folders.
     env = controlplane.daemon_env()
     procs.start("etcd", [str(bin_dir / "etcd"), "--name=ps-bench", f"--data-dir={state / 'etcd'}",
                          f"--listen-client-urls={etcd_url}", f"--advertise-client-urls={etcd_url}",

@@ -3,7 +3,7 @@
     sudo python -m bench.bench_flush_ipvs [--sizes 1000,5000] [--runs 1] [--kube-proxy PATH]
 
 This machine's kernel has no IPVS, so on the host the script boots the QEMU
-guest (proxyshift.localcluster.vm) and runs itself there (`--inside`). Each run
+guest (localcluster.vm) and runs itself there (`--inside`). Each run
 is a fresh network namespace holding an ipvs-mode node state for N Services
 (kube-ipvs0 with N ClusterIPs, N virtual servers with two real servers each,
 every fourth Service also a NodePort on the node address, the KUBE-* sets with
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("needs root (QEMU's shares of /, network namespaces in the guest)", file=sys.stderr)
         return 2
-    from proxyshift.localcluster import vm
+    from localcluster import vm
 
     result = vm.run_in_vm([sys.executable, "-m", "bench.bench_flush_ipvs", "--inside", "--sizes", args.sizes,
                            "--runs", str(args.runs), "--kube-proxy", str(kube_proxy)],

@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     os.nice(max(0, 19 - os.nice(0)))  # a benchmark must never outrank other work on the machine
     binary = args.kube_proxy or find_kube_proxy()
     if binary is None:
-        print("no kube-proxy binary: run `python -m proxyshift.localcluster.build` or pass --kube-proxy",
+        print("no kube-proxy binary: run `python -m localcluster.build` or pass --kube-proxy",
               file=sys.stderr)
         return 2
     workdir = args.workdir or Path(f"/tmp/ps-bench-modes-{os.getpid()}")

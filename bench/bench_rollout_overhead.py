@@ -78,15 +78,15 @@ import kubernetes  # noqa: E402
 from kubernetes import watch  # noqa: E402
 from kubernetes.client.exceptions import ApiException  # noqa: E402
 
-from proxyshift.localcluster import (  # noqa: E402
+from localcluster import (  # noqa: E402
     baseline,
     behaviour_workloads,
     controlplane,
     install,
     paths,
 )
-from proxyshift.localcluster import cli as cluster_cli  # noqa: E402
-from proxyshift.localcluster.nodesim import Kube  # noqa: E402
+from localcluster import cli as cluster_cli  # noqa: E402
+from localcluster.nodesim import Kube  # noqa: E402
 
 GROUP, VERSION = "proxyshift.io", "v1alpha1"
 POLICY = "bench-overhead"

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 # gcc, libc6-dev: build tests/tools/realtime-offset, the shim that skews the agent's wall clock in
 # tests/reliability (never in the image)
-# qemu-system-x86, busybox-static: the vm test layer's guest (proxyshift.localcluster.vm); its
+# qemu-system-x86, busybox-static: the vm test layer's guest (localcluster.vm); its
 # kernel package is fetched and cached by the runner itself (pinned in localcluster/pins.env)
 # prometheus: for its promtool, which the unit layer runs on config/prometheus (the alert rules and
 # the dashboard's expressions); its service is not wanted (stopped below where systemd started it)

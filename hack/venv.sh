@@ -10,10 +10,10 @@ VENV=${VENV:-.venv}
 LOCK=requirements/dev.lock
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check --no-input --quiet)
 
-made_from="$(cat "$LOCK" pyproject.toml | sha256sum | cut -d' ' -f1) $(pwd)"
+made_from="$(cat "$LOCK" pyproject.toml localcluster/pyproject.toml | sha256sum | cut -d' ' -f1) $(pwd)"
 stamp="$VENV/.proxyshift-made-from"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$made_from" ] && [ -x "$VENV/bin/python" ] \
-   && "$VENV/bin/python" -c 'import proxyshift' 2>/dev/null; then
+   && "$VENV/bin/python" -c 'import proxyshift, localcluster' 2>/dev/null; then
   echo "==> $VENV is up to date with $LOCK ($("$VENV/bin/python" -V))"
   exit 0
 fi
@@ -35,7 +35,8 @@ echo "==> $VENV: uv pip install --require-hashes -r $LOCK"
 "${UV[@]}" --require-hashes -r "$LOCK"
 # Editable, so the agents the local cluster starts with the venv's interpreter import this
 # checkout; the build backend comes from the lock (--no-build-isolation), not from an unpinned fetch.
-echo "==> $VENV: uv pip install --no-deps --no-build-isolation -e ."
-"${UV[@]}" --no-deps --no-build-isolation -e .
+# Two distributions: the operator (.) and the test bed (./localcluster), which the image never has.
+echo "==> $VENV: uv pip install --no-deps --no-build-isolation -e . -e ./localcluster"
+"${UV[@]}" --no-deps --no-build-isolation -e . -e ./localcluster
 echo "$made_from" > "$stamp"
 echo "==> $VENV ready in $(( $(date +%s) - start ))s"

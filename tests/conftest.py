@@ -66,7 +66,7 @@ class Cluster:
 
 def localcluster_cli(*args: str, state_dir: Path, timeout: float) -> subprocess.CompletedProcess[str]:
     """Run `localcluster <args>` as a user would (a subprocess, so a crash in it cannot take pytest down)."""
-    return subprocess.run([sys.executable, "-m", "proxyshift.localcluster.cli", "--state-dir", str(state_dir),
+    return subprocess.run([sys.executable, "-m", "localcluster.cli", "--state-dir", str(state_dir),
                            *args], capture_output=True, text=True, timeout=timeout, check=False)
 
 
@@ -102,7 +102,7 @@ def cluster() -> Iterator[Cluster]:
         yield Cluster(kubeconfig=Path(kubeconfig), external=True)
         return
     _require_root()
-    from proxyshift.localcluster import controlplane, paths
+    from localcluster import controlplane, paths
 
     state_dir = paths.default_state_dir()
     if controlplane.load_info(state_dir) is not None:
@@ -126,7 +126,7 @@ def cluster() -> Iterator[Cluster]:
             pytest.fail(f"`localcluster up` failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
         info = controlplane.load_info(state_dir)
         assert info is not None, f"`localcluster up` left no cluster info in {state_dir}"
-        from proxyshift.localcluster import network
+        from localcluster import network
 
         handle.kubeconfig, handle.bin_dir = info.kubeconfig, info.bin_dir
         handle.nodes = [network.node_name(i) for i in range(1, 4)]
@@ -143,8 +143,8 @@ def cluster() -> Iterator[Cluster]:
 
 # --- what the cluster leaves on the host -------------------------------------------
 
-OUR_MODULES = ("proxyshift.localcluster.nodesim", "proxyshift.localcluster.listener",
-               "proxyshift.localcluster.container")
+OUR_MODULES = ("localcluster.nodesim", "localcluster.listener",
+               "localcluster.container")
 
 
 def _our_processes(state_dir: Path) -> list[str]:
@@ -220,8 +220,8 @@ def api_client(cluster: Cluster) -> Any:
 
 @pytest.fixture(scope="session")
 def kube(cluster: Cluster) -> Any:
-    """A raw-JSON client (proxyshift.localcluster.nodesim.Kube): dicts in, dicts out."""
-    from proxyshift.localcluster.nodesim import Kube
+    """A raw-JSON client (localcluster.nodesim.Kube): dicts in, dicts out."""
+    from localcluster.nodesim import Kube
 
     return Kube(cluster.kubeconfig, pool_size=16)
 
@@ -241,7 +241,7 @@ def node_exec(cluster: Cluster) -> Callable[..., Result]:
 @pytest.fixture(scope="session")
 def tcp_probe(cluster: Cluster) -> Callable[..., Any]:
     """tcp_probe(node, ip, port, count=10, timeout=2.0) -> ProbeResult(ok, failed, served_by, errors)."""
-    from proxyshift.localcluster import workloads
+    from localcluster import workloads
 
     def tcp_probe(node: str, ip: str, port: int, count: int = 10, *, timeout: float = 2.0) -> Any:
         cluster.require_local("tcp_probe")
@@ -253,7 +253,7 @@ def tcp_probe(cluster: Cluster) -> Callable[..., Any]:
 @pytest.fixture(scope="session")
 def node_http_get(cluster: Cluster) -> Callable[..., tuple[int, str]]:
     """node_http_get(node, url) -> (status, body), from inside the node (e.g. kube-proxy's /proxyMode)."""
-    from proxyshift.localcluster import workloads
+    from localcluster import workloads
 
     def node_http_get(node: str, url: str, *, timeout: float = 3.0) -> tuple[int, str]:
         cluster.require_local("node_http_get")
@@ -268,7 +268,7 @@ def continuous_prober(cluster: Cluster) -> Iterator[Callable[..., Any]]:
 
     Call .stop() for the ProbeResult; .failures lists (timestamp, error) for every failed connection.
     """
-    from proxyshift.localcluster import workloads
+    from localcluster import workloads
 
     probers: list[workloads.ContinuousProber] = []
 
@@ -286,7 +286,7 @@ def continuous_prober(cluster: Cluster) -> Iterator[Callable[..., Any]]:
 @pytest.fixture(scope="session")
 def test_service(cluster: Cluster, kube: Any) -> Any:
     """One Service (ClusterIP, port 80) whose EndpointSlice lists two real listeners, ps-ep-1 and ps-ep-2."""
-    from proxyshift.localcluster import workloads
+    from localcluster import workloads
 
     state_dir = cluster.require_local("test_service")
     endpoints = workloads.create_endpoints(state_dir, 2)

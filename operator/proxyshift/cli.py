@@ -28,7 +28,6 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "crds": ("proxyshift.api.crdgen", "main", "generate (or --check) the CRD YAML under crds/"),
     "restore-baseline": ("proxyshift.controller.restore", "main",
                          "uninstall: undo the affinity proxyshift added to the baseline kube-proxy"),
-    "localcluster": ("proxyshift.localcluster.cli", "main", "the local test cluster: up, down, status"),
 }
 
 

@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from localcluster.container import run_in_netns
 from proxyshift.commands import stop_child
-from proxyshift.localcluster.container import run_in_netns
 from tests.support.ps_netns import Netns
 
 NODE_IP = "198.18.201.1"  # the Node object's InternalIP

@@ -17,10 +17,10 @@ from pathlib import Path
 import behaviour_topology as bt
 import pytest
 
+from localcluster.container import run_in_netns
 from proxyshift.agent.behaviour import run_behaviour
 from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams, BehaviourTarget
 from proxyshift.commands import run, stop_child
-from proxyshift.localcluster.container import run_in_netns
 from tests.support.kube_proxy_runner import KubeProxy, find_kube_proxy
 from tests.support.ps_netns import Netns, need_root
 

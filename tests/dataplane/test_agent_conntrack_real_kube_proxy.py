@@ -21,9 +21,9 @@ from pathlib import Path
 import behaviour_topology as bt
 import pytest
 
+from localcluster.container import run_in_netns
 from proxyshift.agent.conntrack import clean_unnated, list_flows
 from proxyshift.api.behaviour import ConntrackParams
-from proxyshift.localcluster.container import run_in_netns
 from tests.support.kube_proxy_runner import KubeProxy, find_kube_proxy
 from tests.support.ps_netns import Netns, need_root
 

@@ -1,6 +1,6 @@
 """The node simulator's container launcher applies a securityContext (issue 15, item 3).
 
-Each test starts a process through `python -m proxyshift.localcluster.container`, as the simulator
+Each test starts a process through `python -m localcluster.container`, as the simulator
 does, and looks at what the process can do: its capability sets, a read-only root with writable
 volumes, another user reaching only the exposed "image" files, and the agent's own cleanup with
 the capabilities its DaemonSet grants and without NET_ADMIN.
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from proxyshift.localcluster.security_context import confinement
+from localcluster.security_context import confinement
 from tests.support.kp_rules import iptables_mode_rules
 
 pytestmark = pytest.mark.dataplane
@@ -29,7 +29,7 @@ NET_ADMIN_AND_RAW = 0x3000  # bits 12 and 13
 
 
 def launch(ns: Any, args: list[str], command: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "proxyshift.localcluster.container", "--netns", ns.name,
+    argv = [sys.executable, "-m", "localcluster.container", "--netns", ns.name,
             "--created-log", str(tmp_path / "created.log"), *args, "--", *command]
     return subprocess.run(argv, capture_output=True, text=True, timeout=120,
                           env={"PATH": os.environ["PATH"], "PYTHONPATH": str(OPERATOR)})

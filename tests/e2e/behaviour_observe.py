@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proxyshift.localcluster import behaviour_workloads, workloads
-from proxyshift.localcluster.behaviour_workloads import BehaviourService, BehaviourWorkloads
+from localcluster import behaviour_workloads, workloads
+from localcluster.behaviour_workloads import BehaviourService, BehaviourWorkloads
 
 ATTEMPT_TIMEOUT = 0.5
 AFFINITY_ATTEMPTS = 5

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from proxyshift.localcluster import behaviour_workloads
-from proxyshift.localcluster.behaviour_workloads import BehaviourWorkloads
+from localcluster import behaviour_workloads
+from localcluster.behaviour_workloads import BehaviourWorkloads
 from tests.support.operator_harness import harness, operator_process, proxyshift_installed
 
 __all__ = ["harness", "made", "operator_process", "proxyshift_installed"]

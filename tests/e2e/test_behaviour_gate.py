@@ -18,7 +18,7 @@ import pytest
 import yaml
 from behaviour_observe import Cell, expected_problems, observe, table
 
-from proxyshift.localcluster.behaviour_workloads import BehaviourWorkloads
+from localcluster.behaviour_workloads import BehaviourWorkloads
 from tests.support.operator_harness import REVISION_LABEL, Harness, migration, policy
 
 pytestmark = pytest.mark.e2e

@@ -23,9 +23,9 @@ import pytest
 import yaml
 from behaviour_observe import ATTEMPT_TIMEOUT, Cell, expected_problems, observe, table
 
-from proxyshift.localcluster import behaviour_workloads, podnet, workloads
-from proxyshift.localcluster.behaviour_workloads import BehaviourWorkloads
-from proxyshift.localcluster.container import run_in_netns
+from localcluster import behaviour_workloads, podnet, workloads
+from localcluster.behaviour_workloads import BehaviourWorkloads
+from localcluster.container import run_in_netns
 
 pytestmark = pytest.mark.e2e
 

@@ -34,8 +34,8 @@ from typing import Any
 
 import pytest
 
-from proxyshift.localcluster.behaviour_workloads import BehaviourWorkloads
-from proxyshift.localcluster.container import run_in_netns
+from localcluster.behaviour_workloads import BehaviourWorkloads
+from localcluster.container import run_in_netns
 from tests.support.operator_harness import Harness, policy
 
 pytestmark = pytest.mark.e2e

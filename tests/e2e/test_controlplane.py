@@ -21,8 +21,8 @@ import pytest
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
+from localcluster import baseline, build, controlplane, paths, state
 from proxyshift.commands import run
-from proxyshift.localcluster import baseline, build, controlplane, paths, state
 
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_free_ports]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from proxyshift.localcluster import build, controlplane, paths, state
+from localcluster import build, controlplane, paths, state
 
 pytestmark = pytest.mark.e2e
 

@@ -45,7 +45,7 @@ def _slice(name: str, endpoints: list[Any], not_ready: set[str]) -> dict[str, An
 
 @pytest.fixture(scope="module")
 def services(cluster: Any, kube: Any, operator_process: Any, wait_for: Any) -> dict[str, dict[str, Any]]:
-    from proxyshift.localcluster import workloads
+    from localcluster import workloads
 
     # The operator makes a ProxyNode for every Node; the CLI talks to the agents through them.
     wait_for(lambda: len(kube.get("/apis/proxyshift.io/v1alpha1/proxynodes")["items"]) == len(cluster.nodes), 60,

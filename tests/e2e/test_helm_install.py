@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
+from localcluster import build, install
 from proxyshift.commands import CommandError, run
-from proxyshift.localcluster import build, install
 from tests.support.chart_render import CHART, NAMESPACE, ROOT, differences, helm_env, helm_run, render
 from tests.support.operator_harness import REVISION_LABEL, policy, service_account_kubeconfig
 

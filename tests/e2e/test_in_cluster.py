@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from proxyshift.localcluster import paths
+from localcluster import paths
 from tests.support.operator_harness import REVISION_LABEL, policy
 from tests.support.processes import mount_options, status
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from proxyshift.localcluster import paths
+from localcluster import paths
 
 pytestmark = pytest.mark.e2e
 
@@ -95,7 +95,7 @@ def _agent_pod(cluster: Any, node: str) -> str:
 
 def _as_token(cluster: Any, token: str, *args: str) -> subprocess.CompletedProcess[str]:
     """kubectl with nothing but a bearer token: what an agent pod holds."""
-    from proxyshift.localcluster import controlplane
+    from localcluster import controlplane
 
     info = controlplane.load_info(cluster.state_dir)
     assert info is not None

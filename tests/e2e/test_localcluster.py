@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
+from localcluster import network, nodesim, podnet
 from proxyshift.commands import run
-from proxyshift.localcluster import network, nodesim, podnet
 
 pytestmark = pytest.mark.e2e
 
@@ -168,7 +168,7 @@ def test_clusterip_connections_from_every_node(test_service: Any, tcp_probe: Any
 
 def test_many_services_through_real_rules(cluster: Any, kube: Any, test_service: Any, wait_for: Any) -> None:
     """A hundred Services over the same two listeners, each reachable by its own ClusterIP."""
-    from proxyshift.localcluster import workloads
+    from localcluster import workloads
 
     endpoints = [workloads.Endpoint(name, network.endpoint_ip(int(name.rsplit("-", 1)[1])), (8080,))
                  for name in test_service.endpoints]
@@ -302,7 +302,7 @@ def test_simulator_restart_adopts_nothing_and_reruns_pods(cluster: Any, kube: An
 
 
 def nodesim_cluster_info(cluster: Any) -> Any:
-    from proxyshift.localcluster import controlplane
+    from localcluster import controlplane
 
     info = controlplane.load_info(cluster.state_dir)
     assert info is not None

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from localcluster import controlplane, state
+from localcluster.nodesim import Kube
 from proxyshift.commands import run
-from proxyshift.localcluster import controlplane, state
-from proxyshift.localcluster.nodesim import Kube
 from tests.support.operator_harness import IPTABLES_MODE_CHAINS, REVISION_LABEL, Harness, migration
 from tests.support.processes import container_pid
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from proxyshift.localcluster import install
+from localcluster import install
 from tests.support.operator_harness import operator_as_service_account
 
 NAMESPACE = "proxyshift-system"

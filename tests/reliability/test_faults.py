@@ -337,7 +337,7 @@ def test_a_fault_while_a_node_rolls_back(harness: Harness, cluster: Any, kube: A
 
 def _set_agent_env(h: Harness, cluster: Any, env: list[dict[str, Any]]) -> None:
     """Replace the env of the agent DaemonSet's container (whole) and wait for the agents to roll."""
-    from proxyshift.localcluster import install
+    from localcluster import install
 
     patch = [{"op": "replace", "path": "/spec/template/spec/containers/0/env", "value": env}]
     cluster.kubectl("-n", install.AGENT_NAMESPACE, "patch", "daemonset", install.AGENT_DAEMONSET,

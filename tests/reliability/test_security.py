@@ -325,7 +325,7 @@ def test_a_migration_as_the_service_accounts_reads_no_secret(cluster: Any, api_c
     with cordon+drain and reverts it by deletion; the agents run as theirs. The audit log must show their
     requests (thousands) and not one on a secret, and no request of the operator refused: the documented
     minimal set is also enough."""
-    from proxyshift.localcluster import controlplane, install
+    from localcluster import controlplane, install
     from tests.support.operator_harness import policy
 
     audit = controlplane.audit_log_path(cluster.require_local("audit log"))

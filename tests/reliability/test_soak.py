@@ -25,8 +25,8 @@ import pytest
 from faults import StepInjector, agent_pid, container_pid
 from test_faults import ALL_NODES, check_end_state, record, service_answers_everywhere
 
+from localcluster import state
 from proxyshift.commands import run
-from proxyshift.localcluster import state
 from tests.support.operator_harness import Harness, migration
 
 pytestmark = pytest.mark.reliability

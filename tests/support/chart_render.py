@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
+from localcluster import gotools
 from proxyshift.commands import run
-from proxyshift.localcluster import gotools
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "proxyshift"

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from localcluster.container import run_in_netns
 from proxyshift.agent.probe import facts_from_probe, probe
 from proxyshift.commands import stop_child
-from proxyshift.localcluster.container import run_in_netns
 from tests.support import REPO
 from tests.support.ps_netns import Netns
 

@@ -21,8 +21,8 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from proxyshift.localcluster import install
-from proxyshift.localcluster.install import OperatorProcess
+from localcluster import install
+from localcluster.install import OperatorProcess
 
 GROUP, VERSION = "proxyshift.io", "v1alpha1"
 REVISION_LABEL = "proxyshift.io/revision"
@@ -227,7 +227,7 @@ SERVICE_ACCOUNT_NAMESPACE = "proxyshift-system"
 def service_account_kubeconfig(cluster: Any, account: str, path: Path, *, pod: str | None = None) -> Path:
     """A kubeconfig holding nothing but a fresh token of `proxyshift-system/<account>` (bound to a pod when
     given: then the token carries the pod's node name, as an agent's does)."""
-    from proxyshift.localcluster import controlplane
+    from localcluster import controlplane
 
     info = controlplane.load_info(cluster.state_dir)
     assert info is not None, "no local cluster info"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from proxyshift.localcluster import state
+from localcluster import state
 
 
 def container_pid(state_dir: Path, node: str, namespace: str, pod_prefix: str, container: str) -> int | None:

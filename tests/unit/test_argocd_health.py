@@ -31,8 +31,8 @@ from typing import Any
 import pytest
 import yaml
 
+from localcluster import gotools
 from proxyshift.api.policy import NodeFailure, NodeProgress, ProxyPolicy
-from proxyshift.localcluster import gotools
 from proxyshift.planner.status import Summary, build_status
 
 pytestmark = pytest.mark.unit

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from proxyshift.localcluster import gotools
+from localcluster import gotools
 
 pytestmark = pytest.mark.unit
 

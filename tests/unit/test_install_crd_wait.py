@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from proxyshift.localcluster.install import _established
+from localcluster.install import _established
 
 pytestmark = pytest.mark.unit
 

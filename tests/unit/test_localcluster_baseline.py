@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from proxyshift.localcluster import baseline
+from localcluster import baseline
 
 pytestmark = pytest.mark.unit
 
 
 def test_fixture_files_are_current() -> None:
-    # If this fails: python -m proxyshift.localcluster.baseline --write-fixtures
+    # If this fails: python -m localcluster.baseline --write-fixtures
     for name, text in baseline.fixture_documents().items():
         assert (baseline.fixtures_dir() / name).read_text() == text, name
 

@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
+from localcluster import behaviour_workloads as bw
+from localcluster import cli, identity_server
 from proxyshift.api.behaviour import BehaviourTarget
-from proxyshift.localcluster import behaviour_workloads as bw
-from proxyshift.localcluster import cli, identity_server
 
 pytestmark = pytest.mark.unit
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxyshift.localcluster import cli
+from localcluster import cli
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""proxyshift.localcluster's modules depend on each other one way, and say so with plain imports.
+"""localcluster's modules depend on each other one way, and say so with plain imports.
 
 Imports inside functions count: a lazy import hides a dependency (and a circle) from a reader, not
 from the interpreter. network.py starts the node simulators, so nodesim.py must not import it; the
@@ -14,8 +14,8 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-LOCALCLUSTER = Path(__file__).resolve().parents[2] / "operator" / "proxyshift" / "localcluster"
-PACKAGE = "proxyshift.localcluster"
+LOCALCLUSTER = Path(__file__).resolve().parents[2] / "localcluster"
+PACKAGE = "localcluster"
 
 
 def sibling_imports(path: Path) -> set[str]:
@@ -25,9 +25,9 @@ def sibling_imports(path: Path) -> set[str]:
         if isinstance(node, ast.ImportFrom) and node.module == PACKAGE:
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(PACKAGE + "."):
-            found.add(node.module.split(".")[2])
+            found.add(node.module.split(".")[1])
         elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[2] for a in node.names if a.name.startswith(PACKAGE + ".")}
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith(PACKAGE + ".")}
     return found - {path.stem}
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from proxyshift.localcluster import container, listener, network, nodesim
+from localcluster import container, listener, network, nodesim
 
 pytestmark = pytest.mark.unit
 

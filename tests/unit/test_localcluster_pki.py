@@ -10,7 +10,7 @@ import yaml
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
-from proxyshift.localcluster import pki
+from localcluster import pki
 
 pytestmark = pytest.mark.unit
 

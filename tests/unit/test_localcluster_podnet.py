@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxyshift.localcluster import listener, network, nodesim, paths, podnet
+from localcluster import listener, network, nodesim, paths, podnet
 
 pytestmark = pytest.mark.unit
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from proxyshift.localcluster import build, state
+from localcluster import build, state
 
 pytestmark = pytest.mark.unit
 
@@ -79,10 +79,10 @@ def test_machine_lock_is_reentrant_and_exclusive(tmp_path: Path, monkeypatch: py
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     with state.machine_lock(), state.machine_lock():  # nested in one process: fine
         other = subprocess.run(
-            [sys.executable, "-c", "from proxyshift.localcluster import state\n"
+            [sys.executable, "-c", "from localcluster import state\n"
              "with state.machine_lock(timeout=0.5): pass"],
             capture_output=True, text=True, timeout=30)
         assert other.returncode != 0 and "TimeoutError" in other.stderr
-    free = subprocess.run([sys.executable, "-c", "from proxyshift.localcluster import state\n"
+    free = subprocess.run([sys.executable, "-c", "from localcluster import state\n"
                            "with state.machine_lock(timeout=0.5): pass"], timeout=30)
     assert free.returncode == 0

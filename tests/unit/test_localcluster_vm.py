@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from proxyshift.localcluster import vm, vmkernel
+from localcluster import vm, vmkernel
 
 pytestmark = pytest.mark.unit
 

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import yaml
 
-from proxyshift.localcluster import baseline
-from proxyshift.localcluster.security_context import DEFAULT_CAPABILITIES, SecurityContextError, confinement
+from localcluster import baseline
+from localcluster.security_context import DEFAULT_CAPABILITIES, SecurityContextError, confinement
 
 pytestmark = pytest.mark.unit
 CONFIG = Path(__file__).resolve().parents[2] / "config"

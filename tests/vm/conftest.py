@@ -1,7 +1,7 @@
 """The vm layer: tests that need a kernel with IPVS run inside the QEMU guest.
 
 On the host, `pytest -m vm` runs tests/vm/test_in_guest.py, which boots ONE
-guest (proxyshift.localcluster.vm) and runs every test marked `vm_guest`
+guest (localcluster.vm) and runs every test marked `vm_guest`
 (tests/vm/guest/) inside it with the host's own checkout and Python, then
 reports each guest test as a host test, with the guest's failure text.
 

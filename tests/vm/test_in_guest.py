@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from vm_layer import IN_GUEST_ENV, VM_SUMMARY_KEY
 
-from proxyshift.localcluster import vm
+from localcluster import vm
 from tests.support.kube_proxy_runner import find_kube_proxy
 
 pytestmark = pytest.mark.vm

@@ -21,8 +21,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from localcluster import paths
 from proxyshift.commands import CommandError, run
-from proxyshift.localcluster import paths
 
 BUILD_TIMEOUT_SECONDS = 900.0
 # -mod=mod: the modules come from the proxy against the committed go.sum, with no vendor folder.
@@ -144,7 +144,7 @@ def build(name: str, *, force: bool = False) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m proxyshift.localcluster.gotools",
+    parser = argparse.ArgumentParser(prog="python -m localcluster.gotools",
                                      description="Build the pinned Go tools the tests run; print their paths.")
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"default: all ({', '.join(sorted(TOOLS))})")
     parser.add_argument("--force", action="store_true", help="rebuild even if the cache has the binary")

@@ -6,7 +6,7 @@ Layout (docs/architecture.md, "Local cluster contracts"):
 - node i: namespace `ps-node-<i>`, veth `psn<i>` <-> `eth0`, 198.18.0.<10+i>/16;
 - endpoint n: namespace `ps-ep-<n>`, veth `pse<n>` <-> `eth0`, 198.18.1.<n>/16;
 - node i's pod namespace `ps-node-<i>-pod` (pod range a /27 in 198.18.32.0/19) and its
-  second address 198.18.2.<10+i>/32: see proxyshift.localcluster.podnet.
+  second address 198.18.2.<10+i>/32: see localcluster.podnet.
 
 No namespace gets a default route. A node does need *some* route to the
 Service CIDR, because a locally generated packet is routed before the OUTPUT
@@ -37,12 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from proxyshift.commands import CommandError, run
-from proxyshift.localcluster import nodesim, paths, podnet, state
+from localcluster import nodesim, paths, podnet, state
 
 # Node naming lives in paths, which the node simulator reads too (it must not import this module,
 # which starts it); these names stay importable from here.
-from proxyshift.localcluster.paths import MAX_NODES, NODE_PREFIX, node_index, node_ip, node_name
+from localcluster.paths import MAX_NODES, NODE_PREFIX, node_index, node_ip, node_name
+from proxyshift.commands import CommandError, run
 
 ENDPOINT_PREFIX = "ps-ep-"
 NODE_VETH_PREFIX = "psn"
@@ -224,7 +224,7 @@ def node_dir(state_dir: Path, node: str) -> Path:
 
 def simulator_argv(access: ClusterAccess, state_dir: Path, node: str, pool: str,
                    kubelet_version: str = DEFAULT_KUBELET_VERSION) -> list[str]:
-    return [sys.executable, "-m", "proxyshift.localcluster.nodesim", "--node", node, "--pool", pool,
+    return [sys.executable, "-m", "localcluster.nodesim", "--node", node, "--pool", pool,
             "--node-ip", node_ip(node_index(node)), "--kubeconfig", str(access.kubeconfig),
             "--bin-dir", str(access.bin_dir), "--state-dir", str(state_dir), "--api-url", access.api_url,
             "--kubelet-version", kubelet_version]
@@ -331,7 +331,7 @@ def simulator_pid(state_dir: Path, node: str) -> int | None:
         pid = int(paths.StateLayout(Path(state_dir)).pid(f"nodesim-{node}").read_text().strip())
     except (OSError, ValueError):
         return None
-    return pid if "proxyshift.localcluster.nodesim" in _cmdline(pid) and _state_of(pid) not in ("Z", "X") \
+    return pid if "localcluster.nodesim" in _cmdline(pid) and _state_of(pid) not in ("Z", "X") \
         else None
 
 
@@ -351,7 +351,7 @@ def _simulator_pids(state_dir: Path) -> list[int]:
         with contextlib.suppress(ValueError, OSError):
             pid = int(pid_file.read_text().strip())
             cmd = _cmdline(pid)
-            if "proxyshift.localcluster.nodesim" in cmd or "proxyshift.localcluster.listener" in cmd:
+            if "localcluster.nodesim" in cmd or "localcluster.listener" in cmd:
                 pids.append(pid)
     return pids
 
@@ -373,7 +373,7 @@ def _launchers() -> list[int]:
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             cmd = _cmdline(int(proc.name))
-            if "proxyshift.localcluster.container" in cmd and f"--netns {NODE_PREFIX}" in cmd and \
+            if "localcluster.container" in cmd and f"--netns {NODE_PREFIX}" in cmd and \
                     _state_of(int(proc.name)) not in "ZX":
                 found.append(int(proc.name))
     return found
@@ -469,7 +469,7 @@ def status(state_dir: Path) -> dict[str, Any]:
         with contextlib.suppress(ValueError, OSError):
             pid = int(pid_file.read_text().strip())
             sims[pid_file.stem.removeprefix("nodesim-")] = {
-                "pid": pid, "alive": "proxyshift.localcluster.nodesim" in _cmdline(pid)}
+                "pid": pid, "alive": "localcluster.nodesim" in _cmdline(pid)}
     links = _links()
     return {
         "namespaces": list_namespaces(),

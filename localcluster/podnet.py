@@ -33,15 +33,15 @@ this is the address that shows the difference. (The kernel here has no dummy dri
 hence eth0.)
 
 This module only wires what it is told: which namespaces exist is the caller's
-(proxyshift.localcluster.network) to know.
+(localcluster.network) to know.
 """
 
 from __future__ import annotations
 
 import ipaddress
 
+from localcluster import paths
 from proxyshift.commands import run
-from proxyshift.localcluster import paths
 
 POD_RANGE = ipaddress.IPv4Network("198.18.32.0/19")
 POD_PREFIX = 27

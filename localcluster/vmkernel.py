@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from proxyshift.localcluster import paths
+from localcluster import paths
 
 STAMP_NAME = ".complete"
 XZ_MAGIC = b"\xfd7zXZ\x00"

@@ -25,8 +25,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from proxyshift.localcluster import paths
-from proxyshift.localcluster.paths import StateLayout
+from localcluster import paths
+from localcluster.paths import StateLayout
 
 STATE_VERSION = 1
 STOP_GRACE_SECONDS = 10.0

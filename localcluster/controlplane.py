@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from localcluster import build, network, paths, pki, state
+from localcluster.paths import StateLayout
 from proxyshift.commands import CommandError
-from proxyshift.localcluster import build, network, paths, pki, state
-from proxyshift.localcluster.paths import StateLayout
 
 ETCD_URL = f"http://127.0.0.1:{paths.ETCD_CLIENT_PORT}"
 NODE_API_URL = f"https://{paths.BRIDGE_ADDRESS}:{paths.APISERVER_PORT}"

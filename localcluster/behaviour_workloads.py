@@ -1,6 +1,6 @@
 """Test workloads for every Service kind the behaviour gate judges (issue 13), in namespace ps-behaviour.
 
-    from proxyshift.localcluster import behaviour_workloads
+    from localcluster import behaviour_workloads
     made = behaviour_workloads.create(state_dir, kubeconfig)        # or: localcluster workloads --behaviour
     made.service("nodeport-tcp").node_port                          # 30080
     made.local_endpoints("internal-local", "ps-node-1")             # the names of its endpoints there
@@ -43,9 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from localcluster import network, podnet, workloads
+from localcluster.nodesim import Kube, KubeError
 from proxyshift.api.behaviour import Outcome, ProbePath, Protocol, ServiceKind
-from proxyshift.localcluster import network, podnet, workloads
-from proxyshift.localcluster.nodesim import Kube, KubeError
 
 NAMESPACE = "ps-behaviour"
 ENDPOINT_COUNT = 4
@@ -222,7 +222,7 @@ def plan_services(endpoints: list[str], namespace: str = NAMESPACE) -> list[Beha
 
 def _served_endpoints(state_dir: Path) -> set[int]:
     """Endpoint numbers a live listener process serves (listeners are named listener-<first>-<last>)."""
-    from proxyshift.localcluster import state
+    from localcluster import state
 
     served: set[int] = set()
     for record in state.running(state_dir):

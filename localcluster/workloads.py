@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from proxyshift.localcluster import network, paths
-from proxyshift.localcluster.container import run_in_netns, setns
-from proxyshift.localcluster.nodesim import Kube, KubeError
+from localcluster import network, paths
+from localcluster.container import run_in_netns, setns
+from localcluster.nodesim import Kube, KubeError
 
 DEFAULT_NAMESPACE = "ps-workloads"
 DEFAULT_PORT = 80
@@ -65,7 +65,7 @@ def create_endpoints(state_dir: Path, count: int, *, ports: tuple[int, ...] = (D
     Without `start`, numbering continues after the highest existing ps-ep-<n>, so
     each call adds fresh endpoints.
     """
-    from proxyshift.localcluster import state
+    from localcluster import state
 
     state_dir = Path(state_dir)
     if start is None:
@@ -87,7 +87,7 @@ def create_endpoints(state_dir: Path, count: int, *, ports: tuple[int, ...] = (D
     state.record_path(state_dir, layout.nodes)
     ready = layout.nodes / f"{name}.ready"
     ready.unlink(missing_ok=True)
-    argv = [sys.executable, "-m", "proxyshift.localcluster.listener", "--ready-file", str(ready)]
+    argv = [sys.executable, "-m", "localcluster.listener", "--ready-file", str(ready)]
     for endpoint in endpoints:
         if ports:
             argv += ["--endpoint", f"{endpoint.name}:{','.join(map(str, ports))}"]

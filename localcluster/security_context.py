@@ -41,7 +41,7 @@ class Confinement:
     no_new_privs: bool
 
     def launcher_args(self) -> list[str]:
-        """The flags of `python -m proxyshift.localcluster.container` that apply this confinement."""
+        """The flags of `python -m localcluster.container` that apply this confinement."""
         args = ["--uid", str(self.uid), "--gid", str(self.gid)]
         if self.capabilities is not None:
             args += ["--caps", ",".join(sorted(self.capabilities))]

@@ -16,9 +16,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from localcluster import cli as cluster_cli
+from localcluster import controlplane, install, network, paths, workloads
 from proxyshift.controller import status_view
-from proxyshift.localcluster import cli as cluster_cli
-from proxyshift.localcluster import controlplane, install, network, paths, workloads
 
 POLICY = "blue-nftables"
 SAMPLE = Path("config/samples/blue-nftables.yaml")

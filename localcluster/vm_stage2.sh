@@ -1,5 +1,5 @@
 #!/bin/sh
-# The QEMU guest's PID 1 after switch_root, one per run: proxyshift.localcluster.vm fills in the
+# The QEMU guest's PID 1 after switch_root, one per run: localcluster.vm fills in the
 # @...@ fields (each value shell-quoted) and puts it into the per-run share. Runs inside the guest only.
 mkdir -p /dev/pts /dev/shm
 mount -t devpts devpts /dev/pts

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
+from localcluster import vmkernel
 from proxyshift.commands import stop_child
-from proxyshift.localcluster import vmkernel
 
 GUEST_RUN_DIR = "/run/proxyshift-vm"
 OUTPUT_PORT = "proxyshift.out"

@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from proxyshift.localcluster import paths
+from localcluster import paths
 
 VALIDITY = dt.timedelta(days=365)
 # Backdated so a node simulator whose clock is a little behind still accepts the certs.

@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from localcluster import paths
 from proxyshift.commands import CommandError, run
-from proxyshift.localcluster import paths
 
 # Order matters only for the progress output: the apiserver compiles the bulk of
 # the shared packages, so the later binaries mostly link from Go's build cache.
@@ -220,7 +220,7 @@ def _build_locked(module_dir: Path, pins: Pins, flags: str, bin_dir: Path) -> Pa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m proxyshift.localcluster.build",
+    parser = argparse.ArgumentParser(prog="python -m localcluster.build",
                                      description="Build the pinned Kubernetes binaries; print their folder.")
     parser.add_argument("--force", action="store_true", help="rebuild even if the cache is complete")
     args = parser.parse_args(argv)

@@ -49,16 +49,18 @@ def node_index(name: str) -> int:
 def repo_root() -> Path:
     """The checkout this package was installed from (editable install).
 
-    The Go module is not shipped inside the wheel, so the build needs the source
-    tree; PROXYSHIFT_REPO overrides the guess for an out-of-tree install.
+    The test bed is a top-level package in the repository's localcluster/ folder,
+    beside its Go module (go.mod, cmd/), which no wheel ships, so the build needs
+    the source tree; PROXYSHIFT_REPO overrides the guess for an out-of-tree install.
     """
     override = os.environ.get("PROXYSHIFT_REPO")
     if override:
         return Path(override)
-    return Path(__file__).resolve().parents[3]
+    return Path(__file__).resolve().parents[1]
 
 
 def go_module_dir() -> Path:
+    """The Go module that pins and builds the upstream binaries: this package's own folder."""
     return repo_root() / "localcluster"
 
 
@@ -68,13 +70,13 @@ def cache_root() -> Path:
 
 
 def tools_cache_root() -> Path:
-    """The small Go programs the tests run (proxyshift.localcluster.gotools), one folder per tool."""
+    """The small Go programs the tests run (localcluster.gotools), one folder per tool."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "proxyshift" / "tools"
 
 
 def vm_cache_root() -> Path:
-    """The QEMU test bed's kernels and initramfs images (proxyshift.localcluster.vmkernel)."""
+    """The QEMU test bed's kernels and initramfs images (localcluster.vmkernel)."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "proxyshift" / "vm"
 

@@ -1,6 +1,6 @@
 """Test endpoints: listeners that answer with their own name (TCP: every connection; UDP: every datagram).
 
-    python -m proxyshift.localcluster.listener --endpoint ps-ep-1:8080,8081 --endpoint ps-ep-2:8080 \
+    python -m localcluster.listener --endpoint ps-ep-1:8080,8081 --endpoint ps-ep-2:8080 \
         --udp-endpoint ps-ep-1:5353
 
 One process serves every endpoint namespace it is given: each listening socket
@@ -24,7 +24,7 @@ import socket
 from pathlib import Path
 from typing import Any, cast
 
-from proxyshift.localcluster.container import run_in_netns
+from localcluster.container import run_in_netns
 
 
 def parse_endpoint(spec: str) -> tuple[str, list[int]]:
@@ -115,7 +115,7 @@ async def serve(endpoints: list[tuple[str, list[int]]], ready_file: Path | None,
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="proxyshift.localcluster.listener", description=__doc__,
+    parser = argparse.ArgumentParser(prog="localcluster.listener", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--endpoint", action="append", default=[], metavar="NETNS:PORT[,PORT...]",
                         help="TCP ports of an endpoint namespace")

@@ -2,7 +2,7 @@
 
 Run as::
 
-    python -m proxyshift.localcluster.container --netns ps-node-1 \\
+    python -m localcluster.container --netns ps-node-1 \\
         --bind /state/.../volumes/kube-proxy:/var/lib/kube-proxy:ro -- kube-proxy --config=...
 
 It joins the node's network namespace, enters a private mount namespace,
@@ -263,7 +263,7 @@ def _remount_sys(netns: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="proxyshift.localcluster.container", description=__doc__,
+    parser = argparse.ArgumentParser(prog="localcluster.container", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--netns", help="network namespace to join (a name under /run/netns)")
     parser.add_argument("--bind", action="append", default=[], metavar="SRC:DST[:ro]")

@@ -7,15 +7,14 @@ remaining arguments to `main`).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from localcluster import baseline, build, controlplane, network, paths, state, vm, vmkernel
 from proxyshift.commands import CommandError
-from proxyshift.localcluster import baseline, build, controlplane, paths, state, vm, vmkernel
 
 
 class UsageError(ValueError):
@@ -46,19 +45,10 @@ def pools_for(nodes: int | None, pools: str | None) -> dict[str, int]:
 
 
 def create_nodes(state_dir: Path, info: controlplane.ClusterInfo, pools: dict[str, int]) -> list[str]:
-    """Hand over to the node half (proxyshift.localcluster.network.create_nodes)."""
+    """Hand over to the node half (localcluster.network.create_nodes)."""
     if sum(pools.values()) == 0:
         return []
-    try:
-        network = importlib.import_module("proxyshift.localcluster.network")
-    except ImportError as exc:
-        raise CommandError(["localcluster"], "the node half (proxyshift.localcluster.network) is not "
-                           f"installed yet ({exc}); use --nodes 0 for a control plane only") from exc
-    create = getattr(network, "create_nodes", None)
-    if create is None:
-        raise CommandError(["localcluster"], "proxyshift.localcluster.network has no create_nodes(); "
-                           "use --nodes 0 for a control plane only")
-    return list(create(state_dir, info, pools))
+    return list(network.create_nodes(state_dir, info, pools))
 
 
 def up(state_dir: Path, pools: dict[str, int]) -> dict[str, Any]:
@@ -118,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make_workloads(state_dir: Path, as_json: bool) -> int:
-    from proxyshift.localcluster import behaviour_workloads  # the kubernetes client: only when asked
+    from localcluster import behaviour_workloads  # the kubernetes client: only when asked
 
     info = controlplane.load_info(state_dir)
     if info is None:
@@ -171,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "workloads":
             return make_workloads(state_dir, args.json)
         elif args.command == "serve":
-            from proxyshift.localcluster import identity_server
+            from localcluster import identity_server
 
             identity_server.serve(args.listen)
     except (UsageError, build.BuildError, controlplane.ControlPlaneError, CommandError, TimeoutError,

@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from localcluster import paths
 from proxyshift.commands import run, stop_child
-from proxyshift.localcluster import paths
 
 AGENT_NAMESPACE = "proxyshift-system"
 AGENT_DAEMONSET = "proxyshift-agent"

@@ -1,12 +1,12 @@
 """The local cluster's "kubelet": one process per node that keeps the Node alive and runs its pods.
 
-    python -m proxyshift.localcluster.nodesim --node ps-node-1 --node-ip 198.18.0.11 \\
+    python -m localcluster.nodesim --node ps-node-1 --node-ip 198.18.0.11 \\
         --kubeconfig STATE/admin.kubeconfig --bin-dir BIN --state-dir STATE
 
 It keeps the Node Ready and its Lease renewed, watches the pods bound to the
 node and runs the two images it knows (docs/architecture.md): kube-proxy as
 the real binary and the proxyshift image as `python -m proxyshift.cli`, each
-through `proxyshift.localcluster.container` (the node's network namespace for a
+through `localcluster.container` (the node's network namespace for a
 hostNetwork pod, the node's one pod namespace (podnet) for any other, with status.podIP
 that namespace's address; plus a private mount namespace with the pod's volumes bound at
 their mountPaths). It reports
@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Any
 
 import proxyshift
-from proxyshift.localcluster import paths, podnet, security_context
-from proxyshift.localcluster.container import NETNS_DIR, setns
+from localcluster import paths, podnet, security_context
+from localcluster.container import NETNS_DIR, setns
 
 log = logging.getLogger("proxyshift.nodesim")
 
@@ -764,7 +764,7 @@ class PodWorker(threading.Thread):
         }
         if image_kind(container["image"]) == "proxyshift":
             # The agent runs the simulator's own copy of proxyshift, whatever the install.
-            env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+            env["PYTHONPATH"] = str(paths.repo_root() / "operator")
             env["PYTHONUNBUFFERED"] = "1"
         for source in container.get("envFrom") or []:
             prefix = source.get("prefix", "")
@@ -897,7 +897,7 @@ class PodWorker(threading.Thread):
         if not self.host_network:
             self._check_shared_ports()
         confinement = self.confinement(container)
-        launcher = [sys.executable, "-m", "proxyshift.localcluster.container", "--netns", self.netns,
+        launcher = [sys.executable, "-m", "localcluster.container", "--netns", self.netns,
                     "--created-log", str(self.cfg.created_paths_file),
                     "--workdir", container.get("workingDir") or "/", *confinement.launcher_args()]
         for bind in self._binds(container, confinement.read_only_root):
@@ -1176,7 +1176,7 @@ class LogServer:
     def start(self) -> None:
         import http.server
 
-        from proxyshift.localcluster.container import run_in_netns
+        from localcluster.container import run_in_netns
 
         def listen() -> socket.socket:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -1396,12 +1396,12 @@ class Simulator:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="proxyshift.localcluster.nodesim", description=__doc__,
+    parser = argparse.ArgumentParser(prog="localcluster.nodesim", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--node", required=True)
     parser.add_argument("--node-ip", help="default: from the node name (ps-node-<i> -> 198.18.0.<10+i>)")
     parser.add_argument("--pod-ip", help="the node's pod namespace address (default: from the node name, "
-                                         "see proxyshift.localcluster.podnet)")
+                                         "see localcluster.podnet)")
     parser.add_argument("--pool", default="default")
     parser.add_argument("--kubeconfig", type=Path, required=True)
     parser.add_argument("--bin-dir", type=Path, required=True)

@@ -1,5 +1,5 @@
 #!/busybox sh
-# The QEMU guest's /init (proxyshift.localcluster.vmkernel packs it into the initramfs). It runs
+# The QEMU guest's /init (localcluster.vmkernel packs it into the initramfs). It runs
 # inside the guest only, before any of the host's programs are there: mounts the host's root
 # read-only over 9p under a tmpfs overlay, then hands over to the per-run stage 2 (vm_stage2.sh).
 /busybox --install -s /bin

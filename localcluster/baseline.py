@@ -8,7 +8,7 @@ namespace cannot set anyway), and the API address is our bridge.
 
 `fixture_documents()` is the same objects as YAML text; tests/fixtures/baseline/
 holds them for the render tests, and a unit test checks the files are current
-(`python -m proxyshift.localcluster.baseline --write-fixtures` regenerates them).
+(`python -m localcluster.baseline --write-fixtures` regenerates them).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 
 import yaml
 
+from localcluster import paths
 from proxyshift.commands import run
-from proxyshift.localcluster import paths
 
 NAMESPACE = "kube-system"
 NAME = "kube-proxy"
@@ -255,7 +255,7 @@ def install(kubeconfig: Path, kubectl: Path, *, mode: str = "iptables",
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m proxyshift.localcluster.baseline")
+    parser = argparse.ArgumentParser(prog="python -m localcluster.baseline")
     parser.add_argument("--write-fixtures", action="store_true", help="regenerate tests/fixtures/baseline")
     args = parser.parse_args(argv)
     if args.write_fixtures:
