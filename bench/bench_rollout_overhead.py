@@ -86,7 +86,7 @@ from localcluster import (  # noqa: E402
     paths,
 )
 from localcluster import cli as cluster_cli  # noqa: E402
-from localcluster.nodesim import Kube  # noqa: E402
+from localcluster.kubeapi import Kube  # noqa: E402
 
 GROUP, VERSION = "proxyshift.io", "v1alpha1"
 POLICY = "bench-overhead"

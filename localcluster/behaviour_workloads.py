@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from localcluster import network, podnet, workloads
-from localcluster.nodesim import Kube, KubeError
+from localcluster.kubeapi import Kube, KubeError
 from proxyshift.api.behaviour import Outcome, ProbePath, Protocol, ServiceKind
 
 NAMESPACE = "ps-behaviour"

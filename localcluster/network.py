@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from localcluster import nodesim, paths, podnet, state
+from localcluster import kubeapi, paths, podnet, state
+from localcluster.nodesim import node as sim_node
 
 # Node naming lives in paths, which the node simulator reads too (it must not import this module,
 # which starts it); these names stay importable from here.
@@ -246,16 +247,16 @@ def create_nodes(state_dir: Path, cluster_info: Any, pools: dict[str, int], *,
     state.record_path(state_dir, layout.nodes)
     layout.nodes.mkdir(parents=True, exist_ok=True)
     ensure_bridge()
-    api = nodesim.api_client(access.kubeconfig)
+    api = kubeapi.api_client(access.kubeconfig)
     names = []
     started = []
     for index, pool in plan:
         name = node_name(index)
         names.append(name)
         create_node_netns(index)
-        nodesim.ensure_node(api, nodesim.node_manifest(name, node_ip(index), pool, kubelet_version))
-        nodesim.renew_lease(api, name)
-        ready_file = node_dir(state_dir, name) / nodesim.READY_FILE
+        sim_node.ensure_node(api, sim_node.node_manifest(name, node_ip(index), pool, kubelet_version))
+        sim_node.renew_lease(api, name)
+        ready_file = node_dir(state_dir, name) / sim_node.READY_FILE
         ready_file.unlink(missing_ok=True)
         proc_name = f"nodesim-{name}"
         if any(r["name"] == proc_name and r["alive"] for r in state.running(state_dir)):
@@ -293,7 +294,7 @@ def remove_node(state_dir: Path, cluster_info: Any, node: str) -> None:
         podnet.unroute_pod_range(neighbour, index)
     if f"{NODE_VETH_PREFIX}{index}" in _links():
         run(["ip", "link", "del", f"{NODE_VETH_PREFIX}{index}"], check=False)
-    kube = nodesim.api_client(cluster_access(cluster_info).kubeconfig)
+    kube = kubeapi.api_client(cluster_access(cluster_info).kubeconfig)
     paths_ = [f"/api/v1/nodes/{node}"]
     # The pod garbage collector would delete the pods of a vanished node; it is not among the
     # local cluster's controllers, and a DaemonSet counts such a pod forever.
@@ -302,7 +303,7 @@ def remove_node(state_dir: Path, cluster_info: Any, node: str) -> None:
     for path in paths_:
         try:
             kube.delete(path, {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0})
-        except nodesim.KubeError as exc:
+        except kubeapi.KubeError as exc:
             if exc.status != 404:
                 raise
     shutil.rmtree(node_dir(state_dir, node), ignore_errors=True)

@@ -21,8 +21,10 @@ DEFAULT_CAPABILITIES = frozenset({
 })
 
 # USER of each image the simulator runs: (uid, gid). kube-proxy's image runs as root, proxyshift's
-# Dockerfile says USER 65532:65532, registry.k8s.io/pause 3.9+ runs as 65535.
+# Dockerfile says USER 65532:65532 (the test bed's own image is taken to be built the same way),
+# registry.k8s.io/pause 3.9+ runs as 65535.
 IMAGE_USERS: Mapping[str, tuple[int, int]] = {"kube-proxy": (0, 0), "proxyshift": (65532, 65532),
+                                              "localcluster": (65532, 65532),
                                               "pause": (65535, 65535)}
 
 

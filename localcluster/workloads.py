@@ -24,7 +24,7 @@ from typing import Any
 
 from localcluster import network, paths
 from localcluster.container import run_in_netns, setns
-from localcluster.nodesim import Kube, KubeError
+from localcluster.kubeapi import Kube, KubeError
 
 DEFAULT_NAMESPACE = "ps-workloads"
 DEFAULT_PORT = 80

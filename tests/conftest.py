@@ -220,8 +220,8 @@ def api_client(cluster: Cluster) -> Any:
 
 @pytest.fixture(scope="session")
 def kube(cluster: Cluster) -> Any:
-    """A raw-JSON client (localcluster.nodesim.Kube): dicts in, dicts out."""
-    from localcluster.nodesim import Kube
+    """A raw-JSON client (localcluster.kubeapi.Kube): dicts in, dicts out."""
+    from localcluster.kubeapi import Kube
 
     return Kube(cluster.kubeconfig, pool_size=16)
 

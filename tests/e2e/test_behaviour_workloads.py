@@ -198,8 +198,8 @@ def podnet_pod(cluster: Any, kube: Any) -> Iterator[str]:
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": PODNET_POD, "namespace": "default", "labels": {"app": PODNET_POD}},
         "spec": {"nodeName": node, "terminationGracePeriodSeconds": 1, "containers": [{
-            "name": "serve", "image": "ghcr.io/proxyshift/proxyshift:dev",
-            "command": ["proxyshift", "localcluster", "serve", "--listen", f"0.0.0.0:{PODNET_PORT}"],
+            "name": "serve", "image": "ghcr.io/proxyshift/localcluster:dev",
+            "command": ["localcluster", "serve", "--listen", f"0.0.0.0:{PODNET_PORT}"],
             "ports": [{"name": "http", "containerPort": PODNET_PORT}],
             "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 1}}]}})
     kube.post("/api/v1/namespaces/default/services", {
@@ -267,8 +267,8 @@ def podnet_daemonset(kube: Any) -> Iterator[str]:
         "apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": name, "namespace": "default"},
         "spec": {"selector": {"matchLabels": labels}, "template": {"metadata": {"labels": labels}, "spec": {
             "terminationGracePeriodSeconds": 1, "containers": [{
-                "name": "serve", "image": "ghcr.io/proxyshift/proxyshift:dev",
-                "command": ["proxyshift", "localcluster", "serve", "--listen", f"0.0.0.0:{PODNET_PORT + 1}"],
+                "name": "serve", "image": "ghcr.io/proxyshift/localcluster:dev",
+                "command": ["localcluster", "serve", "--listen", f"0.0.0.0:{PODNET_PORT + 1}"],
                 "ports": [{"name": "probe", "containerPort": PODNET_PORT + 1}],
                 "readinessProbe": {"tcpSocket": {"port": "probe"}, "periodSeconds": 1}}]}}}})
     yield name

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
-from localcluster import network, nodesim, podnet
+from localcluster import network, podnet
+from localcluster.nodesim import volumes
 from proxyshift.commands import run
 
 pytestmark = pytest.mark.e2e
@@ -319,14 +320,14 @@ def test_configmap_volume_follows_the_configmap(cluster: Any, kube: Any, wait_fo
     kube.merge_patch(CM_PATH, {"data": {"e2e-marker": marker}})
     try:
         wait_for(lambda: (volume / "e2e-marker").exists() and (volume / "e2e-marker").read_text() == marker,
-                 nodesim.VOLUME_REFRESH_SECONDS * 3, "the new ConfigMap key in the pod's volume")
+                 volumes.VOLUME_REFRESH_SECONDS * 3, "the new ConfigMap key in the pod's volume")
         # The container sees it through its bind mount, not only the host folder.
         pid = container_pid(cluster, pod)
         assert pid is not None
         assert Path(f"/proc/{pid}/root/var/lib/kube-proxy/e2e-marker").read_text() == marker
     finally:
         kube.merge_patch(CM_PATH, {"data": {"e2e-marker": None}})
-    wait_for(lambda: not (volume / "e2e-marker").exists(), nodesim.VOLUME_REFRESH_SECONDS * 3,
+    wait_for(lambda: not (volume / "e2e-marker").exists(), volumes.VOLUME_REFRESH_SECONDS * 3,
              "the removed key to leave the volume")
 
 

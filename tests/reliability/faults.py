@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from localcluster import controlplane, state
-from localcluster.nodesim import Kube
+from localcluster.kubeapi import Kube
 from proxyshift.commands import run
 from tests.support.operator_harness import IPTABLES_MODE_CHAINS, REVISION_LABEL, Harness, migration
 from tests.support.processes import container_pid

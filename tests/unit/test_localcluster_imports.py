@@ -1,38 +1,60 @@
-"""localcluster's modules depend on each other one way, and say so with plain imports.
+"""The test bed (localcluster) depends on the product one way, and its modules on each other one way.
 
 Imports inside functions count: a lazy import hides a dependency (and a circle) from a reader, not
-from the interpreter. network.py starts the node simulators, so nodesim.py must not import it; the
-node naming both need lives in paths.py.
+from the interpreter. network.py starts the node simulators, so no nodesim module may import it; the
+node naming both need lives in paths.py. The product (proxyshift) never imports the test bed, and runs
+without it and without the test bed's own dependency, cryptography.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.unit
 
-LOCALCLUSTER = Path(__file__).resolve().parents[2] / "localcluster"
+REPO = Path(__file__).resolve().parents[2]
+LOCALCLUSTER = REPO / "localcluster"
+PRODUCT = REPO / "operator" / "proxyshift"
 PACKAGE = "localcluster"
+NODESIM_JOBS = {"config", "node", "podspec", "probes", "containers", "volumes", "pod", "logserver", "simulator"}
+MAX_MODULE_LINES = 700
 
 
-def sibling_imports(path: Path) -> set[str]:
-    """Names of the localcluster modules `path` imports anywhere in its body (itself excluded)."""
+def module_name(path: Path, root: Path, package: str) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join((package, *parts))
+
+
+def imported_modules(path: Path, prefix: str) -> set[str]:
+    """Dotted names under `prefix` that `path` imports anywhere in its body (`from p import m` counts
+    as p.m when m is a module of p, else as p)."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module == PACKAGE:
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(PACKAGE + "."):
-            found.add(node.module.split(".")[1])
+        if isinstance(node, ast.ImportFrom) and node.module and \
+                (node.module == prefix or node.module.startswith(prefix + ".")):
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                base = REPO / Path(*candidate.split("."))
+                found.add(candidate if base.with_suffix(".py").exists() or base.is_dir() else node.module)
         elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith(PACKAGE + ".")}
-    return found - {path.stem}
+            found |= {a.name for a in node.names if a.name == prefix or a.name.startswith(prefix + ".")}
+    return found
 
 
 def graph() -> dict[str, set[str]]:
-    return {p.stem: sibling_imports(p) for p in sorted(LOCALCLUSTER.glob("*.py")) if p.name != "__init__.py"}
+    edges = {}
+    for path in sorted(LOCALCLUSTER.rglob("*.py")):
+        name = module_name(path, LOCALCLUSTER, PACKAGE)
+        edges[name] = imported_modules(path, PACKAGE) - {name}
+    return edges
 
 
 def cycle(edges: dict[str, set[str]]) -> list[str] | None:
@@ -64,19 +86,82 @@ def test_cycle_finds_a_circle_through_a_lazy_import() -> None:
     assert cycle({"network": {"nodesim", "paths"}, "nodesim": {"paths"}, "paths": set()}) is None
 
 
+def test_imported_modules_tells_a_module_from_a_name(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text("from localcluster.nodesim import pod\nfrom localcluster.kubeapi import Kube\n"
+                      "def f():\n    import localcluster.network\n")
+    assert imported_modules(source, PACKAGE) == {"localcluster.nodesim.pod", "localcluster.kubeapi",
+                                                 "localcluster.network"}
+
+
 def test_localcluster_has_no_import_circle() -> None:
     edges = graph()
-    assert {"network", "nodesim", "controlplane", "paths"} <= edges.keys()
+    assert {"localcluster.network", "localcluster.nodesim.simulator", "localcluster.controlplane",
+            "localcluster.paths"} <= edges.keys()
     assert cycle(edges) is None
 
 
 def test_the_node_simulator_does_not_import_what_starts_it() -> None:
     edges = graph()
-    assert "nodesim" in edges["network"]
-    assert "network" not in edges["nodesim"]
+    assert "localcluster.nodesim.node" in edges["localcluster.network"]
+    importers = [m for m, deps in edges.items() if m.startswith("localcluster.nodesim") and
+                 "localcluster.network" in deps]
+    assert importers == []
 
 
-def test_the_control_plane_imports_the_node_half_plainly() -> None:
-    """No importlib: controlplane needs network (the bridge, the nodes' removal and status)."""
-    assert "importlib" not in (LOCALCLUSTER / "controlplane.py").read_text()
-    assert "network" in graph()["controlplane"]
+def test_the_node_simulator_is_one_module_per_job() -> None:
+    modules = {p.stem for p in (LOCALCLUSTER / "nodesim").glob("*.py")} - {"__init__", "__main__"}
+    assert modules == NODESIM_JOBS
+    long = {p.name: n for p in LOCALCLUSTER.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}
+
+
+def test_the_command_lines_import_plainly() -> None:
+    """No importlib: controlplane and cli need network (the bridge, the nodes); say so."""
+    for name in ("controlplane.py", "cli.py"):
+        assert "importlib" not in (LOCALCLUSTER / name).read_text(), name
+    assert "localcluster.network" in graph()["localcluster.controlplane"]
+    assert "localcluster.network" in graph()["localcluster.cli"]
+
+
+def test_the_product_never_imports_the_test_bed() -> None:
+    assert not (PRODUCT / "localcluster").exists()
+    importers = {str(p.relative_to(REPO)) for p in PRODUCT.rglob("*.py") if imported_modules(p, PACKAGE)}
+    assert importers == set()
+
+
+def test_the_product_does_not_depend_on_the_test_beds_packages() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    runtime = {d.split(">")[0].split("=")[0].strip().lower() for d in project["dependencies"]}
+    assert "cryptography" not in runtime
+    assert "localcluster" not in project.get("scripts", {})
+    lock = (REPO / "requirements.lock").read_text()
+    assert "\ncryptography==" not in lock
+
+
+BLOCKER = """
+import importlib.abc, pkgutil, sys
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("localcluster", "cryptography"):
+            raise ImportError(f"blocked: {name}")
+        return None
+sys.meta_path.insert(0, Blocker())
+import proxyshift
+count = 0
+for info in pkgutil.walk_packages(proxyshift.__path__, "proxyshift."):
+    __import__(info.name)
+    count += 1
+from proxyshift import cli
+assert cli.main(["--help"]) == 0
+print(count)
+"""
+
+
+def test_every_product_module_imports_without_the_test_bed_or_cryptography() -> None:
+    """As in the image: every proxyshift module imports (and the CLI answers) with localcluster and
+    cryptography unavailable."""
+    done = subprocess.run([sys.executable, "-c", BLOCKER], capture_output=True, text=True, timeout=120,
+                          cwd=REPO / "operator", check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout.strip().splitlines()[-1]) > 50

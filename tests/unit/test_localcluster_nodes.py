@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from localcluster import container, listener, network, nodesim
+from localcluster import container, listener, network
+from localcluster.nodesim import node as sim_node
+from localcluster.nodesim import podspec, volumes
 
 pytestmark = pytest.mark.unit
 
@@ -20,7 +22,7 @@ pytestmark = pytest.mark.unit
     ("cost: $5", "cost: $5"),
 ])
 def test_expand_follows_kubernetes_rules(text: str, expected: str) -> None:
-    assert nodesim.expand(text, {"NODE_NAME": "ps-node-1"}) == expected
+    assert podspec.expand(text, {"NODE_NAME": "ps-node-1"}) == expected
 
 
 @pytest.mark.parametrize(("image", "kind"), [
@@ -28,33 +30,34 @@ def test_expand_follows_kubernetes_rules(text: str, expected: str) -> None:
     ("registry.k8s.io/kube-proxy@sha256:abc", "kube-proxy"),
     ("registry.k8s.io/kube-proxy", "kube-proxy"),
     ("ghcr.io/proxyshift/proxyshift:dev", "proxyshift"),
+    ("ghcr.io/proxyshift/localcluster:dev", "localcluster"),
     ("registry.k8s.io/pause:3.10", "pause"),
     ("registry.k8s.io/kube-proxy-amd64:v1.37.2", None),
     ("docker.io/library/busybox:1", None),
     ("localhost:5000/kube-proxy:v1", None),
 ])
 def test_image_kind(image: str, kind: str | None) -> None:
-    assert nodesim.image_kind(image) == kind
+    assert podspec.image_kind(image) == kind
 
 
 def test_field_refs() -> None:
     pod = {"metadata": {"name": "p", "namespace": "ns", "uid": "u", "labels": {"app": "x"}},
            "spec": {"nodeName": "ps-node-2"}}
-    assert nodesim.field_value(pod, "spec.nodeName", "198.18.0.12") == "ps-node-2"
-    assert nodesim.field_value(pod, "status.podIP", "198.18.0.12") == "198.18.0.12"
-    assert nodesim.field_value(pod, "status.hostIP", "198.18.0.12") == "198.18.0.12"
-    assert nodesim.field_value(pod, "metadata.labels['app']", "") == "x"
-    assert nodesim.field_value(pod, "spec.serviceAccountName", "") == "default"
-    with pytest.raises(nodesim.PodError):
-        nodesim.field_value(pod, "spec.bogus", "")
+    assert podspec.field_value(pod, "spec.nodeName", "198.18.0.12") == "ps-node-2"
+    assert podspec.field_value(pod, "status.podIP", "198.18.0.12") == "198.18.0.12"
+    assert podspec.field_value(pod, "status.hostIP", "198.18.0.12") == "198.18.0.12"
+    assert podspec.field_value(pod, "metadata.labels['app']", "") == "x"
+    assert podspec.field_value(pod, "spec.serviceAccountName", "") == "default"
+    with pytest.raises(podspec.PodError):
+        podspec.field_value(pod, "spec.bogus", "")
 
 
 def test_named_ports_resolve_from_the_container() -> None:
     spec = {"name": "c", "ports": [{"name": "healthz", "containerPort": 10256}]}
-    assert nodesim.resolve_port("healthz", spec) == 10256
-    assert nodesim.resolve_port(8080, spec) == 8080
+    assert podspec.resolve_port("healthz", spec) == 10256
+    assert podspec.resolve_port(8080, spec) == 8080
     with pytest.raises(ValueError, match="metrics"):
-        nodesim.resolve_port("metrics", spec)
+        podspec.resolve_port("metrics", spec)
 
 
 def test_bind_specs() -> None:
@@ -93,7 +96,7 @@ def test_cluster_access_prefers_the_node_facing_url() -> None:
 
 
 def test_node_manifest_has_what_the_scheduler_and_tests_read() -> None:
-    node = nodesim.node_manifest("ps-node-3", "198.18.0.13", "green", "v1.37.2")
+    node = sim_node.node_manifest("ps-node-3", "198.18.0.13", "green", "v1.37.2")
     labels = node["metadata"]["labels"]
     assert labels["pool"] == labels["proxyshift-test-pool"] == "green"
     assert labels["kubernetes.io/hostname"] == "ps-node-3"
@@ -108,9 +111,9 @@ def test_node_manifest_has_what_the_scheduler_and_tests_read() -> None:
 def test_volume_files_are_written_in_place(tmp_path: Path) -> None:
     target = tmp_path / "vol"
     target.mkdir()
-    nodesim._write_files(target, {"config.conf": (b"mode: iptables\n", 0o644), "sub/x": (b"1", 0o600)})
+    volumes.write_files(target, {"config.conf": (b"mode: iptables\n", 0o644), "sub/x": (b"1", 0o600)})
     inode = (target / "config.conf").stat().st_ino
-    nodesim._write_files(target, {"config.conf": (b"mode: nftables\n", 0o644)})
+    volumes.write_files(target, {"config.conf": (b"mode: nftables\n", 0o644)})
     assert (target / "config.conf").read_text() == "mode: nftables\n"
     assert (target / "config.conf").stat().st_ino != inode  # replaced by rename: readers never see half a file
     assert not (target / "sub" / "x").exists()  # keys that left the object leave the volume
@@ -118,9 +121,9 @@ def test_volume_files_are_written_in_place(tmp_path: Path) -> None:
 
 def test_a_volume_over_the_checkout_hides_the_package_and_the_venv_and_they_are_bound_back() -> None:
     package, venv, base = Path("/tmp/ck/operator/proxyshift"), Path("/tmp/ck/.venv"), Path("/usr")
-    assert nodesim.hidden_by([Path("/tmp")], [package, venv, base]) == [package, venv]
-    assert nodesim.hidden_by([Path("/tmp/ck/.venv/lib")], [package, venv, base]) == []
-    assert nodesim.hidden_by([], [package, venv, base]) == []
+    assert podspec.hidden_by([Path("/tmp")], [package, venv, base]) == [package, venv]
+    assert podspec.hidden_by([Path("/tmp/ck/.venv/lib")], [package, venv, base]) == []
+    assert podspec.hidden_by([], [package, venv, base]) == []
 
 
 def test_image_paths_are_the_checkout_and_this_interpreters_environment() -> None:
@@ -128,6 +131,17 @@ def test_image_paths_are_the_checkout_and_this_interpreters_environment() -> Non
 
     import proxyshift
 
-    paths = nodesim.image_paths()
+    paths = podspec.image_paths()
     assert str(Path(proxyshift.__file__).resolve().parent.parent) in paths
     assert sys.prefix in paths and sys.base_prefix in paths  # the venv, and the python it links to
+
+
+def test_a_python_image_runs_its_own_package_from_this_checkout() -> None:
+    import proxyshift
+
+    product = str(Path(proxyshift.__file__).resolve().parent.parent)
+    assert podspec.python_path("proxyshift") == product  # the product image: the product only
+    testbed, rest = podspec.python_path("localcluster").split(":")
+    assert rest == product and (Path(testbed) / "localcluster" / "nodesim" / "podspec.py").exists()
+    assert testbed in podspec.image_paths()
+

@@ -11,7 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from localcluster import listener, network, nodesim, paths, podnet
+from localcluster import listener, network, paths, podnet
+from localcluster.nodesim import config, podspec
+from localcluster.nodesim import pod as sim_pod
 
 pytestmark = pytest.mark.unit
 
@@ -76,9 +78,9 @@ def test_host_gw_routes_point_each_pod_range_at_its_node() -> None:
 
 def test_field_refs_give_a_pod_its_pod_address_and_the_node_address_as_host() -> None:
     pod = {"metadata": {"name": "p", "namespace": "n"}, "spec": {"nodeName": "ps-node-1"}}
-    assert nodesim.field_value(pod, "status.podIP", "198.18.0.11", "198.18.32.2") == "198.18.32.2"
-    assert nodesim.field_value(pod, "status.hostIP", "198.18.0.11", "198.18.32.2") == "198.18.0.11"
-    assert nodesim.field_value(pod, "status.podIP", "198.18.0.11") == "198.18.0.11"  # hostNetwork
+    assert podspec.field_value(pod, "status.podIP", "198.18.0.11", "198.18.32.2") == "198.18.32.2"
+    assert podspec.field_value(pod, "status.hostIP", "198.18.0.11", "198.18.32.2") == "198.18.0.11"
+    assert podspec.field_value(pod, "status.podIP", "198.18.0.11") == "198.18.0.11"  # hostNetwork
 
 
 def test_udp_answer_names_the_endpoint_and_echoes_a_bounded_request() -> None:
@@ -114,8 +116,8 @@ def test_udp_answerer_answers_every_datagram_on_loopback() -> None:
 
 
 def _worker(host_network: bool | None, pod_netns: str = "ps-node-1-pod", *, ports: tuple[int, ...] = (),
-            name: str = "p", sim: object | None = None) -> nodesim.PodWorker:
-    cfg = nodesim.SimConfig(node="ps-node-1", node_ip="198.18.0.11", pool="p", kubeconfig=Path("k"),
+            name: str = "p", sim: object | None = None) -> sim_pod.PodWorker:
+    cfg = config.SimConfig(node="ps-node-1", node_ip="198.18.0.11", pool="p", kubeconfig=Path("k"),
                             bin_dir=Path("b"), state_dir=Path("/nonexistent"), api_host="198.18.0.1", api_port=6443,
                             kubelet_version="v1.37.2", backoff_base=1.0, backoff_max=2.0, pod_netns=pod_netns,
                             pod_ip="198.18.32.2" if pod_netns else "")
@@ -125,12 +127,12 @@ def _worker(host_network: bool | None, pod_netns: str = "ps-node-1-pod", *, port
         spec["hostNetwork"] = host_network
     pod = {"metadata": {"name": name, "namespace": "n", "uid": f"{name}-0123456789"}, "spec": spec}
     sim = sim or SimpleNamespace(cfg=cfg, workers={})
-    worker = nodesim.PodWorker(sim, pod)  # type: ignore[arg-type]
+    worker = sim_pod.PodWorker(sim, pod)  # type: ignore[arg-type]
     sim.workers[worker.uid] = worker  # type: ignore[attr-defined]
     return worker
 
 
-def _running(worker: nodesim.PodWorker) -> nodesim.PodWorker:
+def _running(worker: sim_pod.PodWorker) -> sim_pod.PodWorker:
     worker.runs[0].proc = SimpleNamespace(poll=lambda: None)  # type: ignore[assignment]
     return worker
 
@@ -140,7 +142,7 @@ def test_a_port_taken_in_the_shared_pod_namespace_is_refused_with_a_reason() -> 
     operator = _running(_worker(False, ports=(8080, 8081), name="operator", sim=sim))
     _running(_worker(True, ports=(9090,), name="agent", sim=sim))  # hostNetwork: its own (the node's) namespace
     probe = _worker(False, ports=(8081, 9090), name="probe", sim=sim)
-    with pytest.raises(nodesim.PodError, match=r"8081/TCP already declared by pod n/operator") as err:
+    with pytest.raises(podspec.PodError, match=r"8081/TCP already declared by pod n/operator") as err:
         probe._check_shared_ports()
     assert err.value.reason == "PortConflict"
     _worker(False, ports=(9091,), name="other", sim=sim)._check_shared_ports()  # no overlap: fine
@@ -161,3 +163,22 @@ def test_a_pod_runs_in_the_namespace_its_host_network_says(host_network: bool | 
 def test_without_a_pod_namespace_every_pod_runs_in_the_node() -> None:
     worker = _worker(False, pod_netns="")
     assert (worker.netns, worker.pod_ip) == ("ps-node-1", "198.18.0.11")
+
+
+@pytest.mark.parametrize(("image", "command", "argv"), [
+    ("ghcr.io/proxyshift/proxyshift:dev", ["proxyshift", "agent"], ["-m", "proxyshift.cli", "agent"]),
+    ("ghcr.io/proxyshift/localcluster:dev", ["localcluster", "serve"], ["-m", "localcluster.cli", "serve"]),
+    ("ghcr.io/proxyshift/localcluster:dev", [], ["-m", "localcluster.cli"]),
+])
+def test_each_python_image_runs_its_own_cli(image: str, command: list[str], argv: list[str]) -> None:
+    worker = _worker(False)
+    assert worker._argv({"name": "c", "image": image, "command": command}, {})[1:] == argv
+
+
+def test_an_image_does_not_run_the_other_images_cli() -> None:
+    worker = _worker(False)
+    with pytest.raises(podspec.PodError, match="runs only the proxyshift CLI"):
+        worker._argv({"name": "c", "image": "ghcr.io/proxyshift/proxyshift:dev", "command": ["localcluster"]}, {})
+    with pytest.raises(podspec.PodError, match="runs only the localcluster CLI"):
+        worker._argv({"name": "c", "image": "ghcr.io/proxyshift/localcluster:dev", "command": ["proxyshift"]}, {})
+
