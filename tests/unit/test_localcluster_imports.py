@@ -12,6 +12,7 @@ import ast
 import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -165,3 +166,16 @@ def test_every_product_module_imports_without_the_test_bed_or_cryptography() -> 
                           cwd=REPO / "operator", check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert int(done.stdout.strip().splitlines()[-1]) > 50
+
+
+def test_the_product_wheel_holds_only_the_operator_and_agent(tmp_path: Path) -> None:
+    """What the image installs (`pip install /src`): proxyshift and its metadata, no test bed."""
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "--disable-pip-version-check", "-w", str(tmp_path), str(REPO)],
+                           capture_output=True, text=True, timeout=300, check=False)
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = tmp_path.glob("proxyshift-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"proxyshift", f"{wheel.name.split('-py3')[0]}.dist-info"}
+    assert "proxyshift/agent/loop.py" in names and "proxyshift/controller/main.py" in names
+    assert [n for n in names if "localcluster" in n or n.endswith(".sh")] == []
