@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from localcluster import paths, podnet
+from localcluster import nodesim, paths, podnet
 from localcluster.container import setns
 from localcluster.kubeapi import Kube, KubeError
 from localcluster.nodesim.config import SimConfig
@@ -181,7 +181,7 @@ class Simulator:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="localcluster.nodesim", description=__doc__,
+    parser = argparse.ArgumentParser(prog="localcluster.nodesim", description=nodesim.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--node", required=True)
     parser.add_argument("--node-ip", help="default: from the node name (ps-node-<i> -> 198.18.0.<10+i>)")
