@@ -2,16 +2,49 @@
 
 from __future__ import annotations
 
-from proxyshift.modes.base import ModeFacts, ToolNeed
+from proxyshift.api.kubeproxy import KPNFTablesConfiguration, KubeProxyConfiguration
+from proxyshift.api.policy import NFTABLES_LOCALHOST_GATE, ProxyPolicySpec, names_loopback
+from proxyshift.modes.base import ModeFacts, Owned, ToolNeed, overlay
 
 NFTABLES_MIN_KERNEL = (5, 13)
 NFTABLES_MIN_NFT = (1, 0, 1)
 
+# nftables mode keeps everything in these two tables.
+OWNED = Owned(nft_tables=(("ip", "kube-proxy"), ("ip6", "kube-proxy")))
+
+
+def render_settings(config: KubeProxyConfiguration, spec: ProxyPolicySpec) -> None:
+    if spec.nftables is None:
+        return
+    config.nftables = config.nftables or KPNFTablesConfiguration()
+    # localhostNodePorts is not a KubeProxyConfiguration.nftables field: kube-proxy 1.37 reads it
+    # as a feature gate, so it goes there and nowhere else.
+    overlay(config.nftables, spec.nftables.model_copy(update={"localhost_node_ports": None}))
+    if spec.nftables.localhost_node_ports is not None:
+        config.feature_gates = {**(config.feature_gates or {}),
+                                NFTABLES_LOCALHOST_GATE: spec.nftables.localhost_node_ports}
+
+
+def localhost_protocols(config: KubeProxyConfiguration | None, addresses: list[str]) -> set[str]:
+    """TCP only, and only with the alpha feature gate and loopback named in nodePortAddresses."""
+    gates = (config.feature_gates if config else None) or {}
+    if gates.get(NFTABLES_LOCALHOST_GATE) and any(names_loopback(a) for a in addresses):
+        return {"TCP"}
+    return set()
+
+
 FACTS = ModeFacts(
     mode="nftables",
     tools=(ToolNeed("nft", NFTABLES_MIN_NFT),),
+    owned=OWNED,
+    objects=("nft-tables",),
     min_kernel=NFTABLES_MIN_KERNEL,
     startup_cleans_rules_of=frozenset({"iptables"}),
     # platformCleanup -> ipvs cleanup -> ipvs.Flush(), at every start (cmd/kube-proxy/app/server_linux.go).
     deletes_foreign_ipvs=True,
+    # Its service rules are the kube-proxy tables, which a hold copies whole as proxyshift-hold tables.
+    held_as="nft-tables",
+    render_settings=render_settings,
+    node_port_default="primary",
+    localhost_protocols=localhost_protocols,
 )

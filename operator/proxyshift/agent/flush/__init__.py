@@ -1,21 +1,23 @@
-"""Flush of stale kube-proxy objects, one module per mode behind one interface.
+"""Flush of stale kube-proxy objects: one flusher per kind of kernel object behind one interface.
 
-`flush(remove_modes, target_mode)` runs the mode flushers in the only safe
-order: iptables rules first (ipvs-mode rules reference the KUBE-* ipsets that
-the ipvs flusher destroys), then ipvs, then nftables.
+Which kinds a mode leaves on a node is the mode's fact (`proxyshift.modes`, ModeFacts.objects): iptables mode
+its chains, ipvs mode chains and IPVS objects, nftables mode its nft tables. `flush(remove_modes, target_mode)`
+runs the flushers of the kinds the removed modes own, in the only safe order (OBJECT_KINDS): iptables rules
+first (ipvs-mode rules reference the KUBE-* ipsets that the ipvs flusher destroys), then ipvs, then nftables.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from proxyshift.agent.flush.base import Flusher, FlushReport, FlushStep, Runner
 from proxyshift.agent.flush.iptables import IptablesFlusher, IptablesTool
 from proxyshift.agent.flush.ipvs import IpvsFlusher
 from proxyshift.agent.flush.nftables import NftablesFlusher
-from proxyshift.agent.ownership import IPVS_IPSETS, MODES, Mode
+from proxyshift.agent.ownership import MODES, Mode
 from proxyshift.commands import run
+from proxyshift.modes import MODE_FACTS, OBJECT_KINDS, ObjectKind
 
 __all__ = ["FlushReport", "FlushStep", "flush", "validate_modes"]
 
@@ -38,15 +40,18 @@ def flush(remove_modes: Iterable[str], target_mode: str | None, *, runner: Runne
     """
     remove, target = validate_modes(remove_modes, target_mode)
     report = FlushReport(sorted(remove), target)
-    destroy_sets = frozenset(IPVS_IPSETS) if "ipvs" in remove and target != "ipvs" else frozenset()
-    flushers: list[Flusher] = [
-        IptablesFlusher(run=runner, tools=iptables_tools, destroy_sets=destroy_sets, verify=verify,
-                        dry_run=dry_run),
-        IpvsFlusher(run=runner, proc_root=proc_root, dry_run=dry_run),
-        NftablesFlusher(run=runner, dry_run=dry_run),
-    ]
-    if "iptables" not in remove and "ipvs" not in remove:
-        flushers = flushers[2:]
-    for flusher in flushers:
-        report.steps.extend(flusher.flush(remove, target))
+    # The iptables flush also drops the rules that reference the removed modes' ipsets, so they can be destroyed.
+    destroy_sets = frozenset[str]().union(*(MODE_FACTS[m].owned.ipsets for m in remove))
+    flushers: dict[ObjectKind, Callable[[], Flusher]] = {
+        "iptables-chains": lambda: IptablesFlusher(run=runner, tools=iptables_tools, destroy_sets=destroy_sets,
+                                                   verify=verify, dry_run=dry_run),
+        "ipvs": lambda: IpvsFlusher(run=runner, proc_root=proc_root, dry_run=dry_run),
+        "nft-tables": lambda: NftablesFlusher(run=runner, dry_run=dry_run),
+    }
+    # Only the kinds a removed mode owns: a flush of nftables alone saves no iptables table at all. Each
+    # flusher also decides for itself which of its objects the target mode keeps (shared chains).
+    owned = {kind for m in remove for kind in MODE_FACTS[m].objects}
+    for kind in OBJECT_KINDS:
+        if kind in owned:
+            report.steps.extend(flushers[kind]().flush(remove, target))
     return report
