@@ -22,6 +22,7 @@ from proxyshift.modes.base import (
     OBJECT_KINDS,
     ModeFacts,
     ModuleNeed,
+    NodePortDefault,
     ObjectKind,
     Owned,
     ToolNeed,
@@ -61,6 +62,7 @@ __all__ = [
     "Mode",
     "ModeFacts",
     "ModuleNeed",
+    "NodePortDefault",
     "ObjectKind",
     "Owned",
     "ToolNeed",
@@ -69,7 +71,7 @@ __all__ = [
     "facts_of",
     "is_mode",
     "kind_is_stale",
-    "modes_owning",
+    "node_port_default",
     "overlay",
     "startup_cleanup_drops_old_rules",
     "version_text",
@@ -91,8 +93,11 @@ def facts_of(mode: str | None) -> ModeFacts | None:
     return MODE_FACTS[mode] if is_mode(mode) else None
 
 
-def modes_owning(kind: ObjectKind) -> frozenset[Mode]:
-    return frozenset(m for m, f in MODE_FACTS.items() if kind in f.objects)
+def node_port_default(mode: str | None) -> NodePortDefault:
+    """nodePortAddresses when unset, as kube-proxy defaults it in `mode`; a mode this version does not know gets
+    the default every mode had before nftables mode: every local address."""
+    known = facts_of(mode)
+    return known.node_port_default if known is not None else "all"
 
 
 def kind_is_stale(kind: ObjectKind, remove_modes: Iterable[Mode], target_mode: Mode | None) -> bool:

@@ -79,6 +79,10 @@ def _no_settings(config: KubeProxyConfiguration, spec: ProxyPolicySpec) -> None:
     return None
 
 
+# (summary, the setting that keeps today's behaviour or None) of a move into a mode that loses localhost NodePorts.
+LocalhostLoss = Callable[[frozenset[str]], tuple[str, str | None]]
+
+
 @dataclass(frozen=True)
 class ModeFacts:
     """What one kube-proxy mode needs from a node, what it leaves there, how its settings render and how it
@@ -111,6 +115,14 @@ class ModeFacts:
     # The protocols whose NodePorts answer on 127.0.0.1, given its config and nodePortAddresses as IPv4 sees it.
     localhost_protocols: Callable[[KubeProxyConfiguration | None, list[str]], set[str]] = field(
         default=_no_localhost)
+    # The setting with which it serves localhost NodePorts only when asked (None: it needs none, or has none).
+    localhost_opt_in: str | None = None
+    # The compatibility report's words for a move into it that loses localhost NodePorts of these protocols
+    # (None: the report's generic words).
+    localhost_loss: LocalhostLoss | None = None
+    # The behaviour gate's reason, after a move into it, why a localhost NodePort of this protocol stopped
+    # answering (None: the gate's generic words).
+    localhost_cause: Callable[[str, KubeProxyConfiguration | None], str] | None = None
 
 
 def overlay(target: Any, settings: Any) -> None:

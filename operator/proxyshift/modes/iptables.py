@@ -48,6 +48,16 @@ def localhost_protocols(config: KubeProxyConfiguration | None, addresses: list[s
     return {"TCP", "UDP"} if enabled and covered else set()
 
 
+def localhost_loss(lost: frozenset[str]) -> tuple[str, str | None]:
+    return ("the new revision turns localhost NodePorts off: NodePorts on 127.0.0.1 stop answering",
+            "iptables.localhostNodePorts: true (and loopback in nodePortAddresses, if set)")
+
+
+def localhost_cause(protocol: str, config: KubeProxyConfiguration | None) -> str:
+    return ("iptables.localhostNodePorts is off, or nodePortAddresses leaves out loopback, in the new revision "
+            "(set iptables.localhostNodePorts: true, or allow the change LocalhostNodePorts)")
+
+
 FACTS = ModeFacts(
     mode="iptables",
     tools=(ToolNeed("iptables"),),
@@ -61,4 +71,6 @@ FACTS = ModeFacts(
     opens_node_ports=True,
     drops_invalid=True,
     localhost_protocols=localhost_protocols,
+    localhost_loss=localhost_loss,
+    localhost_cause=localhost_cause,
 )

@@ -33,6 +33,36 @@ def localhost_protocols(config: KubeProxyConfiguration | None, addresses: list[s
     return set()
 
 
+LOCALHOST_OPT_IN = "nftables.localhostNodePorts: true"
+
+
+def localhost_loss(lost: frozenset[str]) -> tuple[str, str | None]:
+    if lost == {"UDP"}:
+        # The TCP ones are kept already; nftables has nothing for UDP.
+        return ("nftables mode serves localhost NodePorts for TCP only: UDP NodePorts on 127.0.0.1 stop answering",
+                None)
+    return ("nftables mode serves no NodePorts on 127.0.0.1 (iptables mode does, through route_localnet)",
+            "nftables.localhostNodePorts: true with localhost in nodePortAddresses, e.g. [0.0.0.0/0, "
+            f"localhost] (TCP only; kube-proxy's alpha feature gate {NFTABLES_LOCALHOST_GATE})")
+
+
+def localhost_cause(protocol: str, config: KubeProxyConfiguration | None) -> str:
+    gates = (config.feature_gates if config else None) or {}
+    addresses = (config.node_port_addresses if config else None) or []
+    if gates.get(NFTABLES_LOCALHOST_GATE) and any(names_loopback(a) for a in addresses):
+        if protocol == "UDP":
+            return ("nftables mode serves localhost NodePorts for TCP only (allow the change LocalhostNodePorts, "
+                    "or keep this pool on iptables)")
+        return ("nftables.localhostNodePorts is on but kube-proxy's localhost proxy does not answer (check "
+                "kube-proxy's log; or allow the change LocalhostNodePorts)")
+    if protocol == "TCP":
+        return ("nftables mode serves no localhost NodePorts (set nftables.localhostNodePorts: true with "
+                "localhost in nodePortAddresses, allow the change LocalhostNodePorts, or keep this pool on "
+                "iptables)")
+    return ("nftables mode serves no UDP NodePorts on localhost (allow the change LocalhostNodePorts, or keep "
+            "this pool on iptables)")
+
+
 FACTS = ModeFacts(
     mode="nftables",
     tools=(ToolNeed("nft", NFTABLES_MIN_NFT),),
@@ -47,4 +77,7 @@ FACTS = ModeFacts(
     render_settings=render_settings,
     node_port_default="primary",
     localhost_protocols=localhost_protocols,
+    localhost_opt_in=LOCALHOST_OPT_IN,
+    localhost_loss=localhost_loss,
+    localhost_cause=localhost_cause,
 )
