@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from proxyshift.api.diagnostics import CounterSource
 from proxyshift.api.kubeproxy import KubeProxyConfiguration
 from proxyshift.api.policy import ProxyPolicySpec
 from proxyshift.api.proxynode import Mode
@@ -106,6 +107,11 @@ class ModeFacts:
     held_as: ObjectKind | None = None
     # Lays the policy's settings for this mode (spec.<mode>) onto the rendered KubeProxyConfiguration.
     render_settings: Callable[[KubeProxyConfiguration, ProxyPolicySpec], None] = field(default=_no_settings)
+    # Why a cluster should leave it even without a measured speed-up (`proxyshift plan`'s advice).
+    deprecation: str | None = None
+    # Where `proxyshift diagnose` finds per-endpoint counters on its nodes: its own rules (iptables), the IPVS
+    # table's stats (ipvs), or only conntrack (nftables: kube-proxy's rules keep no per-endpoint counters).
+    counters: CounterSource = "conntrack"
     # Service behaviour (planner/compat.py, planner/behaviour.py):
     node_port_default: NodePortDefault = "all"
     # It adds filter rules accepting NodePort traffic, so a default-drop host firewall still lets it in.

@@ -68,6 +68,7 @@ FACTS = ModeFacts(
     # Its service rules are nat chains, which a hold copies as PSHOLD-* chains.
     held_as="iptables-chains",
     render_settings=render_settings,
+    counters="iptables",
     opens_node_ports=True,
     drops_invalid=True,
     localhost_protocols=localhost_protocols,

@@ -72,9 +72,12 @@ FACTS = ModeFacts(
     objects=("iptables-chains", "ipvs"),
     modules=modules,
     ipvs_scheduler=True,
+    deprecation=("IPVS mode is deprecated since Kubernetes 1.35 and nftables is GA since 1.33: "
+                 "plan a move to nftables (proxyshift plan with mode: nftables shows which nodes can)"),
     # Not held: its virtual servers live in the IPVS table, not in rules that can be renamed.
     held_as=None,
     render_settings=render_settings,
+    counters="ipvs",
     opens_node_ports=True,
     drops_invalid=True,
 )
