@@ -429,7 +429,7 @@ def _ipvs_counters(service: DiagnoseService, readers: Readers, out: _RuleCounts)
 
 
 # One reader per source of per-endpoint counters; which source a mode has is its fact (ModeFacts.counters).
-_RULE_COUNTERS: dict[CounterSource, Callable[[DiagnoseService, Readers, _RuleCounts], None]] = {
+RULE_COUNTERS: dict[CounterSource, Callable[[DiagnoseService, Readers, _RuleCounts], None]] = {
     "iptables": _iptables_counters,
     "ipvs": _ipvs_counters,
 }
@@ -441,7 +441,7 @@ def read_service(service: DiagnoseService, mode: str | None, readers: Readers | 
     key = service.key
     facts = facts_of(mode)
     source: CounterSource = facts.counters if facts is not None else "conntrack"
-    counted_by_rules = _RULE_COUNTERS.get(source)
+    counted_by_rules = RULE_COUNTERS.get(source)
     found = _RuleCounts()
     if counted_by_rules is not None:
         counted_by_rules(service, readers, found)

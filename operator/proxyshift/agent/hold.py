@@ -189,7 +189,7 @@ def install(from_mode: str, *, runner: Runner = run, iptables_tools: list[Iptabl
         held = " and ".join(m for m in MODES if MODE_FACTS[m].held_as)
         report.errors.append(f"no hold for {from_mode!r} mode (only {held} rules can be held)")
         return report
-    _INSTALLERS[kind](report, runner, iptables_tools)
+    INSTALLERS[kind](report, runner, iptables_tools)
     return report
 
 
@@ -222,7 +222,7 @@ def _install_nft(report: HoldReport, runner: Runner, iptables_tools: list[Iptabl
 
 
 # One installer per kind of object a mode's hold copies (ModeFacts.held_as).
-_INSTALLERS: dict[ObjectKind, Callable[[HoldReport, Runner, list[IptablesTool] | None], None]] = {
+INSTALLERS: dict[ObjectKind, Callable[[HoldReport, Runner, list[IptablesTool] | None], None]] = {
     "iptables-chains": _install_iptables,
     "nft-tables": _install_nft,
 }

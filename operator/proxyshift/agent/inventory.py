@@ -62,7 +62,7 @@ class Inventory:
 
     def kind_count(self, kind: ObjectKind) -> int:
         """Objects of a kind other than chains (chains are counted per mode, shared ones by attribution)."""
-        return _KINDS[kind].count(self) if kind in _KINDS else 0
+        return KIND_COUNTS[kind].count(self) if kind in KIND_COUNTS else 0
 
     def _evidence(self) -> set[Mode]:
         """Modes with at least one object no other mode uses."""
@@ -99,8 +99,8 @@ class Inventory:
             if per_table:
                 parts.append(f"{inv.label}: " + ", ".join(f"{t} {n} chains" for t, n in sorted(per_table.items())))
         for kind in MODE_FACTS[mode].objects:
-            if kind in _KINDS:
-                parts += _KINDS[kind].summary(self)
+            if kind in KIND_COUNTS:
+                parts += KIND_COUNTS[kind].summary(self)
         return "; ".join(parts)[:512]
 
 
@@ -123,8 +123,8 @@ class _Kind:
     summary: Callable[[Inventory], list[str]]
 
 
-_KINDS: dict[ObjectKind, _Kind] = {
-    "ipvs": _Kind(lambda inv: len(inv.kube_virtual_servers) + int(inv.dummy_interface) + len(inv.ipsets),
+KIND_COUNTS: dict[ObjectKind, _Kind] = {
+    "ipvs-objects": _Kind(lambda inv: len(inv.kube_virtual_servers) + int(inv.dummy_interface) + len(inv.ipsets),
                   _ipvs_summary),
     "nft-tables": _Kind(lambda inv: len(inv.nft_tables),
                         lambda inv: ["tables " + ", ".join(f"{f} {n}" for f, n in inv.nft_tables)]

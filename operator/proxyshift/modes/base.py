@@ -23,7 +23,7 @@ Tool = Literal["iptables", "ipset", "nft"]
 # kind, not per mode, because two modes share a tool: ipvs mode's KUBE-* chains are iptables chains, and one
 # iptables-save/-restore per family must see both modes' chains to tell the shared ones apart. The order is the
 # flush's only safe order: rules first (ipvs mode's rules reference the ipsets the ipvs flush destroys).
-ObjectKind = Literal["iptables-chains", "ipvs", "nft-tables"]
+ObjectKind = Literal["iptables-chains", "ipvs-objects", "nft-tables"]
 OBJECT_KINDS: tuple[ObjectKind, ...] = get_args(ObjectKind)
 
 # nodePortAddresses when unset, as kube-proxy 1.37 defaults it per mode: every local address, or the node's IPs.

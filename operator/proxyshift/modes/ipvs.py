@@ -69,7 +69,7 @@ FACTS = ModeFacts(
     tools=(ToolNeed("iptables"), ToolNeed("ipset", IPVS_MIN_IPSET)),
     owned=OWNED,
     # Its virtual servers are found by evidence (kube-ipvs0's addresses, its ipsets), not by name.
-    objects=("iptables-chains", "ipvs"),
+    objects=("iptables-chains", "ipvs-objects"),
     modules=modules,
     ipvs_scheduler=True,
     deprecation=("IPVS mode is deprecated since Kubernetes 1.35 and nftables is GA since 1.33: "

@@ -9,6 +9,7 @@ first (ipvs-mode rules reference the KUBE-* ipsets that the ipvs flusher destroy
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from proxyshift.agent.flush.base import Flusher, FlushReport, FlushStep, Runner
@@ -19,7 +20,7 @@ from proxyshift.agent.ownership import MODES, Mode
 from proxyshift.commands import run
 from proxyshift.modes import MODE_FACTS, OBJECT_KINDS, ObjectKind
 
-__all__ = ["FlushReport", "FlushStep", "flush", "validate_modes"]
+__all__ = ["FLUSHERS", "FlushOptions", "FlushReport", "FlushStep", "flush", "validate_modes"]
 
 
 def validate_modes(remove_modes: Iterable[str], target_mode: str | None) -> tuple[frozenset[Mode], Mode | None]:
@@ -28,6 +29,27 @@ def validate_modes(remove_modes: Iterable[str], target_mode: str | None) -> tupl
         raise ValueError(f"unknown kube-proxy mode(s) {bad}; expected one of {list(MODES)}")
     remove = frozenset(m for m in remove_modes if m != target_mode)
     return remove, target_mode  # type: ignore[return-value]  # every name was checked against MODES above
+
+
+@dataclass(frozen=True)
+class FlushOptions:
+    """What every flusher is made with (one flush call's arguments)."""
+
+    runner: Runner
+    iptables_tools: list[IptablesTool] | None
+    proc_root: Path
+    verify: bool
+    dry_run: bool
+    destroy_sets: frozenset[str]
+
+
+# One flusher per kind of object a mode leaves (ModeFacts.objects), run in OBJECT_KINDS order.
+FLUSHERS: dict[ObjectKind, Callable[[FlushOptions], Flusher]] = {
+    "iptables-chains": lambda o: IptablesFlusher(run=o.runner, tools=o.iptables_tools, destroy_sets=o.destroy_sets,
+                                                 verify=o.verify, dry_run=o.dry_run),
+    "ipvs-objects": lambda o: IpvsFlusher(run=o.runner, proc_root=o.proc_root, dry_run=o.dry_run),
+    "nft-tables": lambda o: NftablesFlusher(run=o.runner, dry_run=o.dry_run),
+}
 
 
 def flush(remove_modes: Iterable[str], target_mode: str | None, *, runner: Runner = run,
@@ -40,18 +62,15 @@ def flush(remove_modes: Iterable[str], target_mode: str | None, *, runner: Runne
     """
     remove, target = validate_modes(remove_modes, target_mode)
     report = FlushReport(sorted(remove), target)
-    # The iptables flush also drops the rules that reference the removed modes' ipsets, so they can be destroyed.
-    destroy_sets = frozenset[str]().union(*(MODE_FACTS[m].owned.ipsets for m in remove))
-    flushers: dict[ObjectKind, Callable[[], Flusher]] = {
-        "iptables-chains": lambda: IptablesFlusher(run=runner, tools=iptables_tools, destroy_sets=destroy_sets,
-                                                   verify=verify, dry_run=dry_run),
-        "ipvs": lambda: IpvsFlusher(run=runner, proc_root=proc_root, dry_run=dry_run),
-        "nft-tables": lambda: NftablesFlusher(run=runner, dry_run=dry_run),
-    }
+    options = FlushOptions(runner=runner, iptables_tools=iptables_tools, proc_root=proc_root, verify=verify,
+                           dry_run=dry_run,
+                           # The iptables flush also drops the rules that reference the removed modes' ipsets,
+                           # so that those can be destroyed.
+                           destroy_sets=frozenset[str]().union(*(MODE_FACTS[m].owned.ipsets for m in remove)))
     # Only the kinds a removed mode owns: a flush of nftables alone saves no iptables table at all. Each
     # flusher also decides for itself which of its objects the target mode keeps (shared chains).
     owned = {kind for m in remove for kind in MODE_FACTS[m].objects}
     for kind in OBJECT_KINDS:
         if kind in owned:
-            report.steps.extend(flushers[kind]().flush(remove, target))
+            report.steps.extend(FLUSHERS[kind](options).flush(remove, target))
     return report

@@ -185,7 +185,7 @@ class IpvsFlusher:
             return IpsetState()
 
     def flush(self, remove_modes: frozenset[Mode], target_mode: Mode | None) -> list[FlushStep]:
-        if not kind_is_stale("ipvs", remove_modes, target_mode):
+        if not kind_is_stale("ipvs-objects", remove_modes, target_mode):
             return []
         step = FlushStep("ipvs")
         try:
