@@ -43,6 +43,7 @@ from proxyshift.api.diagnostics import (
     ServiceCounters,
 )
 from proxyshift.commands import CommandError, run
+from proxyshift.modes import facts_of
 
 MAX_SAVE_BYTES = 64 * 1024 * 1024  # iptables-save of 10,000 Services is ~20 MiB
 MAX_CONNTRACK_FLOWS = 20_000  # per dump (or per query on a table too large to dump); the XML is cut at 8 MiB anyway
@@ -369,61 +370,84 @@ class Readers:
         return out, truncated
 
 
+@dataclass
+class _RuleCounts:
+    """What a mode's own rules or tables counted for one Service (nothing for a mode that counts nothing)."""
+
+    rules: list[str] = field(default_factory=list)
+    flows: dict[str, int] = field(default_factory=dict)
+    packets: dict[str, int] = field(default_factory=dict)
+    weights: dict[str, int] = field(default_factory=dict)
+    scheduler: str | None = None
+    persistence: int | None = None
+    truncated: bool = False
+    errors: list[str] = field(default_factory=list)
+
+
+def _iptables_counters(service: DiagnoseService, readers: Readers, out: _RuleCounts) -> None:
+    families = {ipaddress.ip_address(ip).version for ip in service.cluster_ips} or {4}
+    for version in sorted(families):
+        tool = "iptables-save" if version == 4 else "ip6tables-save"
+        try:
+            text, cut = readers.text([tool, "-c", "-t", "nat"], MAX_SAVE_BYTES)
+            chain_counts = parse_iptables_counters(text, service.key)
+            out.truncated |= cut
+            out.rules += [f"{chain[:80]} ({n} rules)" for chain, n in chain_counts.chains.items()]
+            if chain_counts.chains_cut:
+                out.rules.append(f"... more than {MAX_RULES} chains of it in {tool}, not listed")
+            for endpoint, n in chain_counts.flows.items():
+                out.flows[endpoint] = out.flows.get(endpoint, 0) + n
+        except (CommandError, DiagnosticsOutputError) as exc:
+            out.errors.append(_error(tool, exc))
+
+
+def _ipvs_counters(service: DiagnoseService, readers: Readers, out: _RuleCounts) -> None:
+    if not (readers.proc_root / "net" / "ip_vs").exists():
+        out.errors.append("ipvs: the kernel has no IPVS (/proc/net/ip_vs is missing)")
+        return
+    try:
+        text, cut = readers.text(["ipvsadm", "-Ln", "--stats", "--exact"], MAX_IPVS_BYTES)
+        virtual = parse_ipvs_stats(text)
+        save, cut2 = readers.text(["ipvsadm", "-Sn"], MAX_IPVS_BYTES)
+        merge_ipvs_save(virtual, save)
+        out.truncated |= cut or cut2
+        for vkey in sorted(service_virtual_addresses(service)):
+            vs = virtual.get(vkey)
+            if vs is None:
+                continue
+            out.rules.append((f"{vs.protocol} {vs.address} {vs.scheduler or '?'}"
+                              + (f" persistent {vs.persistence_seconds}" if vs.persistence_seconds else ""))[:96])
+            out.scheduler = out.scheduler or vs.scheduler
+            out.persistence = out.persistence or vs.persistence_seconds
+            for real in vs.real_servers.values():
+                out.flows[real.address] = out.flows.get(real.address, 0) + real.conns
+                out.packets[real.address] = out.packets.get(real.address, 0) + real.in_packets
+                if real.weight is not None:
+                    out.weights[real.address] = real.weight
+    except (CommandError, DiagnosticsOutputError) as exc:
+        out.errors.append(_error("ipvsadm", exc))
+
+
+# One reader per source of per-endpoint counters; which source a mode has is its fact (ModeFacts.counters).
+RULE_COUNTERS: dict[CounterSource, Callable[[DiagnoseService, Readers, _RuleCounts], None]] = {
+    "iptables": _iptables_counters,
+    "ipvs": _ipvs_counters,
+}
+
+
 def read_service(service: DiagnoseService, mode: str | None, readers: Readers | None = None) -> ServiceCounters:
     """What the kernel counted for one Service on this node; errors are reported, never raised."""
     readers = readers or Readers()
     key = service.key
-    errors: list[str] = []
-    truncated = False
-    rules: list[str] = []
-    flows: dict[str, int] = {}
-    packets: dict[str, int] = {}
-    weights: dict[str, int] = {}
-    scheduler: str | None = None
-    persistence: int | None = None
-    source: CounterSource = "conntrack"
-    if mode == "iptables":
-        source = "iptables"
-        families = {ipaddress.ip_address(ip).version for ip in service.cluster_ips} or {4}
-        for version in sorted(families):
-            tool = "iptables-save" if version == 4 else "ip6tables-save"
-            try:
-                text, cut = readers.text([tool, "-c", "-t", "nat"], MAX_SAVE_BYTES)
-                chain_counts = parse_iptables_counters(text, key)
-                truncated |= cut
-                rules += [f"{chain[:80]} ({n} rules)" for chain, n in chain_counts.chains.items()]
-                if chain_counts.chains_cut:
-                    rules.append(f"... more than {MAX_RULES} chains of it in {tool}, not listed")
-                for endpoint, n in chain_counts.flows.items():
-                    flows[endpoint] = flows.get(endpoint, 0) + n
-            except (CommandError, DiagnosticsOutputError) as exc:
-                errors.append(_error(tool, exc))
-    elif mode == "ipvs":
-        source = "ipvs"
-        if not (readers.proc_root / "net" / "ip_vs").exists():
-            errors.append("ipvs: the kernel has no IPVS (/proc/net/ip_vs is missing)")
-        else:
-            try:
-                text, cut = readers.text(["ipvsadm", "-Ln", "--stats", "--exact"], MAX_IPVS_BYTES)
-                virtual = parse_ipvs_stats(text)
-                save, cut2 = readers.text(["ipvsadm", "-Sn"], MAX_IPVS_BYTES)
-                merge_ipvs_save(virtual, save)
-                truncated |= cut or cut2
-                for vkey in sorted(service_virtual_addresses(service)):
-                    vs = virtual.get(vkey)
-                    if vs is None:
-                        continue
-                    rules.append((f"{vs.protocol} {vs.address} {vs.scheduler or '?'}"
-                                  + (f" persistent {vs.persistence_seconds}" if vs.persistence_seconds else ""))[:96])
-                    scheduler = scheduler or vs.scheduler
-                    persistence = persistence or vs.persistence_seconds
-                    for real in vs.real_servers.values():
-                        flows[real.address] = flows.get(real.address, 0) + real.conns
-                        packets[real.address] = packets.get(real.address, 0) + real.in_packets
-                        if real.weight is not None:
-                            weights[real.address] = real.weight
-            except (CommandError, DiagnosticsOutputError) as exc:
-                errors.append(_error("ipvsadm", exc))
+    facts = facts_of(mode)
+    source: CounterSource = facts.counters if facts is not None else "conntrack"
+    counted_by_rules = RULE_COUNTERS.get(source)
+    found = _RuleCounts()
+    if counted_by_rules is not None:
+        counted_by_rules(service, readers, found)
+    errors, truncated, rules, flows, packets, weights = (found.errors, found.truncated, found.rules, found.flows,
+                                                          found.packets, found.weights)
+    scheduler, persistence = found.scheduler, found.persistence
     conntrack = ConntrackCounts()
     try:
         by_query, cut = readers.conntrack_flows(conntrack_queries(service))
@@ -452,7 +476,7 @@ def read_service(service: DiagnoseService, mode: str | None, readers: Readers | 
         rules = [*rules[:MAX_RULES - 1], f"... {len(rules) - MAX_RULES + 1} more not listed"]
     if len(endpoints) > MAX_ENDPOINTS:
         endpoints, truncated = endpoints[:MAX_ENDPOINTS], True
-    if not rules and not flows and mode in ("iptables", "ipvs") and not errors:
+    if not rules and not flows and counted_by_rules is not None and not errors:
         errors.append(f"no {mode} rules for {key} on this node")
     return ServiceCounters(service=key, source=source if (rules or flows or conntrack.entries) else "none",
                            rules=rules, scheduler=scheduler, persistence_seconds=persistence,

@@ -31,10 +31,14 @@ endpoints that may have gone.
 ipvs mode is not held: its virtual servers live in the IPVS table, not in rules
 that can be renamed. ipvs <-> iptables needs no hold (kube-proxy keeps the
 shared chains and does not clean the other of the two up at start).
+
+Which kind of object a mode's hold copies is the mode's fact (ModeFacts.held_as);
+this module has one installer per kind.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from proxyshift.agent.flush.base import Runner
@@ -43,7 +47,7 @@ from proxyshift.agent.flush.nftables import list_tables, render_delete
 from proxyshift.agent.iptables_save import BUILTIN_CHAINS, Dump, Rule, parse
 from proxyshift.agent.ownership import NFT_TABLES, iptables_chain_modes
 from proxyshift.commands import CommandError, run
-from proxyshift.modes import startup_cleanup_drops_old_rules
+from proxyshift.modes import MODE_FACTS, MODES, ObjectKind, facts_of, startup_cleanup_drops_old_rules
 
 HOLD_CHAIN_PREFIX = "PSHOLD-"
 KUBE_PREFIX = "KUBE-"
@@ -56,6 +60,8 @@ RESTORE_TIMEOUT = 300.0
 
 # Whether the new kube-proxy's start deletes rules a hold can keep; the state machine asks the same.
 hold_applies = startup_cleanup_drops_old_rules
+# The modes whose iptables chains a hold copies (iptables mode's; ipvs mode's shared chains are its too).
+_HELD_CHAIN_MODES = frozenset(m for m, f in MODE_FACTS.items() if f.held_as == "iptables-chains")
 
 
 def held_name(chain: str) -> str:
@@ -85,7 +91,7 @@ def plan_iptables_hold(dump: Dump) -> tuple[list[str], list[str], list[str]]:
     if nat is None:
         return [], [], []
     owned = [c for c in nat.user_defined()
-             if c not in _NOT_HELD and "iptables" in iptables_chain_modes("nat", c)]
+             if c not in _NOT_HELD and _HELD_CHAIN_MODES & iptables_chain_modes("nat", c)]
     if not owned:
         return [], [], []
     renames = {c: held_name(c) for c in owned}
@@ -177,33 +183,49 @@ def _tools(tools: list[IptablesTool] | None) -> list[IptablesTool]:
 def install(from_mode: str, *, runner: Runner = run, iptables_tools: list[IptablesTool] | None = None) -> HoldReport:
     """Copy `from_mode`'s service rules under the hold's names. Idempotent: an older hold is replaced."""
     report = HoldReport("install")
-    if from_mode == "iptables":
-        for tool in _tools(iptables_tools):
-            try:
-                dump = _save_nat(tool, runner)
-                declare, rules, hooks = plan_iptables_hold(dump)
-                if not declare:
-                    continue
-                _release_iptables(tool, dump, runner)
-                runner([tool.restore, "-w", "5", "--noflush"], input=render_iptables_hold(declare, rules, hooks),
-                       timeout=RESTORE_TIMEOUT)
-                report.done.append(f"{tool.label}: {len(declare)} chains, {len(rules)} rules copied")
-            except (CommandError, ValueError) as exc:
-                report.errors.append(f"{tool.label}: {exc}")
-    elif from_mode == "nftables":
-        try:
-            present = set(list_tables(runner))
-            for family, name in NFT_TABLES:
-                if (family, name) not in present:
-                    continue
-                listed = runner(["nft", "list", "table", family, name], timeout=SAVE_TIMEOUT).stdout
-                runner(["nft", "-f", "-"], input=nft_hold_text(family, listed), timeout=RESTORE_TIMEOUT)
-                report.done.append(f"nft table {family} {name} copied as {family} {NFT_HOLD_TABLE}")
-        except (CommandError, ValueError) as exc:
-            report.errors.append(f"nftables: {exc}")
-    else:
-        report.errors.append(f"no hold for {from_mode!r} mode (only iptables and nftables rules can be held)")
+    facts = facts_of(from_mode)
+    kind = facts.held_as if facts is not None else None
+    if kind is None:
+        held = " and ".join(m for m in MODES if MODE_FACTS[m].held_as)
+        report.errors.append(f"no hold for {from_mode!r} mode (only {held} rules can be held)")
+        return report
+    INSTALLERS[kind](report, runner, iptables_tools)
     return report
+
+
+def _install_iptables(report: HoldReport, runner: Runner, iptables_tools: list[IptablesTool] | None) -> None:
+    for tool in _tools(iptables_tools):
+        try:
+            dump = _save_nat(tool, runner)
+            declare, rules, hooks = plan_iptables_hold(dump)
+            if not declare:
+                continue
+            _release_iptables(tool, dump, runner)
+            runner([tool.restore, "-w", "5", "--noflush"], input=render_iptables_hold(declare, rules, hooks),
+                   timeout=RESTORE_TIMEOUT)
+            report.done.append(f"{tool.label}: {len(declare)} chains, {len(rules)} rules copied")
+        except (CommandError, ValueError) as exc:
+            report.errors.append(f"{tool.label}: {exc}")
+
+
+def _install_nft(report: HoldReport, runner: Runner, iptables_tools: list[IptablesTool] | None) -> None:
+    try:
+        present = set(list_tables(runner))
+        for family, name in NFT_TABLES:
+            if (family, name) not in present:
+                continue
+            listed = runner(["nft", "list", "table", family, name], timeout=SAVE_TIMEOUT).stdout
+            runner(["nft", "-f", "-"], input=nft_hold_text(family, listed), timeout=RESTORE_TIMEOUT)
+            report.done.append(f"nft table {family} {name} copied as {family} {NFT_HOLD_TABLE}")
+    except (CommandError, ValueError) as exc:
+        report.errors.append(f"nftables: {exc}")
+
+
+# One installer per kind of object a mode's hold copies (ModeFacts.held_as).
+INSTALLERS: dict[ObjectKind, Callable[[HoldReport, Runner, list[IptablesTool] | None], None]] = {
+    "iptables-chains": _install_iptables,
+    "nft-tables": _install_nft,
+}
 
 
 def _save_nat(tool: IptablesTool, runner: Runner) -> Dump:

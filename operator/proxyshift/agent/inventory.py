@@ -9,10 +9,15 @@ them at every start, so they are reported apart (status.foreignIPVS).
 A chain used by both iptables and ipvs mode (KUBE-SERVICES, ...) is counted
 for the mode that runs or that left other traces, and is never a leftover
 while kube-proxy runs in one of the two.
+
+Which mode an object counts for is the modes' facts: chains by their owners
+(ownership.py), every other kind (IPVS objects, nft tables) for the modes whose
+ModeFacts.objects name it; this module has one probe, count and summary per kind.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +37,7 @@ from proxyshift.agent.iptables_save import parse
 from proxyshift.agent.ownership import IPVS_DUMMY_INTERFACE, MODES, NFT_TABLES, Mode, iptables_chain_modes
 from proxyshift.api.proxynode import MAX_FOREIGN_VIRTUAL_SERVERS, ForeignIPVS, ModeObjects
 from proxyshift.commands import CommandError, ToolMissingError, run
+from proxyshift.modes import DEFAULT_MODE, MODE_FACTS, ObjectKind
 
 
 @dataclass
@@ -54,14 +60,15 @@ class Inventory:
     ipsets: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
+    def kind_count(self, kind: ObjectKind) -> int:
+        """Objects of a kind other than chains (chains are counted per mode, shared ones by attribution)."""
+        return KIND_COUNTS[kind].count(self) if kind in KIND_COUNTS else 0
+
     def _evidence(self) -> set[Mode]:
         """Modes with at least one object no other mode uses."""
         found: set[Mode] = {m for inv in self.iptables for _, _, modes in inv.chains if len(modes) == 1
                             for m in modes}
-        if self.kube_virtual_servers or self.dummy_interface or self.ipsets:
-            found.add("ipvs")
-        if self.nft_tables:
-            found.add("nftables")
+        found |= {m for m, f in MODE_FACTS.items() if any(self.kind_count(k) for k in f.objects)}
         return found
 
     def _attributed(self, modes: frozenset[Mode], observed: str | None) -> set[Mode]:
@@ -73,18 +80,14 @@ class Inventory:
         if observed in modes:
             hits.add(observed)
         if not hits:
-            hits = {"iptables"} if "iptables" in modes else set(modes)
+            hits = {DEFAULT_MODE} if DEFAULT_MODE in modes else set(modes)
         return hits
 
     def count(self, mode: Mode, *, observed: str | None = None, stale_only: bool = False) -> int:
         """Objects of `mode`; stale_only: leave out the chains the observed mode uses too."""
         n = sum(1 for inv in self.iptables for _, _, modes in inv.chains
                 if mode in self._attributed(modes, observed) and not (stale_only and observed in modes))
-        if mode == "nftables":
-            n += len(self.nft_tables)
-        if mode == "ipvs":
-            n += len(self.kube_virtual_servers) + int(self.dummy_interface) + len(self.ipsets)
-        return n
+        return n + sum(self.kind_count(k) for k in MODE_FACTS[mode].objects)
 
     def summary(self, mode: Mode, observed: str | None = None) -> str:
         parts: list[str] = []
@@ -95,16 +98,38 @@ class Inventory:
                     per_table[table] = per_table.get(table, 0) + 1
             if per_table:
                 parts.append(f"{inv.label}: " + ", ".join(f"{t} {n} chains" for t, n in sorted(per_table.items())))
-        if mode == "nftables" and self.nft_tables:
-            parts.append("tables " + ", ".join(f"{f} {n}" for f, n in self.nft_tables))
-        if mode == "ipvs":
-            if self.kube_virtual_servers:
-                parts.append(f"{len(self.kube_virtual_servers)} virtual servers")
-            if self.dummy_interface:
-                parts.append(IPVS_DUMMY_INTERFACE)
-            if self.ipsets:
-                parts.append(f"{len(self.ipsets)} ipsets")
+        for kind in MODE_FACTS[mode].objects:
+            if kind in KIND_COUNTS:
+                parts += KIND_COUNTS[kind].summary(self)
         return "; ".join(parts)[:512]
+
+
+def _ipvs_summary(inv: Inventory) -> list[str]:
+    parts: list[str] = []
+    if inv.kube_virtual_servers:
+        parts.append(f"{len(inv.kube_virtual_servers)} virtual servers")
+    if inv.dummy_interface:
+        parts.append(IPVS_DUMMY_INTERFACE)
+    if inv.ipsets:
+        parts.append(f"{len(inv.ipsets)} ipsets")
+    return parts
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """How the inventory counts and names one kind of object (chains have their own attribution above)."""
+
+    count: Callable[[Inventory], int]
+    summary: Callable[[Inventory], list[str]]
+
+
+KIND_COUNTS: dict[ObjectKind, _Kind] = {
+    "ipvs-objects": _Kind(lambda inv: len(inv.kube_virtual_servers) + int(inv.dummy_interface) + len(inv.ipsets),
+                  _ipvs_summary),
+    "nft-tables": _Kind(lambda inv: len(inv.nft_tables),
+                        lambda inv: ["tables " + ", ".join(f"{f} {n}" for f, n in inv.nft_tables)]
+                        if inv.nft_tables else []),
+}
 
 
 def _iptables(inv: Inventory, runner: Runner, tools: list[IptablesTool]) -> None:

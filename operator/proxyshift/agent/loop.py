@@ -57,6 +57,7 @@ from proxyshift.api.proxynode import (
     ProxyNodeSpec,
     clip_status,
 )
+from proxyshift.modes import DEFAULT_MODE
 
 log = logging.getLogger("proxyshift.agent")
 
@@ -277,7 +278,9 @@ class Agent:
     def node_facts(self) -> dict[str, Any]:
         """Kernel release, modules and tool versions: they only change with a reboot, read once."""
         if self._node_facts is None:
-            report = self.effects.preflight("iptables")
+            # Any mode's check reports the node's facts; the default mode's reads nothing more (a check for
+            # nftables would also list the IPVS table).
+            report = self.effects.preflight(DEFAULT_MODE)
             self._node_facts = {"kernelRelease": report.kernel_release, "modules": report.present_modules(),
                                 "tools": report.tools.as_status()}
         return self._node_facts

@@ -181,7 +181,7 @@ class PreflightReport:
         return sorted(m for m, s in self.modules.items() if s == "present")
 
     def message(self) -> str:
-        target = self.mode + (f" (scheduler {self.scheduler})" if self.mode == "ipvs" else "")
+        target = self.mode + (f" (scheduler {self.scheduler})" if MODE_FACTS[self.mode].ipvs_scheduler else "")
         if self.ok:
             loaded = f"; loaded {', '.join(self.loaded)} with modprobe" if self.loaded else ""
             if self.on_demand:
@@ -424,7 +424,8 @@ def check(mode: str, scheduler: str | None = None, *, proc_root: str | Path = "/
     if not foreign_accepted:
         missing += foreign_missing
     modules = {m: view.state(m) for m in dict.fromkeys([*RELEVANT_MODULES, *(m for m, _ in needed)])}
-    return PreflightReport(mode=mode, scheduler=(scheduler or DEFAULT_IPVS_SCHEDULER) if mode == "ipvs" else None,
+    return PreflightReport(mode=mode, scheduler=(scheduler or DEFAULT_IPVS_SCHEDULER)
+                           if MODE_FACTS[mode].ipvs_scheduler else None,
                            kernel_release=view.release, modules=modules, tools=tools, missing=missing,
                            loaded=loaded, on_demand=accepted, foreign_ipvs=foreign,
                            foreign_ipvs_accepted=foreign_accepted and foreign is not None and foreign.count > 0,

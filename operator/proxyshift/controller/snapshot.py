@@ -9,6 +9,7 @@ from typing import Any
 from proxyshift.api.kubeproxy import KubeProxyConfiguration
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.api.proxynode import ProxyNode
+from proxyshift.modes import DEFAULT_MODE
 from proxyshift.planner.world import KubeProxyPodView, NodeView, RevisionTarget, RevisionView, World
 from proxyshift.render import (
     ANNOTATION_CONFIG_HASH,
@@ -128,10 +129,9 @@ def baseline_mode(configmap: Mapping[str, Any] | None) -> str:
     """The baseline kube-proxy's mode, from its ConfigMap; anything unreadable counts as kube-proxy's default."""
     text = ((configmap or {}).get("data") or {}).get("config.conf", "")
     try:
-        # kube-proxy's default mode on Linux is iptables when mode is empty.
-        return KubeProxyConfiguration.from_yaml(text).mode or "iptables"
+        return KubeProxyConfiguration.from_yaml(text).mode or DEFAULT_MODE
     except ValueError:
-        return "iptables"
+        return DEFAULT_MODE
 
 
 def build_world(

@@ -1,45 +1,78 @@
-"""What each kube-proxy mode needs from a node and what switching between modes does: pure facts, one module per
-mode (iptables.py, ipvs.py, nftables.py), each exporting a `ModeFacts`; `MODE_FACTS` is the registry keyed by Mode.
+"""Everything proxyshift knows about each kube-proxy mode, one pure module per mode (iptables.py, ipvs.py,
+nftables.py), each exporting a `ModeFacts`; `MODE_FACTS` is the registry keyed by Mode.
 
-The planner (`proxyshift plan`'s preview, the state machine) and the agent (preflight, rule hold) both read this
-package, so the prediction and the node's own check evaluate the same requirements table. No I/O here: the agent's
-probes, flushers and holds stay in proxyshift.agent.
+A mode's facts say what it needs from a node (tools, kernel, modules), which kernel objects its kube-proxy
+owns (by name: agent/ownership.py), which kinds of object the agent probes and flushes for it and which kind a
+rule hold copies, what its start does to the other modes' objects, how the policy's settings for it render
+into the KubeProxyConfiguration, and how it treats Services (nodePortAddresses default, localhost NodePorts,
+NodePort filter rules, INVALID drops). The planner (`proxyshift plan`'s preview, the compatibility report, the
+behaviour gate), the renderer and the agent (preflight, inventory, flush, hold) all read this table, so a
+caller asks a mode's facts instead of comparing its name. No I/O here: the agent's probes, flushers and holds
+stay in proxyshift.agent, one per kind of object (ObjectKind).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from proxyshift.api.proxynode import MODES, Mode, is_mode
 from proxyshift.modes.base import (
     FOREIGN_IPVS_CHANGE,
     NFTABLES_DELETES_IPVS,
+    OBJECT_KINDS,
     ModeFacts,
     ModuleNeed,
+    NodePortDefault,
+    ObjectKind,
+    Owned,
     ToolNeed,
+    overlay,
     version_text,
 )
 from proxyshift.modes.iptables import FACTS as IPTABLES
-from proxyshift.modes.ipvs import DEFAULT_IPVS_SCHEDULER, IPVS_MIN_IPSET, IPVS_SCHEDULERS
+from proxyshift.modes.ipvs import (
+    DEFAULT_IPVS_SCHEDULER,
+    IPVS_ADDRESS_SETS,
+    IPVS_DUMMY_INTERFACE,
+    IPVS_IPSETS,
+    IPVS_MIN_IPSET,
+    IPVS_NODEPORT_SETS,
+    IPVS_SCHEDULERS,
+)
 from proxyshift.modes.ipvs import FACTS as IPVS
 from proxyshift.modes.nftables import FACTS as NFTABLES
 from proxyshift.modes.nftables import NFTABLES_MIN_KERNEL, NFTABLES_MIN_NFT
 
 __all__ = [
     "DEFAULT_IPVS_SCHEDULER",
+    "DEFAULT_MODE",
     "FOREIGN_IPVS_CHANGE",
+    "IPVS_ADDRESS_SETS",
+    "IPVS_DUMMY_INTERFACE",
+    "IPVS_IPSETS",
     "IPVS_MIN_IPSET",
+    "IPVS_NODEPORT_SETS",
     "IPVS_SCHEDULERS",
     "MODES",
     "MODE_FACTS",
     "NFTABLES_DELETES_IPVS",
     "NFTABLES_MIN_KERNEL",
     "NFTABLES_MIN_NFT",
+    "OBJECT_KINDS",
     "Mode",
     "ModeFacts",
     "ModuleNeed",
+    "NodePortDefault",
+    "ObjectKind",
+    "Owned",
     "ToolNeed",
     "deletes_foreign_ipvs",
     "facts",
+    "facts_of",
     "is_mode",
+    "kind_is_stale",
+    "node_port_default",
+    "overlay",
     "startup_cleanup_drops_old_rules",
     "version_text",
 ]
@@ -47,9 +80,32 @@ __all__ = [
 MODE_FACTS: dict[Mode, ModeFacts] = {f.mode: f for f in (IPTABLES, IPVS, NFTABLES)}
 assert tuple(sorted(MODE_FACTS)) == tuple(sorted(MODES)), "every Mode has exactly one ModeFacts"
 
+# kube-proxy's mode on Linux when its configuration names none: the mode every cluster starts in.
+DEFAULT_MODE: Mode = IPTABLES.mode
+
 
 def facts(mode: Mode) -> ModeFacts:
     return MODE_FACTS[mode]
+
+
+def facts_of(mode: str | None) -> ModeFacts | None:
+    """The facts of a mode read off the wire (a node may report one this version does not know): None then."""
+    return MODE_FACTS[mode] if is_mode(mode) else None
+
+
+def node_port_default(mode: str | None) -> NodePortDefault:
+    """nodePortAddresses when unset, as kube-proxy defaults it in `mode`; a mode this version does not know gets
+    the default every mode had before nftables mode: every local address."""
+    known = facts_of(mode)
+    return known.node_port_default if known is not None else "all"
+
+
+def kind_is_stale(kind: ObjectKind, remove_modes: Iterable[Mode], target_mode: Mode | None) -> bool:
+    """Whether a flush of `remove_modes` for `target_mode` has objects of `kind` to remove: a removed mode has
+    such objects and the target mode, which kube-proxy runs now, has none of them."""
+    if target_mode is not None and kind in MODE_FACTS[target_mode].objects:
+        return False
+    return any(kind in MODE_FACTS[m].objects for m in remove_modes if m != target_mode)
 
 
 def startup_cleanup_drops_old_rules(from_mode: str | None, to_mode: str | None) -> bool:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, get_args
 
+from proxyshift.api.diagnostics import CounterSource
+from proxyshift.api.kubeproxy import KubeProxyConfiguration
+from proxyshift.api.policy import ProxyPolicySpec
 from proxyshift.api.proxynode import Mode
 
 # The change a policy names in gate.behaviour.allowChanges to move a node holding foreign IPVS virtual servers.
@@ -15,6 +18,16 @@ NFTABLES_DELETES_IPVS = ("every start of an nftables kube-proxy deletes them (ku
 
 # Keys of ProxyNode.status.tools and attributes of the agent's ToolVersions.
 Tool = Literal["iptables", "ipset", "nft"]
+
+# The kinds of kernel object a mode's kube-proxy leaves on a node. The agent has one prober and one flusher per
+# kind, not per mode, because two modes share a tool: ipvs mode's KUBE-* chains are iptables chains, and one
+# iptables-save/-restore per family must see both modes' chains to tell the shared ones apart. The order is the
+# flush's only safe order: rules first (ipvs mode's rules reference the ipsets the ipvs flush destroys).
+ObjectKind = Literal["iptables-chains", "ipvs-objects", "nft-tables"]
+OBJECT_KINDS: tuple[ObjectKind, ...] = get_args(ObjectKind)
+
+# nodePortAddresses when unset, as kube-proxy 1.37 defaults it per mode: every local address, or the node's IPs.
+NodePortDefault = Literal["all", "primary"]
 
 
 @dataclass(frozen=True)
@@ -35,23 +48,94 @@ class ModuleNeed:
     on_demand: bool = False
 
 
+@dataclass(frozen=True)
+class Owned:
+    """The kernel objects one mode's kube-proxy creates, by exact name or a kube-proxy-specific shape, never a
+    bare "KUBE-" prefix: a user's KUBE-MYTHING chain or KUBE-ALLOWED ipset is never kube-proxy's.
+
+    Names follow kube-proxy 1.33-1.37 (pkg/proxy/iptables, pkg/proxy/ipvs, pkg/proxy/nftables); agent/ownership.py
+    answers "whose is this object?" from every mode's Owned.
+    """
+
+    # (table, chain) of the iptables chains it creates; a chain two modes list is shared between them.
+    chains: frozenset[tuple[str, str]] = frozenset()
+    # Per-Service nat chains: <prefix><16 base32 characters of a hash>.
+    service_chain_prefixes: tuple[str, ...] = ()
+    # (family, name) of its nft tables.
+    nft_tables: tuple[tuple[str, str], ...] = ()
+    # The dummy interface it binds Service addresses on.
+    interface: str | None = None
+    ipsets: frozenset[str] = frozenset()
+
+
 def _no_modules(scheduler: str | None) -> tuple[ModuleNeed, ...]:
     return ()
 
 
+def _no_localhost(config: KubeProxyConfiguration | None, addresses: list[str]) -> set[str]:
+    return set()
+
+
+def _no_settings(config: KubeProxyConfiguration, spec: ProxyPolicySpec) -> None:
+    return None
+
+
+# (summary, the setting that keeps today's behaviour or None) of a move into a mode that loses localhost NodePorts.
+LocalhostLoss = Callable[[frozenset[str]], tuple[str, str | None]]
+
+
 @dataclass(frozen=True)
 class ModeFacts:
-    """What one kube-proxy mode needs from a node and what starting it does to the others' objects."""
+    """What one kube-proxy mode needs from a node, what it leaves there, how its settings render and how it
+    treats Services differently from the other modes."""
 
     mode: Mode
     tools: tuple[ToolNeed, ...]
+    owned: Owned
+    # The kinds of object `owned` names, plus what is found by evidence rather than name (IPVS virtual servers).
+    objects: tuple[ObjectKind, ...]
     min_kernel: tuple[int, int] | None = None
     # The mode's kernel modules for an IPVS scheduler (only ipvs mode has one).
     modules: Callable[[str | None], tuple[ModuleNeed, ...]] = field(default=_no_modules)
+    # It balances with an IPVS scheduler (spec.ipvs.scheduler) and keeps ClientIP affinity as IPVS persistence.
+    ipvs_scheduler: bool = False
     # Modes whose rules this mode's kube-proxy deletes at start, before its first sync (platformCleanup).
     startup_cleans_rules_of: frozenset[Mode] = frozenset()
     # Its kube-proxy flushes every IPVS virtual server at every start, kube-proxy's or not.
     deletes_foreign_ipvs: bool = False
+    # The kind of its objects a rule hold copies under proxyshift's names (agent/hold.py); None: not holdable.
+    held_as: ObjectKind | None = None
+    # Lays the policy's settings for this mode (spec.<mode>) onto the rendered KubeProxyConfiguration.
+    render_settings: Callable[[KubeProxyConfiguration, ProxyPolicySpec], None] = field(default=_no_settings)
+    # Why a cluster should leave it even without a measured speed-up (`proxyshift plan`'s advice).
+    deprecation: str | None = None
+    # Where `proxyshift diagnose` finds per-endpoint counters on its nodes: its own rules (iptables), the IPVS
+    # table's stats (ipvs), or only conntrack (nftables: kube-proxy's rules keep no per-endpoint counters).
+    counters: CounterSource = "conntrack"
+    # Service behaviour (planner/compat.py, planner/behaviour.py):
+    node_port_default: NodePortDefault = "all"
+    # It adds filter rules accepting NodePort traffic, so a default-drop host firewall still lets it in.
+    opens_node_ports: bool = False
+    # It drops conntrack INVALID packets unless conntrack.tcpBeLiberal is set.
+    drops_invalid: bool = False
+    # The protocols whose NodePorts answer on 127.0.0.1, given its config and nodePortAddresses as IPv4 sees it.
+    localhost_protocols: Callable[[KubeProxyConfiguration | None, list[str]], set[str]] = field(
+        default=_no_localhost)
+    # The setting with which it serves localhost NodePorts only when asked (None: it needs none, or has none).
+    localhost_opt_in: str | None = None
+    # The compatibility report's words for a move into it that loses localhost NodePorts of these protocols
+    # (None: the report's generic words).
+    localhost_loss: LocalhostLoss | None = None
+    # The behaviour gate's reason, after a move into it, why a localhost NodePort of this protocol stopped
+    # answering (None: the gate's generic words).
+    localhost_cause: Callable[[str, KubeProxyConfiguration | None], str] | None = None
+
+
+def overlay(target: Any, settings: Any) -> None:
+    """Lay a policy's settings model onto a KubeProxyConfiguration section: only what the policy says is applied,
+    a setting it leaves out keeps the baseline's value."""
+    for name, value in settings.model_dump(exclude_none=True).items():
+        setattr(target, name, value)
 
 
 def version_text(version: tuple[int, ...]) -> str:

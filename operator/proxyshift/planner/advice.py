@@ -20,7 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proxyshift.modes import MODES
+from proxyshift.modes import MODE_FACTS, MODES, Mode, is_mode
+from proxyshift.modes.nftables import FACTS as NFTABLES
+
+# The mode the advice recommends; bench_kube_proxy_modes.py measured it against iptables mode (Measured's columns).
+ADVISED_MODE: Mode = NFTABLES.mode
 
 UNITS_PER_MEASURED_SERVICE = 4  # 1 Service + 3 endpoints, as benchmarked
 # Below this saving per full sync, speed alone is no reason to move a fleet.
@@ -95,14 +99,14 @@ def advise(service_count: int, endpoint_count: int, current_mode: str,
     None for nftables (already there) and for clusters so small that a full sync would save under
     MIN_SAVING_SECONDS: the move is then a matter of the mode's features, not of speed.
     """
-    if current_mode not in MODES:
+    if not is_mode(current_mode):
         raise ValueError(f"unknown kube-proxy mode {current_mode!r} (expected one of {', '.join(MODES)})")
-    if current_mode == "nftables":
+    if current_mode == ADVISED_MODE:
         return None
-    if current_mode == "ipvs":
+    deprecation = MODE_FACTS[current_mode].deprecation
+    if deprecation is not None:
         # Not measured here (no IPVS in the benchmark kernel); the reason to move is the deprecation.
-        return ("IPVS mode is deprecated since Kubernetes 1.35 and nftables is GA since 1.33: "
-                "plan a move to nftables (proxyshift plan with mode: nftables shows which nodes can)")
+        return deprecation
     est = estimate(service_count, endpoint_count, table)
     if est.iptables_full_sync - est.nftables_full_sync < MIN_SAVING_SECONDS or est.sync_ratio <= 1.0:
         return None

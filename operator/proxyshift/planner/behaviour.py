@@ -30,7 +30,8 @@ from proxyshift.api.behaviour import (
     ServiceKind,
 )
 from proxyshift.api.kubeproxy import KubeProxyConfiguration
-from proxyshift.api.policy import NFTABLES_LOCALHOST_GATE, ProxyPolicySpec, names_loopback
+from proxyshift.api.policy import ProxyPolicySpec
+from proxyshift.modes import facts_of, node_port_default
 from proxyshift.planner.services import EndpointView, ServicePortView, ServiceView, endpoints_by_service
 
 AFFINITY_ATTEMPTS = 4
@@ -231,7 +232,8 @@ def _where(cell: BehaviourCell) -> str:
 def serves_node_ports_on(address: str, role: str, mode: str | None, node_port_addresses: list[str] | None) -> bool:
     """Does kube-proxy's nodePortAddresses (after its 1.37 defaulting) cover this local address?"""
     if not node_port_addresses:
-        return mode != "nftables" or role == "nodeIP"  # unset: all in iptables/ipvs, primary in nftables
+        # Unset: as the mode defaults it (all in iptables/ipvs, primary in nftables).
+        return node_port_default(mode) == "all" or role == "nodeIP"
     try:
         ip = ipaddress.ip_address(address)
     except ValueError:
@@ -256,24 +258,9 @@ def _mode_name(mode: str | None) -> str:
 
 
 def _localhost_cause(cell: BehaviourCell, to_mode: str | None, to_config: KubeProxyConfiguration | None) -> str:
-    if to_mode == "nftables":
-        gates = (to_config.feature_gates if to_config else None) or {}
-        addresses = (to_config.node_port_addresses if to_config else None) or []
-        if gates.get(NFTABLES_LOCALHOST_GATE) and any(names_loopback(a) for a in addresses):
-            if cell.protocol == "UDP":
-                return ("nftables mode serves localhost NodePorts for TCP only (allow the change LocalhostNodePorts, "
-                        "or keep this pool on iptables)")
-            return ("nftables.localhostNodePorts is on but kube-proxy's localhost proxy does not answer (check "
-                    "kube-proxy's log; or allow the change LocalhostNodePorts)")
-        if cell.protocol == "TCP":
-            return ("nftables mode serves no localhost NodePorts (set nftables.localhostNodePorts: true with "
-                    "localhost in nodePortAddresses, allow the change LocalhostNodePorts, or keep this pool on "
-                    "iptables)")
-        return ("nftables mode serves no UDP NodePorts on localhost (allow the change LocalhostNodePorts, or keep "
-                "this pool on iptables)")
-    if to_mode == "iptables":
-        return ("iptables.localhostNodePorts is off, or nodePortAddresses leaves out loopback, in the new revision "
-                "(set iptables.localhostNodePorts: true, or allow the change LocalhostNodePorts)")
+    facts = facts_of(to_mode)
+    if facts is not None and facts.localhost_cause is not None:
+        return facts.localhost_cause(cell.protocol, to_config)
     return f"{_mode_name(to_mode)} serves no localhost NodePorts (allow the change LocalhostNodePorts)"
 
 
@@ -282,8 +269,8 @@ def _node_port_addresses_cause(to_mode: str | None, to_config: KubeProxyConfigur
     if addresses:
         return (f"the new revision's nodePortAddresses {addresses} leaves this address out (add it to "
                 "nodePortAddresses, or allow the change NodePortAddresses)")
-    if to_mode == "nftables":
-        return ("nftables mode serves NodePorts only on the node's primary IPs when nodePortAddresses is unset (set "
+    if node_port_default(to_mode) == "primary":
+        return (f"{to_mode} mode serves NodePorts only on the node's primary IPs when nodePortAddresses is unset (set "
                 "nodePortAddresses, e.g. [0.0.0.0/0], or allow the change NodePortAddresses)")
     return f"{_mode_name(to_mode)} no longer serves NodePorts on it (set nodePortAddresses, or allow NodePortAddresses)"
 

@@ -1,5 +1,9 @@
 """The compatibility report, pure: what a mode move changes for this cluster's Services.
 
+Each mode's side of these rules is its facts (proxyshift.modes: nodePortAddresses default, localhost
+NodePorts and the words for losing them, NodePort filter rules, INVALID drops, IPVS scheduling); this module
+compares two modes' facts and never a mode's name.
+
 Rules from KEP-3866 ("Changes from the iptables kube-proxy backend"), kube-proxy's "Migrating from
 iptables mode to nftables" page, the ipvs docs, and kube-proxy 1.37.2's own source:
 
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 
 from proxyshift.api.behaviour import ChangeName
 from proxyshift.api.kubeproxy import KubeProxyConfiguration
-from proxyshift.api.policy import NFTABLES_LOCALHOST_GATE, names_loopback
+from proxyshift.modes import DEFAULT_IPVS_SCHEDULER, deletes_foreign_ipvs, facts_of, node_port_default
 from proxyshift.planner.services import EndpointView, ServiceView, endpoints_by_service
 
 MAX_FINDING_SERVICES = 10
@@ -69,7 +73,7 @@ def _covers_everything(mode: str, config: KubeProxyConfiguration | None) -> bool
     """Does nodePortAddresses (as kube-proxy 1.37 defaults it) let NodePorts answer on every local address?"""
     addresses = _addresses(config)
     if not addresses:
-        return mode != "nftables"
+        return node_port_default(mode) == "all"
     for entry in addresses:
         if entry == "all":
             return True
@@ -81,35 +85,41 @@ def _covers_everything(mode: str, config: KubeProxyConfiguration | None) -> bool
     return False
 
 
-def _contains_loopback(entry: str) -> bool:
-    try:
-        return ipaddress.ip_address("127.0.0.1") in ipaddress.ip_network(entry, strict=False)
-    except ValueError:
-        return False  # a keyword, or another family
-
-
 def _effective_addresses(mode: str, config: KubeProxyConfiguration | None) -> list[str]:
-    return _addresses(config) or (["primary"] if mode == "nftables" else ["all"])
+    return _addresses(config) or [node_port_default(mode)]
 
 
 def localhost_protocols(mode: str, config: KubeProxyConfiguration | None) -> set[str]:
     """The protocols whose NodePorts answer on 127.0.0.1 in this mode and configuration."""
-    addresses = _addresses(config)
-    if mode == "iptables":
-        enabled = not (config and config.iptables and config.iptables.localhost_node_ports is False)
-        covered = not addresses or any(a in ("all", "localhost") or _contains_loopback(a) for a in addresses)
-        return {"TCP", "UDP"} if enabled and covered else set()
-    if mode == "nftables":
-        gates = (config.feature_gates if config else None) or {}
-        if gates.get(NFTABLES_LOCALHOST_GATE) and any(names_loopback(a) for a in addresses):
-            return {"TCP"}
-    return set()
+    facts = facts_of(mode)
+    return facts.localhost_protocols(config, _addresses(config)) if facts is not None else set()
 
 
 def _drops_invalid(mode: str, config: KubeProxyConfiguration | None) -> bool:
-    liberal = bool(config and config.conntrack and config.conntrack.tcp_be_liberal)
+    facts = facts_of(mode)
     # iptables and ipvs mode skip their INVALID drop when conntrack is liberal already.
-    return mode in ("iptables", "ipvs") and not liberal
+    return facts is not None and facts.drops_invalid and not _tcp_be_liberal(config)
+
+
+def _opens_node_ports(mode: str) -> bool:
+    facts = facts_of(mode)
+    return facts is not None and facts.opens_node_ports
+
+
+def _ipvs_scheduled(mode: str) -> bool:
+    facts = facts_of(mode)
+    return facts is not None and facts.ipvs_scheduler
+
+
+def _binds_service_addresses(mode: str) -> bool:
+    """It binds Service and LoadBalancer addresses on a dummy interface of its own (ipvs mode's kube-ipvs0)."""
+    facts = facts_of(mode)
+    return facts is not None and facts.owned.interface is not None
+
+
+def _localhost_opt_in(mode: str) -> str | None:
+    facts = facts_of(mode)
+    return facts.localhost_opt_in if facts is not None else None
 
 
 def _tcp_be_liberal(config: KubeProxyConfiguration | None) -> bool:
@@ -140,32 +150,25 @@ def compatibility(
     if lost and not affected and served_after:
         # What is lost (UDP) no NodePort here uses; what they use is kept.
         findings.append(_finding("LocalhostNodePorts", "NodePorts on 127.0.0.1 keep answering (TCP)", node_port,
-                                 "nftables.localhostNodePorts: true", preserved=True))
+                                 _localhost_opt_in(to_mode), preserved=True))
     elif lost:
-        if to_mode == "nftables" and lost == {"UDP"}:
-            preserving = None  # the TCP ones are kept already; nftables has nothing for UDP
-            summary = ("nftables mode serves localhost NodePorts for TCP only: UDP NodePorts on 127.0.0.1 stop "
-                       "answering")
-        elif to_mode == "nftables":
-            preserving = ("nftables.localhostNodePorts: true with localhost in nodePortAddresses, e.g. [0.0.0.0/0, "
-                          f"localhost] (TCP only; kube-proxy's alpha feature gate {NFTABLES_LOCALHOST_GATE})")
-            summary = "nftables mode serves no NodePorts on 127.0.0.1 (iptables mode does, through route_localnet)"
-        elif to_mode == "iptables":
-            preserving = "iptables.localhostNodePorts: true (and loopback in nodePortAddresses, if set)"
-            summary = "the new revision turns localhost NodePorts off: NodePorts on 127.0.0.1 stop answering"
+        to_facts = facts_of(to_mode)
+        if to_facts is not None and to_facts.localhost_loss is not None:
+            summary, preserving = to_facts.localhost_loss(frozenset(lost))
         else:
             preserving = None
             summary = f"{to_mode} mode serves no NodePorts on 127.0.0.1 (iptables mode does, through route_localnet)"
         findings.append(_finding("LocalhostNodePorts", summary, affected, preserving))
-    elif served_before and from_mode != "nftables" and to_mode == "nftables":
+    elif served_before and from_mode != to_mode and (opt_in := _localhost_opt_in(to_mode)) is not None:
+        # Today's localhost NodePorts are kept, by a setting the target mode needs for them.
         findings.append(_finding("LocalhostNodePorts", "NodePorts on 127.0.0.1 keep answering (TCP)", node_port,
-                                 "nftables.localhostNodePorts: true", preserved=True))
+                                 opt_in, preserved=True))
 
     wide_before, wide_after = _covers_everything(from_mode, from_config), _covers_everything(to_mode, to_config)
     before_list, after_list = _effective_addresses(from_mode, from_config), _effective_addresses(to_mode, to_config)
     if wide_before and not wide_after:
-        if not _addresses(to_config) and to_mode == "nftables":
-            summary = ("nftables mode serves NodePorts only on the node's primary IPs when nodePortAddresses is "
+        if not _addresses(to_config) and node_port_default(to_mode) == "primary":
+            summary = (f"{to_mode} mode serves NodePorts only on the node's primary IPs when nodePortAddresses is "
                        f"unset ({from_mode} mode: on every local address, a second NIC or a VIP too)")
         else:
             summary = f"nodePortAddresses {after_list} serves NodePorts only there (today: on every local address)"
@@ -174,14 +177,14 @@ def compatibility(
         findings.append(_finding(
             "NodePortAddresses", f"NodePorts move from nodePortAddresses {before_list} to {after_list}", node_port,
             f"nodePortAddresses: {before_list}"))
-    elif wide_before and from_mode != "nftables" and to_mode == "nftables":
+    elif wide_before and node_port_default(from_mode) == "all" and node_port_default(to_mode) == "primary":
         findings.append(_finding("NodePortAddresses", "NodePorts keep answering on every local address", node_port,
                                  "nodePortAddresses", preserved=True))
 
-    if from_mode in ("iptables", "ipvs") and to_mode == "nftables":
+    if _opens_node_ports(from_mode) and facts_of(to_mode) is not None and not _opens_node_ports(to_mode):
         findings.append(_finding(
             "NodePortFirewall",
-            f"{from_mode} mode adds filter rules that accept NodePort traffic; nftables mode opens nothing, so a "
+            f"{from_mode} mode adds filter rules that accept NodePort traffic; {to_mode} mode opens nothing, so a "
             "host firewall that drops by default now drops NodePort traffic (open the NodePort range, 30000-32767 by "
             "default, in it)",
             node_port, None))
@@ -189,11 +192,11 @@ def compatibility(
             findings.append(_finding(
                 "ConntrackInvalid",
                 f"{from_mode} mode drops conntrack INVALID packets (a workaround for resets of long-lived "
-                "connections on kernels before 6.1); nftables mode does not",
+                f"connections on kernels before 6.1); {to_mode} mode does not",
                 [s for s in dialable if any(p.protocol == "TCP" for p in s.ports)],
                 "conntrack.tcpBeLiberal: true", preserved=_tcp_be_liberal(to_config)))
 
-    if to_mode == "nftables" and from_mode != "nftables":
+    if deletes_foreign_ipvs(to_mode) and not deletes_foreign_ipvs(from_mode):
         findings.append(_finding(
             "ForeignIPVSFlush",
             "every start of an nftables kube-proxy flushes every IPVS virtual server on the node, ones that are "
@@ -201,7 +204,7 @@ def compatibility(
             "nodes, or recreate them after the switch",
             [], None))
 
-    if (from_mode == "ipvs") != (to_mode == "ipvs"):
+    if _ipvs_scheduled(from_mode) != _ipvs_scheduled(to_mode):
         affinity = [s for s in dialable if s.session_affinity == "ClientIP"]
         findings.append(_finding(
             "SessionAffinity",
@@ -209,8 +212,8 @@ def compatibility(
             "a per-client timer in iptables and nftables mode: clients may reach another endpoint after the switch "
             "and the timeout counts differently",
             affinity, None))
-    if from_mode == "ipvs" and to_mode != "ipvs":
-        scheduler = (from_config.ipvs.scheduler if from_config and from_config.ipvs else None) or "rr"
+    if _ipvs_scheduled(from_mode) and not _ipvs_scheduled(to_mode):
+        scheduler = (from_config.ipvs.scheduler if from_config and from_config.ipvs else None) or DEFAULT_IPVS_SCHEDULER
         hashing = scheduler in ("sh", "dh", "mh")
         findings.append(_finding(
             "IPVSScheduler",
@@ -219,7 +222,7 @@ def compatibility(
             [s for s in dialable if ready.get(s.key, 0) >= 2],
             "sessionAffinity: ClientIP on the Services that need a client to stay on one endpoint" if hashing
             else None))
-    if to_mode == "ipvs" and from_mode != "ipvs":
+    if _binds_service_addresses(to_mode) and not _binds_service_addresses(from_mode):
         strict = bool(to_config and to_config.ipvs and to_config.ipvs.strict_arp)
         findings.append(_finding(
             "StrictARP",

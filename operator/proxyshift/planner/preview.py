@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 from proxyshift.api.kubeproxy import KubeProxyConfiguration
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.api.proxynode import ProxyNode
-from proxyshift.modes import FOREIGN_IPVS_CHANGE, MODE_FACTS, NFTABLES_DELETES_IPVS, deletes_foreign_ipvs, version_text
+from proxyshift.modes import (
+    DEFAULT_MODE,
+    FOREIGN_IPVS_CHANGE,
+    MODE_FACTS,
+    NFTABLES_DELETES_IPVS,
+    deletes_foreign_ipvs,
+    version_text,
+)
 from proxyshift.planner.compat import CompatFinding, compatibility
 from proxyshift.planner.ordering import node_key
 from proxyshift.planner.ownership import compute_ownership
@@ -190,7 +197,7 @@ def compat_preview(
         for name in stage.nodes:
             source, mode = node_source(world, name)
             if source == BASELINE_SOURCE and (baseline := configs.get(BASELINE_SOURCE)) is not None:
-                mode = baseline.mode or "iptables"  # kube-proxy's default on Linux
+                mode = baseline.mode or DEFAULT_MODE
             groups.setdefault((source, mode), []).append(name)
     to_mode = (to_config.mode if to_config else None) or policy_mode
     return [CompatGroup(source, mode, nodes,

@@ -15,6 +15,7 @@ from typing import Any
 from proxyshift.api.diagnostics import DiagnoseRequest
 from proxyshift.api.policy import ProxyPolicy, ProxyPolicyStatus
 from proxyshift.api.proxynode import NodeMigration, Operation, ProxyNode
+from proxyshift.modes import DEFAULT_MODE
 from proxyshift.planner.services import EndpointView, ServiceView
 
 REVISION_LABEL = "proxyshift.io/revision"
@@ -93,7 +94,7 @@ class World:
     proxynodes: dict[str, ProxyNode]
     revisions: dict[str, RevisionView]
     kube_proxy_pods: dict[str, list[KubeProxyPodView]]  # node name -> pods on it
-    baseline_mode: str = "iptables"
+    baseline_mode: str = DEFAULT_MODE
     # policy name -> the revision its current spec renders to. A live policy missing here gets no new
     # starts (the operator could not render it); in-flight nodes still finish.
     current_revisions: dict[str, RevisionTarget] = field(default_factory=dict)

@@ -15,14 +15,9 @@ from typing import Any
 
 import yaml
 
-from proxyshift.api.kubeproxy import (
-    KPConntrackConfiguration,
-    KPIPTablesConfiguration,
-    KPIPVSConfiguration,
-    KPNFTablesConfiguration,
-    KubeProxyConfiguration,
-)
-from proxyshift.api.policy import NFTABLES_LOCALHOST_GATE, IPVSSettings, ProxyPolicySpec
+from proxyshift.api.kubeproxy import KPConntrackConfiguration, KubeProxyConfiguration
+from proxyshift.api.policy import ProxyPolicySpec
+from proxyshift.modes import MODE_FACTS, overlay
 from proxyshift.render.names import HASH_LENGTH
 
 CONFIG_KEY = "config.conf"
@@ -48,12 +43,6 @@ def baseline_config(configmap: dict[str, Any]) -> KubeProxyConfiguration:
     return KubeProxyConfiguration.from_yaml(configmap["data"][find_config_key(configmap)])
 
 
-def _overlay(target: Any, settings: Any) -> None:
-    # Only what the policy says is applied; a setting it leaves out keeps the baseline's value.
-    for name, value in settings.model_dump(exclude_none=True).items():
-        setattr(target, name, value)
-
-
 def render_config(spec: ProxyPolicySpec, baseline: KubeProxyConfiguration) -> KubeProxyConfiguration:
     """Baseline config + the policy's mode, mode settings, nodePortAddresses and conntrack settings.
 
@@ -61,27 +50,13 @@ def render_config(spec: ProxyPolicySpec, baseline: KubeProxyConfiguration) -> Ku
     """
     config = baseline.model_copy(deep=True)
     config.mode = spec.mode
-    if spec.mode == "ipvs":
-        config.ipvs = config.ipvs or KPIPVSConfiguration()
-        # The scheduler is always written (default rr): an empty baseline scheduler means
-        # "kube-proxy's default", which may change between releases; the revision pins it.
-        _overlay(config.ipvs, spec.ipvs or IPVSSettings())
-    elif spec.mode == "iptables" and spec.iptables is not None:
-        config.iptables = config.iptables or KPIPTablesConfiguration()
-        _overlay(config.iptables, spec.iptables)
-    elif spec.mode == "nftables" and spec.nftables is not None:
-        config.nftables = config.nftables or KPNFTablesConfiguration()
-        # localhostNodePorts is not a KubeProxyConfiguration.nftables field: kube-proxy 1.37 reads it
-        # as a feature gate, so it goes there and nowhere else.
-        _overlay(config.nftables, spec.nftables.model_copy(update={"localhost_node_ports": None}))
-        if spec.nftables.localhost_node_ports is not None:
-            config.feature_gates = {**(config.feature_gates or {}),
-                                    NFTABLES_LOCALHOST_GATE: spec.nftables.localhost_node_ports}
+    # Each mode renders its own section (spec.<mode>; proxyshift.modes.<mode>.render_settings).
+    MODE_FACTS[spec.mode].render_settings(config, spec)
     if spec.node_port_addresses is not None:
         config.node_port_addresses = list(spec.node_port_addresses)
     if spec.conntrack is not None:
         config.conntrack = config.conntrack or KPConntrackConfiguration()
-        _overlay(config.conntrack, spec.conntrack)
+        overlay(config.conntrack, spec.conntrack)
     return config
 
 

@@ -1,23 +1,26 @@
-"""Flush of stale kube-proxy objects, one module per mode behind one interface.
+"""Flush of stale kube-proxy objects: one flusher per kind of kernel object behind one interface.
 
-`flush(remove_modes, target_mode)` runs the mode flushers in the only safe
-order: iptables rules first (ipvs-mode rules reference the KUBE-* ipsets that
-the ipvs flusher destroys), then ipvs, then nftables.
+Which kinds a mode leaves on a node is the mode's fact (`proxyshift.modes`, ModeFacts.objects): iptables mode
+its chains, ipvs mode chains and IPVS objects, nftables mode its nft tables. `flush(remove_modes, target_mode)`
+runs the flushers of the kinds the removed modes own, in the only safe order (OBJECT_KINDS): iptables rules
+first (ipvs-mode rules reference the KUBE-* ipsets that the ipvs flusher destroys), then ipvs, then nftables.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from proxyshift.agent.flush.base import Flusher, FlushReport, FlushStep, Runner
 from proxyshift.agent.flush.iptables import IptablesFlusher, IptablesTool
 from proxyshift.agent.flush.ipvs import IpvsFlusher
 from proxyshift.agent.flush.nftables import NftablesFlusher
-from proxyshift.agent.ownership import IPVS_IPSETS, MODES, Mode
+from proxyshift.agent.ownership import MODES, Mode
 from proxyshift.commands import run
+from proxyshift.modes import MODE_FACTS, OBJECT_KINDS, ObjectKind
 
-__all__ = ["FlushReport", "FlushStep", "flush", "validate_modes"]
+__all__ = ["FLUSHERS", "FlushOptions", "FlushReport", "FlushStep", "flush", "validate_modes"]
 
 
 def validate_modes(remove_modes: Iterable[str], target_mode: str | None) -> tuple[frozenset[Mode], Mode | None]:
@@ -26,6 +29,27 @@ def validate_modes(remove_modes: Iterable[str], target_mode: str | None) -> tupl
         raise ValueError(f"unknown kube-proxy mode(s) {bad}; expected one of {list(MODES)}")
     remove = frozenset(m for m in remove_modes if m != target_mode)
     return remove, target_mode  # type: ignore[return-value]  # every name was checked against MODES above
+
+
+@dataclass(frozen=True)
+class FlushOptions:
+    """What every flusher is made with (one flush call's arguments)."""
+
+    runner: Runner
+    iptables_tools: list[IptablesTool] | None
+    proc_root: Path
+    verify: bool
+    dry_run: bool
+    destroy_sets: frozenset[str]
+
+
+# One flusher per kind of object a mode leaves (ModeFacts.objects), run in OBJECT_KINDS order.
+FLUSHERS: dict[ObjectKind, Callable[[FlushOptions], Flusher]] = {
+    "iptables-chains": lambda o: IptablesFlusher(run=o.runner, tools=o.iptables_tools, destroy_sets=o.destroy_sets,
+                                                 verify=o.verify, dry_run=o.dry_run),
+    "ipvs-objects": lambda o: IpvsFlusher(run=o.runner, proc_root=o.proc_root, dry_run=o.dry_run),
+    "nft-tables": lambda o: NftablesFlusher(run=o.runner, dry_run=o.dry_run),
+}
 
 
 def flush(remove_modes: Iterable[str], target_mode: str | None, *, runner: Runner = run,
@@ -38,15 +62,15 @@ def flush(remove_modes: Iterable[str], target_mode: str | None, *, runner: Runne
     """
     remove, target = validate_modes(remove_modes, target_mode)
     report = FlushReport(sorted(remove), target)
-    destroy_sets = frozenset(IPVS_IPSETS) if "ipvs" in remove and target != "ipvs" else frozenset()
-    flushers: list[Flusher] = [
-        IptablesFlusher(run=runner, tools=iptables_tools, destroy_sets=destroy_sets, verify=verify,
-                        dry_run=dry_run),
-        IpvsFlusher(run=runner, proc_root=proc_root, dry_run=dry_run),
-        NftablesFlusher(run=runner, dry_run=dry_run),
-    ]
-    if "iptables" not in remove and "ipvs" not in remove:
-        flushers = flushers[2:]
-    for flusher in flushers:
-        report.steps.extend(flusher.flush(remove, target))
+    options = FlushOptions(runner=runner, iptables_tools=iptables_tools, proc_root=proc_root, verify=verify,
+                           dry_run=dry_run,
+                           # The iptables flush also drops the rules that reference the removed modes' ipsets,
+                           # so that those can be destroyed.
+                           destroy_sets=frozenset[str]().union(*(MODE_FACTS[m].owned.ipsets for m in remove)))
+    # Only the kinds a removed mode owns: a flush of nftables alone saves no iptables table at all. Each
+    # flusher also decides for itself which of its objects the target mode keeps (shared chains).
+    owned = {kind for m in remove for kind in MODE_FACTS[m].objects}
+    for kind in OBJECT_KINDS:
+        if kind in owned:
+            report.steps.extend(FLUSHERS[kind](options).flush(remove, target))
     return report

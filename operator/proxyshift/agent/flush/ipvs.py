@@ -27,6 +27,7 @@ from proxyshift.agent.ownership import (
     is_kube_proxy_ipset,
 )
 from proxyshift.commands import CommandError, ToolMissingError, run
+from proxyshift.modes import kind_is_stale
 
 _PROTO_FLAGS = {"-t": "tcp", "-u": "udp", "--sctp-service": "sctp", "-f": "fwmark"}
 
@@ -184,7 +185,7 @@ class IpvsFlusher:
             return IpsetState()
 
     def flush(self, remove_modes: frozenset[Mode], target_mode: Mode | None) -> list[FlushStep]:
-        if "ipvs" not in remove_modes or target_mode == "ipvs":
+        if not kind_is_stale("ipvs-objects", remove_modes, target_mode):
             return []
         step = FlushStep("ipvs")
         try:

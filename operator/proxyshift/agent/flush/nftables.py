@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from proxyshift.agent.flush.base import FlushStep, Runner
 from proxyshift.agent.ownership import NFT_TABLES, Mode
 from proxyshift.commands import CommandError, run
+from proxyshift.modes import kind_is_stale
 
 
 class NftOutputError(ValueError):
@@ -53,7 +54,7 @@ class NftablesFlusher:
 
     def flush(self, remove_modes: frozenset[Mode], target_mode: Mode | None) -> list[FlushStep]:
         step = FlushStep("nftables")
-        if "nftables" not in remove_modes or target_mode == "nftables":
+        if not kind_is_stale("nft-tables", remove_modes, target_mode):
             return []
         try:
             present = [t for t in NFT_TABLES if t in set(list_tables(self.run))]
