@@ -36,8 +36,11 @@ from tests.support.processes import container_pid
 BLUE = ["ps-node-1", "ps-node-2"]
 ALL_NODES = [*BLUE, "ps-node-3"]
 # Verify is not among them: the cleanup's own report verifies the node, and Verify is entered only when
-# that report cannot (an old agent, a kube-proxy still syncing), which a healthy migration never needs.
+# that report cannot (an old agent, a kube-proxy that did not answer it), which a healthy migration never
+# needs. The runs arm it besides (the fault fires there whenever a node enters it, VERIFY_STEPS), and
+# test_a_fault_in_verify makes a node enter it.
 ALL_STEPS = ("Preflight", "Cordon", "Switch", "Gate", "Cleanup", "Uncordon")
+VERIFY = "Verify"
 # Uncordon lasts ~50-80 ms (one plan: the node patch, then Done): a slower look misses it.
 POLL_SECONDS = 0.05
 ETCD_PAUSE_SECONDS = 5.0
@@ -77,6 +80,9 @@ class StepInjector:
         self.max_per_node = max_per_node
         self.armed = list(steps) if fault is not None else []
         self.fired: list[Firing] = []
+        # (step, node) of an armed step a node was seen in while the previous fault still ran (not fired).
+        self.busy_at: list[tuple[str, str]] = []
+        self.looks = 0  # successful looks at the ProxyNodes and Nodes
         self.history = History()
         self._looked = False  # the first successful look has been recorded
         self._before: set[tuple[str, str, str, str, int]] = set()  # migrations that ended before the run
@@ -89,11 +95,30 @@ class StepInjector:
         return self
 
     def stop(self) -> History:
+        """The history; raises the first fault that could not be injected, and fails an injector that never
+        saw the nodes (the API unreadable from its thread the whole run): its history would prove nothing."""
         self._stop.set()
         self._thread.join(timeout=120)
         if self.errors:
             raise self.errors[0]
+        seen = {n for n, phases in self.history.phases.items() if phases}
+        assert self.looks > 0 and seen, f"the step injector never saw the nodes {sorted(self.nodes)} " \
+                                        f"({self.looks} successful looks): nothing was observed or fired"
         return self.history
+
+    def entered(self, step: str) -> list[str]:
+        """The nodes seen in `step` during the run."""
+        return sorted(n for n, phases in self.history.phases.items() if any(p == step for _, p in phases))
+
+    def unfired(self, step: str) -> list[str]:
+        """Nodes seen in armed `step` although the fault never fired there and was never busy then: an injector
+        that looked away. Empty when `step` was not armed."""
+        if any(f.step == step for f in self.fired) or step not in self.armed:
+            return []
+        excused = {n for s, n in self.busy_at if s == step}
+        if self.max_per_node is not None:  # a node that had its share of firings is passed over by design
+            excused |= {n for n in self.nodes if sum(f.node == n for f in self.fired) >= self.max_per_node}
+        return [n for n in self.entered(step) if n not in excused]
 
     def _observe(self) -> list[tuple[str, str]]:
         """Record one look at the nodes; (node, phase) of every node now in an armed step."""
@@ -127,6 +152,7 @@ class StepInjector:
                 if not seen or seen[-1] != label:
                     seen.append(label)
         self._looked = True
+        self.looks += 1
         return due
 
     def _fire(self, firing: Firing) -> None:
@@ -149,7 +175,10 @@ class StepInjector:
             except Exception:  # the API may be down: that is one of the faults
                 self._stop.wait(POLL_SECONDS)
                 continue
-            if busy is None or not busy.is_alive():
+            if busy is not None and busy.is_alive():
+                self.busy_at += [(step, node) for node, step in due
+                                 if step in self.armed and (step, node) not in self.busy_at]
+            else:
                 for node, step in due:
                     if step not in self.armed:
                         continue
