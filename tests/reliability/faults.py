@@ -299,6 +299,33 @@ class Faults:
             timer.start()
         return f"tcp to 127.0.0.1:{{{ports}}} dropped in {node} for {PROBE_BLOCK_SECONDS:g}s"
 
+    def probe_block_at_cleanup(self, step: str, node: str) -> str:
+        """Fired at Gate: the moment the node's ProxyNode says Cleanup, freeze its agent (SIGSTOP), drop its
+        reads of kube-proxy (probe_block), and let it go on (SIGCONT). Its report after the flush then cannot
+        read kube-proxy, so the node cannot be verified on it and enters Verify.
+
+        A watch, not the injector's 50 ms poll: the agent gets the same watch event and finishes its flush
+        and report within tens of milliseconds, which a poll loses to (the first version of
+        test_a_fault_in_verify, blocking on the injector's sight of Cleanup, never saw a node enter Verify)."""
+        from kubernetes import client, watch
+
+        custom = client.CustomObjectsApi(client.ApiClient(self.h.custom.api_client.configuration))
+        stream = watch.Watch()
+        for event in stream.stream(custom.list_cluster_custom_object, "proxyshift.io", "v1alpha1", "proxynodes",
+                                   field_selector=f"metadata.name={node}", timeout_seconds=180):
+            if migration(event["object"]).get("phase") != "Cleanup":
+                continue
+            stream.stop()
+            pid = agent_pid(self.state_dir, node)
+            assert pid, f"no agent running on {node} at its Cleanup"
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                blocked = self.probe_block("Cleanup", node)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            return f"at Cleanup: agent pid {pid} stopped while {blocked}, then continued"
+        raise AssertionError(f"{node} did not enter Cleanup within 180 s of its Gate")
+
     def probe_unblock(self, node: str) -> None:
         with self._lock:
             self._probe_blocks.pop(node, None)

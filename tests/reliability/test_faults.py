@@ -350,20 +350,21 @@ def test_a_fault_while_a_node_rolls_back(harness: Harness, cluster: Any, kube: A
 def test_a_fault_in_verify(harness: Harness, cluster: Any, kube: Any, test_service: Any,
                            tcp_probe: Callable[..., Any], continuous_prober: Callable[..., Any],
                            fault_name: str) -> None:
-    """kube-proxy's metrics and health ports are dropped inside the node the moment it enters Cleanup, so the
-    agent's report after its flush cannot verify the node (kube-proxy unreachable) and the node enters Verify;
-    the fault fires the moment it does. The Verify probe passes once the block lifts (20 s): the rollout must
-    end Ready, one switch per node, with every end-state invariant, as for the fault at any other step.
+    """kube-proxy's metrics and health ports are dropped inside the node the moment it enters Cleanup (its
+    agent frozen meanwhile, Faults.probe_block_at_cleanup), so the agent's report after its flush cannot
+    verify the node (kube-proxy unreachable) and the node enters Verify; the fault fires the moment it does.
+    The Verify probe passes once the block lifts (20 s): the rollout must end Ready, one switch per node,
+    with every end-state invariant, as for the fault at any other step.
 
-    The block races the agent's report (the injector looks every 50 ms; the flush takes longer): a report that
-    beat it leaves Verify out, and the policy flips back and tries again, at most MAX_VERIFY_TRIES times."""
+    The block still races the agent (a watch event against the agent's own): a report that beat it leaves
+    Verify out, and the policy flips back and tries again, at most MAX_VERIFY_TRIES times."""
     h = harness
     state_dir = cluster.require_local("fault injection")
     faults = Faults(h, kube, state_dir, ALL_NODES)
     fault = _fault(faults, fault_name)
 
     def block_then_fault(step: str, node: str) -> str:
-        return faults.probe_block(step, node) if step == "Cleanup" else fault(step, node)
+        return faults.probe_block_at_cleanup(step, node) if step == "Gate" else fault(step, node)
 
     name, mode = f"rel-verify-{fault_name}", "nftables"
     kick: Callable[[], None] | None = None
@@ -371,7 +372,7 @@ def test_a_fault_in_verify(harness: Harness, cluster: Any, kube: Any, test_servi
         try:
             outcome, cond, injector, facts, _ = migrate_under(
                 h, cluster, kube, test_service, tcp_probe, continuous_prober, name, block_then_fault,
-                ("Cleanup", VERIFY), before_end=faults.unblock_all, kick=kick)
+                ("Gate", VERIFY), before_end=faults.unblock_all, kick=kick)
         finally:
             faults.unblock_all()
         record(cluster, _row(f"{fault_name} in Verify" + (f" (migration {tries}, to {mode})" if tries > 1 else ""),
@@ -387,7 +388,7 @@ def test_a_fault_in_verify(harness: Harness, cluster: Any, kube: Any, test_servi
         mode = "iptables" if mode == "nftables" else "nftables"
         kick = functools.partial(h.patch, name, {"spec": {"mode": mode}})
     fired = [(f.step, f.node) for f in injector.fired]
-    assert [step for step, _ in fired] == ["Cleanup", VERIFY], \
+    assert [step for step, _ in fired] == ["Gate", VERIFY], \
         f"no node entered Verify in {tries} migrations: fired {fired}, phases {facts['phases']}"
     assert fired[0][1] == fired[1][1], f"Verify entered on another node than the blocked one: {fired}"
 

@@ -353,10 +353,15 @@ def test_a_migration_as_the_service_accounts_reads_no_secret(cluster: Any, api_c
     per_user: Counter[str] = Counter()
     secrets, refused, outside, agent_other = [], [], [], []
     agent_calls: Counter[str] = Counter()
+    seen: set[str] = set()
     for event in sec.audit_events(audit, offset):
         who = ours.get(event.get("user", {}).get("username", ""))
-        if who is None or event.get("stage") != "ResponseComplete":
+        # A watch is logged as ResponseStarted when it opens and ResponseComplete only when it ends (an
+        # agent's lasts 300 s, kopf's too): every request is read at its first stage logged, once.
+        if who is None or event.get("stage") not in ("ResponseStarted", "ResponseComplete") \
+                or event.get("auditID") in seen:
             continue
+        seen.add(event.get("auditID", ""))
         per_user[who] += 1
         ref = event.get("objectRef") or {}
         verb, resource, subresource = event.get("verb"), ref.get("resource"), ref.get("subresource") or ""
@@ -380,7 +385,8 @@ def test_a_migration_as_the_service_accounts_reads_no_secret(cluster: Any, api_c
           f"the agents': {dict(agent_calls)}")
     # Positive control: the log saw both identities at work, so an absence below means something.
     assert per_user["operator"] > 50 and per_user["agent"] > 20, dict(per_user)
-    assert agent_calls["watch proxynodes/"] > 0 and agent_calls["patch proxynodes/status"] > 0, dict(agent_calls)
+    # (A watch opened in this window is checked like the rest; none need open: they last 300 s.)
+    assert agent_calls["patch proxynodes/status"] > 0, dict(agent_calls)
     assert secrets == [], "secrets requests by proxyshift's identities"
     assert refused == [], f"proxyshift was refused (its documented permissions are not enough): {refused[:20]}"
     assert outside == [], f"the operator read or wrote DaemonSets/ConfigMaps outside kube-system: {outside[:20]}"
