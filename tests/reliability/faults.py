@@ -36,8 +36,11 @@ from tests.support.processes import container_pid
 BLUE = ["ps-node-1", "ps-node-2"]
 ALL_NODES = [*BLUE, "ps-node-3"]
 # Verify is not among them: the cleanup's own report verifies the node, and Verify is entered only when
-# that report cannot (an old agent, a kube-proxy still syncing), which a healthy migration never needs.
+# that report cannot (an old agent, a kube-proxy that did not answer it), which a healthy migration never
+# needs. The runs arm it besides (the fault fires there whenever a node enters it, VERIFY_STEPS), and
+# test_a_fault_in_verify makes a node enter it.
 ALL_STEPS = ("Preflight", "Cordon", "Switch", "Gate", "Cleanup", "Uncordon")
+VERIFY = "Verify"
 # Uncordon lasts ~50-80 ms (one plan: the node patch, then Done): a slower look misses it.
 POLL_SECONDS = 0.05
 ETCD_PAUSE_SECONDS = 5.0
@@ -77,6 +80,9 @@ class StepInjector:
         self.max_per_node = max_per_node
         self.armed = list(steps) if fault is not None else []
         self.fired: list[Firing] = []
+        # (step, node) of an armed step a node was seen in while the previous fault still ran (not fired).
+        self.busy_at: list[tuple[str, str]] = []
+        self.looks = 0  # successful looks at the ProxyNodes and Nodes
         self.history = History()
         self._looked = False  # the first successful look has been recorded
         self._before: set[tuple[str, str, str, str, int]] = set()  # migrations that ended before the run
@@ -89,11 +95,30 @@ class StepInjector:
         return self
 
     def stop(self) -> History:
+        """The history; raises the first fault that could not be injected, and fails an injector that never
+        saw the nodes (the API unreadable from its thread the whole run): its history would prove nothing."""
         self._stop.set()
         self._thread.join(timeout=120)
         if self.errors:
             raise self.errors[0]
+        seen = {n for n, phases in self.history.phases.items() if phases}
+        assert self.looks > 0 and seen, f"the step injector never saw the nodes {sorted(self.nodes)} " \
+                                        f"({self.looks} successful looks): nothing was observed or fired"
         return self.history
+
+    def entered(self, step: str) -> list[str]:
+        """The nodes seen in `step` during the run."""
+        return sorted(n for n, phases in self.history.phases.items() if any(p == step for _, p in phases))
+
+    def unfired(self, step: str) -> list[str]:
+        """Nodes seen in armed `step` although the fault never fired there and was never busy then: an injector
+        that looked away. Empty when `step` was not armed."""
+        if any(f.step == step for f in self.fired) or step not in self.armed:
+            return []
+        excused = {n for s, n in self.busy_at if s == step}
+        if self.max_per_node is not None:  # a node that had its share of firings is passed over by design
+            excused |= {n for n in self.nodes if sum(f.node == n for f in self.fired) >= self.max_per_node}
+        return [n for n in self.entered(step) if n not in excused]
 
     def _observe(self) -> list[tuple[str, str]]:
         """Record one look at the nodes; (node, phase) of every node now in an armed step."""
@@ -127,6 +152,7 @@ class StepInjector:
                 if not seen or seen[-1] != label:
                     seen.append(label)
         self._looked = True
+        self.looks += 1
         return due
 
     def _fire(self, firing: Firing) -> None:
@@ -149,7 +175,10 @@ class StepInjector:
             except Exception:  # the API may be down: that is one of the faults
                 self._stop.wait(POLL_SECONDS)
                 continue
-            if busy is None or not busy.is_alive():
+            if busy is not None and busy.is_alive():
+                self.busy_at += [(step, node) for node, step in due
+                                 if step in self.armed and (step, node) not in self.busy_at]
+            else:
                 for node, step in due:
                     if step not in self.armed:
                         continue
@@ -269,6 +298,33 @@ class Faults:
             self._probe_blocks[node] = timer
             timer.start()
         return f"tcp to 127.0.0.1:{{{ports}}} dropped in {node} for {PROBE_BLOCK_SECONDS:g}s"
+
+    def probe_block_at_cleanup(self, step: str, node: str) -> str:
+        """Fired at Gate: the moment the node's ProxyNode says Cleanup, freeze its agent (SIGSTOP), drop its
+        reads of kube-proxy (probe_block), and let it go on (SIGCONT). Its report after the flush then cannot
+        read kube-proxy, so the node cannot be verified on it and enters Verify.
+
+        A watch, not the injector's 50 ms poll: the agent gets the same watch event and finishes its flush
+        and report within tens of milliseconds, which a poll loses to (the first version of
+        test_a_fault_in_verify, blocking on the injector's sight of Cleanup, never saw a node enter Verify)."""
+        from kubernetes import client, watch
+
+        custom = client.CustomObjectsApi(client.ApiClient(self.h.custom.api_client.configuration))
+        stream = watch.Watch()
+        for event in stream.stream(custom.list_cluster_custom_object, "proxyshift.io", "v1alpha1", "proxynodes",
+                                   field_selector=f"metadata.name={node}", timeout_seconds=180):
+            if migration(event["object"]).get("phase") != "Cleanup":
+                continue
+            stream.stop()
+            pid = agent_pid(self.state_dir, node)
+            assert pid, f"no agent running on {node} at its Cleanup"
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                blocked = self.probe_block("Cleanup", node)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            return f"at Cleanup: agent pid {pid} stopped while {blocked}, then continued"
+        raise AssertionError(f"{node} did not enter Cleanup within 180 s of its Gate")
 
     def probe_unblock(self, node: str) -> None:
         with self._lock:

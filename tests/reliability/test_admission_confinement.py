@@ -1,6 +1,6 @@
 """Issue 15 item 1: what the operator's ServiceAccount may write in kube-system, on the real API server.
 
-RBAC lets it create, update and delete any DaemonSet and ConfigMap there; the admission policy
+RBAC lets it create, patch and delete any DaemonSet and ConfigMap there; the admission policy
 proxyshift-operator-kube-system (config/admission) narrows that to its revision objects, with the
 baseline's pod, and to the baseline's affinity. Each write here is made as the operator's ServiceAccount
 (impersonated: admission sees that user) and with --dry-run=server, so admission judges it and nothing

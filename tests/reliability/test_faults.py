@@ -2,8 +2,10 @@
 
 Pool blue (2 nodes) moves iptables -> nftables with cordon+drain and a gate that connects to a
 ClusterIP. A StepInjector fires the fault once as a node enters each step (Preflight, Cordon,
-Switch, Gate, Cleanup, Uncordon); continuous TCP probers run through the ClusterIP from all
-three nodes. Every run must end with:
+Switch, Gate, Cleanup, Uncordon, and Verify whenever a node enters it; test_a_fault_in_verify makes
+one do so); continuous TCP probers run through the ClusterIP from all three nodes. An injector that
+never saw the nodes, or saw a node in an armed step without firing there (and without being busy
+with the previous fault), fails the run. Every run must end with:
 
 - the policy Ready, or Degraded with a reason (which one is expected is per fault, below);
 - a running kube-proxy on every node, answering /proxyMode;
@@ -34,6 +36,7 @@ from faults import (
     ALL_NODES,
     ALL_STEPS,
     BLUE,
+    VERIFY,
     Faults,
     KubeProxyCrashLoop,
     StepInjector,
@@ -56,6 +59,7 @@ CLOCK_SKEW_SECONDS = 30
 # Why a node may roll back when its Node object was deleted mid-migration.
 NODE_DELETE_REASONS = frozenset({"SwitchTimeout", "KubeProxyCrashLooping", "GateTimeout", "CleanupTimeout"})
 MAX_ROUNDS = 5  # migrations per fault at most, to hit every step (see test_fault_at_every_step)
+MAX_VERIFY_TRIES = 3  # migrations at most to make a node enter Verify (test_a_fault_in_verify)
 
 
 def fault_policy(name: str, service: Any, gate_timeout: int = GATE_TIMEOUT, nodes: list[str] = BLUE
@@ -217,7 +221,9 @@ def test_fault_at_every_step(harness: Harness, cluster: Any, kube: Any, test_ser
     # A node deleted mid-rollout may fail its gate and roll back (its re-registered kube-proxy answered
     # /healthz 503 past the 60 s timeout in one run of four): the rollout halts Degraded with the reason, and
     # a retry with the same mode goes on to the steps not yet hit.
-    missing, mode, rounds, retry = list(ALL_STEPS), "nftables", 0, False
+    # Verify is armed besides until the fault fired there: a healthy migration does not enter it (the cleanup's
+    # report verifies the node), but a fault at Cleanup can make it (the probe blocked, the agent killed).
+    missing, mode, rounds, retry, verify_fired = list(ALL_STEPS), "nftables", 0, False, False
     while missing and rounds < MAX_ROUNDS:
         kick: Callable[[], None] | None = None
         if retry:
@@ -226,7 +232,8 @@ def test_fault_at_every_step(harness: Harness, cluster: Any, kube: Any, test_ser
             kick = functools.partial(h.patch, name, {"spec": {"mode": mode}})
         try:
             outcome, cond, injector, facts, _ = migrate_under(h, cluster, kube, test_service, tcp_probe,
-                                                              continuous_prober, name, fault, steps=tuple(missing),
+                                                              continuous_prober, name, fault,
+                                                              steps=(*missing, *(() if verify_fired else (VERIFY,))),
                                                               kick=kick, before_end=faults.unblock_all,
                                                               nodes=nodes, max_per_node=per_node)
         finally:
@@ -238,6 +245,10 @@ def test_fault_at_every_step(harness: Harness, cluster: Any, kube: Any, test_ser
             h.wait_for(lambda: all(agent_pid(state_dir, n) for n in ALL_NODES), 120, "every agent running again")
         fired = {f.step for f in injector.fired}
         missing = [step for step in missing if step not in fired]
+        # Entered and armed, the injector free: it must have fired there.
+        assert injector.unfired(VERIFY) == [], f"{fault_name}: {injector.unfired(VERIFY)} entered Verify and " \
+                                               f"the injector fired nothing there: {facts['phases']}"
+        verify_fired = verify_fired or VERIFY in fired
         # The pool that does not move must not notice: its kube-proxy never changed (docs/reliability.md).
         untouched = [n for n in ALL_NODES if n not in nodes]
         assert all(facts["traffic"][n]["failed"] == 0 for n in untouched), facts["traffic"]
@@ -333,6 +344,53 @@ def test_a_fault_while_a_node_rolls_back(harness: Harness, cluster: Any, kube: A
     assert pn.get("reason") in ("KubeProxyCrashLooping", "SwitchTimeout", "GateTimeout"), facts["reasons"]
     assert facts["modes"][node] == "iptables", f"{node} not back on its old mode: {facts['modes']}"
     assert all(not h.unschedulable(n) for n in ALL_NODES), "a node was left cordoned"
+
+
+@pytest.mark.parametrize("fault_name", ["operator-kill", "apiserver-restart", "agent-kill"])
+def test_a_fault_in_verify(harness: Harness, cluster: Any, kube: Any, test_service: Any,
+                           tcp_probe: Callable[..., Any], continuous_prober: Callable[..., Any],
+                           fault_name: str) -> None:
+    """kube-proxy's metrics and health ports are dropped inside the node the moment it enters Cleanup (its
+    agent frozen meanwhile, Faults.probe_block_at_cleanup), so the agent's report after its flush cannot
+    verify the node (kube-proxy unreachable) and the node enters Verify; the fault fires the moment it does.
+    The Verify probe passes once the block lifts (20 s): the rollout must end Ready, one switch per node,
+    with every end-state invariant, as for the fault at any other step.
+
+    The block still races the agent (a watch event against the agent's own): a report that beat it leaves
+    Verify out, and the policy flips back and tries again, at most MAX_VERIFY_TRIES times."""
+    h = harness
+    state_dir = cluster.require_local("fault injection")
+    faults = Faults(h, kube, state_dir, ALL_NODES)
+    fault = _fault(faults, fault_name)
+
+    def block_then_fault(step: str, node: str) -> str:
+        return faults.probe_block_at_cleanup(step, node) if step == "Gate" else fault(step, node)
+
+    name, mode = f"rel-verify-{fault_name}", "nftables"
+    kick: Callable[[], None] | None = None
+    for tries in range(1, MAX_VERIFY_TRIES + 1):
+        try:
+            outcome, cond, injector, facts, _ = migrate_under(
+                h, cluster, kube, test_service, tcp_probe, continuous_prober, name, block_then_fault,
+                ("Gate", VERIFY), before_end=faults.unblock_all, kick=kick)
+        finally:
+            faults.unblock_all()
+        record(cluster, _row(f"{fault_name} in Verify" + (f" (migration {tries}, to {mode})" if tries > 1 else ""),
+                             outcome, cond, injector, facts))
+        assert outcome == "Ready", f"{fault_name} in Verify: expected Ready, got {outcome}: {cond}"
+        assert facts["switches"] == {n: int(n in BLUE) for n in ALL_NODES}, facts["switches"]
+        assert all(facts["modes"][n] == mode for n in BLUE), facts["modes"]
+        assert all(not h.unschedulable(n) for n in ALL_NODES), "a node was left cordoned"
+        assert all(facts["traffic"][n]["failed"] == 0 for n in ALL_NODES if n not in BLUE), facts["traffic"]
+        assert injector.unfired(VERIFY) == [], f"entered Verify, nothing fired there: {facts['phases']}"
+        if any(f.step == VERIFY for f in injector.fired):
+            break
+        mode = "iptables" if mode == "nftables" else "nftables"
+        kick = functools.partial(h.patch, name, {"spec": {"mode": mode}})
+    fired = [(f.step, f.node) for f in injector.fired]
+    assert [step for step, _ in fired] == ["Gate", VERIFY], \
+        f"no node entered Verify in {tries} migrations: fired {fired}, phases {facts['phases']}"
+    assert fired[0][1] == fired[1][1], f"Verify entered on another node than the blocked one: {fired}"
 
 
 def _set_agent_env(h: Harness, cluster: Any, env: list[dict[str, Any]]) -> None:

@@ -351,21 +351,43 @@ def test_a_migration_as_the_service_accounts_reads_no_secret(cluster: Any, api_c
         op.stop()
     ours = {u: who for who, u in sec.IDENTITIES.items()}
     per_user: Counter[str] = Counter()
-    secrets, refused = [], []
+    secrets, refused, outside, agent_other = [], [], [], []
+    agent_calls: Counter[str] = Counter()
+    seen: set[str] = set()
     for event in sec.audit_events(audit, offset):
         who = ours.get(event.get("user", {}).get("username", ""))
-        if who is None or event.get("stage") != "ResponseComplete":
+        # A watch is logged as ResponseStarted when it opens and ResponseComplete only when it ends (an
+        # agent's lasts 300 s, kopf's too): every request is read at its first stage logged, once.
+        if who is None or event.get("stage") not in ("ResponseStarted", "ResponseComplete") \
+                or event.get("auditID") in seen:
             continue
+        seen.add(event.get("auditID", ""))
         per_user[who] += 1
         ref = event.get("objectRef") or {}
-        line = f"{who} {event.get('verb')} {ref.get('resource')}/{ref.get('subresource') or ''} " \
+        verb, resource, subresource = event.get("verb"), ref.get("resource"), ref.get("subresource") or ""
+        line = f"{who} {verb} {resource}/{subresource} " \
                f"{ref.get('namespace') or ''}/{ref.get('name') or ''} -> {event.get('responseStatus', {}).get('code')}"
-        if ref.get("resource") == "secrets":
+        if resource == "secrets":
             secrets.append(line)
-        if who == "operator" and event.get("responseStatus", {}).get("code") == 403:
+        if event.get("responseStatus", {}).get("code") == 403:
             refused.append(line)
-    print(f"\naudit: requests by proxyshift's service accounts during the migration: {dict(per_user)}")
+        if who == "operator" and resource in ("configmaps", "daemonsets") and ref.get("namespace") != "kube-system":
+            outside.append(line)
+        if who == "agent" and event.get("objectRef") is not None:
+            # Its own node's ProxyNode only: a GET by name, a watch whose field selector names it (the API
+            # server puts that name in the objectRef), a status patch. Never a list.
+            call = f"{verb} {resource}/{subresource}"
+            agent_calls[call] += 1
+            if call not in ("get proxynodes/", "watch proxynodes/", "patch proxynodes/status") \
+                    or ref.get("name") not in ("ps-node-1", "ps-node-2", "ps-node-3"):
+                agent_other.append(line)
+    print(f"\naudit: requests by proxyshift's service accounts during the migration: {dict(per_user)}; "
+          f"the agents': {dict(agent_calls)}")
     # Positive control: the log saw both identities at work, so an absence below means something.
     assert per_user["operator"] > 50 and per_user["agent"] > 20, dict(per_user)
+    # (A watch opened in this window is checked like the rest; none need open: they last 300 s.)
+    assert agent_calls["patch proxynodes/status"] > 0, dict(agent_calls)
     assert secrets == [], "secrets requests by proxyshift's identities"
-    assert refused == [], f"the operator was refused (its documented permissions are not enough): {refused[:20]}"
+    assert refused == [], f"proxyshift was refused (its documented permissions are not enough): {refused[:20]}"
+    assert outside == [], f"the operator read or wrote DaemonSets/ConfigMaps outside kube-system: {outside[:20]}"
+    assert agent_other == [], f"agent requests beyond its own ProxyNode: {agent_other[:20]}"

@@ -61,17 +61,69 @@ def test_handler_ids_indexes_and_filters_stay_what_a_running_operator_left_behin
 def test_configure_sets_kopf_up_and_puts_the_runtime_in_the_memo(monkeypatch: pytest.MonkeyPatch) -> None:
     contexts: list[str | None] = []
     monkeypatch.setattr(handlers.login_to, "load_client_config", contexts.append)
+    monkeypatch.setattr(handlers.ClusterAPI, "unserved_resources", lambda self, with_peering: [])
     monkeypatch.delenv("PROXYSHIFT_PEERING_ACTIVE", raising=False)
     settings, memo = kopf.OperatorSettings(), kopf.Memo({MEMO_KUBE_CONTEXT: "staging"})
+    settings.peering.clusterwide = False  # what kopf.operator(namespaces=[...]) sets before the startup
 
     handlers.configure(settings=settings, memo=memo)
 
     assert contexts == ["staging"]
+    # Served namespace only, named exactly: no Namespace or CRD list (the operator may do neither);
+    # the one ClusterKopfPeering stays.
+    assert settings.scanning.disabled is True
+    assert settings.peering.clusterwide is True
     assert settings.persistence.finalizer == "proxyshift.io/finalizer"
     assert isinstance(settings.persistence.progress_storage, kopf.StatusProgressStorage)
     assert isinstance(memo[MEMO_KEY], OperatorRuntime)
     # kopf hands each resource handler a shallow copy of the operator memo: the same runtime.
     assert runtime_of(copy.copy(memo)) is memo[MEMO_KEY]
+
+
+def test_configure_waits_for_the_crds_it_cannot_notice_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(handlers.login_to, "load_client_config", lambda _: None)
+    monkeypatch.setenv("PROXYSHIFT_PEERING_ACTIVE", "proxyshift")
+    asked: list[bool] = []
+
+    def unserved(_: Any, with_peering: bool) -> list[str]:
+        asked.append(with_peering)
+        return ["proxypolicies.proxyshift.io/v1alpha1"]
+
+    monkeypatch.setattr(handlers.ClusterAPI, "unserved_resources", unserved)
+    memo = kopf.Memo({MEMO_KUBE_CONTEXT: None})
+    with pytest.raises(kopf.TemporaryError, match=r"does not serve proxypolicies\.proxyshift\.io/v1alpha1"):
+        handlers.configure(settings=kopf.OperatorSettings(), memo=memo)
+    assert asked == [True]
+    assert MEMO_KEY not in memo
+
+
+class FakeDiscovery:
+    """CustomObjectsApi.get_api_resources as the API server answers it."""
+
+    def __init__(self, served: dict[tuple[str, str], list[str]]) -> None:
+        self.served = served
+
+    def get_api_resources(self, group: str, version: str) -> Any:
+        from kubernetes.client import V1APIResource, V1APIResourceList
+
+        if (group, version) not in self.served:
+            raise ApiException(status=404, reason="Not Found")
+        return V1APIResourceList(group_version=f"{group}/{version}", resources=[
+            V1APIResource(name=n, kind=n, namespaced=False, singular_name="", verbs=["get"])
+            for n in self.served[(group, version)]])
+
+
+def test_unserved_resources_names_each_missing_crd() -> None:
+    from proxyshift.controller.kube import ClusterAPI
+
+    api = ClusterAPI()
+    api.custom = FakeDiscovery({("proxyshift.io", "v1alpha1"): ["proxypolicies", "proxypolicies/status"]})  # type: ignore[assignment]
+    assert api.unserved_resources(with_peering=False) == ["proxynodes.proxyshift.io/v1alpha1"]
+    assert api.unserved_resources(with_peering=True) == ["proxynodes.proxyshift.io/v1alpha1",
+                                                         "clusterkopfpeerings.kopf.dev/v1"]
+    api.custom = FakeDiscovery({("proxyshift.io", "v1alpha1"): ["proxypolicies", "proxynodes"],  # type: ignore[assignment]
+                                ("kopf.dev", "v1"): ["clusterkopfpeerings"]})
+    assert api.unserved_resources(with_peering=True) == []
 
 
 def test_a_handler_without_the_runtime_says_the_startup_did_not_run() -> None:

@@ -56,9 +56,22 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     # Replicas of equal priority all pause (kopf treats them as conflicting): a random priority
     # makes exactly one active, and a standby takes over when its peer's lease lapses.
     settings.peering.priority = CONFIG.peering_priority or random.randint(1, 32767)
+    # The operator serves kube-proxy's namespace only (main.py), where it may read ConfigMaps and
+    # DaemonSets. kopf would list and watch every Namespace to find it (refused: the name is exact, it
+    # needs no finding) and every CRD to notice new ones; with scanning off it serves the namespace as
+    # named and the resources the API server serves at start, which the check below makes sure of.
+    settings.scanning.disabled = True
+    # One ClusterKopfPeering for all replicas, as when the operator was cluster-wide (kopf would use a
+    # KopfPeering in each served namespace).
+    settings.peering.clusterwide = True
     login_to.load_client_config(kube_context_of(memo))
     api = ClusterAPI()
     peering = os.environ.get("PROXYSHIFT_PEERING_ACTIVE")
+    missing = api.unserved_resources(with_peering=bool(peering))
+    if missing:
+        # kopf retries the startup; without scanning, a CRD created after the start would go unserved.
+        raise kopf.TemporaryError(f"the API server does not serve {', '.join(missing)} yet: install the CRDs "
+                                  "(crds/); waiting", delay=5)
     if peering:
         # Replicas find each other through this object; creating it here spares users an ordering
         # problem (a custom resource applied in the same `kubectl apply` as its CRD is refused).

@@ -215,6 +215,22 @@ class ClusterAPI:
         # With _preload_content=False the answer is urllib3's response, which the client types `object`.
         return cast(dict[str, Any], json.loads(cast(Any, answer).data))
 
+    def unserved_resources(self, *, with_peering: bool) -> list[str]:
+        """The custom resources the operator needs that the API server does not serve (their CRD is missing)."""
+        wanted = [(API_GROUP, API_VERSION, PROXYPOLICIES), (API_GROUP, API_VERSION, PROXYNODES)]
+        if with_peering:
+            wanted.append(("kopf.dev", "v1", "clusterkopfpeerings"))
+        served: dict[tuple[str, str], set[str]] = {}
+        for group, version in dict.fromkeys((g, v) for g, v, _ in wanted):
+            try:
+                listed = self.custom.get_api_resources(group, version)
+                served[(group, version)] = {r.name for r in listed.resources or []}
+            except ApiException as exc:
+                _ignore(404, exc)  # the group/version is not served at all
+                served[(group, version)] = set()
+        return [f"{plural}.{group}/{version}" for group, version, plural in wanted
+                if plural not in served[(group, version)]]
+
     def ensure_peering(self, name: str) -> None:
         body = {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}}
         try:

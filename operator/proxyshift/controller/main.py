@@ -63,7 +63,11 @@ def main(argv: Sequence[str]) -> int:
     from proxyshift.controller.runtime import MEMO_KUBE_CONTEXT
 
     asyncio.run(kopf.operator(
-        clusterwide=True,
+        # The namespaced kinds kopf watches (the baseline and revision ConfigMaps and DaemonSets) live in
+        # kube-proxy's namespace only, and the operator may read them only there (config/rbac: a Role);
+        # the cluster-scoped kinds (ProxyPolicies) are watched cluster-wide all the same. The startup
+        # handler keeps the peering cluster-wide and turns kopf's namespace scan off (handlers.configure).
+        namespaces=[CONFIG.kube_proxy_namespace],
         identity=peering_identity(),  # type: ignore[arg-type]  # kopf types it as its internal Identity (a str)
         standalone=args.standalone,
         peering_name=None if args.standalone else args.peering,
