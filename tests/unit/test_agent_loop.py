@@ -445,13 +445,23 @@ def test_the_watch_loop_gets_once_then_follows_resource_versions_and_gets_again_
     assert events.qsize() == 3
 
 
-def test_the_watch_back_off_starts_anew_after_a_watch_that_ran(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two outages with a healthy watch between them: the second waits 1 s first, not where the first ended."""
+@pytest.mark.parametrize("draws, expected", [
+    # draw 1: the ceilings themselves (no jitter). first outage: 1, 2, 4; the watch ran 60 s and broke: 1
+    # again; then 2, 4 for the second outage
+    ([1.0], [1.0, 2.0, 4.0, 1.0, 2.0, 4.0]),
+    # other draws: each wait between the 0.5 s floor and that ceiling, where the draw says
+    ([0.0, 0.5, 0.25, 1.0, 0.0, 0.5], [0.5, 1.25, 1.375, 1.0, 0.5, 2.25]),
+])
+def test_the_watch_back_off_starts_anew_after_a_watch_that_ran(monkeypatch: pytest.MonkeyPatch,
+                                                               draws: list[float], expected: list[float]) -> None:
+    """Two outages with a healthy watch between them: the second starts from the 1 s ceiling again, not where
+    the first ended; each wait is drawn below its ceiling."""
     import queue
     import threading
 
     from proxyshift.agent import loop as loop_mod
 
+    draw_iter = iter(draws * 6)
     clock = [0.0]
     monkeypatch.setattr(loop_mod.time, "monotonic", lambda: clock[0])
     script = ["down", "down", "down", "ok", "down", "down"]
@@ -480,13 +490,13 @@ def test_the_watch_back_off_starts_anew_after_a_watch_that_ran(monkeypatch: pyte
             yield  # a generator, like the real watch
 
     stop = Stop()
-    agent = Agent(AgentConfig(node="n1", watch_timeout=300), FlakyAPI(node_obj()), FakeNode())
+    agent = Agent(AgentConfig(node="n1", watch_timeout=300), FlakyAPI(node_obj()), FakeNode(),
+                  backoff_draw=lambda: next(draw_iter))
     thread = threading.Thread(target=agent._watch_loop, args=(queue.Queue(), stop))
     thread.start()
     thread.join(timeout=20)
     assert not thread.is_alive()
-    # first outage: 1, 2, 4; the watch ran 60 s and broke: 1 again; then 2, 4 for the second outage
-    assert stop.waits[:6] == [1.0, 2.0, 4.0, 1.0, 2.0, 4.0], stop.waits
+    assert stop.waits[:6] == pytest.approx(expected), stop.waits
 
 
 # ---- rule hold ----

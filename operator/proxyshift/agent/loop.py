@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import queue
+import random
 import sys
 import threading
 import time
@@ -30,6 +31,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol, cast
 
+from proxyshift.agent import backoff as backoff_mod
 from proxyshift.agent import diagnostics as diagnostics_mod
 from proxyshift.agent import flush as flush_mod
 from proxyshift.agent import hold as hold_mod
@@ -207,6 +209,9 @@ class Agent:
     effects: NodeEffects
     clock: Callable[[], float] = time.time
     sleep: Callable[[float], None] = time.sleep
+    # Uniform in [0, 1): where in [floor, ceiling] each watch back-off lands (agent/backoff.py). A constant 1.0
+    # is the back-off without jitter, which only the tests and the reconnect-storm bench's comparison use.
+    backoff_draw: Callable[[], float] = random.random
     hold: HoldRecord | None = None
     _hold_checked: bool = False
     facts: KubeProxyFacts | None = None
@@ -589,7 +594,7 @@ class Agent:
         Re-listing on every renewal would cost the API server a GET per node per
         renewal; 5,000 agents make that matter.
         """
-        backoff = 1.0
+        backoff = backoff_mod.BASE_SECONDS  # the ceiling; the wait is drawn below it
         rv: str | None = None
         watching_since: float | None = None
         said_missing = -math.inf
@@ -619,7 +624,7 @@ class Agent:
                         rv = None  # gone, or the version expired (410): start from a fresh GET
                         break
                 self.health.contact()  # the watch ran to its timeout: the API server kept it open
-                backoff = 1.0
+                backoff = backoff_mod.BASE_SECONDS
                 if time.monotonic() - started < 1.0:
                     stop.wait(1.0)  # a server that ends watches at once must not make this spin
             except Exception as exc:
@@ -630,10 +635,12 @@ class Agent:
                     # A watch that ran ended by a new outage, not a longer one. Kept growing, two API server
                     # restarts a minute apart left the agent asleep up to 30 s after the second, the
                     # operator's Hold, Probe or Cleanup unseen meanwhile.
-                    backoff = 1.0
+                    backoff = backoff_mod.BASE_SECONDS
                 watching_since = None
-                stop.wait(backoff)
-                backoff = min(backoff * 2, 30.0)
+                # Drawn, not the ceiling itself: a fleet of agents that lost their watches together (an API
+                # server restart) must not all come back in the same instant, again and again.
+                stop.wait(backoff_mod.jittered_wait(backoff, self.backoff_draw()))
+                backoff = backoff_mod.next_ceiling(backoff)
 
 
 # The dispatch table: how the agent runs each operation type (a unit test checks every type has one).
