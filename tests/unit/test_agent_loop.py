@@ -441,8 +441,78 @@ def test_the_watch_loop_gets_once_then_follows_resource_versions_and_gets_again_
     thread = threading.Thread(target=agent._watch_loop, args=(events, stop))
     thread.start()
     thread.join(timeout=20)
-    assert calls == [("get",), ("watch", "1"), ("watch", "7"), ("get",), ("watch", "1")]
+    # after the 410 the object's own version ("1") is not watched from again: the API server's current state
+    assert calls == [("get",), ("watch", "1"), ("watch", "7"), ("get",), ("watch", None)]
     assert events.qsize() == 3
+
+
+class Expired(Exception):
+    """What the kubernetes client raises for a watch's 410 ERROR event (an ApiException with status 410)."""
+
+    status = 410
+
+
+@pytest.mark.parametrize("failure", ["exception", "event"])
+def test_after_a_410_the_watch_starts_from_now_until_an_event_brings_a_version(failure: str) -> None:
+    """An object unchanged since before an API server restart carries a version older than the new server's
+    watch window: watching from it after a GET would answer 410 for ever. The next watch starts from the
+    current state (its first event is the object), and follows that event's version afterwards."""
+    import queue
+    import threading
+
+    calls: list[tuple[str, str | None]] = []
+    stop = threading.Event()
+
+    class RestartedAPI(FakeAPI):
+        def get(self, name):
+            calls.append(("get", None))
+            return super().get(name)  # resourceVersion "1", from before the restart
+
+        def watch(self, name, rv, timeout):
+            calls.append(("watch", rv))
+            if len(calls) > 8:  # the loop this test is about: end it, the assertion below says what went wrong
+                stop.set()
+            if rv == "1":
+                if failure == "event":
+                    yield "ERROR", {"kind": "Status", "code": 410, "reason": "Expired"}
+                    return
+                raise Expired("too old resource version: 1 (322)")
+            if rv is None:
+                yield "ADDED", {**node_obj(), "metadata": {"name": "n1", "resourceVersion": "330"}}
+                return
+            stop.set()
+            yield from ()
+
+    events: queue.Queue = queue.Queue()
+    agent = Agent(AgentConfig(node="n1", watch_timeout=1), RestartedAPI(node_obj()), FakeNode(),
+                  backoff_draw=lambda: 0.0)
+    agent._watch_loop(events, stop)
+    assert calls == [("get", None), ("watch", "1"), ("get", None), ("watch", None), ("watch", "330")]
+
+
+def test_a_bookmark_moves_the_version_the_next_watch_resumes_from() -> None:
+    """The object sits unchanged while the API server's window moves on: the renewal resumes from the
+    bookmark's version, not from the object's own, and a bookmark is not an event to handle."""
+    import queue
+    import threading
+
+    calls: list[str | None] = []
+    stop = threading.Event()
+
+    class IdleAPI(FakeAPI):
+        def watch(self, name, rv, timeout):
+            calls.append(rv)
+            if len(calls) == 1:
+                yield "BOOKMARK", {"kind": "ProxyNode", "metadata": {"resourceVersion": "900"}}
+                return
+            stop.set()
+            yield from ()
+
+    events: queue.Queue = queue.Queue()
+    agent = Agent(AgentConfig(node="n1", watch_timeout=1), IdleAPI(node_obj()), FakeNode())
+    agent._watch_loop(events, stop)
+    assert calls == ["1", "900"]
+    assert events.qsize() == 1  # the GET's object only
 
 
 @pytest.mark.parametrize("draws, expected", [
