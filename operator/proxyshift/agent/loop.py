@@ -590,7 +590,8 @@ class Agent:
                 stop.wait(5)
 
     def _watch_loop(self, events: queue.Queue[dict[str, Any]], stop: threading.Event) -> None:
-        """GET once, then watch from the last resourceVersion; GET again only after an error.
+        """GET once, then watch from the last resourceVersion; GET again only after an error other than a 410
+        (after a 410 the watch starts from the API server's current state, whose first event is the object).
 
         Re-listing on every renewal would cost the API server a GET per node per
         renewal; 5,000 agents make that matter.
@@ -608,7 +609,7 @@ class Agent:
         while not stop.is_set():
             started = time.monotonic()
             try:
-                if rv is None:
+                if rv is None and not from_now:  # from now: the watch's first event is the object, no GET needed
                     obj = self.api.get(self.cfg.node)
                     self.health.contact()  # a 404 is an answer too: the operator has not created it yet
                     if obj is None:
