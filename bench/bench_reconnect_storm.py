@@ -314,7 +314,7 @@ def storm(ctl: Control, procs: Procs, n: int, backoff: str, per_process: int, ra
                 "--first", str(first), "--count", str(min(per_process, n - first)), "--backoff", backoff,
                 "--ramp", str(ramp / count)], env))
         began = time.monotonic()
-        wait_for(f"{n} agents' first watches", lambda: fleet_live(workers, began) == n, n / ramp + 180)
+        wait_for(f"{n} agents' first watches", lambda: fleet_live(workers, began) == n, n / ramp + 600)
         print(f"  {backoff}: {n} watches live after {time.monotonic() - began:.0f}s; restarting the API server",
               file=sys.stderr, flush=True)
         time.sleep(5)  # past HEALTHY_WATCH_SECONDS: the agents see a new outage, as after a real restart
