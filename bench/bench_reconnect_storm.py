@@ -430,6 +430,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the state folder (logs, request records)")
     args = p.parse_args(argv)
     os.nice(max(0, 19 - os.nice(0)))  # never outrank other work on the machine (children inherit it)
+    # SIGTERM and SIGINT (ignored by default in a background job) unwind through the finally blocks below,
+    # which stop the agents, the API server and etcd by their own handles.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
     bin_dir = build()
     busy = [port for port in (ETCD_PORT, ETCD_PEER_PORT, API_PORT) if not listen_free(port)]
     if busy:
