@@ -435,7 +435,11 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
     bin_dir = build()
-    busy = [port for port in (ETCD_PORT, ETCD_PEER_PORT, API_PORT) if not listen_free(port)]
+    deadline = time.monotonic() + 90
+    # A previous run's sockets (its storm's connections, its API server going) linger for a while.
+    while (busy := [p for p in (ETCD_PORT, ETCD_PEER_PORT, API_PORT) if not listen_free(p)]) and \
+            time.monotonic() < deadline:
+        time.sleep(2)
     if busy:
         print(f"ports in use: {busy}", file=sys.stderr)
         return 2
