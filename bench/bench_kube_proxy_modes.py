@@ -104,7 +104,10 @@ class Node:
             self.ns.run(["ip", "link", "set", "lo", "up"])
             self.ns.run(["ip", "addr", "add", f"{NODE_IP}/32", "dev", "lo"])
             (workdir / "kubeconfig").write_text(KUBECONFIG.format(port=API_PORT))
-            (workdir / "config.yaml").write_text(CONFIG.format(mode=mode, dir=workdir, node=NODE, node_ip=NODE_IP))
+            # The runner's defaults for the fields CONFIG gained since (the ipvs scheduler, kube-proxy's own
+            # conntrack sysctls): without them the format raised KeyError and make bench printed no table.
+            (workdir / "config.yaml").write_text(CONFIG.format(mode=mode, dir=workdir, node=NODE, node_ip=NODE_IP,
+                                                               scheduler="rr", conntrack_extra=""))
             prefix = ["ip", "netns", "exec", self.ns.name]
             api_log = self._log("apiserver.log")
             self.api = subprocess.Popen(
