@@ -414,6 +414,52 @@ def test_a_read_only_operation_whose_running_record_failed_is_not_reported_and_r
     assert [p["lastOperation"]["state"] for p in api.patches] == ["Running", "Succeeded"]
 
 
+@pytest.mark.parametrize("rv", ["41", None])
+def test_the_real_client_watches_with_bookmarks_and_from_now_without_a_version(rv: str | None) -> None:
+    """The request the real client makes: bookmarks asked for, a resourceVersion only when the loop has one
+    (None after a 410: the API server's current state), and a BOOKMARK event handed through to the loop."""
+    import json
+    import threading
+    import urllib.parse
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kubernetes import client
+
+    from proxyshift.agent.loop import KubeProxyNodeAPI
+
+    queries: list[dict[str, list[str]]] = []
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            queries.append(urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query))
+            bookmark = {"kind": "ProxyNode", "apiVersion": "proxyshift.io/v1alpha1",
+                        "metadata": {"resourceVersion": "900"}}
+            line = json.dumps({"type": "BOOKMARK", "object": bookmark}) + "\n"
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(line)))
+            self.end_headers()
+            self.wfile.write(line.encode())
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        conf = client.Configuration()
+        conf.host = f"http://127.0.0.1:{srv.server_address[1]}"
+        events = list(KubeProxyNodeAPI(client.ApiClient(conf)).watch("n1", rv, 5))
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert [(kind, obj["metadata"]["resourceVersion"]) for kind, obj in events] == [("BOOKMARK", "900")]
+    (q,) = queries
+    assert q["watch"] == ["true"] and q["allowWatchBookmarks"] == ["true"]
+    assert q["fieldSelector"] == ["metadata.name=n1"]
+    assert q.get("resourceVersion") == ([rv] if rv else None)
+
+
 def test_the_watch_loop_gets_once_then_follows_resource_versions_and_starts_from_now_after_a_410():
     import queue
     import threading
