@@ -1,6 +1,6 @@
 """`make bench`: every benchmark once, at sizes that finish in minutes, each printing its table.
 
-    sudo python bench/run_all.py            # quick sizes (about 15 minutes on 2 cores)
+    sudo python bench/run_all.py            # quick sizes (about 20 minutes on 2 cores)
     sudo python bench/run_all.py --full     # the sizes docs/benchmarks.md quotes (hours)
 
 The benchmarks run one after another (they measure CPU time; two at once would
