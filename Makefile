@@ -82,7 +82,7 @@ test-reliability: binaries
 test: setup lint crds-check binaries ## everything CI runs: every layer, in one pytest session
 	$(PYTEST)
 
-bench: binaries ## benchmarks (print tables)
+bench: setup binaries ## benchmarks (print tables); setup: the system tools they run (iptables, nft, QEMU)
 	$(PYTHON) bench/run_all.py
 
 demo: setup binaries ## the main job: local cluster, operator, pool blue iptables -> nftables, live progress

@@ -30,10 +30,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from localcluster.build import build
 from proxyshift.agent.flush import flush
 from proxyshift.agent.flush.iptables import IptablesTool
 from tests.support.kp_rules import ipvs_mode_rules
-from tests.support.kube_proxy_runner import find_kube_proxy
 from tests.support.ps_netns import Netns
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,13 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kube-proxy", type=Path, default=None)
     p.add_argument("--inside", action="store_true", help="already in the guest (set by the host side)")
     args = p.parse_args(argv)
-    kube_proxy = args.kube_proxy or find_kube_proxy()
-    if kube_proxy is None:
-        print("no kube-proxy binary (make binaries, or --kube-proxy)", file=sys.stderr)
-        return 2
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.inside:
-        return inside(sizes, args.runs, kube_proxy)
+        if args.kube_proxy is None:  # the host side always passes the one it found
+            print("--inside needs --kube-proxy", file=sys.stderr)
+            return 2
+        return inside(sizes, args.runs, args.kube_proxy)
+    # The local cluster build's (built if missing), never a guessed path: the table compares against it.
+    kube_proxy = args.kube_proxy or build() / "kube-proxy"
     if os.geteuid() != 0:
         print("needs root (QEMU's shares of /, network namespaces in the guest)", file=sys.stderr)
         return 2

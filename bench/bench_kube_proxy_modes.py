@@ -43,8 +43,9 @@ from typing import IO, Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from localcluster.build import build
 from proxyshift.commands import run, stop_child
-from tests.support.kube_proxy_runner import API_PORT, CONFIG, KUBECONFIG, find_kube_proxy
+from tests.support.kube_proxy_runner import API_PORT, CONFIG, KUBECONFIG
 from tests.support.ps_netns import Netns
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,7 +104,10 @@ class Node:
             self.ns.run(["ip", "link", "set", "lo", "up"])
             self.ns.run(["ip", "addr", "add", f"{NODE_IP}/32", "dev", "lo"])
             (workdir / "kubeconfig").write_text(KUBECONFIG.format(port=API_PORT))
-            (workdir / "config.yaml").write_text(CONFIG.format(mode=mode, dir=workdir, node=NODE, node_ip=NODE_IP))
+            # The runner's defaults for the fields CONFIG gained since (the ipvs scheduler, kube-proxy's own
+            # conntrack sysctls): without them the format raised KeyError and make bench printed no table.
+            (workdir / "config.yaml").write_text(CONFIG.format(mode=mode, dir=workdir, node=NODE, node_ip=NODE_IP,
+                                                               scheduler="rr", conntrack_extra=""))
             prefix = ["ip", "netns", "exec", self.ns.name]
             api_log = self._log("apiserver.log")
             self.api = subprocess.Popen(
@@ -256,11 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         print("needs root (network namespaces, iptables, nft)", file=sys.stderr)
         return 2
     os.nice(max(0, 19 - os.nice(0)))  # a benchmark must never outrank other work on the machine
-    binary = args.kube_proxy or find_kube_proxy()
-    if binary is None:
-        print("no kube-proxy binary: run `python -m localcluster.build` or pass --kube-proxy",
-              file=sys.stderr)
-        return 2
+    # The local cluster build's (built if missing): the same binary on every machine that runs this.
+    binary = args.kube_proxy or build() / "kube-proxy"
     workdir = args.workdir or Path(f"/tmp/ps-bench-modes-{os.getpid()}")
     modes = args.modes.split(",")
     samples: list[Sample] = []

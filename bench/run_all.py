@@ -1,6 +1,6 @@
 """`make bench`: every benchmark once, at sizes that finish in minutes, each printing its table.
 
-    sudo python bench/run_all.py            # quick sizes (about 15 minutes on 2 cores)
+    sudo python bench/run_all.py            # quick sizes (about 20 minutes on 2 cores)
     sudo python bench/run_all.py --full     # the sizes docs/benchmarks.md quotes (hours)
 
 The benchmarks run one after another (they measure CPU time; two at once would
@@ -32,6 +32,8 @@ BENCHES: list[tuple[str, list[str], list[str], bool]] = [
      ["--services", "1000,5000,10000", "--runs", "3", "--changes", "5"], False),
     ("bench_rollout_overhead.py", ["--runs", "1"], ["--runs", "5"], True),
     ("bench_controller_scale.py", ["--nodes", "500"], ["--nodes", "1000,5000", "--timeout", "2400"], False),
+    # Its own control plane on its own ports; both back-offs side by side. Quick: 500 agents, about 3 min.
+    ("bench_reconnect_storm.py", ["--agents", "500"], ["--agents", "5000"], False),
 ]
 
 

@@ -7,7 +7,6 @@ Processes started here are stopped by their own pids.
 
 from __future__ import annotations
 
-import glob
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from localcluster import build
 from localcluster.container import run_in_netns
 from proxyshift.agent.probe import facts_from_probe, probe
 from proxyshift.commands import stop_child
@@ -25,15 +25,17 @@ API_PORT = 16443
 
 
 def find_kube_proxy() -> Path | None:
-    """$PROXYSHIFT_KUBE_PROXY, else the local cluster's versioned build, else the warm build."""
+    """$PROXYSHIFT_KUBE_PROXY, else the local cluster build's kube-proxy for the current pins, else None.
+
+    The build's own path function (build.bin_dir_for), not a guessed folder: a path only one machine had
+    (~/.cache/proxyshift/warm/) made the benchmarks drop their kube-proxy column on every other machine, and a
+    glob over the cache's hash folders could pick a build of older pins.
+    """
     env = os.environ.get("PROXYSHIFT_KUBE_PROXY")
-    candidates = [env] if env else []
-    candidates += sorted(glob.glob(str(Path.home() / ".cache/proxyshift/k8s/*/bin/kube-proxy")))
-    candidates.append(str(Path.home() / ".cache/proxyshift/warm/kube-proxy"))
-    for c in candidates:
-        if c and Path(c).is_file() and os.access(c, os.X_OK):
-            return Path(c)
-    return None
+    if env:
+        return Path(env) if Path(env).is_file() and os.access(env, os.X_OK) else None
+    bin_dir = build.bin_dir_for()
+    return bin_dir / "kube-proxy" if build.is_complete(bin_dir) else None
 
 
 CONFIG = """\

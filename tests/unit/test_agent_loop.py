@@ -414,7 +414,53 @@ def test_a_read_only_operation_whose_running_record_failed_is_not_reported_and_r
     assert [p["lastOperation"]["state"] for p in api.patches] == ["Running", "Succeeded"]
 
 
-def test_the_watch_loop_gets_once_then_follows_resource_versions_and_gets_again_after_an_error():
+@pytest.mark.parametrize("rv", ["41", None])
+def test_the_real_client_watches_with_bookmarks_and_from_now_without_a_version(rv: str | None) -> None:
+    """The request the real client makes: bookmarks asked for, a resourceVersion only when the loop has one
+    (None after a 410: the API server's current state), and a BOOKMARK event handed through to the loop."""
+    import json
+    import threading
+    import urllib.parse
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kubernetes import client
+
+    from proxyshift.agent.loop import KubeProxyNodeAPI
+
+    queries: list[dict[str, list[str]]] = []
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            queries.append(urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query))
+            bookmark = {"kind": "ProxyNode", "apiVersion": "proxyshift.io/v1alpha1",
+                        "metadata": {"resourceVersion": "900"}}
+            line = json.dumps({"type": "BOOKMARK", "object": bookmark}) + "\n"
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(line)))
+            self.end_headers()
+            self.wfile.write(line.encode())
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        conf = client.Configuration()
+        conf.host = f"http://127.0.0.1:{srv.server_address[1]}"
+        events = list(KubeProxyNodeAPI(client.ApiClient(conf)).watch("n1", rv, 5))
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert [(kind, obj["metadata"]["resourceVersion"]) for kind, obj in events] == [("BOOKMARK", "900")]
+    (q,) = queries
+    assert q["watch"] == ["true"] and q["allowWatchBookmarks"] == ["true"]
+    assert q["fieldSelector"] == ["metadata.name=n1"]
+    assert q.get("resourceVersion") == ([rv] if rv else None)
+
+
+def test_the_watch_loop_gets_once_then_follows_resource_versions_and_starts_from_now_after_a_410():
     import queue
     import threading
 
@@ -441,17 +487,97 @@ def test_the_watch_loop_gets_once_then_follows_resource_versions_and_gets_again_
     thread = threading.Thread(target=agent._watch_loop, args=(events, stop))
     thread.start()
     thread.join(timeout=20)
-    assert calls == [("get",), ("watch", "1"), ("watch", "7"), ("get",), ("watch", "1")]
-    assert events.qsize() == 3
+    # after the 410 the object's own version ("1") is not watched from again: the API server's current state
+    assert calls == [("get",), ("watch", "1"), ("watch", "7"), ("watch", None)]
+    assert events.qsize() == 2  # the GET's object and the MODIFIED one; no second GET
 
 
-def test_the_watch_back_off_starts_anew_after_a_watch_that_ran(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two outages with a healthy watch between them: the second waits 1 s first, not where the first ended."""
+class Expired(Exception):
+    """What the kubernetes client raises for a watch's 410 ERROR event (an ApiException with status 410)."""
+
+    status = 410
+
+
+@pytest.mark.parametrize("failure", ["exception", "event"])
+def test_after_a_410_the_watch_starts_from_now_until_an_event_brings_a_version(failure: str) -> None:
+    """An object unchanged since before an API server restart carries a version older than the new server's
+    watch window: watching from it after a GET would answer 410 for ever. The next watch starts from the
+    current state (its first event is the object), and follows that event's version afterwards."""
+    import queue
+    import threading
+
+    calls: list[tuple[str, str | None]] = []
+    stop = threading.Event()
+
+    class RestartedAPI(FakeAPI):
+        def get(self, name):
+            calls.append(("get", None))
+            return super().get(name)  # resourceVersion "1", from before the restart
+
+        def watch(self, name, rv, timeout):
+            calls.append(("watch", rv))
+            if len(calls) > 8:  # the loop this test is about: end it, the assertion below says what went wrong
+                stop.set()
+            if rv == "1":
+                if failure == "event":
+                    yield "ERROR", {"kind": "Status", "code": 410, "reason": "Expired"}
+                    return
+                raise Expired("too old resource version: 1 (322)")
+            if rv is None:
+                yield "ADDED", {**node_obj(), "metadata": {"name": "n1", "resourceVersion": "330"}}
+                return
+            stop.set()
+            yield from ()
+
+    events: queue.Queue = queue.Queue()
+    agent = Agent(AgentConfig(node="n1", watch_timeout=1), RestartedAPI(node_obj()), FakeNode(),
+                  backoff_draw=lambda: 0.0)
+    agent._watch_loop(events, stop)
+    assert calls == [("get", None), ("watch", "1"), ("watch", None), ("watch", "330")]
+
+
+def test_a_bookmark_moves_the_version_the_next_watch_resumes_from() -> None:
+    """The object sits unchanged while the API server's window moves on: the renewal resumes from the
+    bookmark's version, not from the object's own, and a bookmark is not an event to handle."""
+    import queue
+    import threading
+
+    calls: list[str | None] = []
+    stop = threading.Event()
+
+    class IdleAPI(FakeAPI):
+        def watch(self, name, rv, timeout):
+            calls.append(rv)
+            if len(calls) == 1:
+                yield "BOOKMARK", {"kind": "ProxyNode", "metadata": {"resourceVersion": "900"}}
+                return
+            stop.set()
+            yield from ()
+
+    events: queue.Queue = queue.Queue()
+    agent = Agent(AgentConfig(node="n1", watch_timeout=1), IdleAPI(node_obj()), FakeNode())
+    agent._watch_loop(events, stop)
+    assert calls == ["1", "900"]
+    assert events.qsize() == 1  # the GET's object only
+
+
+@pytest.mark.parametrize("draws, expected", [
+    # draw 1: the ceilings themselves (no jitter). first outage: 1, 2, 4; the watch ran 60 s and broke: 1
+    # again; then 2, 4 for the second outage
+    ([1.0], [1.0, 2.0, 4.0, 1.0, 2.0, 4.0]),
+    # other draws: each wait between the 0.5 s floor and that ceiling, where the draw says
+    ([0.0, 0.5, 0.25, 1.0, 0.0, 0.5], [0.5, 1.25, 1.375, 1.0, 0.5, 2.25]),
+])
+def test_the_watch_back_off_starts_anew_after_a_watch_that_ran(monkeypatch: pytest.MonkeyPatch,
+                                                               draws: list[float], expected: list[float]) -> None:
+    """Two outages with a healthy watch between them: the second starts from the 1 s ceiling again, not where
+    the first ended; each wait is drawn below its ceiling."""
     import queue
     import threading
 
     from proxyshift.agent import loop as loop_mod
 
+    draw_iter = iter(draws * 6)
     clock = [0.0]
     monkeypatch.setattr(loop_mod.time, "monotonic", lambda: clock[0])
     script = ["down", "down", "down", "ok", "down", "down"]
@@ -480,13 +606,13 @@ def test_the_watch_back_off_starts_anew_after_a_watch_that_ran(monkeypatch: pyte
             yield  # a generator, like the real watch
 
     stop = Stop()
-    agent = Agent(AgentConfig(node="n1", watch_timeout=300), FlakyAPI(node_obj()), FakeNode())
+    agent = Agent(AgentConfig(node="n1", watch_timeout=300), FlakyAPI(node_obj()), FakeNode(),
+                  backoff_draw=lambda: next(draw_iter))
     thread = threading.Thread(target=agent._watch_loop, args=(queue.Queue(), stop))
     thread.start()
     thread.join(timeout=20)
     assert not thread.is_alive()
-    # first outage: 1, 2, 4; the watch ran 60 s and broke: 1 again; then 2, 4 for the second outage
-    assert stop.waits[:6] == [1.0, 2.0, 4.0, 1.0, 2.0, 4.0], stop.waits
+    assert stop.waits[:6] == pytest.approx(expected), stop.waits
 
 
 # ---- rule hold ----

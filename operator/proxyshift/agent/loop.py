@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import queue
+import random
 import sys
 import threading
 import time
@@ -30,6 +31,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol, cast
 
+from proxyshift.agent import backoff as backoff_mod
 from proxyshift.agent import diagnostics as diagnostics_mod
 from proxyshift.agent import flush as flush_mod
 from proxyshift.agent import hold as hold_mod
@@ -118,8 +120,9 @@ class KubeProxyNodeAPI:
     def watch(self, name: str, resource_version: str | None, timeout: int) -> Iterator[tuple[str, dict[str, Any]]]:
         from kubernetes import watch
 
+        # Bookmarks: the API server's current version while the object does not change (see _watch_loop).
         kwargs: dict[str, Any] = {"field_selector": f"metadata.name={name}", "timeout_seconds": timeout,
-                                  "_request_timeout": timeout + 10}
+                                  "_request_timeout": timeout + 10, "allow_watch_bookmarks": True}
         if resource_version:
             kwargs["resource_version"] = resource_version
         for event in watch.Watch().stream(self._api.list_cluster_custom_object, API_GROUP, API_VERSION, PLURAL,
@@ -208,6 +211,9 @@ class Agent:
     effects: NodeEffects
     clock: Callable[[], float] = time.time
     sleep: Callable[[float], None] = time.sleep
+    # Uniform in [0, 1): where in [floor, ceiling] each watch back-off lands (agent/backoff.py). A constant 1.0
+    # is the back-off without jitter, which only the tests and the reconnect-storm bench's comparison use.
+    backoff_draw: Callable[[], float] = random.random
     hold: HoldRecord | None = None
     _hold_checked: bool = False
     facts: KubeProxyFacts | None = None
@@ -587,19 +593,26 @@ class Agent:
                 stop.wait(5)
 
     def _watch_loop(self, events: queue.Queue[dict[str, Any]], stop: threading.Event) -> None:
-        """GET once, then watch from the last resourceVersion; GET again only after an error.
+        """GET once, then watch from the last resourceVersion; GET again only after an error other than a 410
+        (after a 410 the watch starts from the API server's current state, whose first event is the object).
 
         Re-listing on every renewal would cost the API server a GET per node per
         renewal; 5,000 agents make that matter.
         """
-        backoff = 1.0
+        backoff = backoff_mod.BASE_SECONDS  # the ceiling; the wait is drawn below it
         rv: str | None = None
+        # After a 410 the next watch starts from the API server's current state (its first event is the object,
+        # ADDED), not from the object's own resourceVersion: an object unchanged since before an API server
+        # restart carries a version older than the new server's watch window, and watching from it answers
+        # 410 again, after every GET, until something writes the object (the reconnect-storm bench saw every
+        # agent loop so).
+        from_now = False
         watching_since: float | None = None
         said_missing = -math.inf
         while not stop.is_set():
             started = time.monotonic()
             try:
-                if rv is None:
+                if rv is None and not from_now:  # from now: the watch's first event is the object, no GET needed
                     obj = self.api.get(self.cfg.node)
                     self.health.contact()  # a 404 is an answer too: the operator has not created it yet
                     if obj is None:
@@ -611,32 +624,49 @@ class Agent:
                     events.put(obj)
                     rv = (obj.get("metadata") or {}).get("resourceVersion")
                 watching_since = time.monotonic()
-                for kind, item in self.api.watch(self.cfg.node, rv, self.cfg.watch_timeout):
+                for kind, item in self.api.watch(self.cfg.node, None if from_now else rv, self.cfg.watch_timeout):
                     if stop.is_set():
                         return
                     self.health.contact()
                     if kind in ("ADDED", "MODIFIED"):
                         rv = (item.get("metadata") or {}).get("resourceVersion") or rv
+                        from_now = False
                         events.put(item)
+                    elif kind == "BOOKMARK":
+                        # The API server's current version, sent while the object sits unchanged: the renewal
+                        # resumes inside the watch window instead of from a version that may have left it.
+                        rv = (item.get("metadata") or {}).get("resourceVersion") or rv
                     elif kind in ("DELETED", "ERROR"):
                         rv = None  # gone, or the version expired (410): start from a fresh GET
+                        from_now = kind == "ERROR" and _expired(item)
                         break
                 self.health.contact()  # the watch ran to its timeout: the API server kept it open
-                backoff = 1.0
+                backoff = backoff_mod.BASE_SECONDS
                 if time.monotonic() - started < 1.0:
                     stop.wait(1.0)  # a server that ends watches at once must not make this spin
             except Exception as exc:
                 log.warning("watching ProxyNode %s: %s", self.cfg.node, exc)
                 metrics_mod.record_error("watch")
                 rv = None
+                from_now = _expired(exc)  # the kubernetes client raises a watch's 410 ERROR event
                 if watching_since is not None and time.monotonic() - watching_since >= HEALTHY_WATCH_SECONDS:
                     # A watch that ran ended by a new outage, not a longer one. Kept growing, two API server
                     # restarts a minute apart left the agent asleep up to 30 s after the second, the
                     # operator's Hold, Probe or Cleanup unseen meanwhile.
-                    backoff = 1.0
+                    backoff = backoff_mod.BASE_SECONDS
                 watching_since = None
-                stop.wait(backoff)
-                backoff = min(backoff * 2, 30.0)
+                # Drawn, not the ceiling itself: a fleet of agents that lost their watches together (an API
+                # server restart) must not all come back in the same instant, again and again.
+                stop.wait(backoff_mod.jittered_wait(backoff, self.backoff_draw()))
+                backoff = backoff_mod.next_ceiling(backoff)
+
+
+def _expired(failure: object) -> bool:
+    """A 410 Gone: the resourceVersion asked for is older than the API server's watch window. Either the
+    client's exception (its `status`) or a watch ERROR event's Status object (its `code`)."""
+    if isinstance(failure, dict):
+        return failure.get("code") == 410
+    return getattr(failure, "status", None) == 410
 
 
 # The dispatch table: how the agent runs each operation type (a unit test checks every type has one).
