@@ -27,7 +27,8 @@ from localcluster.install import OperatorProcess
 GROUP, VERSION = "proxyshift.io", "v1alpha1"
 REVISION_LABEL = "proxyshift.io/revision"
 
-# kube-proxy's iptables-mode chains (DESIGN.md "Kernel facts"); none may stay on a node that left iptables.
+# kube-proxy's iptables-mode chains (proxyshift.modes.iptables, docs/agent.md "Flush"); none may stay on a
+# node that left iptables.
 IPTABLES_MODE_CHAINS = ("KUBE-SERVICES", "KUBE-NODEPORTS", "KUBE-POSTROUTING", "KUBE-MARK-MASQ",
                         "KUBE-PROXY-CANARY", "KUBE-FORWARD", "KUBE-EXTERNAL-SERVICES", "KUBE-PROXY-FIREWALL")
 

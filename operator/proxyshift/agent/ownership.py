@@ -7,7 +7,7 @@ kube-proxy-specific shape, never a bare "KUBE-": a user's chain called KUBE-MYTH
 and a user's own ipset called KUBE-ALLOWED must never be mistaken for kube-proxy's.
 
 Names follow kube-proxy 1.33-1.37 (pkg/proxy/iptables, pkg/proxy/ipvs,
-pkg/proxy/nftables); see DESIGN.md "Kernel facts".
+pkg/proxy/nftables); docs/agent.md, "Flush: what is removed, what is never touched".
 """
 
 from __future__ import annotations
