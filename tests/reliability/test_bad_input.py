@@ -295,8 +295,9 @@ def test_a_proxynode_status_forged_for_another_node_is_refused(cluster: Any, har
                                                        "--type=merge", "-p", json.dumps(forged)], OWN_NODE_MESSAGE),
         "JSON patch of another node's status": (own, ["patch", "proxynode", victim, "--subresource=status",
                                                       "--type=json", "-p", json_patch], OWN_NODE_MESSAGE),
+        # RBAC refuses it first now: the agent never PUTs, so it has no update verb.
         "PUT of another node's status": (own, ["replace", "--subresource=status", "-f", str(put_path)],
-                                         OWN_NODE_MESSAGE),
+                                         'cannot update resource "proxynodes/status"'),
         "delete of another node's ProxyNode": (own, ["delete", "proxynode", victim, "--wait=false"], "forbidden"),
         "create of a ProxyNode for a made-up node": (own, ["create", "-f", "-"], "forbidden"),
         "status patch with a token bound to no pod": (unbound, ["patch", "proxynode", victim,
