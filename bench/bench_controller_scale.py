@@ -84,6 +84,10 @@ class Result:
     status_end: int = 0
     setup_s: float = 0.0
     first_status_s: float = float("nan")  # apply -> first status: kopf's indexes warm, first plan done
+    harness_writes: int = 0  # the fleet's own writes (pods, agent answers) during the rollout
+    # CPU seconds per process in the rollout and in the floor window ("bench" is this process: the
+    # harness's threads in the rollout, the floor client's in the floor; "machine" all cores, everyone).
+    cpu: dict[str, dict[str, float]] = field(default_factory=dict)
     harness_errors: list[str] = field(default_factory=list)
     actions: dict[str, float] = field(default_factory=dict)
     floor: write_floor.Floor | None = None
@@ -208,6 +212,38 @@ def ready(obj: dict[str, Any]) -> bool:
         st.get("observedGeneration") in (None, gen)
 
 
+def cpu_s(pid: int) -> float:
+    """utime + stime of a process, in seconds (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all cores spent not idle since boot (/proc/stat), whoever spent them."""
+    vals = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(vals) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
+
+
+class CpuWindow:
+    """CPU seconds of the named processes between start() and stop()."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.begin: dict[str, float] = {}
+
+    def _now(self) -> dict[str, float]:
+        return {**{name: cpu_s(pid) for name, pid in self.pids.items()}, "machine": machine_busy_s()}
+
+    def start(self) -> None:
+        self.begin = self._now()
+
+    def stop(self) -> dict[str, float]:
+        return {k: v - self.begin[k] for k, v in self._now().items()}
+
+
 def vm(pid: int, key: str) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(key + ":"):
@@ -256,6 +292,7 @@ def write_floor_run(plan: write_floor.Plan, state: Path, audit: Path, concurrenc
     print(f"  write floor: {len(plan.writes)} writes, {concurrency} at a time", file=sys.stderr, flush=True)
     floor = write_floor.replay(plan, f"https://127.0.0.1:{API_PORT}", ca=pki.Pki(state / "pki").ca_cert,
                                cert=cert, key=key, concurrency=concurrency)
+    # The caller's CPU window ends after this wait: a few seconds of idle API server, not the floor's.
     time.sleep(3)  # let the audit backend flush the last events
     return floor, audit_counts(audit, offset, FLOOR_USER)[0]
 
@@ -298,6 +335,10 @@ def bench(n: int, state: Path, bin_dir: Path, timeout: float, node_events: str =
         audit = state / "audit.log"
         offset = audit.stat().st_size if audit.exists() else 0
         custom = kubernetes.client.CustomObjectsApi(api)
+        pids = {name: proc.pid for name, proc in procs.procs if name in ("etcd", "kube-apiserver", "operator")}
+        window = CpuWindow({**pids, "bench": os.getpid()})
+        harness_writes = fleet.writes
+        window.start()
         start = time.monotonic()
         custom.create_cluster_custom_object(GROUP, VERSION, "proxypolicies", policy(n))
         last_report = 0.0
@@ -328,6 +369,8 @@ def bench(n: int, state: Path, bin_dir: Path, timeout: float, node_events: str =
                 print(f"  {n} nodes: not Ready after {timeout:g}s", file=sys.stderr)
                 break
             time.sleep(2)
+        res.cpu["rollout"] = window.stop()
+        res.harness_writes = fleet.writes - harness_writes
         res.rss_peak_mb = max(res.rss_peak_mb, vm(op.pid, "VmHWM"))
         res.rss_end_mb = vm(op.pid, "VmRSS")
         time.sleep(3)  # let the audit backend flush the last events
@@ -344,7 +387,9 @@ def bench(n: int, state: Path, bin_dir: Path, timeout: float, node_events: str =
         fleet.stop()
         procs.stop("operator")
         time.sleep(3)
+        window.start()
         res.floor, res.floor_writes = write_floor_run(res.floor_plan, state, audit, floor_concurrency)
+        res.cpu["floor"] = window.stop()
     finally:
         if fleet is not None:
             fleet.stop()
@@ -375,7 +420,8 @@ def table(results: list[Result]) -> str:
                 f"{dict(r.writes - r.floor_writes)} fewer"
             detail.append(f"\n{r.nodes} nodes, write floor: {f.sent} writes in {f.seconds:.1f}s, {f.concurrency} at a "
                           f"time ({f.sent / f.seconds if f.seconds else 0:.0f}/s); answers "
-                          f"{dict(sorted(f.codes.items()))}, retries {f.retries}, no-op writes {f.noops}; request "
+                          f"{dict(sorted(f.codes.items()))}, retries {f.retries}, "
+                          f"no-op writes {f.noops} (of which planned {f.repeats}); request "
                           f"bytes {p.body_bytes()} (operator's {p.original_body_bytes}); audited writes by "
                           f"resource {same}" + (f"; left out: {dict(p.skipped)}" if p.skipped else "")
                           + (f"; errors (first): {f.errors[:3]}" if f.errors else ""))
@@ -384,6 +430,11 @@ def table(results: list[Result]) -> str:
         detail.append(f"{r.nodes} nodes, operator reads: " + ", ".join(f"{k} {v}" for k, v in r.reads.most_common()))
         detail.append(f"{r.nodes} nodes, proxyshift_actions_total: "
                       + ", ".join(f"{k} {v:g}" for k, v in sorted(r.actions.items(), key=lambda kv: -kv[1])))
+        for phase, secs in r.cpu.items():
+            wall = r.converge_s if phase == "rollout" else r.floor_s
+            detail.append(f"{r.nodes} nodes, CPU s in the {phase} ({wall:.1f}s wall): "
+                          + ", ".join(f"{k} {v:.1f}" for k, v in secs.items())
+                          + (f"; harness writes {r.harness_writes}" if phase == "rollout" else ""))
         if r.harness_errors:
             detail.append(f"{r.nodes} nodes, harness errors (first): {r.harness_errors[:5]}")
     return "\n".join(rows + detail)

@@ -19,6 +19,12 @@ What "the same writes" means here, per audited write:
   changes the status as it did in the rollout (`Floor.noops` counts any that did not).
 - an apply that created its object (answer 201): the same apply to a new name (`bench-floor-<n>-...`),
   so it is a create again.
+- a patch with the same body as the previous write to its object (a revision DaemonSet applied again
+  unchanged) changed nothing in the rollout: it is replayed as it was, without the annotation, and
+  changes nothing again.
+- a JSON patch (kopf's finalizer, the baseline's affinity): its ops without a `test` of the
+  resourceVersion (that one has moved on), plus an `add` of the annotation when the patch already
+  writes under /metadata/annotations/ (elsewhere the annotations map may be missing).
 - create: the same body; a fixed name is renamed as above, generateName (Events) kept as it is.
 - update (PUT): the same body without its resourceVersion, with the annotation.
 - delete: only of an object this replay created (renamed likewise); any other delete is left out and
@@ -62,6 +68,7 @@ class Write:
     body: bytes | None
     kind: str                 # "patch proxynodes/status": the audit's verb and resource, for the tables
     chain: str                # the object: writes of one chain go in order, one at a time
+    repeat: bool = False      # the same body as the chain's previous write: a no-op then, and now
 
 
 @dataclass
@@ -138,6 +145,7 @@ def plan(events: Iterable[dict[str, Any]], user: str) -> Plan:
     stages; only ResponseComplete counts)."""
     out = Plan()
     renamed: dict[str, str] = {}  # object path in the operator's run -> path of the replay's copy
+    last_body: dict[str, bytes] = {}  # chain -> the original body of its previous write
     seq = 0
     for ev in events:
         if ev.get("stage") != "ResponseComplete" or (ev.get("user") or {}).get("username") != user:
@@ -160,6 +168,9 @@ def plan(events: Iterable[dict[str, Any]], user: str) -> Plan:
             out.original_body_bytes += len(_dump(body))
         seq += 1
         chain = _object_path(uri, ref)
+        original = _dump(body)
+        repeat = last_body.get(chain) == original
+        last_body[chain] = original
         ctype: str | None = JSON
         if verb == "delete":
             target = renamed.get(chain)
@@ -194,9 +205,14 @@ def plan(events: Iterable[dict[str, Any]], user: str) -> Plan:
         elif verb == "update" and isinstance(body, dict):
             body = {**body, "metadata": {k: v for k, v in (body.get("metadata") or {}).items()
                                          if k != "resourceVersion"}}
-        if isinstance(body, dict) and ctype != JSON_PATCH:
+        if isinstance(body, list):
+            body = [op for op in body if not (op.get("op") == "test" and op.get("path") == "/metadata/resourceVersion")]
+            if not repeat and any(str(op.get("path", "")).startswith("/metadata/annotations/") for op in body):
+                body.append({"op": "add", "path": "/metadata/annotations/" + FLOOR_ANNOTATION.replace("/", "~1"),
+                             "value": str(seq)})
+        elif not repeat:
             body = _annotated(body, seq)
-        out.writes.append(Write(METHODS[verb], uri, ctype, _dump(body), kind, chain))
+        out.writes.append(Write(METHODS[verb], uri, ctype, _dump(body), kind, chain, repeat))
     return out
 
 
@@ -215,6 +231,7 @@ class Floor:
     codes: collections.Counter[int] = field(default_factory=collections.Counter)
     retries: int = 0
     noops: int = 0            # a write whose answer kept the chain's previous resourceVersion
+    repeats: int = 0          # of which writes planned as no-ops (Write.repeat)
     errors: list[str] = field(default_factory=list)
 
 
@@ -269,6 +286,7 @@ def replay(writes_plan: Plan, server: str, *, ca: Path, cert: Path, key: Path, c
                         result.errors.append(f"{w.kind} {w.uri}: {status} {data[:200]!r}")
                     if rv is not None and rv == last_rv:
                         result.noops += 1
+                        result.repeats += w.repeat
                 last_rv = rv if rv is not None else last_rv
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]

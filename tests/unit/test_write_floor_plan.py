@@ -127,3 +127,24 @@ def test_only_the_users_successful_completed_writes_count() -> None:
     meta = body(p.writes[0])["metadata"]
     assert "resourceVersion" not in meta and wf.FLOOR_ANNOTATION in meta["annotations"]
     assert p.skipped == {"failed in the rollout: patch proxynodes": 1, "not replayed: deletecollection events": 1}
+
+
+def test_an_unchanged_reapply_stays_a_no_op_and_json_patches_lose_their_resource_version_test() -> None:
+    ds = {"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": "kube-proxy-r1"}, "spec": {}}
+    base = {**DS, "name": "kube-proxy"}
+    base_uri = "/apis/apps/v1/namespaces/kube-system/daemonsets/kube-proxy"
+    events = [
+        event("patch", DS_URI + "?fieldManager=proxyshift&force=true", DS, ds),
+        event("patch", DS_URI + "?fieldManager=proxyshift&force=true", DS, ds),
+        event("patch", POLICY_URI, POLICY, [{"op": "test", "path": "/metadata/resourceVersion", "value": "6"},
+                                            {"op": "add", "path": "/metadata/finalizers", "value": ["f"]}]),
+        event("patch", base_uri, base, [{"op": "add", "path": "/metadata/annotations/a~1b", "value": "x"}]),
+    ]
+    p = wf.plan(events, OP)
+    assert [w.repeat for w in p.writes] == [False, True, False, False]
+    assert wf.FLOOR_ANNOTATION in body(p.writes[0])["metadata"]["annotations"]
+    assert body(p.writes[1]) == ds  # replayed exactly as it was: it changed nothing then either
+    assert body(p.writes[2]) == [{"op": "add", "path": "/metadata/finalizers", "value": ["f"]}]
+    assert body(p.writes[3]) == [{"op": "add", "path": "/metadata/annotations/a~1b", "value": "x"},
+                                 {"op": "add", "path": "/metadata/annotations/bench.proxyshift.io~1write-floor",
+                                  "value": "4"}]
