@@ -22,9 +22,23 @@ nftables over all N nodes with maxUnavailable 10% applied. Measured:
   RSS          operator VmHWM (kernel's peak resident set) and VmRSS at the end
   status       the largest JSON size of the policy's .status seen during the
                rollout (polled every 2 s) and at the end
+  write floor  after Ready, the operator and the harness stop and a minimal
+               client (bench/harness/write_floor.py, its own identity
+               proxyshift-floor) replays the operator's writes from the audit
+               log (level Request for writes): same resources, subresources,
+               verbs, query, bodies (plus an annotation that makes each patch
+               a real write), same count, each object's writes in their order,
+               8 objects at a time (the operator's PROXYSHIFT_NODE_CONCURRENCY,
+               set for it here; --floor-concurrency). The floor is the time the
+               API server takes for them; converge/floor how far the rollout is
+               from it. The floor's own audited writes are checked against the
+               operator's by verb and resource.
+  CPU          CPU seconds of etcd, kube-apiserver, the operator, this process
+               (harness, then floor client) and the whole machine in the
+               rollout and in the floor: where the time went
 
 Targets (issue 7): <= 8 writes per node, RSS < 250 MB at 5,000 nodes, status
-< 16 KiB.
+< 16 KiB. Issue 18: converge within 2x of the write floor at 1,000 and 5,000.
 """
 
 from __future__ import annotations
@@ -41,11 +55,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import kubernetes
 import yaml
 
+from bench.harness import write_floor
 from bench.harness.scale_harness import GROUP, POOL_LABEL, VERSION, Fleet
 from localcluster import baseline, controlplane, pki
 from localcluster.build import build
@@ -56,11 +71,18 @@ ROOT = Path(__file__).resolve().parents[1]
 ETCD_PORT, ETCD_PEER_PORT, API_PORT = 22379, 22380, 16443
 METRICS_PORT, LIVENESS_PORT = 28090, 28091
 OPERATOR_USER = "proxyshift-operator"
-WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
+FLOOR_USER = "proxyshift-floor"  # the write-floor client: its own identity, so its writes count apart
+WRITE_VERBS = write_floor.WRITE_VERBS
+# The operator's PROXYSHIFT_NODE_CONCURRENCY default, set explicitly for the operator here and used as
+# the floor's concurrency, so that both send at most this many node writes at once.
+NODE_CONCURRENCY = 8
 
+# Writes at level Request: the write floor replays them from their request bodies. Both identities
+# are audited alike, so the audit backend costs the rollout and the floor the same per write.
 AUDIT_POLICY = {
     "apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
-    "rules": [{"level": "Metadata", "users": [OPERATOR_USER]}, {"level": "None"}],
+    "rules": [{"level": "Request", "users": [OPERATOR_USER, FLOOR_USER], "verbs": sorted(WRITE_VERBS)},
+              {"level": "Metadata", "users": [OPERATOR_USER, FLOOR_USER]}, {"level": "None"}],
 }
 
 
@@ -76,15 +98,27 @@ class Result:
     status_end: int = 0
     setup_s: float = 0.0
     first_status_s: float = float("nan")  # apply -> first status: kopf's indexes warm, first plan done
+    harness_writes: int = 0  # the fleet's own writes (pods, agent answers) during the rollout
+    # CPU seconds per process in the rollout and in the floor window ("bench" is this process: the
+    # harness's threads in the rollout, the floor client's in the floor; "machine" all cores, everyone).
+    cpu: dict[str, dict[str, float]] = field(default_factory=dict)
     harness_errors: list[str] = field(default_factory=list)
     actions: dict[str, float] = field(default_factory=dict)
+    floor: write_floor.Floor | None = None
+    floor_plan: write_floor.Plan | None = None
+    floor_writes: collections.Counter[str] = field(default_factory=collections.Counter)  # audited, floor's identity
+
+    @property
+    def floor_s(self) -> float:
+        return self.floor.seconds if self.floor is not None else float("nan")
 
 
 class Procs:
     """Daemons started by this bench, stopped by their own Popen handles (never by name)."""
 
     def __init__(self, logs: Path) -> None:
-        self.logs, self.procs = logs, []  # type: list[tuple[str, subprocess.Popen[bytes]]]
+        self.logs = logs
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
         logs.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
@@ -192,6 +226,38 @@ def ready(obj: dict[str, Any]) -> bool:
         st.get("observedGeneration") in (None, gen)
 
 
+def cpu_s(pid: int) -> float:
+    """utime + stime of a process, in seconds (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all cores spent not idle since boot (/proc/stat), whoever spent them."""
+    vals = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(vals) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
+
+
+class CpuWindow:
+    """CPU seconds of the named processes between start() and stop()."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.begin: dict[str, float] = {}
+
+    def _now(self) -> dict[str, float]:
+        return {**{name: cpu_s(pid) for name, pid in self.pids.items()}, "machine": machine_busy_s()}
+
+    def start(self) -> None:
+        self.begin = self._now()
+
+    def stop(self) -> dict[str, float]:
+        return {k: v - self.begin[k] for k, v in self._now().items()}
+
+
 def vm(pid: int, key: str) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(key + ":"):
@@ -199,19 +265,22 @@ def vm(pid: int, key: str) -> float:
     return 0.0
 
 
-def audit_counts(path: Path, offset: int) -> tuple[collections.Counter[str], collections.Counter[str]]:
+def count_requests(events: list[dict[str, Any]], user: str = OPERATOR_USER
+                   ) -> tuple[collections.Counter[str], collections.Counter[str]]:
+    """(writes, reads) of `user` by "verb resource[/subresource]"."""
     writes: collections.Counter[str] = collections.Counter()
     reads: collections.Counter[str] = collections.Counter()
-    with open(path, "rb") as f:
-        f.seek(offset)
-        for line in f:
-            ev = json.loads(line)
-            if ev.get("stage") != "ResponseComplete" or ev["user"]["username"] != OPERATOR_USER:
-                continue
-            ref = ev.get("objectRef") or {}
-            key = f"{ev['verb']} {ref.get('resource', '?')}{'/' + ref['subresource'] if ref.get('subresource') else ''}"
-            (writes if ev["verb"] in WRITE_VERBS else reads)[key] += 1
+    for ev in events:
+        if ev.get("stage") != "ResponseComplete" or ev["user"]["username"] != user:
+            continue
+        key = write_floor.kind_of(ev["verb"], ev.get("objectRef") or {})
+        (writes if ev["verb"] in WRITE_VERBS else reads)[key] += 1
     return writes, reads
+
+
+def audit_counts(path: Path, offset: int, user: str = OPERATOR_USER
+                 ) -> tuple[collections.Counter[str], collections.Counter[str]]:
+    return count_requests(write_floor.read_audit(path, offset), user)
 
 
 def operator_metrics() -> dict[str, float]:
@@ -229,7 +298,21 @@ def operator_metrics() -> dict[str, float]:
     return out
 
 
-def bench(n: int, state: Path, bin_dir: Path, timeout: float, node_events: str = "steps") -> Result:
+def write_floor_run(plan: write_floor.Plan, state: Path, audit: Path, concurrency: int
+                    ) -> tuple[write_floor.Floor, collections.Counter[str]]:
+    """Replay the operator's writes as the floor's identity; returns the time and the floor's audited writes."""
+    cert, key = pki.issue_client_cert(state / "pki", "floor", FLOOR_USER, ("system:masters",))
+    offset = audit.stat().st_size
+    print(f"  write floor: {len(plan.writes)} writes, {concurrency} at a time", file=sys.stderr, flush=True)
+    floor = write_floor.replay(plan, f"https://127.0.0.1:{API_PORT}", ca=pki.Pki(state / "pki").ca_cert,
+                               cert=cert, key=key, concurrency=concurrency)
+    # The caller's CPU window ends after this wait: a few seconds of idle API server, not the floor's.
+    time.sleep(3)  # let the audit backend flush the last events
+    return floor, audit_counts(audit, offset, FLOOR_USER)[0]
+
+
+def bench(n: int, state: Path, bin_dir: Path, timeout: float, node_events: str = "steps",
+          floor_concurrency: int = NODE_CONCURRENCY) -> Result:
     res = Result(n)
     procs = Procs(state / "logs")
     fleet: Fleet | None = None
@@ -252,6 +335,7 @@ def bench(n: int, state: Path, bin_dir: Path, timeout: float, node_events: str =
         env = controlplane.daemon_env()
         env["PYTHONPATH"] = str(ROOT / "operator")
         env["PROXYSHIFT_NODE_EVENTS"] = node_events
+        env["PROXYSHIFT_NODE_CONCURRENCY"] = str(NODE_CONCURRENCY)
         op = procs.start("operator", [sys.executable, "-m", "proxyshift.cli", "operator", "--standalone",
                                       "--kubeconfig", str(op_kubeconfig), "--metrics-port", str(METRICS_PORT),
                                       "--liveness", f"http://127.0.0.1:{LIVENESS_PORT}/healthz"], env=env)
@@ -265,13 +349,18 @@ def bench(n: int, state: Path, bin_dir: Path, timeout: float, node_events: str =
         audit = state / "audit.log"
         offset = audit.stat().st_size if audit.exists() else 0
         custom = kubernetes.client.CustomObjectsApi(api)
+        pids = {name: proc.pid for name, proc in procs.procs if name in ("etcd", "kube-apiserver", "operator")}
+        window = CpuWindow({**pids, "bench": os.getpid()})
+        harness_writes = fleet.writes
+        window.start()
         start = time.monotonic()
         custom.create_cluster_custom_object(GROUP, VERSION, "proxypolicies", policy(n))
         last_report = 0.0
         while True:
             if op.poll() is not None:
                 raise RuntimeError(f"operator exited {op.returncode}; see {state / 'logs' / 'operator.log'}")
-            obj = custom.get_cluster_custom_object(GROUP, VERSION, "proxypolicies", "scale")
+            # The custom-objects API types its answer `object`: it is the decoded JSON, a dict.
+            obj = cast(dict[str, Any], custom.get_cluster_custom_object(GROUP, VERSION, "proxypolicies", "scale"))
             size = len(json.dumps(obj.get("status") or {}, separators=(",", ":")))
             res.status_max = max(res.status_max, size)
             if size > 2 and res.first_status_s != res.first_status_s:
@@ -294,14 +383,27 @@ def bench(n: int, state: Path, bin_dir: Path, timeout: float, node_events: str =
                 print(f"  {n} nodes: not Ready after {timeout:g}s", file=sys.stderr)
                 break
             time.sleep(2)
+        res.cpu["rollout"] = window.stop()
+        res.harness_writes = fleet.writes - harness_writes
         res.rss_peak_mb = max(res.rss_peak_mb, vm(op.pid, "VmHWM"))
         res.rss_end_mb = vm(op.pid, "VmRSS")
         time.sleep(3)  # let the audit backend flush the last events
-        res.writes, res.reads = audit_counts(audit, offset)
+        events = write_floor.read_audit(audit, offset)
+        res.writes, res.reads = count_requests(events)
+        res.floor_plan = write_floor.plan(events, OPERATOR_USER)
+        del events
         with contextlib.suppress(OSError):
             res.actions = operator_metrics()
         (state / "final-status.json").write_text(json.dumps(obj.get("status"), indent=1))
         res.harness_errors = fleet.errors[:20]
+        # The floor runs alone: the operator and the harness would react to the replayed writes (old
+        # operations on the ProxyNodes) and share the two cores with the API server.
+        fleet.stop()
+        procs.stop("operator")
+        time.sleep(3)
+        window.start()
+        res.floor, res.floor_writes = write_floor_run(res.floor_plan, state, audit, floor_concurrency)
+        res.cpu["floor"] = window.stop()
     finally:
         if fleet is not None:
             fleet.stop()
@@ -311,23 +413,42 @@ def bench(n: int, state: Path, bin_dir: Path, timeout: float, node_events: str =
 
 
 def table(results: list[Result]) -> str:
-    rows = ["| nodes | first status s | converge s | operator writes/node | writes by verb | RSS peak MB | "
-            "RSS end MB | status max B | status end B |", "|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+    rows = ["| nodes | first status s | converge s | write floor s | converge/floor | operator writes/node | "
+            "writes by verb | RSS peak MB | RSS end MB | status max B | status end B |",
+            "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for r in results:
         total = sum(r.writes.values())
         verbs: collections.Counter[str] = collections.Counter()
         for k, v in r.writes.items():
             verbs[k.split()[0]] += v
-        rows.append(f"| {r.nodes} | {r.first_status_s:.0f} | {r.converge_s:.0f} | {total / r.nodes:.2f} | "
+        rows.append(f"| {r.nodes} | {r.first_status_s:.0f} | {r.converge_s:.0f} | {r.floor_s:.1f} | "
+                    f"{r.converge_s / r.floor_s:.2f} | {total / r.nodes:.2f} | "
                     f"{', '.join(f'{k} {v}' for k, v in verbs.most_common())} | {r.rss_peak_mb:.0f} | "
                     f"{r.rss_end_mb:.0f} | {r.status_max} | {r.status_end} |")
     detail = []
     for r in results:
+        if r.floor is not None and r.floor_plan is not None:
+            f, p = r.floor, r.floor_plan
+            same = "same as the operator's" if r.floor_writes == r.writes else \
+                f"differs from the operator's: {dict(r.floor_writes - r.writes)} more, " \
+                f"{dict(r.writes - r.floor_writes)} fewer"
+            detail.append(f"\n{r.nodes} nodes, write floor: {f.sent} writes in {f.seconds:.1f}s, {f.concurrency} at a "
+                          f"time ({f.sent / f.seconds if f.seconds else 0:.0f}/s); answers "
+                          f"{dict(sorted(f.codes.items()))}, retries {f.retries}, "
+                          f"no-op writes {f.noops} (of which planned {f.repeats}); request "
+                          f"bytes {p.body_bytes()} (operator's {p.original_body_bytes}); audited writes by "
+                          f"resource {same}" + (f"; left out: {dict(p.skipped)}" if p.skipped else "")
+                          + (f"; errors (first): {f.errors[:3]}" if f.errors else ""))
         detail.append(f"\n{r.nodes} nodes, operator writes by resource: "
                       + ", ".join(f"{k} {v}" for k, v in r.writes.most_common()))
         detail.append(f"{r.nodes} nodes, operator reads: " + ", ".join(f"{k} {v}" for k, v in r.reads.most_common()))
         detail.append(f"{r.nodes} nodes, proxyshift_actions_total: "
                       + ", ".join(f"{k} {v:g}" for k, v in sorted(r.actions.items(), key=lambda kv: -kv[1])))
+        for phase, secs in r.cpu.items():
+            wall = r.converge_s if phase == "rollout" else r.floor_s
+            detail.append(f"{r.nodes} nodes, CPU s in the {phase} ({wall:.1f}s wall): "
+                          + ", ".join(f"{k} {v:.1f}" for k, v in secs.items())
+                          + (f"; harness writes {r.harness_writes}" if phase == "rollout" else ""))
         if r.harness_errors:
             detail.append(f"{r.nodes} nodes, harness errors (first): {r.harness_errors[:5]}")
     return "\n".join(rows + detail)
@@ -338,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", default="1000", help="comma-separated fleet sizes, e.g. 1000,5000")
     p.add_argument("--timeout", type=float, default=3600, help="seconds to wait for Ready per size")
     p.add_argument("--keep", action="store_true", help="keep the state folder (logs, audit log)")
+    p.add_argument("--floor-concurrency", type=int, default=NODE_CONCURRENCY,
+                   help="writes the write floor sends at once (default: the operator's node concurrency)")
     p.add_argument("--node-events", default="auto", choices=("auto", "steps", "outcomes"),
                    help="the operator's PROXYSHIFT_NODE_EVENTS (which Normal Events nodes get; auto: the default)")
     args = p.parse_args(argv)
@@ -348,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         state = Path(f"/tmp/ps-bench-scale-{os.getpid()}-{n}")
         state.mkdir(parents=True, exist_ok=False)
         try:
-            results.append(bench(n, state, bin_dir, args.timeout, args.node_events))
+            results.append(bench(n, state, bin_dir, args.timeout, args.node_events, args.floor_concurrency))
         finally:
             if not args.keep:
                 shutil.rmtree(state, ignore_errors=True)
