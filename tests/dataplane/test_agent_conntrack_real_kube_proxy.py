@@ -153,8 +153,11 @@ def test_kube_proxy_cleans_udp_at_its_first_sync_and_the_step_cleans_tcp(mode: s
             # The first SYN retransmission after the step is NATed: within a second of the step while SYNs
             # are retransmitted every second (the first four here, tcp_syn_linear_timeouts). From the
             # sync that adds the step's own lag (the Probe's 0.1 s poll, then the step: ~0.1-0.5 s here).
-            assert tcp_after_step is not None and tcp_after_step < 1.0
-            assert tcp_after_sync is not None and tcp_after_sync < 2.0
+            # The bounds allow one more retransmission interval for a loaded machine (a CI run saw 1.009 s):
+            # they tell "the step freed the flow" from its absence, where the un-NATed entry keeps every
+            # retransmission off the rules until it times out (SYN_SENT: 120 s), not one second from two.
+            assert tcp_after_step is not None and tcp_after_step < 2.0
+            assert tcp_after_sync is not None and tcp_after_sync < 3.0
         else:
             # nftables mode rejects a new-state packet to a ClusterIP that was not DNATed
             # (`ct state new jump cluster-ips-check`, `ip daddr @cluster-ips reject`), and a flow that
