@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from bench.harness import write_floor as wf
+
+pytestmark = pytest.mark.unit
 
 OP = "proxyshift-operator"
 
