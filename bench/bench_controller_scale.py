@@ -155,6 +155,29 @@ def wait_for(what: str, check: Any, timeout: float) -> None:
     raise TimeoutError(f"{what} not ready after {timeout:g}s")
 
 
+def etcd_argv(bin_dir: Path, name: str, data_dir: Path, client_port: int, peer_port: int) -> list[str]:
+    """A one-member etcd on loopback, fsync off: the benches' control planes (and the local cluster's flags)."""
+    url, peer = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
+    return [str(bin_dir / "etcd"), f"--name={name}", f"--data-dir={data_dir}", f"--listen-client-urls={url}",
+            f"--advertise-client-urls={url}", f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster={name}={peer}", "--unsafe-no-fsync", "--log-level=warn"]
+
+
+def apiserver_argv(bin_dir: Path, files: pki.Pki, etcd_port: int, api_port: int) -> list[str]:
+    """kube-apiserver on loopback with the local cluster's flags and the API server's own default limits."""
+    return [
+        str(bin_dir / "kube-apiserver"), f"--etcd-servers=http://127.0.0.1:{etcd_port}", "--bind-address=127.0.0.1",
+        f"--secure-port={api_port}", "--advertise-address=127.0.0.1",
+        # Loopback only, and no endpoint reconciler: it refuses a loopback address, and nothing
+        # here reaches the API through the kubernetes Service.
+        "--endpoint-reconciler-type=none", "--service-cluster-ip-range=198.19.0.0/16",
+        f"--tls-cert-file={files.apiserver_cert}", f"--tls-private-key-file={files.apiserver_key}",
+        f"--client-ca-file={files.ca_cert}", "--authorization-mode=Node,RBAC", "--allow-privileged=true",
+        "--service-account-issuer=https://kubernetes.default.svc", f"--service-account-key-file={files.sa_pub}",
+        f"--service-account-signing-key-file={files.sa_key}", "--api-audiences=https://kubernetes.default.svc",
+        "--profiling=false", "--v=1"]
+
+
 def control_plane(state: Path, bin_dir: Path, procs: Procs) -> tuple[Path, Path]:
     """etcd + kube-apiserver on private loopback ports; returns (admin, operator) kubeconfigs."""
     ports = (ETCD_PORT, ETCD_PEER_PORT, API_PORT, METRICS_PORT, LIVENESS_PORT)
@@ -170,25 +193,12 @@ def control_plane(state: Path, bin_dir: Path, procs: Procs) -> tuple[Path, Path]
     admin = pki.write_kubeconfig(state / "admin.kubeconfig", url, state / "pki", "admin")
     operator = pki.write_kubeconfig(state / "operator.kubeconfig", url, state / "pki", "operator")
     (state / "audit-policy.yaml").write_text(yaml.safe_dump(AUDIT_POLICY))
-    etcd_url, peer = f"http://127.0.0.1:{ETCD_PORT}", f"http://127.0.0.1:{ETCD_PEER_PORT}"
     # The same flags as localcluster.controlplane, other ports and folders.
     env = controlplane.daemon_env()
-    procs.start("etcd", [str(bin_dir / "etcd"), "--name=ps-bench", f"--data-dir={state / 'etcd'}",
-                         f"--listen-client-urls={etcd_url}", f"--advertise-client-urls={etcd_url}",
-                         f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
-                         f"--initial-cluster=ps-bench={peer}", "--unsafe-no-fsync", "--log-level=warn",
+    procs.start("etcd", [*etcd_argv(bin_dir, "ps-bench", state / "etcd", ETCD_PORT, ETCD_PEER_PORT),
                          "--quota-backend-bytes=8589934592"], env=env)
     procs.start("kube-apiserver", [
-        str(bin_dir / "kube-apiserver"), f"--etcd-servers={etcd_url}", "--bind-address=127.0.0.1",
-        f"--secure-port={API_PORT}", "--advertise-address=127.0.0.1",
-        # Loopback only, and no endpoint reconciler: it refuses a loopback address, and nothing
-        # here reaches the API through the kubernetes Service.
-        "--endpoint-reconciler-type=none", "--service-cluster-ip-range=198.19.0.0/16",
-        f"--tls-cert-file={files.apiserver_cert}", f"--tls-private-key-file={files.apiserver_key}",
-        f"--client-ca-file={files.ca_cert}", "--authorization-mode=Node,RBAC", "--allow-privileged=true",
-        "--service-account-issuer=https://kubernetes.default.svc", f"--service-account-key-file={files.sa_pub}",
-        f"--service-account-signing-key-file={files.sa_key}", "--api-audiences=https://kubernetes.default.svc",
-        "--profiling=false", "--v=1", f"--audit-policy-file={state / 'audit-policy.yaml'}",
+        *apiserver_argv(bin_dir, files, ETCD_PORT, API_PORT), f"--audit-policy-file={state / 'audit-policy.yaml'}",
         f"--audit-log-path={state / 'audit.log'}", "--audit-log-maxsize=4096", "--audit-log-format=json"], env=env)
     kubectl = str(bin_dir / "kubectl")
     api = procs.procs[-1][1]

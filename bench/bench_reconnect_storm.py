@@ -64,7 +64,7 @@ from typing import IO, Any
 
 import kubernetes
 
-from bench.bench_controller_scale import Procs, kubectl_apply, wait_for
+from bench.bench_controller_scale import Procs, apiserver_argv, cpu_s, etcd_argv, kubectl_apply, wait_for
 from bench.harness.storm_agents import node_name
 from localcluster import controlplane, pki
 from localcluster.build import build
@@ -132,27 +132,15 @@ class Control:
         self.starts = 0
 
     def start_etcd(self) -> None:
-        etcd_url, peer = f"http://127.0.0.1:{ETCD_PORT}", f"http://127.0.0.1:{ETCD_PEER_PORT}"
-        self.procs.start("etcd", [str(self.bin_dir / "etcd"), "--name=ps-bench-storm",
-                                  f"--data-dir={self.state / 'etcd'}", f"--listen-client-urls={etcd_url}",
-                                  f"--advertise-client-urls={etcd_url}", f"--listen-peer-urls={peer}",
-                                  f"--initial-advertise-peer-urls={peer}", f"--initial-cluster=ps-bench-storm={peer}",
-                                  "--unsafe-no-fsync", "--log-level=warn"], env=self.env)
+        self.procs.start("etcd", etcd_argv(self.bin_dir, "ps-bench-storm", self.state / "etcd", ETCD_PORT,
+                                           ETCD_PEER_PORT), env=self.env)
 
     def start_apiserver(self) -> None:
         """The flags of bench_controller_scale's control plane (and the local cluster's), minus the audit log:
         the API server's own limits (max-requests-inflight, priority and fairness) at their defaults."""
-        f = self.files
         self.starts += 1
-        self.apiserver = self.procs.start(f"kube-apiserver-{self.starts}", [
-            str(self.bin_dir / "kube-apiserver"), f"--etcd-servers=http://127.0.0.1:{ETCD_PORT}",
-            "--bind-address=127.0.0.1", f"--secure-port={API_PORT}", "--advertise-address=127.0.0.1",
-            "--endpoint-reconciler-type=none", "--service-cluster-ip-range=198.19.0.0/16",
-            f"--tls-cert-file={f.apiserver_cert}", f"--tls-private-key-file={f.apiserver_key}",
-            f"--client-ca-file={f.ca_cert}", "--authorization-mode=Node,RBAC", "--allow-privileged=true",
-            "--service-account-issuer=https://kubernetes.default.svc", f"--service-account-key-file={f.sa_pub}",
-            f"--service-account-signing-key-file={f.sa_key}", "--api-audiences=https://kubernetes.default.svc",
-            "--profiling=false", "--v=1"], env=self.env)
+        self.apiserver = self.procs.start(f"kube-apiserver-{self.starts}",
+                                          apiserver_argv(self.bin_dir, self.files, ETCD_PORT, API_PORT), env=self.env)
 
     def get(self, path: str, timeout: float = 5.0) -> str:
         with urllib.request.urlopen(self.url + path, context=self._ssl, timeout=timeout) as resp:
@@ -252,12 +240,6 @@ def listen_free(port: int) -> bool:
     return True
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (its threads included)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def fleet_live(workers: list[Worker], after: float) -> int:
     """Live watches by the workers' latest reports, counting only reports sent after `after`."""
     return sum(w.status["live"] for w in workers if w.status["t"] > after)
@@ -336,7 +318,7 @@ def storm(ctl: Control, procs: Procs, n: int, backoff: str, per_process: int, ra
         print(f"  {backoff}: {n} watches live after {time.monotonic() - began:.0f}s; restarting the API server",
               file=sys.stderr, flush=True)
         time.sleep(5)  # past HEALTHY_WATCH_SECONDS: the agents see a new outage, as after a real restart
-        cpu0 = sum(cpu_seconds(w.proc.pid) for w in workers)
+        cpu0 = sum(cpu_s(w.proc.pid) for w in workers)
         t_stop = time.monotonic()
         ctl.stop_apiserver(sig)
         res.stop_s = time.monotonic() - t_stop
@@ -361,7 +343,7 @@ def storm(ctl: Control, procs: Procs, n: int, backoff: str, per_process: int, ra
         while time.monotonic() < deadline and fleet_live(workers, t_ready) < n:
             time.sleep(1)
         live = fleet_live(workers, t_ready)
-        res.agents_cpu_s = sum(cpu_seconds(w.proc.pid) for w in workers) - cpu0
+        res.agents_cpu_s = sum(cpu_s(w.proc.pid) for w in workers) - cpu0
         res.load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
         print(f"  {backoff}: {live}/{n} watches live {time.monotonic() - t_ready:.0f}s after ready",
               file=sys.stderr, flush=True)
