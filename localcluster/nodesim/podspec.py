@@ -47,8 +47,12 @@ def image_kind(image: str) -> str | None:
 def image_paths() -> list[str]:
     """What the proxyshift and localcluster "images" are here: this interpreter's prefixes and the
     checkout's two packages."""
-    package_root = Path(proxyshift.__file__).resolve().parent.parent
-    return sorted({sys.base_prefix, sys.prefix, str(package_root), str(testbed_root())})
+    return sorted({sys.base_prefix, sys.prefix, str(product_root()), str(testbed_root())})
+
+
+def product_root() -> Path:
+    """The folder whose child `proxyshift` is the product package (the checkout's operator/)."""
+    return Path(proxyshift.__file__).resolve().parent.parent
 
 
 def testbed_root() -> Path:
@@ -58,8 +62,7 @@ def testbed_root() -> Path:
 
 def python_path(kind: str) -> str:
     """PYTHONPATH for a container of a Python image: the simulator's own copies, whatever the install."""
-    product = str(Path(proxyshift.__file__).resolve().parent.parent)
-    return product if kind == "proxyshift" else f"{testbed_root()}:{product}"
+    return str(product_root()) if kind == "proxyshift" else f"{testbed_root()}:{product_root()}"
 
 
 def hidden_by(mount_paths: list[Path], paths: list[Path]) -> list[Path]:
