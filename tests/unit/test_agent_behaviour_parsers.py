@@ -443,3 +443,19 @@ def test_a_large_table_is_never_dumped_the_kernel_filters_per_source():
                                     table_size=lambda: ct.DUMP_MAX_ENTRIES + 1)
     assert found == IDENTITIES
     assert all("-s" in c for c in table.calls) and len(table.calls) == 4  # (TCP, 3 sources) + (UDP, 1)
+
+
+def test_a_full_dump_is_parsed_without_building_its_whole_tree():
+    """A 2,000-flow dump (the most the agent dumps whole) peaks at a few MiB, not a tree of every flow:
+    fed whole it was ~12 MiB per dump, which fragmented the agent's heap migration after migration."""
+    import tracemalloc
+
+    text = document(*(NATED.replace("198.18", f"198.{18 + i % 2}") for i in range(2_000)))
+    tracemalloc.start()
+    try:
+        flows, truncated = ct.parse_flows(text)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(flows) == 2_000 and not truncated
+    assert peak < 2 * len(text) + 2 * 1024 * 1024, f"peak {peak} bytes for {len(text)} bytes of XML"
