@@ -12,9 +12,11 @@ with the previous fault), fails the run. Every run must end with:
 - no node switched twice within one attempt (switchedAt and revision-label history);
 - no kube-proxy rules of a mode other than the node's current one;
 - every traffic outage through the ClusterIP shorter than the gate timeout, and traffic answering
-  from every node at the end.
+  from every node at the end;
+- every failed connection charged to the step its node was in, and no node's visit of a step charged
+  more than the fault's loss budget (loss_budget.py, the table docs/reliability.md states).
 
-Each run appends one JSON line (fault, steps fired, outcome, outages) to the report file
+Each run appends one JSON line (fault, steps fired, outcome, outages, lost_by_step) to the report file
 (PROXYSHIFT_RELIABILITY_REPORT, default <cluster>/logs/reliability.jsonl); docs/reliability.md
 is written from it.
 """
@@ -259,7 +261,7 @@ def test_fault_at_every_step(harness: Harness, cluster: Any, kube: Any, test_ser
             faults.unblock_all()
         rounds += 1
         _record(cluster, _row(fault_name if rounds == 1 else f"{fault_name} (migration {rounds}, to {mode})",
-                             outcome, cond, injector, facts))
+                              outcome, cond, injector, facts))
         if fault_name == "agent-kill":
             h.wait_for(lambda: all(agent_pid(state_dir, n) for n in ALL_NODES), 120, "every agent running again")
         fired = {f.step for f in injector.fired}
@@ -397,7 +399,7 @@ def test_a_fault_in_verify(harness: Harness, cluster: Any, kube: Any, test_servi
         finally:
             faults.unblock_all()
         _record(cluster, _row(f"{fault_name} in Verify" + (f" (migration {tries}, to {mode})" if tries > 1 else ""),
-                             outcome, cond, injector, facts))
+                              outcome, cond, injector, facts))
         assert outcome == "Ready", f"{fault_name} in Verify: expected Ready, got {outcome}: {cond}"
         assert facts["switches"] == {n: int(n in BLUE) for n in ALL_NODES}, facts["switches"]
         assert all(facts["modes"][n] == mode for n in BLUE), facts["modes"]
