@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loss_budget import BEFORE_SWITCH, DELETED, Seen, attribute, timeline_json
+from loss_budget import BEFORE_SWITCH, DELETED, Budget, Seen, attribute, timeline_json
 
 from localcluster import controlplane, state
 from localcluster.kubeapi import Kube
@@ -489,13 +489,13 @@ def check_end_state(h: Harness, name: str, history: History, tcp_probe: Callable
 
 
 def loss_facts(history: History, failures: dict[str, list[tuple[float, str]]], pool: Iterable[str],
-               budget: dict[str, int] | None, *, probe_timeout: float, with_timeline: bool = True) -> dict[str, Any]:
+               budget: Budget | None, *, probe_timeout: float, with_timeline: bool = True) -> dict[str, Any]:
     """Every failed connection charged to its node's step (loss_budget.attribute), for the report row:
     `lost_by_step` (node -> step -> count), `over_budget` (each visit of a step charged beyond `budget`, with its
     failure times; left out without a budget: each failure is then charged to the step its node was in),
     `failure_times` (wall times of each node's failed connections) and each node's `timeline`."""
-    attribution = attribute(failures, history.timeline, set(pool), budget or {}, probe_timeout=probe_timeout,
-                            poll=POLL_SECONDS)
+    attribution = attribute(failures, history.timeline, set(pool), budget.steps if budget else {},
+                            budget.shared if budget else (), probe_timeout=probe_timeout, poll=POLL_SECONDS)
     facts: dict[str, Any] = {"lost_by_step": attribution.lost_by_step(),
                              "failure_times": {n: [round(t, 3) for t, _ in f] for n, f in failures.items() if f}}
     if budget is not None:

@@ -48,14 +48,18 @@ FAULTS: tuple[str, ...] = (*ABSORBED, "node-delete", *CRASH_LOOPS, "kube-proxy-c
 
 @dataclass(frozen=True)
 class Allowance:
+    """`lost` connections per node in `steps` under `faults`. Several steps share the one budget when a node
+    passes through them in one go (same attempt, one after the other): the loss has one cause whose moment
+    falls on either side of the boundary between them."""
+
     faults: tuple[str, ...]
-    step: str
+    steps: tuple[str, ...]
     lost: int
     why: str
 
 
 ALLOWANCES: tuple[Allowance, ...] = (
-    Allowance(("agent-kill",), "Switch", 1,
+    Allowance(("agent-kill",), ("Switch", "Gate"), 1,
               "the node's switch runs without a rule hold: either its agent is dead or in its restart back-off "
               "when the switch asks for the hold, and the switch goes on without one after 20 s "
               "(`RuleHoldSkipped`), or the agent made the hold and was killed, and its successor, which cannot "
@@ -63,13 +67,16 @@ ALLOWANCES: tuple[Allowance, ...] = (
               "possibly still the old one. The new kube-proxy's startup cleanup then removes the old mode's "
               "rules before its first sync: a connection the node opens in that gap has no DNAT, conntrack pins "
               "it and its retransmitted SYNs fail until the 1 s connect timeout, by which time the gap (well "
-              "under a second here) is over: one connection"),
-    Allowance(("node-delete",), DELETED, 1,
+              "under a second here) is over: one connection. Switch and Gate share it: Switch ends when the new "
+              "kube-proxy pod is Ready, which (no readiness probe) is when it starts, so its cleanup and first "
+              "sync fall at the end of Switch or, as in the run of 2 December (the failed connect began ~0.1 s "
+              "after Gate was seen), at the start of Gate"),
+    Allowance(("node-delete",), (DELETED,), 1,
               "a Node deleted after its switch comes back (the node simulator, like a kubelet) without the "
               "revision label, so the baseline iptables kube-proxy starts on it and its startup cleanup removes "
               "the nftables rules with no hold in place (the hold was dropped when the nftables kube-proxy "
               "synced): the same one-connection gap as a switch without a hold"),
-    Allowance(("node-delete", *CRASH_LOOPS, *ROLLING_BACK), "RollingBack", 1,
+    Allowance(("node-delete", *CRASH_LOOPS, *ROLLING_BACK), ("RollingBack",), 1,
               "a rollback moves the label back without a rule hold (the planner asks for one only on the way "
               "forward), so once the target kube-proxy has synced (the hold dropped), the old kube-proxy's "
               "startup cleanup removes its rules before its first sync: the same one-connection gap (seen once, "
@@ -77,36 +84,60 @@ ALLOWANCES: tuple[Allowance, ...] = (
 )
 
 
-def _build() -> dict[str, dict[str, int]]:
+@dataclass(frozen=True)
+class Budget:
+    """One fault's row: `steps` maps every column to its budget; each of `shared` is a group of steps whose
+    consecutive visits in one attempt share one budget (`steps` gives each of them that same number)."""
+
+    fault: str
+    steps: Mapping[str, int]
+    shared: tuple[tuple[str, ...], ...] = ()
+
+
+def _build() -> dict[str, Budget]:
     table = {fault: dict.fromkeys(COLUMNS, 0) for fault in FAULTS}
+    shared: dict[str, list[tuple[str, ...]]] = {fault: [] for fault in FAULTS}
     for allowance in ALLOWANCES:
-        assert allowance.step in STEPS, f"{allowance.step}: not a step (the untouched pool's budget is always 0)"
+        assert allowance.steps and set(allowance.steps) <= set(STEPS), \
+            f"{allowance.steps}: not steps (the untouched pool's budget is always 0)"
         assert allowance.lost > 0 and allowance.why, allowance
         for fault in allowance.faults:
             assert fault in table, f"{fault}: not a fault of the suite"
-            table[fault][allowance.step] = allowance.lost
-    return table
+            for step in allowance.steps:
+                assert not table[fault][step], f"{fault} {step}: two allowances"
+                table[fault][step] = allowance.lost
+            if len(allowance.steps) > 1:
+                shared[fault].append(allowance.steps)
+    return {fault: Budget(fault, table[fault], tuple(shared[fault])) for fault in FAULTS}
 
 
-BUDGET: dict[str, dict[str, int]] = _build()
+BUDGETS: dict[str, Budget] = _build()
+# fault -> step -> budget, as the table reads
+BUDGET: dict[str, Mapping[str, int]] = {fault: b.steps for fault, b in BUDGETS.items()}
 
 
-def budget_of(row_fault: str) -> dict[str, int]:
+def budget_of(row_fault: str) -> Budget:
     """The budget of a report row's fault: `operator-kill (migration 2, to iptables)` is operator-kill's,
     `clock-skew +30s` clock-skew's, `agent-kill in Verify (migration 2, ...)` agent-kill in Verify's."""
     matches = [f for f in FAULTS if row_fault == f or row_fault.startswith((f"{f} (", f"{f} +"))]
     assert len(matches) == 1, f"no single budget for the fault {row_fault!r}: {matches}"
-    return BUDGET[matches[0]]
+    return BUDGETS[matches[0]]
+
+
+def _cell(budget: Budget, step: str) -> str:
+    group = next((g for g in budget.shared if step in g), None)
+    return str(budget.steps[step]) + (f" ({'+'.join(group)})" if group else "")
 
 
 def render() -> str:
     """The budget as docs/reliability.md states it: the table, then why each non-zero entry is not 0."""
     lines = ["| fault | " + " | ".join(COLUMNS) + " |", "|---|" + "---|" * len(COLUMNS)]
     for fault in FAULTS:
-        lines.append(f"| {fault} | " + " | ".join(str(BUDGET[fault][c]) for c in COLUMNS) + " |")
+        lines.append(f"| {fault} | " + " | ".join(_cell(BUDGETS[fault], c) for c in COLUMNS) + " |")
     lines.append("")
     for allowance in ALLOWANCES:
-        lines.append(f"- **{allowance.step} {allowance.lost}** ({', '.join(allowance.faults)}): {allowance.why}.")
+        lines.append(f"- **{'+'.join(allowance.steps)} {allowance.lost}** ({', '.join(allowance.faults)}): "
+                     f"{allowance.why}.")
     return "\n".join(lines) + "\n"
 
 
@@ -131,14 +162,24 @@ class Visit:
     attempt: int
     start: float  # earliest it may have begun
     end: float  # latest it may have ended
+    # What the budget is counted over: the index of the first visit of a run of visits sharing one budget (a
+    # shared group, same attempt, one after the other), else this visit's own index; and its name.
+    unit: int = 0
+    unit_name: str = ""
 
 
-def visits(node: str, timeline: Sequence[Seen]) -> list[Visit]:
-    out = []
+def visits(node: str, timeline: Sequence[Seen], shared: Sequence[tuple[str, ...]] = ()) -> list[Visit]:
+    out: list[Visit] = []
     for i, seen in enumerate(timeline):
         start = -math.inf if i == 0 or seen.since is None else seen.since
         end = timeline[i + 1].at if i + 1 < len(timeline) else math.inf
-        out.append(Visit(node, seen.step, seen.attempt, start, end))
+        group = next((g for g in shared if seen.step in g), None)
+        prev = out[-1] if out else None
+        if group and prev is not None and prev.step in group and prev.attempt == seen.attempt:
+            unit, name = prev.unit, prev.unit_name
+        else:
+            unit, name = i, "+".join(group) if group else seen.step
+        out.append(Visit(node, seen.step, seen.attempt, start, end, unit, name))
     return out
 
 
@@ -168,16 +209,19 @@ class Attribution:
         return out
 
     def over_budget(self) -> list[dict[str, Any]]:
-        """Each visit charged more than its step's budget: node, step, attempt, lost, budget, failure times."""
-        by_visit: dict[Visit, list[Charge]] = {}
+        """Each visit (or run of visits sharing a budget) charged more than its budget: node, step, attempt,
+        lost, budget and the failure times."""
+        by_unit: dict[tuple[str, int], list[Charge]] = {}
         for c in self.charges:
-            by_visit.setdefault(c.visit, []).append(c)
+            by_unit.setdefault((c.visit.node, c.visit.unit), []).append(c)
         over = []
-        for visit, charged in by_visit.items():
+        for (node, _), charged in by_unit.items():
+            visit = charged[0].visit
             most = allowed(self.budget, visit.step)
             if len(charged) > most:
-                over.append({"node": visit.node, "step": visit.step, "attempt": visit.attempt, "lost": len(charged),
-                             "budget": most, "failures": [f"{_clock(c.at)} {c.error}" for c in charged]})
+                over.append({"node": node, "step": visit.unit_name, "attempt": visit.attempt, "lost": len(charged),
+                             "budget": most, "failures": [f"{_clock(c.at)} {c.error} ({c.visit.step})"
+                                                          for c in charged]})
         return over
 
 
@@ -186,22 +230,23 @@ def _clock(t: float) -> str:
 
 
 def attribute(failures: Mapping[str, Sequence[tuple[float, str]]], timelines: Mapping[str, Sequence[Seen]],
-              pool: Collection[str], budget: Mapping[str, int], *, probe_timeout: float = 1.0,
-              poll: float = 0.05) -> Attribution:
-    """Charge every failed connection `(wall time, error)` of each node to a step of that node (module doc)."""
+              pool: Collection[str], budget: Mapping[str, int], shared: Sequence[tuple[str, ...]] = (), *,
+              probe_timeout: float = 1.0, poll: float = 0.05) -> Attribution:
+    """Charge every failed connection `(wall time, error)` of each node to a step of that node (module doc);
+    `shared`: groups of steps whose consecutive visits in one attempt share one budget (Budget.shared)."""
     items: list[tuple[float, str, str]] = sorted((t, node, err) for node, fs in failures.items() for t, err in fs)
-    node_visits = {node: visits(node, timelines.get(node) or []) for node in failures}
+    node_visits = {node: visits(node, timelines.get(node) or [], shared) for node in failures}
     candidates: list[list[Visit]] = []
     fallback: list[Visit] = []
     for t, node, _ in items:
         if node not in pool:
-            whole = Visit(node, UNTOUCHED, 0, -math.inf, math.inf)
+            whole = Visit(node, UNTOUCHED, 0, -math.inf, math.inf, 0, UNTOUCHED)
             candidates.append([whole])
             fallback.append(whole)
             continue
         mine = node_visits[node]
         if not mine:
-            nothing = Visit(node, UNSEEN, 0, -math.inf, math.inf)
+            nothing = Visit(node, UNSEEN, 0, -math.inf, math.inf, 0, UNSEEN)
             candidates.append([nothing])
             fallback.append(nothing)
             continue
@@ -211,32 +256,31 @@ def attribute(failures: Mapping[str, Sequence[tuple[float, str]]], timelines: Ma
         at_t = max((v for v in mine if v.start <= t), key=lambda v: v.start, default=mine[0])
         candidates.append(sorted(overlapping, key=lambda v: v != at_t) or [at_t])
         fallback.append(at_t)
-    # A capacitated bipartite matching (augmenting paths): failure i may take a slot of any visit it overlaps
-    # whose step has budget; a failure is left over only when no assignment fits more failures.
-    taken: dict[Visit, list[int]] = {}
+    # A capacitated bipartite matching (augmenting paths): failure i may take a slot of any budget unit (a
+    # visit, or a run of visits sharing one budget) it overlaps; a failure is left over only when no
+    # assignment fits more failures.
+    taken: dict[tuple[str, int], list[tuple[int, Visit]]] = {}
 
-    def place(i: int, tried: set[Visit]) -> bool:
+    def place(i: int, tried: set[tuple[str, int]]) -> bool:
         for visit in candidates[i]:
-            if visit in tried or allowed(budget, visit.step) <= 0:
+            unit, room = (visit.node, visit.unit), allowed(budget, visit.step)
+            if unit in tried or room <= 0:
                 continue
-            tried.add(visit)
-            holders = taken.setdefault(visit, [])
-            if len(holders) < allowed(budget, visit.step):
-                holders.append(i)
+            tried.add(unit)
+            holders = taken.setdefault(unit, [])
+            if len(holders) < room:
+                holders.append((i, visit))
                 return True
-            for j in list(holders):
-                if place(j, tried):
-                    holders.remove(j)
-                    holders.append(i)
+            for held in list(holders):
+                if place(held[0], tried):
+                    holders.remove(held)
+                    holders.append((i, visit))
                     return True
         return False
 
-    placed: dict[int, Visit] = {}
     for i in range(len(items)):
         place(i, set())
-    for visit, holders in taken.items():
-        for i in holders:
-            placed[i] = visit
+    placed = {i: visit for holders in taken.values() for i, visit in holders}
     charges = [Charge(t, err, placed.get(i, fallback[i])) for i, (t, _, err) in enumerate(items)]
     return Attribution(charges, budget)
 

@@ -6,6 +6,7 @@ import pytest
 from loss_budget import (
     ALLOWANCES,
     BUDGET,
+    BUDGETS,
     COLUMNS,
     DELETED,
     FAULTS,
@@ -59,7 +60,7 @@ def test_a_failure_far_from_any_budgeted_step_is_over_budget_with_its_time() -> 
     a = attribute({"n1": fail(8.0)}, {"n1": MIGRATION}, {"n1"}, {"Switch": 1})
     [over] = a.over_budget()
     assert (over["node"], over["step"], over["attempt"], over["lost"], over["budget"]) == ("n1", "Gate", 1, 1, 0)
-    assert over["failures"] and over["failures"][0].endswith("TimeoutError")
+    assert over["failures"] and over["failures"][0].endswith("TimeoutError (Gate)")
 
 
 def test_two_failures_in_one_visit_of_a_step_with_budget_one_are_one_too_many() -> None:
@@ -116,6 +117,25 @@ def test_a_pool_node_the_injector_never_saw_is_charged_to_nothing_it_knows() -> 
     assert [o["step"] for o in a.over_budget()] == [UNSEEN]
 
 
+def test_steps_sharing_a_budget_share_it_within_one_attempt() -> None:
+    shared = [("Switch", "Gate")]
+    # One connection lost in Switch and one in Gate of the same attempt: one too many for the pair.
+    a = attribute({"n1": fail(4.0, 8.0)}, {"n1": MIGRATION}, {"n1"}, {"Switch": 1, "Gate": 1}, shared)
+    assert a.lost_by_step() == {"n1": {"Switch": 1, "Gate": 1}}
+    [over] = a.over_budget()
+    assert (over["step"], over["attempt"], over["lost"], over["budget"]) == ("Switch+Gate", 1, 2, 1)
+    # One is within it, wherever it falls.
+    for at in (4.0, 8.0):
+        assert attribute({"n1": fail(at)}, {"n1": MIGRATION}, {"n1"}, {"Switch": 1, "Gate": 1}, shared
+                         ).over_budget() == []
+    # Another attempt's Switch and Gate have their own.
+    two = [*timeline((0, "Switch"), (2, "Gate"), (4, "RolledBack")),
+           *timeline((10, "Switch"), (12, "Gate"), (14, "Done"), attempt=2)]
+    two[3] = Seen(T0 + 10, T0 + 9.95, 2, "Switch")
+    b = attribute({"n1": fail(3.0, 13.0)}, {"n1": two}, {"n1"}, {"Switch": 1, "Gate": 1}, shared)
+    assert b.over_budget() == []
+
+
 def test_visits_run_from_the_look_before_to_the_look_after() -> None:
     [first, second] = visits("n1", [Seen(T0, None, 1, "Gate"), Seen(T0 + 2, T0 + 1.9, 1, "Done")])
     assert (first.start, first.end) == (float("-inf"), T0 + 2)
@@ -125,13 +145,15 @@ def test_visits_run_from_the_look_before_to_the_look_after() -> None:
 def test_the_budget_covers_every_fault_and_step() -> None:
     assert set(STEPS) == {*PHASES, DELETED}
     assert all(set(BUDGET[f]) == set(COLUMNS) for f in FAULTS)
-    # The rule hold applies at Switch: only a fault that keeps the hold from being made may cost a connection there.
-    assert [f for f in FAULTS if BUDGET[f]["Switch"]] == ["agent-kill"]
+    # The rule hold applies at Switch: only a fault that keeps the hold from being made may cost a connection
+    # there, or just after it, in Gate.
+    assert [f for f in FAULTS if BUDGET[f]["Switch"] or BUDGET[f]["Gate"]] == ["agent-kill"]
+    assert BUDGETS["agent-kill"].shared == (("Switch", "Gate"),)
     # Every non-zero entry comes from an allowance that says why.
     for fault in FAULTS:
         for step, lost in BUDGET[fault].items():
             if lost:
-                assert any(fault in a.faults and a.step == step and a.lost == lost and len(a.why) > 80
+                assert any(fault in a.faults and step in a.steps and a.lost == lost and len(a.why) > 80
                            for a in ALLOWANCES), (fault, step)
 
 
@@ -141,7 +163,7 @@ def test_the_budget_covers_every_fault_and_step() -> None:
                                             ("clock-skew +30s", "clock-skew"),
                                             ("kube-proxy-crashloop@Gate", "kube-proxy-crashloop@Gate")])
 def test_a_report_row_finds_its_budget(row: str, fault: str) -> None:
-    assert budget_of(row) is BUDGET[fault]
+    assert budget_of(row) is BUDGETS[fault]
 
 
 def test_an_unknown_fault_has_no_budget() -> None:
