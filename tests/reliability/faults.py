@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loss_budget import BEFORE_SWITCH, DELETED, Budget, Seen, attribute, timeline_json
+
 from localcluster import controlplane, state
 from localcluster.kubeapi import Kube
 from proxyshift.commands import run
@@ -68,6 +70,10 @@ class History:
     labels: dict[tuple[str, str], list[str | None]] = field(default_factory=lambda: defaultdict(list))
     # node -> successive (attempt, phase)
     phases: dict[str, list[tuple[int, str]]] = field(default_factory=lambda: defaultdict(list))
+    # node -> successive steps with when they were seen (loss_budget.Seen): the phases above, plus DELETED while
+    # the Node or its ProxyNode is gone and until a Node registered again reaches its Switch. What the lost
+    # connections are charged to (loss_budget.attribute).
+    timeline: dict[str, list[Seen]] = field(default_factory=lambda: defaultdict(list))
 
 
 class StepInjector:
@@ -86,6 +92,8 @@ class StepInjector:
         self.history = History()
         self._looked = False  # the first successful look has been recorded
         self._before: set[tuple[str, str, str, str, int]] = set()  # migrations that ended before the run
+        self._gone: set[str] = set()  # nodes whose Node or ProxyNode vanished and that have not switched since
+        self._last_look: float | None = None  # wall time the previous successful look started
         self.errors: list[BaseException] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="step-injector", daemon=True)
@@ -122,17 +130,24 @@ class StepInjector:
 
     def _observe(self) -> list[tuple[str, str]]:
         """Record one look at the nodes; (node, phase) of every node now in an armed step."""
+        started = time.time()
         pns = self.kube.get("/apis/proxyshift.io/v1alpha1/proxynodes", timeout=3)["items"]
         nodes = {n["metadata"]["name"]: n for n in self.kube.get("/api/v1/nodes", timeout=3)["items"]}
+        # Both reads are done: anything they show was so by now (the upper end of a change's time).
+        looked = time.time()
         due = []
+        steps: dict[str, tuple[int, str]] = dict.fromkeys(self.nodes, (0, DELETED))
         for pn in pns:
             name = pn["metadata"]["name"]
             node = nodes.get(name)
             if name not in self.nodes or node is None:
                 continue
             uid = node["metadata"]["uid"]
+            owners = {o.get("uid") for o in pn["metadata"].get("ownerReferences") or [] if o.get("kind") == "Node"}
             m = migration(pn)
             attempt, phase = int(m.get("attempt") or 0), m.get("phase") or "Pending"
+            if not owners or uid in owners:  # a ProxyNode of a deleted Node, not yet collected, is not this Node's
+                steps[name] = (attempt, phase)
             key = (name, uid, m.get("toRevision") or "baseline", m.get("startedAt") or "", attempt)
             if not self._looked and phase in ("Done", "Failed", "RolledBack"):
                 # Ended before this run started (the previous run's, on a policy flipped back): not
@@ -145,6 +160,16 @@ class StepInjector:
                 phases.append((attempt, phase))
             if phase in self.armed:
                 due.append((name, phase))
+        for name, (attempt, step) in steps.items():
+            if step == DELETED:
+                self._gone.add(name)
+            elif name in self._gone and step in BEFORE_SWITCH:
+                attempt, step = 0, DELETED  # registered again, still on the kube-proxy it started with
+            else:
+                self._gone.discard(name)
+            timeline = self.history.timeline[name]
+            if not timeline or (timeline[-1].attempt, timeline[-1].step) != (attempt, step):
+                timeline.append(Seen(looked, self._last_look, attempt, step))
         for name, node in nodes.items():
             if name in self.nodes:
                 label = (node["metadata"].get("labels") or {}).get(REVISION_LABEL)
@@ -152,6 +177,7 @@ class StepInjector:
                 if not seen or seen[-1] != label:
                     seen.append(label)
         self._looked = True
+        self._last_look = started
         self.looks += 1
         return due
 
@@ -460,3 +486,20 @@ def check_end_state(h: Harness, name: str, history: History, tcp_probe: Callable
             "phases": dict(history.phases)}
 
 
+
+
+def loss_facts(history: History, failures: dict[str, list[tuple[float, str]]], pool: Iterable[str],
+               budget: Budget | None, *, probe_timeout: float, with_timeline: bool = True) -> dict[str, Any]:
+    """Every failed connection charged to its node's step (loss_budget.attribute), for the report row:
+    `lost_by_step` (node -> step -> count), `over_budget` (each visit of a step charged beyond `budget`, with its
+    failure times; left out without a budget: each failure is then charged to the step its node was in),
+    `failure_times` (wall times of each node's failed connections) and each node's `timeline`."""
+    attribution = attribute(failures, history.timeline, set(pool), budget.steps if budget else {},
+                            budget.shared if budget else (), probe_timeout=probe_timeout, poll=POLL_SECONDS)
+    facts: dict[str, Any] = {"lost_by_step": attribution.lost_by_step(),
+                             "failure_times": {n: [round(t, 3) for t, _ in f] for n, f in failures.items() if f}}
+    if budget is not None:
+        facts["over_budget"] = attribution.over_budget()
+    if with_timeline:
+        facts["timeline"] = {n: timeline_json(t) for n, t in history.timeline.items()}
+    return facts

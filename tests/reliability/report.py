@@ -21,9 +21,17 @@ def _lost(row: dict[str, Any]) -> str:
     return f"{sum(failed.values())} failed of {ok} connections {failed}, longest outage {longest:.1f}s"
 
 
+def _by_step(row: dict[str, Any]) -> str:
+    """Where the failed connections fell: `ps-node-1 Switch 1; ps-node-3 untouched 1` (loss_budget.attribute);
+    `-` for none, and for rows written before the report had it."""
+    lost = row.get("lost_by_step") or {}
+    return "; ".join(f"{node} {step} {count}" for node, steps in sorted(lost.items())
+                     for step, count in steps.items()) or "-"
+
+
 def fault_rows(rows: list[dict[str, Any]]) -> list[str]:
-    out = ["| fault | steps it fired at (node) | outcome | what happened | lost | s |",
-           "|---|---|---|---|---|---|"]
+    out = ["| fault | steps it fired at (node) | outcome | what happened | lost | lost by step | s |",
+           "|---|---|---|---|---|---|---|"]
     for row in rows:
         if "flips" in row:
             continue
@@ -34,7 +42,8 @@ def fault_rows(rows: list[dict[str, Any]]) -> list[str]:
             happened = f"{row['kills']} kube-proxy kills; " + happened
         if row.get("agent_clock_ahead_s"):
             happened = f"agent clock {row['agent_clock_ahead_s']}s ahead; " + happened
-        out.append(f"| {row['fault']} | {fired} | {outcome} | {happened} | {_lost(row)} | {row.get('seconds')} |")
+        out.append(f"| {row['fault']} | {fired} | {outcome} | {happened} | {_lost(row)} | {_by_step(row)} "
+                   f"| {row.get('seconds')} |")
     return out
 
 
@@ -45,7 +54,7 @@ def soak_rows(rows: list[dict[str, Any]]) -> list[str]:
             continue
         flips = row["flips"]
         out += [f"**{row['fault']}** ({row['seconds']} s): failed connections {row['failed']} of "
-                f"{sum(row['ok'].values())}; RSS growth first->last flip (MiB) "
+                f"{sum(row['ok'].values())} (by step: {_by_step(row)}); RSS growth first->last flip (MiB) "
                 f"{ {k: round(v, 1) for k, v in row['rss_growth_mib'].items()} }; processes per node namespace "
                 f"{row['processes']}", "",
                 "| flip | mode | s | failed (node 1/2/3) | operator RSS MiB | agent RSS MiB (1/2/3) |",

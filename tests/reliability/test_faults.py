@@ -12,9 +12,11 @@ with the previous fault), fails the run. Every run must end with:
 - no node switched twice within one attempt (switchedAt and revision-label history);
 - no kube-proxy rules of a mode other than the node's current one;
 - every traffic outage through the ClusterIP shorter than the gate timeout, and traffic answering
-  from every node at the end.
+  from every node at the end;
+- every failed connection charged to the step its node was in, and no node's visit of a step charged
+  more than the fault's loss budget (loss_budget.py, the table docs/reliability.md states).
 
-Each run appends one JSON line (fault, steps fired, outcome, outages) to the report file
+Each run appends one JSON line (fault, steps fired, outcome, outages, lost_by_step) to the report file
 (PROXYSHIFT_RELIABILITY_REPORT, default <cluster>/logs/reliability.jsonl); docs/reliability.md
 is written from it.
 """
@@ -42,9 +44,11 @@ from faults import (
     StepInjector,
     agent_pid,
     check_end_state,
+    loss_facts,
     record,
     service_answers_everywhere,
 )
+from loss_budget import budget_of
 
 from proxyshift.planner.machine import IN_FLIGHT
 from tests.support.operator_harness import Harness, migration, policy
@@ -101,13 +105,15 @@ def wait_settled(h: Harness, name: str, timeout: float = END_TIMEOUT, nodes: lis
 
 def migrate_under(h: Harness, cluster: Any, kube: Any, test_service: Any, tcp_probe: Callable[..., Any],
                   continuous_prober: Callable[..., Any], name: str, fault: Callable[[str, str], str] | None,
-                  steps: tuple[str, ...] = ALL_STEPS, before_end: Callable[[], None] | None = None,
+                  loss: str, steps: tuple[str, ...] = ALL_STEPS, before_end: Callable[[], None] | None = None,
                   kick: Callable[[], None] | None = None, gate_timeout: int = GATE_TIMEOUT,
                   nodes: list[str] = BLUE, max_per_node: int | None = None,
                   ) -> tuple[str, dict[str, Any], StepInjector, dict[str, Any], dict[str, Any]]:
     """One blue iptables -> nftables migration with `fault` fired at each of `steps`; invariants checked.
 
-    `kick` starts the migration instead of applying the policy (a retry of an existing one)."""
+    `loss` names the fault's row of the loss budget (loss_budget.FAULTS): every failed connection is charged to
+    its node's step against it (facts `lost_by_step`, `over_budget`; `_record` asserts). `kick` starts the
+    migration instead of applying the policy (a retry of an existing one)."""
     service_answers_everywhere(h, tcp_probe, test_service)
     probers = {n: continuous_prober(n, test_service.cluster_ip, test_service.port, interval=0.1) for n in ALL_NODES}
     injector = StepInjector(kube, nodes, fault, steps, max_per_node).start()
@@ -122,8 +128,11 @@ def migrate_under(h: Harness, cluster: Any, kube: Any, test_service: Any, tcp_pr
     if before_end is not None:
         before_end()
     results = {n: p.stop() for n, p in probers.items()}
-    facts = check_end_state(h, name, history, tcp_probe, test_service, {n: p.failures for n, p in probers.items()},
-                            gate_timeout)
+    failures = {n: p.failures for n, p in probers.items()}
+    facts = check_end_state(h, name, history, tcp_probe, test_service, failures, gate_timeout)
+    facts["budget"] = loss
+    facts.update(loss_facts(history, failures, nodes, budget_of(loss),
+                            probe_timeout=max(p.timeout for p in probers.values())))
     facts["seconds"] = round(seconds, 1)
     facts["traffic"] = {n: {"ok": r.ok, "failed": r.failed} for n, r in results.items()}
     return outcome, cond, injector, facts, {n: r for n, r in results.items()}
@@ -136,6 +145,18 @@ def _row(fault: str, outcome: str, cond: dict[str, Any], injector: StepInjector,
             "fired": [{"step": f.step, "node": f.node, "seconds": round(f.seconds, 1), "detail": f.detail}
                       for f in injector.fired],
             **facts}
+
+
+def _record(cluster: Any, row: dict[str, Any]) -> None:
+    """Append the run's row to the report, then hold it to its fault's loss budget: every visit of a step by a
+    node lost at most what docs/reliability.md's budget says (recorded first, so a run over budget is evidence
+    in the report too)."""
+    record(cluster, row)
+    assert not row["over_budget"], "\n".join(
+        [f"{row['fault']}: connections lost beyond the loss budget ({row['budget']}):"] +
+        [f"  {o['node']} {o['step']} (attempt {o['attempt']}): lost {o['lost']}, budget {o['budget']}; failed at "
+         f"{', '.join(o['failures'])}" for o in row["over_budget"]] +
+        [f"  lost by step {row['lost_by_step']}; timeline {row.get('timeline')}"])
 
 
 def _retry(h: Harness, name: str, token: str, nodes: list[str] = BLUE) -> None:
@@ -232,15 +253,15 @@ def test_fault_at_every_step(harness: Harness, cluster: Any, kube: Any, test_ser
             kick = functools.partial(h.patch, name, {"spec": {"mode": mode}})
         try:
             outcome, cond, injector, facts, _ = migrate_under(h, cluster, kube, test_service, tcp_probe,
-                                                              continuous_prober, name, fault,
+                                                              continuous_prober, name, fault, fault_name,
                                                               steps=(*missing, *(() if verify_fired else (VERIFY,))),
                                                               kick=kick, before_end=faults.unblock_all,
                                                               nodes=nodes, max_per_node=per_node)
         finally:
             faults.unblock_all()
         rounds += 1
-        record(cluster, _row(fault_name if rounds == 1 else f"{fault_name} (migration {rounds}, to {mode})",
-                             outcome, cond, injector, facts))
+        _record(cluster, _row(fault_name if rounds == 1 else f"{fault_name} (migration {rounds}, to {mode})",
+                              outcome, cond, injector, facts))
         if fault_name == "agent-kill":
             h.wait_for(lambda: all(agent_pid(state_dir, n) for n in ALL_NODES), 120, "every agent running again")
         fired = {f.step for f in injector.fired}
@@ -288,14 +309,15 @@ def test_target_kube_proxy_crash_looping(harness: Harness, cluster: Any, kube: A
     for i, step in enumerate(("Switch", "Gate")):
         try:
             outcome, cond, injector, facts, _ = migrate_under(
-                h, cluster, kube, test_service, tcp_probe, continuous_prober, name, loops.start, (step,),
+                h, cluster, kube, test_service, tcp_probe, continuous_prober, name, loops.start,
+                f"kube-proxy-crashloop@{step}", (step,),
                 before_end=loops.stop, kick=retry(str(i)) if i else None, gate_timeout=CRASHLOOP_GATE_TIMEOUT)
         finally:
             loops.stop()
         row = _row(f"kube-proxy-crashloop@{step}", outcome, cond, injector, facts)
         row["kills"] = loops.kills()
         loops.clear()
-        record(cluster, row)
+        _record(cluster, row)
         rows.append(row)
         assert [f.step for f in injector.fired] == [step], injector.fired
         assert outcome == "Degraded" and cond.get("reason"), cond
@@ -304,9 +326,9 @@ def test_target_kube_proxy_crash_looping(harness: Harness, cluster: Any, kube: A
         assert migration(h.proxynodes()[node]).get("phase") == "RolledBack"
     # The fault gone, a retry completes the rollout.
     outcome, cond, injector, facts, _ = migrate_under(h, cluster, kube, test_service, tcp_probe, continuous_prober,
-                                                      name, None, kick=retry("done"),
+                                                      name, None, "kube-proxy-crashloop/retry", kick=retry("done"),
                                                       gate_timeout=CRASHLOOP_GATE_TIMEOUT)
-    record(cluster, _row("kube-proxy-crashloop/retry", outcome, cond, injector, facts))
+    _record(cluster, _row("kube-proxy-crashloop/retry", outcome, cond, injector, facts))
     assert outcome == "Ready", cond
 
 
@@ -328,10 +350,11 @@ def test_a_fault_while_a_node_rolls_back(harness: Harness, cluster: Any, kube: A
     try:
         outcome, cond, injector, facts, _ = migrate_under(
             h, cluster, kube, test_service, tcp_probe, continuous_prober, f"rel-rollback-{fault_name}",
-            crash_then_fault, ("Switch", "RollingBack"), before_end=loops.stop, gate_timeout=CRASHLOOP_GATE_TIMEOUT)
+            crash_then_fault, f"{fault_name} while rolling back", ("Switch", "RollingBack"), before_end=loops.stop,
+            gate_timeout=CRASHLOOP_GATE_TIMEOUT)
     finally:
         loops.stop()
-    record(cluster, _row(f"{fault_name} while rolling back", outcome, cond, injector, facts))
+    _record(cluster, _row(f"{fault_name} while rolling back", outcome, cond, injector, facts))
     fired = [(f.step, f.node) for f in injector.fired]
     assert [step for step, _ in fired] == ["Switch", "RollingBack"], fired
     assert fired[0][1] == fired[1][1], f"the fault fired on another node than the rollback: {fired}"
@@ -372,11 +395,11 @@ def test_a_fault_in_verify(harness: Harness, cluster: Any, kube: Any, test_servi
         try:
             outcome, cond, injector, facts, _ = migrate_under(
                 h, cluster, kube, test_service, tcp_probe, continuous_prober, name, block_then_fault,
-                ("Gate", VERIFY), before_end=faults.unblock_all, kick=kick)
+                f"{fault_name} in Verify", ("Gate", VERIFY), before_end=faults.unblock_all, kick=kick)
         finally:
             faults.unblock_all()
-        record(cluster, _row(f"{fault_name} in Verify" + (f" (migration {tries}, to {mode})" if tries > 1 else ""),
-                             outcome, cond, injector, facts))
+        _record(cluster, _row(f"{fault_name} in Verify" + (f" (migration {tries}, to {mode})" if tries > 1 else ""),
+                              outcome, cond, injector, facts))
         assert outcome == "Ready", f"{fault_name} in Verify: expected Ready, got {outcome}: {cond}"
         assert facts["switches"] == {n: int(n in BLUE) for n in ALL_NODES}, facts["switches"]
         assert all(facts["modes"][n] == mode for n in BLUE), facts["modes"]
@@ -444,12 +467,12 @@ def test_clock_skew_between_operator_and_agent(harness: Harness, cluster: Any, k
         skew_seen = _heartbeats_ahead(h)
         assert all(20 < s < 40 for s in skew_seen.values()), f"agent heartbeats not ~30 s ahead: {skew_seen}"
         outcome, cond, injector, facts, _ = migrate_under(h, cluster, kube, test_service, tcp_probe,
-                                                          continuous_prober, "rel-clock-skew", None)
+                                                          continuous_prober, "rel-clock-skew", None, "clock-skew")
     finally:
         _set_agent_env(h, cluster, original_env)
         shutil.rmtree(shim.parent, ignore_errors=True)
     facts["agent_clock_ahead_s"] = {n: round(v, 1) for n, v in sorted(skew_seen.items())}
-    record(cluster, _row(f"clock-skew +{CLOCK_SKEW_SECONDS}s", outcome, cond, injector, facts))
+    _record(cluster, _row(f"clock-skew +{CLOCK_SKEW_SECONDS}s", outcome, cond, injector, facts))
     assert outcome == "Ready", cond
     assert all(facts["modes"][n] == "nftables" for n in BLUE)
     # Skew must not turn the gate into a crawl: the probe rounds are paced by the operator's clock.

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from faults import StepInjector, agent_pid, container_pid
+from faults import StepInjector, agent_pid, container_pid, loss_facts
 from test_faults import ALL_NODES, check_end_state, record, service_answers_everywhere
 
 from localcluster import state
@@ -168,7 +168,11 @@ def test_soak_back_and_forth(harness: Harness, cluster: Any, kube: Any, test_ser
                      "node_switches": len(windows),
                      "flips": flips, "failed": total_failed, "ok": {n: r.ok for n, r in results.items()},
                      "rss_growth_mib": growth, "agents_restarted": sorted(agents_restarted),
-                     "processes": after["processes"], **facts})
+                     "processes": after["processes"], **facts,
+                     # Which step of its node each failure fell in, as in the fault runs; the soak's rule stays the
+                     # rate below, not a per-step budget (no budget: each is charged to the step it was seen in).
+                     **loss_facts(history, {n: p.failures for n, p in probers.items()}, ALL_NODES, None,
+                                  probe_timeout=max(p.timeout for p in probers.values()), with_timeline=False)})
     assert not agents_restarted, f"agents restarted during the soak: {agents_restarted}"
     assert all(g <= RSS_GROWTH_MIB for g in growth.values()), f"memory grew: {growth} MiB; per flip: {flips}"
     assert all(r.ok > 0 for r in results.values())

@@ -3,12 +3,14 @@ an injector that saw nothing, or saw an armed step and fired nothing there, fail
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from typing import Any
 
 import pytest
 from faults import VERIFY, StepInjector
+from loss_budget import DELETED
 
 pytestmark = pytest.mark.unit
 
@@ -18,22 +20,39 @@ class ScriptedKube:
 
     def __init__(self, phases: dict[str, str], fail: bool = False) -> None:
         self.phases, self.fail = dict(phases), fail
+        self.attempts = dict.fromkeys(phases, 1)
+        self.uids = {n: f"uid-{n}" for n in phases}  # the Node's uid; None: the Node is deleted
+        self.owners = dict(self.uids)  # the uid the node's ProxyNode is owned by; None: no ProxyNode
         self.lock = threading.Lock()
 
-    def set(self, node: str, phase: str) -> None:
+    def set(self, node: str, phase: str, attempt: int = 1) -> None:
         with self.lock:
-            self.phases[node] = phase
+            self.phases[node], self.attempts[node] = phase, attempt
+
+    def delete(self, node: str, *, keep_proxynode: bool = False) -> None:
+        """The Node deleted; its ProxyNode with it, unless the garbage collector has not got to it yet."""
+        with self.lock:
+            self.uids[node] = None
+            if not keep_proxynode:
+                self.owners[node] = None
+
+    def register(self, node: str, uid: str, phase: str = "Pending", attempt: int = 0) -> None:
+        """The Node registered again (a new uid) and its new ProxyNode created."""
+        with self.lock:
+            self.uids[node] = self.owners[node] = uid
+            self.phases[node], self.attempts[node] = phase, attempt
 
     def get(self, path: str, timeout: float = 0) -> dict[str, Any]:
         if self.fail:
             raise OSError("connection refused")
         with self.lock:
             if path.endswith("/proxynodes"):
-                return {"items": [{"metadata": {"name": n},
-                                   "spec": {"migration": {"phase": p, "attempt": 1, "toRevision": "r1",
-                                                          "startedAt": "2026-12-02T00:00:00Z"}}}
-                                  for n, p in self.phases.items()]}
-            return {"items": [{"metadata": {"name": n, "uid": f"uid-{n}", "labels": {}}} for n in self.phases]}
+                return {"items": [{"metadata": {"name": n, "ownerReferences": [{"kind": "Node", "uid": owner}]},
+                                   "spec": {"migration": {"phase": self.phases[n], "attempt": self.attempts[n],
+                                                          "toRevision": "r1", "startedAt": "2026-12-02T00:00:00Z"}}}
+                                  for n, owner in self.owners.items() if owner is not None]}
+            return {"items": [{"metadata": {"name": n, "uid": uid, "labels": {}}}
+                              for n, uid in self.uids.items() if uid is not None]}
 
 
 def _until(predicate: Any, timeout: float = 5.0) -> None:
@@ -105,3 +124,58 @@ def test_a_fault_that_cannot_be_injected_fails_the_run() -> None:
     _until(lambda: injector.errors)
     with pytest.raises(RuntimeError, match="no such process"):
         injector.stop()
+
+
+def _steps(injector: StepInjector, node: str) -> list[tuple[int, str]]:
+    return [(seen.attempt, seen.step) for seen in injector.history.timeline[node]]
+
+
+def test_the_timeline_records_each_change_with_the_looks_around_it() -> None:
+    kube = ScriptedKube({"n1": "Pending"})
+    injector = StepInjector(kube, ["n1"], None)
+    before = time.time()
+    injector._observe()
+    kube.set("n1", "Switch")
+    injector._observe()
+    injector._observe()  # no change: nothing recorded
+    kube.set("n1", "Switch", attempt=2)
+    injector._observe()
+    after = time.time()
+    timeline = injector.history.timeline["n1"]
+    assert _steps(injector, "n1") == [(1, "Pending"), (1, "Switch"), (2, "Switch")]
+    assert timeline[0].since is None
+    for earlier, later in itertools.pairwise(timeline):
+        # Entered after the previous look began and seen by the end of the look that recorded it.
+        assert earlier.at <= later.at and later.since is not None and before <= later.since <= later.at <= after
+    assert injector.history.phases["n1"] == [(1, "Pending"), (1, "Switch"), (2, "Switch")]
+
+
+def test_a_deleted_node_is_deleted_until_its_new_node_switches() -> None:
+    kube = ScriptedKube({"n1": "Gate", "n2": "Pending"})
+    injector = StepInjector(kube, ["n1", "n2"], None)
+    injector._observe()
+    kube.delete("n1", keep_proxynode=True)  # the old ProxyNode still there: it is not the (absent) Node's
+    injector._observe()
+    kube.delete("n1")
+    injector._observe()
+    kube.register("n1", "uid-n1-again")
+    injector._observe()
+    kube.set("n1", "Preflight")
+    injector._observe()
+    kube.set("n1", "Cordon")
+    injector._observe()
+    kube.set("n1", "Switch")
+    injector._observe()
+    kube.set("n1", "Done")
+    injector._observe()
+    assert _steps(injector, "n1") == [(1, "Gate"), (0, DELETED), (1, "Switch"), (1, "Done")]
+    assert _steps(injector, "n2") == [(1, "Pending")]
+    # The ProxyNode phases stay what the ProxyNodes said.
+    assert injector.history.phases["n1"] == [(1, "Gate"), (0, "Pending"), (1, "Preflight"), (1, "Cordon"),
+                                             (1, "Switch"), (1, "Done")]
+    # A new ProxyNode not yet owned by the new Node: still deleted.
+    kube.register("n2", "uid-n2-again")
+    with kube.lock:
+        kube.owners["n2"] = "uid-n2"
+    injector._observe()
+    assert _steps(injector, "n2") == [(1, "Pending"), (0, DELETED)]
