@@ -486,8 +486,6 @@ def check_end_state(h: Harness, name: str, history: History, tcp_probe: Callable
             "phases": dict(history.phases)}
 
 
-
-
 def loss_facts(history: History, failures: dict[str, list[tuple[float, str]]], pool: Iterable[str],
                budget: Budget | None, *, probe_timeout: float, with_timeline: bool = True) -> dict[str, Any]:
     """Every failed connection charged to its node's step (loss_budget.attribute), for the report row:
