@@ -251,3 +251,22 @@ def test_pip_install_without_extras_holds_no_test_bed_and_both_commands_answer(p
         helped = call([str(venv / "bin" / "proxyshift"), command, "--help"], timeout=120)
         assert helped.returncode == 0, helped.stderr[-3000:]
         assert helped.stdout.startswith(f"usage: proxyshift {command} "), helped.stdout[:300]
+
+
+def test_the_test_beds_wheel_holds_every_module_of_it(tmp_path: Path) -> None:
+    """`pip install ./localcluster` (not only the editable install of `make venv`) brings the whole test bed,
+    its subpackages (nodesim/) and the guest's scripts too. Built from a copy: an in-tree build leaves a
+    build/ folder inside the package's own folder."""
+    source = tmp_path / "localcluster"
+    shutil.copytree(LOCALCLUSTER, source,
+                    ignore=shutil.ignore_patterns("build", "bin", "__pycache__", "*.egg-info", "cmd"))
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "--disable-pip-version-check", "-w", str(tmp_path / "wheel"), str(source)],
+                           capture_output=True, text=True, timeout=300, check=False)
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = (tmp_path / "wheel").glob("proxyshift_localcluster-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    wanted = {f"localcluster/{p.relative_to(LOCALCLUSTER).as_posix()}" for pattern in ("*.py", "*.sh", "pins.env")
+              for p in LOCALCLUSTER.rglob(pattern) if "build" not in p.relative_to(LOCALCLUSTER).parts[:-1]}
+    assert "localcluster/nodesim/simulator.py" in wanted
+    assert sorted(wanted - names) == []
