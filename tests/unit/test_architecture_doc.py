@@ -3,6 +3,7 @@ matches)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,43 @@ def test_the_readme_layout_names_every_folder() -> None:
     missing += [f"{rel}/" for rel in nested if f"{rel.rsplit('/', 1)[-1]}/" not in text]
     assert {".ci/", "operator/", "tests/unit/", "tests/support/"} <= set(wanted)
     assert missing == [], f"README.md's Layout does not name {missing}"
+
+
+TOP_FOLDERS = ("operator", "localcluster", "tests", "docs", "config", "charts", "bench", "hack", "crds",
+               "requirements", ".ci")
+FOLDERS = "|".join(re.escape(f) for f in TOP_FOLDERS)
+DOC_PATH = re.compile(rf"`((?:{FOLDERS})/[^`\s]*)`")
+
+
+def path_patterns(text: str) -> list[str]:
+    """The repository paths the text names in backticks, as globs: `{a,b}` expanded, `<name>` any name."""
+    found = []
+    for raw in DOC_PATH.findall(text):
+        pattern = re.sub(r"<[^>]*>", "*", raw.rstrip("/.,:;"))
+        expanded = [pattern]
+        while any("{" in p for p in expanded):
+            nxt = []
+            for p in expanded:
+                if "{" not in p:
+                    nxt.append(p)
+                    continue
+                head, rest = p.split("{", 1)
+                inner, tail = rest.split("}", 1)
+                nxt += [f"{head}{part}{tail}" for part in inner.split(",")]
+            expanded = nxt
+        found += expanded
+    return found
+
+
+def test_path_patterns_expand_braces_and_placeholders() -> None:
+    text = "see `tests/{unit,e2e}/x_{a,b}.py`, `localcluster/nodes/<node>/` and `operator/proxyshift`."
+    assert path_patterns(text) == ["tests/unit/x_a.py", "tests/unit/x_b.py", "tests/e2e/x_a.py", "tests/e2e/x_b.py",
+                                   "localcluster/nodes/*", "operator/proxyshift"]
+
+
+@pytest.mark.parametrize("doc", ["README.md", *sorted(p.name for p in (REPO / "docs").glob("*.md"))])
+def test_every_repository_path_a_doc_names_exists(doc: str) -> None:
+    """Docs follow the moves (issue 17): a path into this repository that a page names is there."""
+    path = REPO / doc if doc == "README.md" else REPO / "docs" / doc
+    missing = [p for p in path_patterns(path.read_text()) if not any(REPO.glob(p)) and not (REPO / p).exists()]
+    assert missing == [], f"{doc} names {missing}, which the repository does not hold"
