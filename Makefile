@@ -34,7 +34,7 @@ lock: venv ## regenerate requirements.lock and requirements/dev.lock from pyproj
 	$(VENV)/bin/uv pip compile pyproject.toml requirements/venv.in --extra dev -c requirements.lock \
 	    $(LOCK_FLAGS) -o requirements/dev.lock
 
-lint: $(PY) ## ruff over the whole tree, mypy over the whole package (strict on api, planner, render)
+lint: $(PY) ## ruff over the whole tree, mypy over the package and the test bed (strict on api, modes, planner, render)
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m mypy
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -209,7 +210,8 @@ def test_pending_request_is_served_once_per_id() -> None:
 
 def test_answer_patch_carries_the_id_and_every_service() -> None:
     node = FakeNode({"conntrack": CONNTRACK_TCP})
-    patch = diag.answer_patch(DiagnoseRequest(id="d2", services=[SVC12]).to_k8s(), "nftables", node.readers)
+    patch = diag.answer_patch(DiagnoseRequest(id="d2", services=[SVC12]).to_k8s(), "nftables",
+                              partial(diag.serve, readers=node.readers))
     assert patch["diagnostics"]["id"] == "d2" and patch["diagnostics"]["mode"] == "nftables"
     assert patch["diagnostics"]["services"][0]["service"] == "ns2/svc12"
 
@@ -224,7 +226,8 @@ def test_one_request_runs_each_tool_once_and_the_next_request_again() -> None:
 
 def test_a_recorded_request_goes_to_the_distribution_and_counts_as_answered() -> None:
     request = DiagnoseRequest(id="n1-before", record="before", services=[SVC12]).to_k8s()
-    patch = diag.answer_patch(request, "iptables", FakeNode({"iptables-save": "", "conntrack": ""}).readers)
+    readers = FakeNode({"iptables-save": "", "conntrack": ""}).readers
+    patch = diag.answer_patch(request, "iptables", partial(diag.serve, readers=readers))
     assert set(patch) == {"distribution"} and patch["distribution"]["before"]["id"] == "n1-before"
     assert diag.pending_request({"spec": {"diagnose": request}, "status": patch}, None) is None
 
@@ -254,8 +257,8 @@ def test_the_agent_answers_spec_diagnose_once_beside_its_operations() -> None:
     obj = {"metadata": {"name": "n1"}, "spec": {"diagnose": {"id": "d1", "services": [SVC12.to_k8s()]}}}
     api = StatusAPI(obj)
     node = FakeNode({"iptables-save": with_counters(KUBE_PROXY_SAVE, {"198.18.16.26:8080": 4}), "conntrack": ""})
-    agent = Agent(AgentConfig(node="n1"), api, FakeAgentNode(facts=KubeProxyFacts(proxy_mode="iptables")),
-                  diagnostics_readers=node.readers)
+    agent = Agent(AgentConfig(node="n1"), api,
+                  FakeAgentNode(facts=KubeProxyFacts(proxy_mode="iptables"), readers=node.readers))
     agent.handle(obj)
     agent.handle(api.obj)  # the same id again (the watch echoes our own write): no second answer
     answers = [p["diagnostics"] for p in api.patches if "diagnostics" in p]

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from proxyshift.agent import diagnostics as diag
 from proxyshift.agent.flush.base import FlushReport, FlushStep
 from proxyshift.agent.hold import HoldReport
 from proxyshift.agent.inventory import ChainInventory, Inventory
@@ -100,8 +101,10 @@ class FakeHold:
 class FakeNode:
     """The node behind the agent's NodeEffects protocol, from memory: records flushes, answers the rest."""
 
-    def __init__(self, *, inventory=CLEAN, facts=FACTS, flush_calls=None, preflight=None, hold=None, checks=None):
+    def __init__(self, *, inventory=CLEAN, facts=FACTS, flush_calls=None, preflight=None, hold=None, checks=None,
+                 readers=None):
         self.facts, self.inventory_now = facts, inventory
+        self.readers = readers  # diagnose: the node's tools as text (diagnostics.Readers), None for the real ones
         self.flush_calls = flush_calls if flush_calls is not None else []
         self.preflight_fn = preflight
         self.held = hold if hold is not None else FakeHold()
@@ -145,6 +148,9 @@ class FakeNode:
     def conntrack(self, params):
         assert self.checks is not None, "this test gave the fake node no conntrack checks"
         return self.checks.conntrack(params)
+
+    def diagnose(self, request, mode):
+        return diag.serve(request, mode, self.readers)
 
 
 def make_agent(api, *, inventory=CLEAN, facts=FACTS, flush_calls=None, preflight=None, hold=None):
@@ -777,9 +783,7 @@ def _diagnose_request(request_id: str, record: str | None = "before") -> dict[st
 def _with_diagnose(agent: Agent, tools: FakeDiagnoseTools) -> Agent:
     from pathlib import Path
 
-    from proxyshift.agent import diagnostics as diag
-
-    agent.diagnostics_readers = diag.Readers(runner=tools, proc_root=Path("/nonexistent"))
+    agent.effects.readers = diag.Readers(runner=tools, proc_root=Path("/nonexistent"))
     return agent
 
 

@@ -36,6 +36,12 @@ def mutable_module_state(path: Path) -> list[str]:
     return found
 
 
+def rebound_globals(path: Path) -> list[str]:
+    """Module names a function rebinds (`global x`): module state even when the first value is None."""
+    return [f"{path.name}:{node.lineno} {name}" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Global) for name in node.names]
+
+
 def test_every_controller_module_is_in_the_architecture_doc() -> None:
     doc = (ROOT / "docs" / "architecture.md").read_text()
     missing = [p.name for p in modules() if f"controller/{p.name}" not in doc and f"`{p.name}`" not in doc]
@@ -44,6 +50,16 @@ def test_every_controller_module_is_in_the_architecture_doc() -> None:
 
 def test_no_controller_module_keeps_mutable_state_at_module_level() -> None:
     assert [found for p in modules() for found in mutable_module_state(p)] == []
+
+
+def test_no_controller_function_rebinds_a_module_name() -> None:
+    assert [found for p in modules() for found in rebound_globals(p)] == []
+
+
+def test_the_check_sees_a_rebound_module_name(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text("_runtime = None\n\ndef start():\n    global _runtime\n    _runtime = object()\n")
+    assert rebound_globals(sample) == ["sample.py:4 _runtime"]
 
 
 def test_the_check_sees_module_level_containers(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import os
 from typing import Any
 
 import kopf
@@ -16,7 +17,15 @@ from kubernetes.client.exceptions import ApiException
 from prometheus_client import REGISTRY
 
 from proxyshift.controller import handlers
-from proxyshift.controller.runtime import MEMO_KEY, MEMO_KUBE_CONTEXT, OperatorRuntime, runtime_of
+from proxyshift.controller.runtime import (
+    MEMO_KEY,
+    MEMO_KUBE_CONTEXT,
+    MEMO_PEERING,
+    OperatorRuntime,
+    kube_context_of,
+    peering_of,
+    runtime_of,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -62,8 +71,7 @@ def test_configure_sets_kopf_up_and_puts_the_runtime_in_the_memo(monkeypatch: py
     contexts: list[str | None] = []
     monkeypatch.setattr(handlers.login_to, "load_client_config", contexts.append)
     monkeypatch.setattr(handlers.ClusterAPI, "unserved_resources", lambda self, with_peering: [])
-    monkeypatch.delenv("PROXYSHIFT_PEERING_ACTIVE", raising=False)
-    settings, memo = kopf.OperatorSettings(), kopf.Memo({MEMO_KUBE_CONTEXT: "staging"})
+    settings, memo = kopf.OperatorSettings(), kopf.Memo({MEMO_KUBE_CONTEXT: "staging", MEMO_PEERING: None})
     settings.peering.clusterwide = False  # what kopf.operator(namespaces=[...]) sets before the startup
 
     handlers.configure(settings=settings, memo=memo)
@@ -80,9 +88,28 @@ def test_configure_sets_kopf_up_and_puts_the_runtime_in_the_memo(monkeypatch: py
     assert runtime_of(copy.copy(memo)) is memo[MEMO_KEY]
 
 
+@pytest.mark.parametrize(("argv", "peering"), [(["--peering", "ring"], "ring"), (["--standalone"], None)])
+def test_main_hands_the_context_and_the_peering_to_the_handlers_in_the_memo(
+        monkeypatch: pytest.MonkeyPatch, argv: list[str], peering: str | None) -> None:
+    """Through kopf's memo, not the process environment: nothing the handlers read is process-wide."""
+    from proxyshift.controller import main as operator_main
+
+    started: dict[str, Any] = {}
+
+    async def operator(**kwargs: Any) -> None:
+        started.update(kwargs)
+
+    monkeypatch.setattr(operator_main.kopf, "operator", operator)
+    before = dict(os.environ)
+    assert operator_main.main(["--context", "staging", "--metrics-port", "0", *argv]) == 0
+    memo = started["memo"]
+    assert kube_context_of(memo) == "staging" and peering_of(memo) == peering
+    assert started["standalone"] is (peering is None)
+    assert dict(os.environ) == before
+
+
 def test_configure_waits_for_the_crds_it_cannot_notice_later(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(handlers.login_to, "load_client_config", lambda _: None)
-    monkeypatch.setenv("PROXYSHIFT_PEERING_ACTIVE", "proxyshift")
     asked: list[bool] = []
 
     def unserved(_: Any, with_peering: bool) -> list[str]:
@@ -90,7 +117,7 @@ def test_configure_waits_for_the_crds_it_cannot_notice_later(monkeypatch: pytest
         return ["proxypolicies.proxyshift.io/v1alpha1"]
 
     monkeypatch.setattr(handlers.ClusterAPI, "unserved_resources", unserved)
-    memo = kopf.Memo({MEMO_KUBE_CONTEXT: None})
+    memo = kopf.Memo({MEMO_KUBE_CONTEXT: None, MEMO_PEERING: "proxyshift"})
     with pytest.raises(kopf.TemporaryError, match=r"does not serve proxypolicies\.proxyshift\.io/v1alpha1"):
         handlers.configure(settings=kopf.OperatorSettings(), memo=memo)
     assert asked == [True]

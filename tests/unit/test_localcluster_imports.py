@@ -9,6 +9,9 @@ without it and without the test bed's own dependency, cryptography.
 from __future__ import annotations
 
 import ast
+import json
+import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -168,14 +171,102 @@ def test_every_product_module_imports_without_the_test_bed_or_cryptography() -> 
     assert int(done.stdout.strip().splitlines()[-1]) > 50
 
 
-def test_the_product_wheel_holds_only_the_operator_and_agent(tmp_path: Path) -> None:
-    """What the image installs (`pip install /src`): proxyshift and its metadata, no test bed."""
+@pytest.fixture(scope="module")
+def product_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The product's wheel, built as the image's `pip install /src` builds it (no deps, setuptools)."""
+    out = tmp_path_factory.mktemp("wheel")
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "--disable-pip-version-check", "-w", str(tmp_path), str(REPO)],
+                            "--disable-pip-version-check", "-w", str(out), str(REPO)],
                            capture_output=True, text=True, timeout=300, check=False)
     assert built.returncode == 0, built.stderr[-3000:]
-    (wheel,) = tmp_path.glob("proxyshift-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
-    assert {n.split("/")[0] for n in names} == {"proxyshift", f"{wheel.name.split('-py3')[0]}.dist-info"}
+    (wheel,) = out.glob("proxyshift-*.whl")
+    return wheel
+
+
+def test_the_product_wheel_holds_only_the_operator_and_agent(product_wheel: Path) -> None:
+    """What the image installs (`pip install /src`): proxyshift and its metadata, no test bed."""
+    names = zipfile.ZipFile(product_wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"proxyshift", f"{product_wheel.name.split('-py3')[0]}.dist-info"}
     assert "proxyshift/agent/loop.py" in names and "proxyshift/controller/main.py" in names
     assert [n for n in names if "localcluster" in n or n.endswith(".sh")] == []
+
+
+def runtime_requirements(wheel: Path) -> list[str]:
+    """The wheel's Requires-Dist lines without an extra: what `pip install proxyshift` (no extras) pulls in."""
+    with zipfile.ZipFile(wheel) as whl:
+        (metadata,) = [n for n in whl.namelist() if n.endswith(".dist-info/METADATA")]
+        lines = whl.read(metadata).decode().splitlines()
+    return [line.split(":", 1)[1].strip() for line in lines
+            if line.startswith("Requires-Dist:") and "extra ==" not in line]
+
+
+def uv() -> str:
+    """The venv's uv (requirements/venv.in pins it into .venv), else one on PATH."""
+    beside = Path(sys.executable).with_name("uv")
+    found = str(beside) if beside.exists() else shutil.which("uv")
+    if found is None:
+        pytest.fail("no uv beside the test interpreter or on PATH: `make venv` installs it")
+    return found
+
+
+def test_pip_install_without_extras_holds_no_test_bed_and_both_commands_answer(product_wheel: Path,
+                                                                               tmp_path: Path) -> None:
+    """The issue's check, offline: a fresh venv (no system site-packages), the product wheel installed with
+    its dependencies resolved as `pip install .` resolves them (no extras), then the two commands the image
+    runs. uv instead of pip because uv resolves from the cache `make venv` filled (`--offline`: no index is
+    asked), where pip would need the network or a folder of wheels; the resolution is the same (the wheel's
+    Requires-Dist)."""
+    requirements = runtime_requirements(product_wheel)
+    assert any(r.startswith("kopf") for r in requirements), requirements
+    assert [r for r in requirements if "cryptography" in r or "localcluster" in r] == []
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    venv = tmp_path / "venv"
+    python = venv / "bin" / "python"
+
+    def call(argv: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        # cwd outside the checkout: the repository's own localcluster/ folder must not be importable by accident
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=env,
+                              check=False)
+
+    made = call([uv(), "venv", "--quiet", "--no-project", "--python", sys.executable, str(venv)], timeout=120)
+    assert made.returncode == 0, made.stderr[-3000:]
+    assert "include-system-site-packages = false" in (venv / "pyvenv.cfg").read_text()
+    installed = call([uv(), "pip", "install", "--offline", "--quiet", "--python", str(python), str(product_wheel)])
+    assert installed.returncode == 0, (
+        "uv could not install the wheel's dependencies from its cache offline (`make venv` fills it):\n"
+        + installed.stderr[-3000:])
+    checked = call([uv(), "pip", "check", "--python", str(python)], timeout=120)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    listed = call([uv(), "pip", "list", "--format", "json", "--python", str(python)], timeout=120)
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    names = {d["name"].lower() for d in json.loads(listed.stdout)}
+    assert {"proxyshift", "kopf", "kubernetes", "pydantic"} <= names, names
+    assert names & {"cryptography", "proxyshift-localcluster", "pytest", "hypothesis", "mypy"} == set(), names
+
+    for absent in ("localcluster", "cryptography"):
+        imported = call([str(python), "-c", f"import {absent}"], timeout=60)
+        assert imported.returncode != 0 and "ModuleNotFoundError" in imported.stderr, (absent, imported.stderr)
+    for command in ("operator", "agent"):
+        helped = call([str(venv / "bin" / "proxyshift"), command, "--help"], timeout=120)
+        assert helped.returncode == 0, helped.stderr[-3000:]
+        assert helped.stdout.startswith(f"usage: proxyshift {command} "), helped.stdout[:300]
+
+
+def test_the_test_beds_wheel_holds_every_module_of_it(tmp_path: Path) -> None:
+    """`pip install ./localcluster` (not only the editable install of `make venv`) brings the whole test bed,
+    its subpackages (nodesim/) and the guest's scripts too. Built from a copy: an in-tree build leaves a
+    build/ folder inside the package's own folder."""
+    source = tmp_path / "localcluster"
+    shutil.copytree(LOCALCLUSTER, source,
+                    ignore=shutil.ignore_patterns("build", "bin", "__pycache__", "*.egg-info", "cmd"))
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "--disable-pip-version-check", "-w", str(tmp_path / "wheel"), str(source)],
+                           capture_output=True, text=True, timeout=300, check=False)
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = (tmp_path / "wheel").glob("proxyshift_localcluster-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    wanted = {f"localcluster/{p.relative_to(LOCALCLUSTER).as_posix()}" for pattern in ("*.py", "*.sh", "pins.env")
+              for p in LOCALCLUSTER.rglob(pattern) if "build" not in p.relative_to(LOCALCLUSTER).parts[:-1]}
+    assert "localcluster/nodesim/simulator.py" in wanted
+    assert sorted(wanted - names) == []

@@ -506,11 +506,13 @@ def pending_request(obj: dict[str, Any], answered: str | None) -> dict[str, Any]
     return None if body["id"] in done else body
 
 
-def answer_patch(body: dict[str, Any], mode: str | None, readers: Readers | None = None) -> dict[str, Any]:
-    """The status patch answering a request; a bad request is answered with its error rather than ignored."""
+def answer_patch(body: dict[str, Any], mode: str | None,
+                 read: Callable[[DiagnoseRequest, str | None], NodeDiagnostics] = serve) -> dict[str, Any]:
+    """The status patch answering a request, its counters from `read` (the agent's NodeEffects.diagnose);
+    a bad request is answered with its error rather than ignored."""
     record = body.get("record") if body.get("record") in ("before", "after") else None
     try:
-        answer = serve(DiagnoseRequest.model_validate(body), mode, readers)
+        answer = read(DiagnoseRequest.model_validate(body), mode)
     except Exception as exc:  # an answer must come, whatever the request or the node says
         answer = NodeDiagnostics(id=str(body.get("id"))[:253], mode=mode,
                                  error=f"{exc.__class__.__name__}: {exc}"[:400])

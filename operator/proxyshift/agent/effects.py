@@ -15,6 +15,7 @@ from typing import Protocol
 
 from proxyshift.agent import behaviour as behaviour_mod
 from proxyshift.agent import conntrack as conntrack_mod
+from proxyshift.agent import diagnostics as diagnostics_mod
 from proxyshift.agent import flush as flush_mod
 from proxyshift.agent import hold as hold_mod
 from proxyshift.agent import inventory as inventory_mod
@@ -22,6 +23,7 @@ from proxyshift.agent import preflight as preflight_mod
 from proxyshift.agent import probe as probe_mod
 from proxyshift.agent.preflight import PreflightReport
 from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams, ConntrackParams, ConntrackReport
+from proxyshift.api.diagnostics import DiagnoseRequest, NodeDiagnostics
 from proxyshift.api.proxynode import KubeProxyFacts
 from proxyshift.commands import CommandError, run
 
@@ -68,6 +70,10 @@ class NodeEffects(Protocol):
 
     def conntrack(self, params: ConntrackParams) -> ConntrackReport:
         """Delete un-NATed conntrack entries to Service destinations left from the switch's gap."""
+        ...
+
+    def diagnose(self, request: DiagnoseRequest, mode: str | None) -> NodeDiagnostics:
+        """Read the kernel's counters for the Services of a spec.diagnose request now (read-only)."""
         ...
 
 
@@ -118,3 +124,6 @@ class KernelNodeEffects:
         except (CommandError, ValueError) as exc:
             return ConntrackReport(error=f"the node's addresses could not be read: {exc}"[:300])
         return conntrack_mod.clean_unnated(params, local)
+
+    def diagnose(self, request: DiagnoseRequest, mode: str | None) -> NodeDiagnostics:
+        return diagnostics_mod.serve(request, mode)

@@ -227,8 +227,7 @@ class Agent:
     node_seen: bool = False
     # An operation result the API server did not take yet: retried before anything else.
     _unsent: dict[str, Any] | None = None
-    # spec.diagnose (proxyshift diagnose): the node's tools as a seam, and the last id answered.
-    diagnostics_readers: diagnostics_mod.Readers | None = None
+    # spec.diagnose (proxyshift diagnose): the last id answered.
     _diagnosed: str | None = None
     # What /healthz, /readyz and the heartbeat age read (agent/metrics.py); on the agent's clock.
     health: metrics_mod.Health = field(init=False, repr=False)
@@ -400,7 +399,7 @@ class Agent:
         began = self.clock()
         facts = self._probe()
         mode = facts.proxy_mode if facts.proxy_mode in MODES else None
-        patch = diagnostics_mod.answer_patch(body, mode, self.diagnostics_readers)
+        patch = diagnostics_mod.answer_patch(body, mode, self.effects.diagnose)
         log.info("diagnose %s answered in %.3f s (%s mode)", body["id"], self.clock() - began, mode or "no")
         return patch
 

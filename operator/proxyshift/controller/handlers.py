@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import random
 from typing import Any
 
@@ -24,7 +23,7 @@ from proxyshift.controller import login as login_to
 from proxyshift.controller.deletion import finish_deletion
 from proxyshift.controller.kube import ClusterAPI
 from proxyshift.controller.reconcile import Indexes, rollout_loop
-from proxyshift.controller.runtime import MEMO_KEY, OperatorRuntime, kube_context_of, runtime_of
+from proxyshift.controller.runtime import MEMO_KEY, OperatorRuntime, kube_context_of, peering_of, runtime_of
 from proxyshift.controller.settings import CONFIG, FINALIZER
 from proxyshift.controller.snapshot import baseline_mode, revision_view
 from proxyshift.planner import world as w
@@ -66,7 +65,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.peering.clusterwide = True
     login_to.load_client_config(kube_context_of(memo))
     api = ClusterAPI()
-    peering = os.environ.get("PROXYSHIFT_PEERING_ACTIVE")
+    peering = peering_of(memo)
     missing = api.unserved_resources(with_peering=bool(peering))
     if missing:
         # kopf retries the startup; without scanning, a CRD created after the start would go unserved.

@@ -53,14 +53,12 @@ def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig
-    if not args.standalone:
-        os.environ["PROXYSHIFT_PEERING_ACTIVE"] = args.peering
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.metrics_port:
         start_http_server(args.metrics_port)
     from proxyshift.controller import handlers  # noqa: F401  (importing it registers the handlers with kopf)
-    from proxyshift.controller.runtime import MEMO_KUBE_CONTEXT
+    from proxyshift.controller.runtime import MEMO_KUBE_CONTEXT, MEMO_PEERING
 
     asyncio.run(kopf.operator(
         # The namespaced kinds kopf watches (the baseline and revision ConfigMaps and DaemonSets) live in
@@ -72,7 +70,8 @@ def main(argv: Sequence[str]) -> int:
         standalone=args.standalone,
         peering_name=None if args.standalone else args.peering,
         liveness_endpoint=args.liveness or None,
-        # The login and start-up handlers read the context here; the startup handler adds the runtime.
-        memo=kopf.Memo({MEMO_KUBE_CONTEXT: args.context}),
+        # The login and start-up handlers read the context and the peering here; the startup handler adds
+        # the runtime.
+        memo=kopf.Memo({MEMO_KUBE_CONTEXT: args.context, MEMO_PEERING: None if args.standalone else args.peering}),
     ))
     return 0

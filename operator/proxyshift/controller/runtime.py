@@ -28,6 +28,8 @@ log = logging.getLogger("proxyshift.operator")
 MEMO_KEY = "runtime"
 # `proxyshift operator --context`, put in the operator memo by main.py (None: the kubeconfig's current one).
 MEMO_KUBE_CONTEXT = "kube_context"
+# `proxyshift operator --peering`, put in the memo by main.py; None with --standalone (no peering).
+MEMO_PEERING = "peering"
 
 
 @dataclass
@@ -102,3 +104,9 @@ def runtime_of(memo: Mapping[str, Any]) -> OperatorRuntime:
 def kube_context_of(memo: Mapping[str, Any]) -> str | None:
     context = memo.get(MEMO_KUBE_CONTEXT)
     return str(context) if context else None
+
+
+def peering_of(memo: Mapping[str, Any]) -> str | None:
+    """The ClusterKopfPeering's name the operator takes part in, None when it runs standalone."""
+    peering = memo.get(MEMO_PEERING)
+    return str(peering) if peering else None

@@ -22,7 +22,7 @@ from proxyshift.api.diagnostics import NodeDistribution
 from proxyshift.controller.cliargs import add_cluster_flags, add_output_flag, cluster_errors, load_api
 from proxyshift.manifest import UsageError
 from proxyshift.planner.diagnosis import distribution_lines
-from proxyshift.planner.reports import EXIT_NOT_READY, EXIT_OK, StatusReport, dump, status_report
+from proxyshift.planner.reports import EXIT_NOT_READY, EXIT_OK, FAILED_PHASES, StatusReport, dump, status_report
 from proxyshift.planner.services import EndpointView, ServiceView, endpoints_from_slice, service_view_from_k8s
 
 TERMINAL_PHASES = frozenset({"Ready", "Degraded"})
@@ -78,7 +78,7 @@ def render_policy(policy: dict[str, Any], proxynodes: list[dict[str, Any]], now:
         for node in sorted(owned, key=lambda n: n["metadata"]["name"]):
             spec, nst = node.get("spec") or {}, node.get("status") or {}
             mig = spec.get("migration") or {}
-            error = mig.get("message") if mig.get("phase") in ("Failed", "RollingBack", "RolledBack") else ""
+            error = mig.get("message") if mig.get("phase") in FAILED_PHASES else ""
             rows.append([
                 node["metadata"]["name"], mig.get("phase", "Pending"), nst.get("observedMode") or "?",
                 spec.get("mode") or "baseline", age(mig.get("phaseSince"), now),

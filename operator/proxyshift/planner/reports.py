@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from proxyshift.api.common import GROUP_VERSION, Condition, KubeModel
 from proxyshift.api.policy import NodeCounts, NodeFailure, ProxyPolicy, ProxyPolicyStatus
+from proxyshift.api.proxynode import Phase
 from proxyshift.planner.compat import CompatFinding
 from proxyshift.planner.preview import CompatGroup, PreviewStage, foreign_ipvs_nodes
 from proxyshift.planner.world import World
@@ -32,7 +33,8 @@ EXIT_OK = 0  # done, healthy, or every node passes
 EXIT_NOT_READY = 1  # not ready yet, degraded, or some node will fail preflight
 EXIT_USAGE = 2  # bad flags, bad input file, unknown name, a cluster that cannot be used
 
-FAILED_PHASES = ("Failed", "RollingBack", "RolledBack")
+# The node phases whose migration message is an error (the LAST ERROR column of `proxyshift status`).
+FAILED_PHASES: tuple[Phase, ...] = ("Failed", "RollingBack", "RolledBack")
 MAX_REPORTED_CONFLICTS = 20
 NO_INVENTORY = "no inventory yet"
 
