@@ -108,7 +108,7 @@ def test_leaving_ipvs() -> None:
 
 def test_entering_ipvs() -> None:
     found = by_change(compatibility("iptables", None, "ipvs", config("ipvs"), SERVICES, ENDPOINTS))
-    assert set(found) == {"LocalhostNodePorts", "SessionAffinity", "StrictARP"}
+    assert set(found) == {"LocalhostNodePorts", "SessionAffinity", "StrictARP", "ForeignIPVSFlush"}
     assert found["StrictARP"].services == ("metallb/ingress",) and not found["StrictARP"].preserved
     assert found["LocalhostNodePorts"].preserving is None
     strict = by_change(compatibility("iptables", None, "ipvs", config("ipvs", ipvs={"strictARP": True}), SERVICES,

@@ -247,11 +247,14 @@ def test_plan_with_the_acceptance_says_accepted_and_what_the_switch_deletes():
 
 
 def test_plan_for_iptables_or_ipvs_does_not_list_them():
+    # Not in the nftables list; a move to ipvs names them per node (test_ipvs_prunes_foreign.py), iptables not.
     for mode in ("iptables", "ipvs"):
         p = policy(mode=mode)
         wld = _with_inventory(p, {"n1": ForeignIPVS(count=1, virtual_servers=["TCP 198.18.5.1:80 rr"])})
         assert foreign_ipvs_nodes(wld, "blue") == []
-        assert "foreign IPVS" not in plan_view.render_preview(p, wld)
+        text = plan_view.render_preview(p, wld)
+        assert "foreign IPVS" not in text
+        assert ("1 IPVS virtual server that is not kube-proxy's" in text) is (mode == "ipvs")
 
 
 def test_plan_json_lists_them_and_counts_a_refused_node_as_a_preflight_failure():

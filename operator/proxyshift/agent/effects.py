@@ -44,7 +44,8 @@ class NodeEffects(Protocol):
         ...
 
     def preflight(self, mode: str, scheduler: str | None = None, *, load_modules: bool = False,
-                  extra_modules: Sequence[str] = (), allow_changes: Sequence[str] = ()) -> PreflightReport:
+                  extra_modules: Sequence[str] = (), allow_changes: Sequence[str] = (),
+                  ipvs_exclude_cidrs: Sequence[str] | None = None) -> PreflightReport:
         """Whether the kernel and tools can run `mode`; also the node's kernel release, modules and tools."""
         ...
 
@@ -97,10 +98,12 @@ class KernelNodeEffects:
         return flush_mod.flush(remove, target, proc_root=self.proc_root)
 
     def preflight(self, mode: str, scheduler: str | None = None, *, load_modules: bool = False,
-                  extra_modules: Sequence[str] = (), allow_changes: Sequence[str] = ()) -> PreflightReport:
+                  extra_modules: Sequence[str] = (), allow_changes: Sequence[str] = (),
+                  ipvs_exclude_cidrs: Sequence[str] | None = None) -> PreflightReport:
         return preflight_mod.check(mode, scheduler, proc_root=self.proc_root, sys_root=self.sys_root,
                                    modules_root=self.modules_root, load_modules=load_modules,
-                                   extra_modules=extra_modules, allow_changes=allow_changes)
+                                   extra_modules=extra_modules, allow_changes=allow_changes,
+                                   ipvs_exclude_cidrs=ipvs_exclude_cidrs)
 
     def connect(self, targets: list[str]) -> dict[str, bool | str]:
         return probe_mod.tcp_connect(targets)

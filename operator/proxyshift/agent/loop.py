@@ -436,12 +436,14 @@ class Agent:
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="behaviour-before") as pool:
             pending = pool.submit(self._take_behaviour, op, behaviour) if behaviour is not None else None
             report = self.effects.preflight(p.mode, p.scheduler or None, load_modules=p.load_modules,
-                                            extra_modules=p.extra_modules, allow_changes=p.allow_changes)
+                                            extra_modules=p.extra_modules, allow_changes=p.allow_changes,
+                                            ipvs_exclude_cidrs=p.ipvs_exclude_cidrs)
             matrix = pending.result() if pending is not None else None
         self._node_facts = None if report.loaded else self._node_facts
         extra: dict[str, Any] = {"kernelRelease": report.kernel_release, "modules": report.present_modules(),
                                  "tools": report.tools.as_status()}
-        if report.foreign_ipvs is not None:
+        if report.foreign_ipvs is not None and not report.foreign_ipvs_excluded_some:
+            # status.foreignIPVS is every foreign virtual server; a move to ipvs names only those it deletes.
             extra["foreignIPVS"] = report.foreign_ipvs.to_k8s()
         message, details = report.message(), PreflightResult.model_validate(report.details())
         if report.ok and matrix is not None:

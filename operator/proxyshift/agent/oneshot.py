@@ -2,7 +2,7 @@
 
     proxyshift agent inventory
     proxyshift agent preflight --mode ipvs [--scheduler mh] [--load-modules] [--extra-module M ...]
-                               [--allow-change ForeignIPVSFlush]
+                               [--allow-change ForeignIPVSFlush] [--ipvs-exclude-cidr CIDR ...]
     proxyshift agent cleanup --remove iptables [--remove ipvs] --target nftables [--dry-run]
     proxyshift agent probe [--metrics-address A] [--health-address A] [--service IP:PORT ...]
     proxyshift agent behaviour --params '{"targets": [...], "nodeIps": [...]}'   (BehaviourParams as JSON)
@@ -52,6 +52,9 @@ def main(argv: Sequence[str]) -> int:
     pre.add_argument("--extra-module", action="append", default=[])
     pre.add_argument("--allow-change", action="append", default=[],
                      help="a change the policy accepts (gate.behaviour.allowChanges), e.g. ForeignIPVSFlush")
+    pre.add_argument("--ipvs-exclude-cidr", action="append", default=None,
+                     help="for --mode ipvs: an ipvs.excludeCIDRs entry; given (even once), foreign IPVS virtual "
+                     "servers outside them are refused, as the operator's preflight does")
     cln = sub.add_parser("cleanup", help="flush the stale objects of modes this node left")
     cln.add_argument("--remove", action="append", required=True, choices=MODES)
     cln.add_argument("--target", required=True, choices=MODES, help="the mode kube-proxy runs now (kept)")
@@ -95,7 +98,8 @@ def main(argv: Sequence[str]) -> int:
         return 1 if found.errors else 0
     if args.command == "preflight":
         verdict = preflight_mod.check(args.mode, args.scheduler, load_modules=args.load_modules,
-                                      extra_modules=args.extra_module, allow_changes=args.allow_change)
+                                      extra_modules=args.extra_module, allow_changes=args.allow_change,
+                                      ipvs_exclude_cidrs=args.ipvs_exclude_cidr)
         _print({"ok": verdict.ok, "message": verdict.message(), **verdict.details()})
         return 0 if verdict.ok else 1
     if args.command == "cleanup":

@@ -32,6 +32,13 @@ a hand-made LVS too. Which ones are kube-proxy's is the inventory's decision,
 the same one the IPVS flush makes (flush/ipvs.py select_owned). The policy may
 accept the deletion (gate.behaviour.allowChanges: [ForeignIPVSFlush]); then the
 check passes and names what the switch deletes.
+
+A move to ipvs is refused the same way for the foreign virtual servers an ipvs
+kube-proxy would delete: at every sync it deletes each virtual server of its
+IP family that it did not create, unless the address is in ipvs.excludeCIDRs
+(pkg/proxy/ipvs cleanLegacyService; firewall-mark services have no address and
+are kept). The operator sends the target's excludeCIDRs; an operator too old to
+send them gets the check skipped, as before.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from proxyshift.commands import CommandError, run
 from proxyshift.modes import (
     DEFAULT_IPVS_SCHEDULER,
     FOREIGN_IPVS_CHANGE,
+    IPVS_PRUNES_UNEXCLUDED,
     IPVS_SCHEDULERS,
     MODE_FACTS,
     MODES,
@@ -56,6 +64,8 @@ from proxyshift.modes import (
     Mode,
     ToolNeed,
     deletes_foreign_ipvs,
+    outside_exclude_cidrs,
+    prunes_unexcluded_ipvs,
     version_text,
 )
 
@@ -167,11 +177,13 @@ class PreflightReport:
     missing: list[Missing] = field(default_factory=list)
     loaded: list[str] = field(default_factory=list)
     on_demand: list[str] = field(default_factory=list)  # installed, the kernel loads them on first use
-    # IPVS virtual servers that are not kube-proxy's, which the target mode's kube-proxy deletes (nftables
-    # only); accepted: the policy named ForeignIPVSFlush, so they do not fail the check.
+    # IPVS virtual servers that are not kube-proxy's, which the target mode's kube-proxy deletes (nftables: all of
+    # them; ipvs: those outside excludeCIDRs); accepted: the policy named ForeignIPVSFlush, so they do not fail.
     foreign_ipvs: ForeignIPVS | None = None
     foreign_ipvs_accepted: bool = False
-    ipvs_unreadable: str | None = None  # why the IPVS table could not be listed (nftables target only)
+    ipvs_unreadable: str | None = None  # why the IPVS table could not be listed (nftables or ipvs target)
+    # foreign_ipvs is only those outside the target's excludeCIDRs (ipvs), not every foreign virtual server.
+    foreign_ipvs_excluded_some: bool = False
 
     @property
     def ok(self) -> bool:
@@ -213,8 +225,15 @@ class PreflightReport:
              if self.foreign_ipvs is not None and self.foreign_ipvs.count else {})
 
 
-def foreign_ipvs_refusal(foreign: ForeignIPVS) -> Missing:
-    """Pure: why preflight for nftables refuses a node holding a user's IPVS virtual servers, and the ways out."""
+def foreign_ipvs_refusal(foreign: ForeignIPVS, mode: Mode) -> Missing:
+    """Pure: why preflight for `mode` refuses a node holding a user's IPVS virtual servers, and the ways out."""
+    if prunes_unexcluded_ipvs(mode):
+        return Missing(
+            "IPVS virtual servers that are not kube-proxy's",
+            f"this node holds {foreign.describe()}: {IPVS_PRUNES_UNEXCLUDED}",
+            "add their addresses to the policy's spec.ipvs.excludeCIDRs, move them off this node, keep the node "
+            f"out of this policy, or accept the deletion with gate.behaviour.allowChanges: [{FOREIGN_IPVS_CHANGE}]",
+        )
     return Missing(
         "IPVS virtual servers that are not kube-proxy's",
         f"this node holds {foreign.describe()}: {NFTABLES_DELETES_IPVS}",
@@ -385,10 +404,12 @@ def check(mode: str, scheduler: str | None = None, *, proc_root: str | Path = "/
           sys_root: str | Path = "/sys", modules_root: str | Path = "/lib/modules", load_modules: bool = False,
           extra_modules: Iterable[str] = (), tools: ToolVersions | None = None,
           runner: Runner = run, allow_changes: Iterable[str] = (),
-          ipvs_inventory: Callable[[], Inventory] | None = None) -> PreflightReport:
+          ipvs_inventory: Callable[[], Inventory] | None = None,
+          ipvs_exclude_cidrs: Iterable[str] | None = None) -> PreflightReport:
     """Preflight of `mode` on this node. `tools` defaults to asking the real tools, `ipvs_inventory` to reading
     the node's IPVS state with `runner`; `allow_changes` is the policy's gate.behaviour.allowChanges
-    (ForeignIPVSFlush is the one preflight reads)."""
+    (ForeignIPVSFlush is the one preflight reads); `ipvs_exclude_cidrs` the target's ipvs.excludeCIDRs (None: not
+    told, so a move to ipvs does not check what its kube-proxy would delete)."""
     if mode not in MODES:
         raise ValueError(f"unknown kube-proxy mode {mode!r}; expected one of {list(MODES)}")
     if scheduler and scheduler not in IPVS_SCHEDULERS:
@@ -419,7 +440,8 @@ def check(mode: str, scheduler: str | None = None, *, proc_root: str | Path = "/
     missing += _check_tools(mode, parse_kernel_release(view.release or ""), view.release, tools)
     foreign, unreadable, foreign_missing = _foreign_ipvs(
         mode, Path(proc_root),
-        ipvs_inventory or (lambda: take_ipvs_inventory(runner=runner, proc_root=Path(proc_root))))
+        ipvs_inventory or (lambda: take_ipvs_inventory(runner=runner, proc_root=Path(proc_root))),
+        None if ipvs_exclude_cidrs is None else list(ipvs_exclude_cidrs))
     foreign_accepted = FOREIGN_IPVS_CHANGE in set(allow_changes)
     if not foreign_accepted:
         missing += foreign_missing
@@ -429,27 +451,37 @@ def check(mode: str, scheduler: str | None = None, *, proc_root: str | Path = "/
                            kernel_release=view.release, modules=modules, tools=tools, missing=missing,
                            loaded=loaded, on_demand=accepted, foreign_ipvs=foreign,
                            foreign_ipvs_accepted=foreign_accepted and foreign is not None and foreign.count > 0,
+                           foreign_ipvs_excluded_some=prunes_unexcluded_ipvs(mode) and foreign is not None,
                            ipvs_unreadable=unreadable)
 
 
-def _foreign_ipvs(mode: Mode, proc_root: Path,
-                  read: Callable[[], Inventory]) -> tuple[ForeignIPVS | None, str | None, list[Missing]]:
-    """The virtual servers an nftables kube-proxy would delete that are not kube-proxy's (or why the table could
-    not be read), and the refusal.
+def _foreign_ipvs(mode: Mode, proc_root: Path, read: Callable[[], Inventory],
+                  exclude_cidrs: list[str] | None) -> tuple[ForeignIPVS | None, str | None, list[Missing]]:
+    """The virtual servers that are not kube-proxy's which the target mode's kube-proxy would delete (or why the
+    table could not be read), and the refusal.
 
-    Read only for nftables and only when the kernel has IPVS (no /proc/net/ip_vs: no virtual server can
-    exist, and ipvsadm would load ip_vs just by looking).
+    Read only for nftables (it deletes them all) and for ipvs when the operator sent the excludeCIDRs (it deletes
+    those outside them), and only when the kernel has IPVS (no /proc/net/ip_vs: no virtual server can exist,
+    and ipvsadm would load ip_vs just by looking).
     """
-    if not deletes_foreign_ipvs(mode) or not (proc_root / "net" / "ip_vs").exists():
+    pruning = prunes_unexcluded_ipvs(mode) and exclude_cidrs is not None
+    if not (deletes_foreign_ipvs(mode) or pruning) or not (proc_root / "net" / "ip_vs").exists():
         return None, None, []
     inv = read()
     unreadable = [e for e in inv.errors if e.startswith("ipvsadm")]
     if unreadable:
         # Unknown is not "none": the cleanup deletes whatever is there.
+        deletes = ("the ipvs kube-proxy deletes, at every sync, each IPVS virtual server it did not create outside "
+                   "ipvs.excludeCIDRs" if pruning else
+                   "the nftables kube-proxy deletes every IPVS virtual server on the host at each start")
         return None, unreadable[0], [Missing("a readable IPVS table",
-                              f"{unreadable[0][:300]}; the nftables kube-proxy deletes every IPVS virtual server on "
-                              "the host at each start, and whether any of them is not kube-proxy's cannot be told",
+                              f"{unreadable[0][:300]}; {deletes}, and whether any of them is not kube-proxy's "
+                              "cannot be told",
                               "install ipvsadm where the agent runs, or accept the deletion with "
                               f"gate.behaviour.allowChanges: [{FOREIGN_IPVS_CHANGE}]")]
+    if pruning:
+        assert exclude_cidrs is not None
+        inv.foreign_virtual_servers = [vs for vs in inv.foreign_virtual_servers
+                                       if outside_exclude_cidrs(vs.address, exclude_cidrs)]
     foreign = foreign_ipvs(inv)
-    return foreign, None, [foreign_ipvs_refusal(foreign)] if foreign.count else []
+    return foreign, None, [foreign_ipvs_refusal(foreign, mode)] if foreign.count else []

@@ -11,7 +11,7 @@ import builtins
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, TypeGuard, TypeVar, get_args
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import AliasChoices, Field, ValidationError, field_validator
 
 from proxyshift.api.behaviour import BehaviourParams, ConntrackParams, ConntrackReport, NodeBehaviour
 from proxyshift.api.common import KubeModel
@@ -119,13 +119,23 @@ class PreflightParams(_Params):
         description="spec.gate.behaviour.allowChanges: ForeignIPVSFlush lets a move to nftables pass a node "
         "holding IPVS virtual servers that are not kube-proxy's (the nftables kube-proxy deletes them).")
     behaviour: BehaviourParams | None = Field(default=None, description="The Service sample to probe before.")
+    # None: the operator did not say (one older than this field); the agent then does not check what an ipvs
+    # kube-proxy would delete, as before. A list (maybe empty): the target revision's ipvs.excludeCIDRs.
+    ipvs_exclude_cidrs: list[Annotated[str, Field(max_length=64)]] | None = Field(
+        default=None, validation_alias=AliasChoices("ipvsExcludeCIDRs", "ipvs_exclude_cidrs"),
+        serialization_alias="ipvsExcludeCIDRs", max_length=64,
+        description="The target's ipvs.excludeCIDRs (mode ipvs): a foreign IPVS virtual server outside them is "
+        "deleted by the ipvs kube-proxy at every sync, so preflight refuses it unless ForeignIPVSFlush is allowed.")
 
     def to_params(self) -> dict[str, Any]:
-        # scheduler: null stays on the wire (an older agent reads the key); no allowChanges or behaviour
-        # leaves the key out.
-        wire = self.model_dump(by_alias=True, exclude={"behaviour", "allow_changes"}, mode="json")
+        # scheduler: null stays on the wire (an older agent reads the key); no allowChanges, behaviour or
+        # ipvsExcludeCIDRs leaves the key out.
+        wire = self.model_dump(by_alias=True, exclude={"behaviour", "allow_changes", "ipvs_exclude_cidrs"},
+                               mode="json")
         if self.allow_changes:
             wire["allowChanges"] = list(self.allow_changes)
+        if self.ipvs_exclude_cidrs is not None:
+            wire["ipvsExcludeCIDRs"] = list(self.ipvs_exclude_cidrs)
         if self.behaviour is not None:
             wire["behaviour"] = self.behaviour.model_dump(by_alias=True, exclude_none=True, mode="json")
         return wire

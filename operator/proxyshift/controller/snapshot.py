@@ -114,7 +114,10 @@ def current_revisions(policies: Mapping[str, ProxyPolicy], baseline_configmap: M
         except (ValueError, KeyError) as exc:
             errors[name] = f"cannot render a revision from the baseline kube-proxy: {exc}"
             continue
-        targets[name] = RevisionTarget(name=rendered.name, mode=rendered.mode, scheduler=policy.spec.scheduler)
+        settings = KubeProxyConfiguration.model_validate(rendered.config).ipvs
+        excluded = (settings.exclude_cidrs if settings is not None else None) or []
+        targets[name] = RevisionTarget(name=rendered.name, mode=rendered.mode, scheduler=policy.spec.scheduler,
+                                       ipvs_exclude_cidrs=tuple(str(c) for c in excluded))
     return targets, errors
 
 

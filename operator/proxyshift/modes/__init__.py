@@ -13,11 +13,13 @@ stay in proxyshift.agent, one per kind of object (ObjectKind).
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Iterable
 
 from proxyshift.api.proxynode import MODES, Mode, is_mode
 from proxyshift.modes.base import (
     FOREIGN_IPVS_CHANGE,
+    IPVS_PRUNES_UNEXCLUDED,
     NFTABLES_DELETES_IPVS,
     OBJECT_KINDS,
     ModeFacts,
@@ -52,6 +54,7 @@ __all__ = [
     "IPVS_IPSETS",
     "IPVS_MIN_IPSET",
     "IPVS_NODEPORT_SETS",
+    "IPVS_PRUNES_UNEXCLUDED",
     "IPVS_SCHEDULERS",
     "MODES",
     "MODE_FACTS",
@@ -67,12 +70,15 @@ __all__ = [
     "Owned",
     "ToolNeed",
     "deletes_foreign_ipvs",
+    "described_address",
     "facts",
     "facts_of",
     "is_mode",
     "kind_is_stale",
     "node_port_default",
+    "outside_exclude_cidrs",
     "overlay",
+    "prunes_unexcluded_ipvs",
     "startup_cleanup_drops_old_rules",
     "version_text",
 ]
@@ -122,3 +128,42 @@ def deletes_foreign_ipvs(to_mode: str | None) -> bool:
     every start, whatever ran before (cmd/kube-proxy/app/server_linux.go platformCleanup -> ipvs cleanup ->
     ipvs.Flush()). iptables and ipvs mode leave them alone."""
     return is_mode(to_mode) and MODE_FACTS[to_mode].deletes_foreign_ipvs
+
+
+def prunes_unexcluded_ipvs(to_mode: str | None) -> bool:
+    """Whether a kube-proxy running in `to_mode` deletes, at every sync, the IPVS virtual servers of its family that
+    it did not create unless their address is in ipvs.excludeCIDRs: ipvs (pkg/proxy/ipvs cleanLegacyService)."""
+    return is_mode(to_mode) and MODE_FACTS[to_mode].prunes_unexcluded_ipvs
+
+
+def outside_exclude_cidrs(address: str | None, exclude_cidrs: Iterable[str]) -> bool:
+    """Whether an ipvs kube-proxy would delete a foreign virtual server at `address`: it has an address (a
+    firewall-mark service has none and is skipped) and no excludeCIDRs entry contains it. An entry that does not
+    parse protects nothing (kube-proxy does not start with it)."""
+    if not address:
+        return False
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    for cidr in exclude_cidrs:
+        try:
+            if ip in ipaddress.ip_network(cidr, strict=False):
+                return False
+        except ValueError:
+            continue
+    return True
+
+
+def described_address(text: str) -> str | None:
+    """The address in a virtual server as ForeignIPVS lists it ("TCP 198.18.5.1:80 rr", "UDP [fd00::1]:53");
+    None for a firewall-mark service ("FWM 7 sh") or text that is not in that form."""
+    parts = text.split()
+    if len(parts) < 2 or parts[0] == "FWM":
+        return None
+    where = parts[1]
+    host = where[1:].partition("]")[0] if where.startswith("[") else where.rpartition(":")[0]
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return None

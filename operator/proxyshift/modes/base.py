@@ -15,6 +15,9 @@ from proxyshift.api.proxynode import Mode
 FOREIGN_IPVS_CHANGE = "ForeignIPVSFlush"
 NFTABLES_DELETES_IPVS = ("every start of an nftables kube-proxy deletes them (kube-proxy 1.37 platformCleanup runs "
                          "the ipvs cleanup, which flushes every IPVS virtual server on the host)")
+IPVS_PRUNES_UNEXCLUDED = ("an ipvs kube-proxy deletes, at every sync, each IPVS virtual server of its IP family "
+                          "that it did not create and whose address is not in ipvs.excludeCIDRs (kube-proxy 1.37 "
+                          "cleanLegacyService)")
 
 # Keys of ProxyNode.status.tools and attributes of the agent's ToolVersions.
 Tool = Literal["iptables", "ipset", "nft"]
@@ -103,6 +106,9 @@ class ModeFacts:
     startup_cleans_rules_of: frozenset[Mode] = frozenset()
     # Its kube-proxy flushes every IPVS virtual server at every start, kube-proxy's or not.
     deletes_foreign_ipvs: bool = False
+    # At every sync its kube-proxy deletes the IPVS virtual servers (with an address) it did not create, except
+    # those whose address is in ipvs.excludeCIDRs.
+    prunes_unexcluded_ipvs: bool = False
     # The kind of its objects a rule hold copies under proxyshift's names (agent/hold.py); None: not holdable.
     held_as: ObjectKind | None = None
     # Lays the policy's settings for this mode (spec.<mode>) onto the rendered KubeProxyConfiguration.

@@ -30,7 +30,13 @@ from dataclasses import dataclass
 
 from proxyshift.api.behaviour import ChangeName
 from proxyshift.api.kubeproxy import KubeProxyConfiguration
-from proxyshift.modes import DEFAULT_IPVS_SCHEDULER, deletes_foreign_ipvs, facts_of, node_port_default
+from proxyshift.modes import (
+    DEFAULT_IPVS_SCHEDULER,
+    deletes_foreign_ipvs,
+    facts_of,
+    node_port_default,
+    prunes_unexcluded_ipvs,
+)
 from proxyshift.planner.services import EndpointView, ServiceView, endpoints_by_service
 
 MAX_FINDING_SERVICES = 10
@@ -203,6 +209,14 @@ def compatibility(
             "not kube-proxy's too (its ipvs cleanup has no exclusions): keep your own virtual servers off these "
             "nodes, or recreate them after the switch",
             [], None))
+
+    if prunes_unexcluded_ipvs(to_mode) and not prunes_unexcluded_ipvs(from_mode):
+        findings.append(_finding(
+            "ForeignIPVSFlush",
+            "an ipvs kube-proxy deletes, at every sync, each IPVS virtual server of its IP family that it did not "
+            "create (a keepalived's, a hand-made LVS) unless its address is in ipvs.excludeCIDRs: list your own "
+            "virtual servers' addresses there",
+            [], "ipvs.excludeCIDRs"))
 
     if _ipvs_scheduled(from_mode) != _ipvs_scheduled(to_mode):
         affinity = [s for s in dialable if s.session_affinity == "ClientIP"]

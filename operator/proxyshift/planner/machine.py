@@ -48,7 +48,7 @@ from proxyshift.api.proxynode import (
     ProxyNode,
     is_phase,
 )
-from proxyshift.modes import startup_cleanup_drops_old_rules
+from proxyshift.modes import prunes_unexcluded_ipvs, startup_cleanup_drops_old_rules
 from proxyshift.planner.behaviour import compare_matrices
 from proxyshift.planner.gate import GateVerdict, evaluate_gate
 from proxyshift.planner.gate import Result as GateResult
@@ -124,6 +124,8 @@ class NodeInput:
     # Whether a node that passed preflight may go on to touch the node now: the planner grants it while a
     # maxUnavailable slot is free and no failed node halts the rollout. Without it the node waits Prepared.
     may_switch: bool = True
+    # The current revision's ipvs.excludeCIDRs (None: no current revision), sent with a preflight for ipvs.
+    ipvs_exclude_cidrs: tuple[str, ...] | None = None
 
     @property
     def migration(self) -> NodeMigration | None:
@@ -310,6 +312,8 @@ def _preflight_op(inp: NodeInput, m: NodeMigration, scheduler: str | None) -> Op
         extra_modules=list(inp.spec.preflight.extra_modules or []),
         allow_changes=list(inp.spec.gate.behaviour.allow_changes or []),
         behaviour=_behaviour_sample(inp),
+        ipvs_exclude_cidrs=list(inp.ipvs_exclude_cidrs)
+        if prunes_unexcluded_ipvs(m.to_mode) and inp.ipvs_exclude_cidrs is not None else None,
     )
     return Operation.request(op_id(m, "Preflight", 0), params)
 

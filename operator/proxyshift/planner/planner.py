@@ -125,10 +125,12 @@ def _mode_of(world: World, revision: str | None) -> str:
 def _node_input(ctx: _Ctx, name: str, pn: ProxyNode, may_switch: bool = True) -> NodeInput:
     w = ctx.world
     node = w.nodes[name]
+    rendered = w.current_revisions.get(ctx.name)
     return NodeInput(policy=ctx.name, spec=ctx.policy.spec, node=node, proxynode=pn,
                      pods=tuple(w.kube_proxy_pods.get(name, ())), now=ctx.now, service_ips=w.service_ips,
                      behaviour=_behaviour_sample(ctx, node), conntrack=ctx.conntrack, distribution=ctx.distribution,
-                     api_back_at=w.api_back_at, may_switch=may_switch)
+                     api_back_at=w.api_back_at, may_switch=may_switch,
+                     ipvs_exclude_cidrs=rendered.ipvs_exclude_cidrs if rendered is not None else None)
 
 
 def _migration(e: _Node) -> NodeMigration | None:

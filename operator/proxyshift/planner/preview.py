@@ -12,13 +12,17 @@ from dataclasses import dataclass, field
 
 from proxyshift.api.kubeproxy import KubeProxyConfiguration
 from proxyshift.api.policy import ProxyPolicy
-from proxyshift.api.proxynode import ProxyNode
+from proxyshift.api.proxynode import ForeignIPVS, ProxyNode
 from proxyshift.modes import (
     DEFAULT_MODE,
     FOREIGN_IPVS_CHANGE,
+    IPVS_PRUNES_UNEXCLUDED,
     MODE_FACTS,
     NFTABLES_DELETES_IPVS,
     deletes_foreign_ipvs,
+    described_address,
+    outside_exclude_cidrs,
+    prunes_unexcluded_ipvs,
     version_text,
 )
 from proxyshift.planner.compat import CompatFinding, compatibility
@@ -79,6 +83,10 @@ def predict_preflight(pn: ProxyNode | None, policy: ProxyPolicy) -> list[str]:
     if deletes_foreign_ipvs(mode) and foreign is not None and foreign.count and not accepts_foreign_ipvs(policy):
         problems.append(f"{foreign.describe()}: {NFTABLES_DELETES_IPVS}; accept it with gate.behaviour.allowChanges: "
                         f"[{FOREIGN_IPVS_CHANGE}]")
+    pruned = pruned_by_ipvs(foreign, policy)
+    if pruned is not None and not accepts_foreign_ipvs(policy):
+        problems.append(f"{pruned.describe()}: {IPVS_PRUNES_UNEXCLUDED}; add their addresses to spec.ipvs.excludeCIDRs "
+                        f"or accept it with gate.behaviour.allowChanges: [{FOREIGN_IPVS_CHANGE}]")
     needed += list(policy.spec.preflight.extra_modules or [])
     missing = [m for m in needed if m not in have]
     if missing:
@@ -86,6 +94,19 @@ def predict_preflight(pn: ProxyNode | None, policy: ProxyPolicy) -> list[str]:
         if not policy.spec.preflight.load_modules:
             problems.append(f"kernel modules {verb}: {', '.join(missing)}")
     return problems
+
+
+def pruned_by_ipvs(foreign: ForeignIPVS | None, policy: ProxyPolicy) -> ForeignIPVS | None:
+    """The foreign virtual servers an ipvs kube-proxy of this policy would delete (outside the policy's
+    excludeCIDRs; the baseline's are not known here, the node's preflight decides), None when none or not ipvs.
+    Those past the status's bounded list are counted as deleted: their addresses are not known."""
+    if not prunes_unexcluded_ipvs(policy.spec.mode) or foreign is None or not foreign.count:
+        return None
+    excluded = list((policy.spec.ipvs.exclude_cidrs if policy.spec.ipvs else None) or [])
+    listed = [t for t in foreign.virtual_servers if outside_exclude_cidrs(described_address(t), excluded)]
+    unlisted = max(0, foreign.count - len(foreign.virtual_servers))
+    count = len(listed) + unlisted
+    return ForeignIPVS(count=count, virtual_servers=listed) if count else None
 
 
 def accepts_foreign_ipvs(policy: ProxyPolicy) -> bool:
@@ -98,6 +119,9 @@ def preflight_notes(pn: ProxyNode | None, policy: ProxyPolicy) -> list[str]:
     if deletes_foreign_ipvs(policy.spec.mode) and foreign is not None and foreign.count and accepts_foreign_ipvs(
             policy):
         return [f"{FOREIGN_IPVS_CHANGE} accepted: the switch deletes {foreign.describe()}"]
+    pruned = pruned_by_ipvs(foreign, policy)
+    if pruned is not None and accepts_foreign_ipvs(policy):
+        return [f"{FOREIGN_IPVS_CHANGE} accepted: the ipvs kube-proxy deletes {pruned.describe()} at its first sync"]
     return []
 
 

@@ -82,6 +82,8 @@ class RevisionTarget:
     name: str  # "<policy>-<hash>", the label value
     mode: str
     scheduler: str | None = None
+    # The rendered ipvs.excludeCIDRs (the policy's over the baseline's): what an ipvs kube-proxy leaves alone.
+    ipvs_exclude_cidrs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -76,3 +76,28 @@ def test_a_users_virtual_server_is_foreign_refused_for_nftables_and_accepted_by_
     finally:
         kp.stop()
     assert parse_ipvsadm_save(netns.run(["ipvsadm", "-Sn"]).stdout) == []
+
+
+def test_a_move_to_ipvs_refuses_a_users_virtual_server_outside_exclude_cidrs(netns, tmp_path):
+    # An iptables-mode node (no kube-proxy virtual server) with a hand-made LVS: an ipvs kube-proxy deletes it at
+    # its first sync unless ipvs.excludeCIDRs holds its address (v1.37.2 cleanLegacyService).
+    # No real server: a fresh namespace has no route to one, and the virtual server alone is what is deleted.
+    netns.run(["ipvsadm", "-A", "-t", "198.18.5.1:80", "-s", "rr"])
+    before = netns.run(["ipvsadm", "-Sn"]).stdout
+
+    refused = check("ipvs", "rr", runner=netns.run, proc_root=PROC, ipvs_exclude_cidrs=[])
+    assert [m.what for m in refused.missing] == ["IPVS virtual servers that are not kube-proxy's"], refused.message()
+    assert "this node holds 1 IPVS virtual server that is not kube-proxy's (TCP 198.18.5.1:80 rr)" in refused.message()
+    assert "ipvs.excludeCIDRs" in refused.message()
+    excluded = check("ipvs", "rr", runner=netns.run, proc_root=PROC, ipvs_exclude_cidrs=["198.18.5.0/24"])
+    assert excluded.ok, excluded.message()
+    assert netns.run(["ipvsadm", "-Sn"]).stdout == before  # preflight changed nothing
+
+    # What the refusal promises, shown: the real ipvs kube-proxy (no excludeCIDRs) deletes it at its first sync.
+    kp = KubeProxy(netns, tmp_path / "kp-ipvs", "ipvs", services=SERVICES, conntrack_sysctls=False)
+    try:
+        assert kp.wait_synced(1, timeout=240)["facts"]["proxyMode"] == "ipvs"
+    finally:
+        kp.stop()
+    left = {vs.key() for vs in parse_ipvsadm_save(netns.run(["ipvsadm", "-Sn"]).stdout)}
+    assert USER_VS not in left and len(left) == SERVICES + 1  # kube-proxy's own: the ClusterIPs and one NodePort
