@@ -225,11 +225,12 @@ def node_dir(state_dir: Path, node: str) -> Path:
 
 
 def simulator_argv(access: ClusterAccess, state_dir: Path, node: str, pool: str,
-                   kubelet_version: str = DEFAULT_KUBELET_VERSION) -> list[str]:
+                   kubelet_version: str = DEFAULT_KUBELET_VERSION, probe_time_scale: float = 1.0) -> list[str]:
     return [sys.executable, "-m", "localcluster.nodesim", "--node", node, "--pool", pool,
             "--node-ip", node_ip(node_index(node)), "--kubeconfig", str(access.kubeconfig),
             "--bin-dir", str(access.bin_dir), "--state-dir", str(state_dir), "--api-url", access.api_url,
-            "--kubelet-version", kubelet_version]
+            "--kubelet-version", kubelet_version,
+            *(["--probe-time-scale", f"{probe_time_scale:g}"] if probe_time_scale != 1 else [])]
 
 
 def create_nodes(state_dir: Path, cluster_info: Any, pools: dict[str, int], *,
@@ -248,7 +249,7 @@ def create_nodes(state_dir: Path, cluster_info: Any, pools: dict[str, int], *,
 
 def start_nodes(state_dir: Path, access: ClusterAccess, plan: list[tuple[int, str]], *,
                 kubelet_version: str = DEFAULT_KUBELET_VERSION,
-                start_timeout: float = SIMULATOR_START_TIMEOUT) -> list[str]:
+                start_timeout: float = SIMULATOR_START_TIMEOUT, probe_time_scale: float = 1.0) -> list[str]:
     """The nodes of `plan` ([(index, pool)]) on an existing bridge: what `create_nodes` does after
     `ensure_bridge`. The QEMU guest's nodes (localcluster.vmnodes) start here on a bridge of the guest's
     own, which must not carry the host bridge's address."""
@@ -270,7 +271,8 @@ def start_nodes(state_dir: Path, access: ClusterAccess, plan: list[tuple[int, st
         if any(r["name"] == proc_name and r["alive"] for r in state.running(state_dir)):
             continue
         node_dir(state_dir, name).mkdir(parents=True, exist_ok=True)
-        proc = state.spawn(state_dir, proc_name, simulator_argv(access, state_dir, name, pool, kubelet_version))
+        argv = simulator_argv(access, state_dir, name, pool, kubelet_version, probe_time_scale)
+        proc = state.spawn(state_dir, proc_name, argv)
         started.append((name, proc, ready_file))
     deadline = time.monotonic() + start_timeout
     for name, proc, ready_file in started:
