@@ -8,6 +8,7 @@ import pytest
 
 IN_GUEST_ENV = "PROXYSHIFT_IN_VM"
 VM_SUMMARY_KEY = pytest.StashKey[str]()
+VM_E2E_SUMMARY_KEY = pytest.StashKey[str]()  # the staged rollout with a node in the guest
 
 
 def in_guest() -> bool:
