@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 from vm_layer import VM_E2E_SUMMARY_KEY
+from vm_node_checks import agent_leftovers, ipvs_services, left, observed_mode, proxy_mode, wait_ready
 
 from localcluster import controlplane, network, workloads
 from localcluster.vmnodes import VmNodes, VmNodesError
-from proxyshift.modes import MODE_FACTS
 from tests.support.operator_harness import Harness, policy
 
 pytestmark = pytest.mark.vm
@@ -40,100 +40,6 @@ BEHAVIOUR_BUDGET = 10
 # Nodes of pool vm in the guest (each one kube-proxy, agent, probe server and simulator more in 2 vCPUs
 # of emulation); the stages run them one at a time (maxUnavailable 1).
 GUEST_NODES = int(os.environ.get("PROXYSHIFT_VM_E2E_NODES", "1"))
-
-
-def _proxy_mode(guest: VmNodes, node: str) -> str:
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            status, body = guest.http_get(node, "http://127.0.0.1:10249/proxyMode")
-            if status == 200:
-                return body.strip()
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            pytest.fail(f"kube-proxy on {node} does not answer /proxyMode")
-        time.sleep(1)
-
-
-def _chains(guest: VmNodes, node: str) -> set[tuple[str, str]]:
-    found: set[tuple[str, str]] = set()
-    table = ""
-    for line in guest.exec(node, ["iptables-save"]).stdout.splitlines():
-        if line.startswith("*"):
-            table = line[1:].strip()
-        elif line.startswith(":"):
-            found.add((table, line[1:].split()[0]))
-    return found
-
-
-def _ipvs_services(guest: VmNodes, node: str) -> list[str]:
-    """`ipvsadm -Sn`'s virtual server lines (-A), e.g. `-A -t 198.19.0.10:80 -s rr`."""
-    out = guest.exec(node, ["ipvsadm", "-Sn"]).stdout
-    return [line for line in out.splitlines() if line.startswith("-A ")]
-
-
-def _ipsets(guest: VmNodes, node: str) -> set[str]:
-    return set(guest.exec(node, ["ipset", "list", "-n"]).stdout.split())
-
-
-def _links(guest: VmNodes, node: str) -> set[str]:
-    out = guest.exec(node, ["ip", "-o", "link", "show"]).stdout
-    return {line.split(":", 2)[1].strip().split("@", 1)[0] for line in out.splitlines() if ":" in line}
-
-
-def _left(guest: VmNodes, node: str, mode: str) -> dict[str, Any]:
-    """What of kube-proxy's objects for modes other than `mode` is still on the node (empty: nothing)."""
-    owned_now = MODE_FACTS[mode].owned
-    others = [MODE_FACTS[m].owned for m in MODE_FACTS if m != mode]
-    chains = _chains(guest, node)
-    stale_chains = sorted(
-        c for c in chains if c not in owned_now.chains and (
-            any(c in o.chains for o in others) or
-            any(c[1].startswith(p) for o in others for p in o.service_chain_prefixes
-                if p not in owned_now.service_chain_prefixes)))
-    found: dict[str, Any] = {}
-    if stale_chains:
-        found["chains"] = stale_chains
-    held = sorted(c for _, c in chains if c.startswith("PSHOLD-"))
-    if held:
-        found["rule hold chains"] = held
-    ipvs_owned = MODE_FACTS["ipvs"].owned
-    if mode != "ipvs":
-        if ipvs_owned.interface in _links(guest, node):
-            found["interface"] = ipvs_owned.interface
-        sets = sorted(s for s in _ipsets(guest, node) if s.startswith("KUBE-"))
-        if sets:
-            found["ipsets"] = sets
-        services = _ipvs_services(guest, node)
-        if services:
-            found["ipvs virtual servers"] = services
-    return found
-
-
-def _agent_leftovers(h: Harness, node: str) -> list[str]:
-    return list(((h.proxynodes().get(node) or {}).get("status") or {}).get("leftovers") or [])
-
-
-def _observed_mode(h: Harness, node: str) -> str | None:
-    return ((h.proxynodes().get(node) or {}).get("status") or {}).get("observedMode")
-
-
-def _wait_ready(h: Harness, name: str, timeout: float) -> None:
-    """Ready for the policy's current generation; fails at once when it turns Degraded instead."""
-    deadline = time.monotonic() + timeout
-    while True:
-        body = h.get(name) or {}
-        status = body.get("status") or {}
-        if status.get("observedGeneration") == body.get("metadata", {}).get("generation"):
-            conditions = {c.get("type"): c for c in status.get("conditions") or []}
-            if (conditions.get("Ready") or {}).get("status") == "True":
-                return
-            if (conditions.get("Degraded") or {}).get("status") == "True":
-                pytest.fail(f"{name} is Degraded: {conditions['Degraded'].get('message')}\n{h.describe(name)}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"{name} not Ready within {timeout:g}s\n{h.describe(name)}")
-        time.sleep(2)
 
 
 @pytest.mark.timeout(2400)
@@ -160,7 +66,7 @@ def test_staged_iptables_ipvs_wrr_nftables_with_nodes_in_the_guest(
     def stage(what: str, change: Callable[[], Any]) -> None:
         stage_start = time.monotonic()
         change()
-        _wait_ready(h, POLICY, STAGE_TIMEOUT)
+        wait_ready(h, POLICY, STAGE_TIMEOUT)
         timings[what] = time.monotonic() - stage_start
         say(f"{what}: {POLICY} Ready after {timings[what]:.0f}s")
 
@@ -170,11 +76,11 @@ def test_staged_iptables_ipvs_wrr_nftables_with_nodes_in_the_guest(
         say(f"guest nodes {', '.join(nodes)} up in {guest.boot_seconds:.1f}s (guest clock "
             f"{guest.clock_offset:+.2f}s against the host's)")
         for node in nodes:
-            wait_for(lambda node=node: _observed_mode(h, node) == "iptables", NODE_UP_TIMEOUT,
+            wait_for(lambda node=node: observed_mode(h, node) == "iptables", NODE_UP_TIMEOUT,
                      f"{node}'s agent to report iptables")
             wait_for(lambda node=node: guest.tcp_probe(node, ip, port, 1).failed == 0, NODE_UP_TIMEOUT,
                      f"{ip}:{port} to answer from {node}")
-            assert _proxy_mode(guest, node) == "iptables"
+            assert proxy_mode(guest, node) == "iptables"
         timings["nodes ready"] = time.monotonic() - started
         say("kube-proxy (iptables) and agent ready on the guest's nodes; probes start")
         host_prober = workloads.ContinuousProber(other, ip, port).start()
@@ -186,25 +92,25 @@ def test_staged_iptables_ipvs_wrr_nftables_with_nodes_in_the_guest(
                 gate={"timeout": GATE_TIMEOUT, "minSyncs": 1, "behaviour": {"budgetSeconds": BEHAVIOUR_BUDGET}},
                 deletionPolicy="Orphan")))
             for node in nodes:
-                assert _proxy_mode(guest, node) == "ipvs"
-                services = _ipvs_services(guest, node)
+                assert proxy_mode(guest, node) == "ipvs"
+                services = ipvs_services(guest, node)
                 assert any(f" {ip}:{port} " in f"{s} " and "-s rr" in s for s in services), services
-                assert _left(guest, node, "ipvs") == {}, f"iptables mode's objects left on {node}"
-                assert _agent_leftovers(h, node) == []
+                assert left(guest, node, "ipvs") == {}, f"iptables mode's objects left on {node}"
+                assert agent_leftovers(h, node) == []
 
             stage("ipvs rr -> wrr", lambda: h.patch(POLICY, {"spec": {"ipvs": {"scheduler": "wrr"}}}))
             for node in nodes:
-                assert _proxy_mode(guest, node) == "ipvs"
-                services = _ipvs_services(guest, node)
+                assert proxy_mode(guest, node) == "ipvs"
+                services = ipvs_services(guest, node)
                 assert any(f" {ip}:{port} " in f"{s} " and "-s wrr" in s for s in services), services
                 assert not any(s.endswith(" -s rr") or " -s rr " in s for s in services), services
-                assert _agent_leftovers(h, node) == []
+                assert agent_leftovers(h, node) == []
 
             stage("ipvs -> nftables", lambda: h.patch(POLICY, {"spec": {"mode": "nftables", "ipvs": None}}))
             for node in nodes:
-                assert _proxy_mode(guest, node) == "nftables"
-                assert _left(guest, node, "nftables") == {}, f"iptables or ipvs mode's objects left on {node}"
-                assert _agent_leftovers(h, node) == []
+                assert proxy_mode(guest, node) == "nftables"
+                assert left(guest, node, "nftables") == {}, f"iptables or ipvs mode's objects left on {node}"
+                assert agent_leftovers(h, node) == []
             assert h.proxy_mode(other) == "iptables", "the host pool was not touched"
         finally:
             host = host_prober.stop()
