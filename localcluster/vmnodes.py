@@ -89,12 +89,13 @@ def parse_plan(text: str) -> list[tuple[int, str]]:
 
 
 def guest_argv(python: str, plan: Sequence[tuple[int, str]], host_nodes: Sequence[int], *, bin_dir: Path,
-               api_url: str) -> list[str]:
-    """The guest's command: start the plan's nodes, serve the host's requests until told to stop."""
+               api_url: str, max_seconds: float) -> list[str]:
+    """The guest's command: start the plan's nodes, serve the host's requests until told to stop (or
+    `max_seconds` have passed: a host test killed with -9 cannot stop QEMU, so the guest ends itself)."""
     return [python, "-m", "localcluster.vmnodes", "guest", "--share", vm.GUEST_RUN_DIR,
             "--nodes", ",".join(f"{i}:{pool}" for i, pool in plan),
             "--host-nodes", ",".join(str(i) for i in host_nodes),
-            "--bin-dir", str(bin_dir), "--api-url", api_url]
+            "--bin-dir", str(bin_dir), "--api-url", api_url, "--max-seconds", f"{max_seconds:g}"]
 
 
 def tap_commands(tap: str) -> list[list[str]]:
@@ -172,7 +173,7 @@ class VmNodes:
             run(argv, timeout=10)
         self._route(add=True)
         argv = guest_argv(sys.executable, self.plan, self._host_nodes, bin_dir=self.info.bin_dir,
-                          api_url=self.info.node_api_url)
+                          api_url=self.info.node_api_url, max_seconds=max(60.0, self.run_timeout - 60))
         env = {"PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1", GUEST_ENV: "1"}
         self._thread = threading.Thread(target=self._run, args=(argv, env), name="vmnodes-qemu", daemon=True)
         self._thread.start()
@@ -370,9 +371,9 @@ class _Server:
         self.share = share
         self.probers: dict[str, workloads.ContinuousProber] = {}
 
-    def serve(self) -> None:
+    def serve(self, deadline: float) -> None:
         requests = self.share / REQUESTS
-        while True:
+        while time.monotonic() < deadline:
             for path in sorted(requests.glob("*.json")):
                 body = json.loads(path.read_text())
                 path.unlink()
@@ -387,6 +388,7 @@ class _Server:
                 tmp.write_text(json.dumps(reply))
                 tmp.rename(self.share / RESPONSES / f"{body['id']}.json")
             time.sleep(POLL_SECONDS)
+        _say("no stop request before the guest's lifetime ran out: stopping")
 
     def handle(self, body: dict[str, Any]) -> dict[str, Any]:
         op, netns = body["op"], body.get("netns")
@@ -447,6 +449,7 @@ def guest_main(args: argparse.Namespace) -> int:
     access = network.ClusterAccess(share / SHARE_KUBECONFIG, Path(args.bin_dir), args.api_url)
     server = _Server(share)
     started = time.monotonic()
+    deadline = started + float(args.max_seconds)
     try:
         _guest_bridge()
         ips = {i: node_ip(i) for i in host_nodes}
@@ -462,7 +465,7 @@ def guest_main(args: argparse.Namespace) -> int:
         (share / f"{READY_FILE}.tmp").write_text(json.dumps({"nodes": names, "seconds": time.monotonic() - started,
                                                              "time": time.time()}))
         (share / f"{READY_FILE}.tmp").rename(share / READY_FILE)
-        server.serve()
+        server.serve(deadline)
         return 0
     finally:
         server.stop_probers()
@@ -480,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     guest.add_argument("--host-nodes", default="", help="indices of the host's nodes (for host-gw routes)")
     guest.add_argument("--bin-dir", required=True)
     guest.add_argument("--api-url", required=True)
+    guest.add_argument("--max-seconds", type=float, default=DEFAULT_RUN_TIMEOUT,
+                       help="stop the nodes and power off after this long even without a stop request")
     args = parser.parse_args(argv)
     if os.environ.get(GUEST_ENV) != "1":
         parser.error("`guest` runs inside the QEMU guest only (it makes a bridge named psbr0)")

@@ -21,12 +21,13 @@ def test_parse_plan() -> None:
 
 def test_guest_argv_round_trips_the_plan_and_uses_the_guest_share() -> None:
     argv = vmnodes.guest_argv("/venv/bin/python", [(4, "vm"), (5, "vm")], [1, 2, 3], bin_dir=Path("/b"),
-                              api_url="https://198.18.0.1:6443")
+                              api_url="https://198.18.0.1:6443", max_seconds=600)
     assert argv[:4] == ["/venv/bin/python", "-m", "localcluster.vmnodes", "guest"]
     assert argv[argv.index("--share") + 1] == vm.GUEST_RUN_DIR
     assert vmnodes.parse_plan(argv[argv.index("--nodes") + 1]) == [(4, "vm"), (5, "vm")]
     assert argv[argv.index("--host-nodes") + 1] == "1,2,3"
     assert argv[argv.index("--api-url") + 1] == "https://198.18.0.1:6443"
+    assert argv[argv.index("--max-seconds") + 1] == "600"  # a guest whose host test died ends itself
 
 
 def test_tap_goes_on_the_cluster_bridge_without_an_address() -> None:
