@@ -49,7 +49,7 @@ def kube_proxy_configuration(mode: str = "iptables") -> dict[str, Any]:
             "kubeconfig": f"{CONFIG_MOUNT}/kubeconfig.conf",
             "qps": 0,
         },
-        "clusterCIDR": paths.CLUSTER_CIDR,
+        "clusterCIDR": paths.KUBE_PROXY_CLUSTER_CIDR,
         "configSyncPeriod": "0s",
         # 0 / 0s mean "do not touch": nf_conntrack_max and the TCP timeouts are
         # host-wide (or read-only) inside a network namespace, so kube-proxy must

@@ -32,7 +32,7 @@ What kube-proxy (1.37, iptables mode) does with them, read in pkg/proxy/iptables
 a Service with no usable endpoint gets a filter REJECT (connection refused); a Local
 internal policy on a node with no local endpoint gets a filter DROP (timeout); an
 external Local policy is bypassed for traffic from the node itself (src-type LOCAL) and
-from pods (the clusterCIDR, 198.18.0.0/15, which covers every address of this cluster),
+from pods (the clusterCIDR, 198.18.0.0/16, which covers every client address of this cluster),
 which go to every endpoint: only a client outside the clusterCIDR would see locality.
 """
 

@@ -48,6 +48,7 @@ from proxyshift.commands import CommandError, run
 ENDPOINT_PREFIX = "ps-ep-"
 NODE_VETH_PREFIX = "psn"
 ENDPOINT_VETH_PREFIX = "pse"
+VM_TAP_PREFIX = "pstap"  # pstap<n>: a QEMU guest's tap device on the bridge (localcluster.vmnodes)
 SINK_LINK = "svcsink0"
 SINK_PEER = "svcsink1"
 SINK_GATEWAY = "198.18.3.254"  # on no interface: only a permanent neighbour entry on SINK_LINK
@@ -224,11 +225,12 @@ def node_dir(state_dir: Path, node: str) -> Path:
 
 
 def simulator_argv(access: ClusterAccess, state_dir: Path, node: str, pool: str,
-                   kubelet_version: str = DEFAULT_KUBELET_VERSION) -> list[str]:
+                   kubelet_version: str = DEFAULT_KUBELET_VERSION, probe_time_scale: float = 1.0) -> list[str]:
     return [sys.executable, "-m", "localcluster.nodesim", "--node", node, "--pool", pool,
             "--node-ip", node_ip(node_index(node)), "--kubeconfig", str(access.kubeconfig),
             "--bin-dir", str(access.bin_dir), "--state-dir", str(state_dir), "--api-url", access.api_url,
-            "--kubelet-version", kubelet_version]
+            "--kubelet-version", kubelet_version,
+            *(["--probe-time-scale", f"{probe_time_scale:g}"] if probe_time_scale != 1 else [])]
 
 
 def create_nodes(state_dir: Path, cluster_info: Any, pools: dict[str, int], *,
@@ -240,13 +242,20 @@ def create_nodes(state_dir: Path, cluster_info: Any, pools: dict[str, int], *,
     simulator process recorded in state.json. Waits until every simulator has
     reported the node once. Idempotent: an existing namespace or object is kept.
     """
-    state_dir = Path(state_dir)
-    access = cluster_access(cluster_info)
-    plan = _node_plan(pools)
+    ensure_bridge()
+    return start_nodes(Path(state_dir), cluster_access(cluster_info), _node_plan(pools),
+                       kubelet_version=kubelet_version)
+
+
+def start_nodes(state_dir: Path, access: ClusterAccess, plan: list[tuple[int, str]], *,
+                kubelet_version: str = DEFAULT_KUBELET_VERSION,
+                start_timeout: float = SIMULATOR_START_TIMEOUT, probe_time_scale: float = 1.0) -> list[str]:
+    """The nodes of `plan` ([(index, pool)]) on an existing bridge: what `create_nodes` does after
+    `ensure_bridge`. The QEMU guest's nodes (localcluster.vmnodes) start here on a bridge of the guest's
+    own, which must not carry the host bridge's address."""
     layout = paths.StateLayout(state_dir)
     state.record_path(state_dir, layout.nodes)
     layout.nodes.mkdir(parents=True, exist_ok=True)
-    ensure_bridge()
     api = kubeapi.api_client(access.kubeconfig)
     names = []
     started = []
@@ -262,9 +271,10 @@ def create_nodes(state_dir: Path, cluster_info: Any, pools: dict[str, int], *,
         if any(r["name"] == proc_name and r["alive"] for r in state.running(state_dir)):
             continue
         node_dir(state_dir, name).mkdir(parents=True, exist_ok=True)
-        proc = state.spawn(state_dir, proc_name, simulator_argv(access, state_dir, name, pool, kubelet_version))
+        argv = simulator_argv(access, state_dir, name, pool, kubelet_version, probe_time_scale)
+        proc = state.spawn(state_dir, proc_name, argv)
         started.append((name, proc, ready_file))
-    deadline = time.monotonic() + SIMULATOR_START_TIMEOUT
+    deadline = time.monotonic() + start_timeout
     for name, proc, ready_file in started:
         while not ready_file.exists():
             if proc.poll() is not None:
@@ -272,7 +282,7 @@ def create_nodes(state_dir: Path, cluster_info: Any, pools: dict[str, int], *,
                                    f"{layout.log('nodesim-' + name)}: {_tail(layout.log('nodesim-' + name))}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"node simulator for {name} did not report within "
-                                   f"{SIMULATOR_START_TIMEOUT:g}s; see {layout.log('nodesim-' + name)}")
+                                   f"{start_timeout:g}s; see {layout.log('nodesim-' + name)}")
             time.sleep(0.1)
     return names
 
@@ -294,7 +304,12 @@ def remove_node(state_dir: Path, cluster_info: Any, node: str) -> None:
         podnet.unroute_pod_range(neighbour, index)
     if f"{NODE_VETH_PREFIX}{index}" in _links():
         run(["ip", "link", "del", f"{NODE_VETH_PREFIX}{index}"], check=False)
-    kube = kubeapi.api_client(cluster_access(cluster_info).kubeconfig)
+    forget_node(kubeapi.api_client(cluster_access(cluster_info).kubeconfig), node)
+    shutil.rmtree(node_dir(state_dir, node), ignore_errors=True)
+
+
+def forget_node(kube: kubeapi.Kube, node: str) -> None:
+    """Delete a gone node's Node object and its pods from the API (idempotent)."""
     paths_ = [f"/api/v1/nodes/{node}"]
     # The pod garbage collector would delete the pods of a vanished node; it is not among the
     # local cluster's controllers, and a DaemonSet counts such a pod forever.
@@ -306,7 +321,6 @@ def remove_node(state_dir: Path, cluster_info: Any, node: str) -> None:
         except kubeapi.KubeError as exc:
             if exc.status != 404:
                 raise
-    shutil.rmtree(node_dir(state_dir, node), ignore_errors=True)
 
 
 def _tail(path: Path, lines: int = 5) -> str:
@@ -455,6 +469,9 @@ def remove_all(state_dir: Path) -> None:
         run(["ip", "netns", "del", netns], check=False)
     for link in _links():
         if link.startswith((NODE_VETH_PREFIX, ENDPOINT_VETH_PREFIX)) and link[3:].isdigit():
+            run(["ip", "link", "del", link], check=False)
+        elif link.startswith(VM_TAP_PREFIX) and link[len(VM_TAP_PREFIX):].isdigit():
+            # A QEMU guest's NIC on the bridge (localcluster.vmnodes), left by a killed test.
             run(["ip", "link", "del", link], check=False)
     if paths.BRIDGE_NAME in _links():
         run(["ip", "link", "del", paths.BRIDGE_NAME], check=False)

@@ -18,6 +18,12 @@ BRIDGE_PREFIX = 16
 SERVICE_CIDR = "198.19.0.0/16"
 KUBERNETES_SERVICE_IP = "198.19.0.1"
 CLUSTER_CIDR = "198.18.0.0/15"
+# kube-proxy's clusterCIDR: every client address of this cluster (nodes, endpoints, pods, second node
+# addresses: the bridge's /16), never the Service CIDR. In ipvs mode a node's own connection to a
+# ClusterIP leaves with that ClusterIP as its source (every VIP is bound on kube-ipvs0) and is
+# masqueraded only when the source is outside clusterCIDR (pkg/proxy/ipvs/proxier.go, "masquerade
+# purpose"): with the whole 198.18.0.0/15 it went out un-NATed and its reply had no way back.
+KUBE_PROXY_CLUSTER_CIDR = "198.18.0.0/16"
 APISERVER_PORT = 6443
 ETCD_CLIENT_PORT = 2379
 ETCD_PEER_PORT = 2380

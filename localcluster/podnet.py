@@ -6,8 +6,8 @@ path. So each node gets one pod namespace:
 
 - pod range of node i: a /27 in 198.18.32.0/19, node 1 198.18.32.0/27, node 2
   198.18.32.32/27, ..., node 200 198.18.56.224/27 (`pod_cidr(i)`). 198.18.32.0/19 is
-  inside the bridge's 198.18.0.0/16 (and so inside kube-proxy's clusterCIDR
-  198.18.0.0/15: pods count as cluster-local sources, as on a real cluster) but clear of
+  inside the bridge's 198.18.0.0/16 (and so inside kube-proxy's clusterCIDR, the same
+  198.18.0.0/16: pods count as cluster-local sources, as on a real cluster) but clear of
   the nodes (198.18.0.0/24), the endpoints (198.18.1.0/24) and the second node
   addresses (198.18.2.0/24); the more specific /27 routes win over the bridge's
   on-link /16 wherever they are installed.

@@ -14,7 +14,9 @@ The guest:
   never meets the host's;
 - has the unpacked kernel's modules as its /lib/modules (a second share), so
   `modprobe ip_vs` works;
-- has no network device at all (`-nic none`): nothing can leave it;
+- has no network device at all (`-nic none`): nothing can leave it. Only when asked (`tap=`), one
+  virtio-net NIC on a tap device the caller made and put on the local cluster's bridge, for the
+  guest's cluster nodes (localcluster.vmnodes); the guest then has no route out of 198.18.0.0/15;
 - writes the command's output (stdout and stderr, merged) to a virtio serial
   port, which QEMU appends to a host file that we stream while it runs, and its
   exit code into a third, per-run share (`GUEST_RUN_DIR` inside), where the
@@ -34,11 +36,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, TextIO
+from typing import BinaryIO, Protocol
 
 from localcluster import vmkernel
 from proxyshift.commands import stop_child
@@ -53,6 +56,17 @@ DEFAULT_TIMEOUT_SECONDS = 900.0
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 KERNEL_CMDLINE = "console=ttyS0 quiet loglevel=4 panic=-1 rdinit=/init"
 POLL_SECONDS = 0.2
+NETDEV_ID = "psnet"
+# Locally administered (02:...), 198.18.4.1's octets: the one NIC of a networked guest.
+GUEST_MAC = "02:00:c6:12:04:01"
+
+
+class OutputStream(Protocol):
+    """Where the guest's output goes while it runs (a text file, sys.stderr, a tee of both)."""
+
+    def write(self, text: str, /) -> int: ...
+
+    def flush(self) -> None: ...
 
 
 class VmError(RuntimeError):
@@ -104,8 +118,19 @@ def stage2_script(argv: Sequence[str], cwd: str, env: Mapping[str, str]) -> str:
     return text
 
 
+def network_argv(tap: str | None, mac: str = GUEST_MAC) -> list[str]:
+    """No network device at all, or one virtio-net NIC on an existing tap device (no QEMU scripts:
+    the caller made the tap and put it on the bridge, and removes it)."""
+    if tap is None:
+        return ["-nic", "none"]  # no network device at all: nothing the guest does can leave it
+    if not tap or "," in tap or len(tap) > 15:
+        raise ValueError(f"bad tap device name {tap!r}")
+    return ["-netdev", f"tap,id={NETDEV_ID},ifname={tap},script=no,downscript=no",
+            "-device", f"virtio-net-pci,netdev={NETDEV_ID},mac={mac}"]
+
+
 def qemu_argv(kernel: vmkernel.GuestKernel, run_share: Path, output: Path, console: Path, *,
-              memory_mib: int, cpus: int, accel: str) -> list[str]:
+              memory_mib: int, cpus: int, accel: str, tap: str | None = None) -> list[str]:
     accel_arg = "tcg,thread=multi,tb-size=256" if accel == "tcg" else accel
 
     def share(tag: str, path: Path, *, readonly: bool, remap: bool = False) -> list[str]:
@@ -119,7 +144,7 @@ def qemu_argv(kernel: vmkernel.GuestKernel, run_share: Path, output: Path, conso
         "qemu-system-x86_64", "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
         "-accel", accel_arg, "-machine", "pc", "-cpu", "max", "-smp", str(cpus), "-m", f"{memory_mib}M",
         "-kernel", str(kernel.vmlinux), "-initrd", str(kernel.initramfs), "-append", KERNEL_CMDLINE,
-        "-nic", "none",  # no network device at all: nothing the guest does can leave it
+        *network_argv(tap),
         "-serial", f"file:{console}",
         *share("hostroot", Path("/"), readonly=True, remap=True),
         *share("psmodules", kernel.modules_dir, readonly=True),
@@ -136,12 +161,15 @@ def _say(message: str) -> None:
 
 def run_in_vm(argv: Sequence[str], *, cwd: str | Path = "/", env: Mapping[str, str] | None = None,
               timeout: float = DEFAULT_TIMEOUT_SECONDS, memory_mib: int | None = None, cpus: int | None = None,
-              run_dir: Path | None = None, stream: TextIO | None = None,
-              kernel: vmkernel.GuestKernel | None = None) -> VmResult:
+              run_dir: Path | None = None, stream: OutputStream | None = None,
+              kernel: vmkernel.GuestKernel | None = None, tap: str | None = None,
+              stop: threading.Event | None = None) -> VmResult:
     """Boot the guest, run `argv` as root in `cwd` with exactly `env` (plus PATH/HOME defaults).
 
     `run_dir` (a host folder) is the guest's GUEST_RUN_DIR; without it a temporary
-    one is made and removed. `stream` gets the output while it runs.
+    one is made and removed. `stream` gets the output while it runs. `tap`: the guest's one NIC
+    is on this existing tap device (default: no network device). `stop` set by another thread
+    stops QEMU like a timeout does (the result then has timed_out set).
     """
     if not argv:
         raise ValueError("run_in_vm needs a command")
@@ -159,7 +187,7 @@ def run_in_vm(argv: Sequence[str], *, cwd: str | Path = "/", env: Mapping[str, s
     (share / "stage2.sh").write_text(stage2_script(argv, str(cwd), guest_env))
     output, console = work / "output", work / "console.log"
     output.touch()
-    cmd = qemu_argv(kernel, share, output, console, memory_mib=memory_mib, cpus=cpus, accel=accel)
+    cmd = qemu_argv(kernel, share, output, console, memory_mib=memory_mib, cpus=cpus, accel=accel, tap=tap)
     _say(f"booting {kernel.release} ({accel}, {cpus} vCPU, {memory_mib} MiB): {' '.join(shlex.quote(a) for a in argv)}")
     started = time.monotonic()
     timed_out = False
@@ -174,6 +202,10 @@ def run_in_vm(argv: Sequence[str], *, cwd: str | Path = "/", env: Mapping[str, s
                     if time.monotonic() - started > timeout:
                         timed_out = True
                         _say(f"timeout after {timeout:g}s: stopping qemu (pid {proc.pid})")
+                        break
+                    if stop is not None and stop.is_set():
+                        timed_out = True
+                        _say(f"asked to stop: stopping qemu (pid {proc.pid})")
                         break
                     _drain(reader, chunks, stream)
                     time.sleep(POLL_SECONDS)
@@ -198,7 +230,7 @@ def run_in_vm(argv: Sequence[str], *, cwd: str | Path = "/", env: Mapping[str, s
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _drain(reader: BinaryIO, chunks: list[str], stream: TextIO | None) -> None:
+def _drain(reader: BinaryIO, chunks: list[str], stream: OutputStream | None) -> None:
     data = reader.read()
     if data:
         text = data.decode(errors="replace")

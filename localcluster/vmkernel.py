@@ -43,8 +43,10 @@ STAMP_NAME = ".complete"
 XZ_MAGIC = b"\xfd7zXZ\x00"
 BUSYBOX_PACKAGE = "busybox-static"  # a static binary: it runs in a bare initramfs
 # Modules the initramfs loads before it can mount the host's root (9p over virtio-pci), write
-# its output (virtio console ports) and stack a tmpfs over the read-only share (overlay).
-INITRAMFS_MODULES = ("virtio_pci", "9pnet_virtio", "9p", "virtio_console", "overlay")
+# its output (virtio console ports) and stack a tmpfs over the read-only share (overlay); and
+# virtio_net (with failover, net_failover) for a guest given a NIC (vm.run_in_vm(tap=...)): the guest
+# has no udev to load a PCI device's driver. Without a NIC it binds nothing.
+INITRAMFS_MODULES = ("virtio_pci", "9pnet_virtio", "9p", "virtio_console", "overlay", "virtio_net")
 APT_TIMEOUT_SECONDS = 900.0
 STEP_TIMEOUT_SECONDS = 300.0
 

@@ -173,7 +173,8 @@ def _host_snapshot(state_dir: Path) -> dict[str, Any]:
         # Only ours: other engineers' tests make ps-test-* namespaces and their own links meanwhile.
         "namespaces": sorted(n.split()[0] for n in netns if n.startswith(("ps-node-", "ps-ep-"))),
         "interfaces": sorted(name for name in (line.split(":", 2)[1].strip().split("@")[0] for line in links)
-                             if name == "psbr0" or (name[:3] in ("psn", "pse") and name[3:].isdigit())),
+                             if name == "psbr0" or (name[:3] in ("psn", "pse") and name[3:].isdigit())
+                             or (name.startswith("pstap") and name[5:].isdigit())),  # a QEMU guest's tap
         "routes": [line for line in run(["ip", "route", "show", "table", "all"]).stdout.splitlines()
                    if "198.18." in line or "198.19." in line],
         "processes": _our_processes(state_dir),

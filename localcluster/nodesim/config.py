@@ -26,6 +26,8 @@ class SimConfig:
     # The node's pod namespace and its address (podnet); unset: every pod runs in the node's own.
     pod_netns: str = ""
     pod_ip: str = ""
+    # Probes' initial delays and timeouts times this (probes.scaled_probes): >1 on a slow (emulated) node.
+    probe_time_scale: float = 1.0
 
     @property
     def node_dir(self) -> Path:

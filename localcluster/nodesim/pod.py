@@ -34,7 +34,7 @@ from localcluster.nodesim.podspec import (
     image_paths,
     python_path,
 )
-from localcluster.nodesim.probes import ProbeState, probe_once
+from localcluster.nodesim.probes import ProbeState, probe_once, scaled_probes
 from localcluster.nodesim.volumes import PodVolumes
 
 log = logging.getLogger("proxyshift.nodesim")
@@ -82,7 +82,8 @@ class PodWorker(threading.Thread):
                     for s in (pod.get("status") or {}).get("containerStatuses") or []}
         spec = pod["spec"]
         self.init_runs = [ContainerRun(c, init=True) for c in spec.get("initContainers") or []]
-        self.runs = [ContainerRun(c, restart_count=previous.get(c["name"], 0)) for c in spec["containers"]]
+        self.runs = [ContainerRun(scaled_probes(c, self.cfg.probe_time_scale), restart_count=previous.get(c["name"], 0))
+                     for c in spec["containers"]]
         self.start_time = (pod.get("status") or {}).get("startTime") or now_rfc3339()
         # hostNetwork pods run in the node's namespace; the others in the node's one pod namespace.
         self.host_network = bool(spec.get("hostNetwork")) or not self.cfg.pod_netns

@@ -11,6 +11,30 @@ from typing import Any
 
 from localcluster.nodesim.podspec import resolve_port
 
+PROBE_KEYS = ("startupProbe", "readinessProbe", "livenessProbe")
+
+
+def scaled_probes(container: dict[str, Any], scale: float) -> dict[str, Any]:
+    """The container spec with each probe's initialDelaySeconds and timeoutSeconds times `scale`.
+
+    For a node whose programs run `scale` times slower than the probes were written for (the QEMU
+    guest's emulation, localcluster.vmnodes): a liveness probe that gives the agent 45 s to serve
+    /healthz restarts it forever where its start takes a minute. periodSeconds and the thresholds stay,
+    so readiness is seen as soon as on any node. scale 1 returns the spec unchanged.
+    """
+    if scale == 1:
+        return container
+    if scale <= 0:
+        raise ValueError(f"probe time scale must be positive, got {scale}")
+    out = dict(container)
+    for key in PROBE_KEYS:
+        if out.get(key):
+            probe = dict(out[key])
+            probe["initialDelaySeconds"] = float(probe.get("initialDelaySeconds", 0)) * scale
+            probe["timeoutSeconds"] = float(probe.get("timeoutSeconds", 1)) * scale
+            out[key] = probe
+    return out
+
 
 def probe_once(probe: dict[str, Any], container: dict[str, Any], host: str) -> tuple[bool, str]:
     """Run one probe; called on a thread that lives in the node's network namespace."""

@@ -196,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kubelet-version", default="v1.37.2")
     parser.add_argument("--backoff-base", type=float, default=10.0)
     parser.add_argument("--backoff-max", type=float, default=300.0)
+    parser.add_argument("--probe-time-scale", type=float, default=1.0,
+                        help="multiply probes' initialDelaySeconds and timeoutSeconds (a node in the QEMU guest)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.node} %(levelname)s %(message)s")
     node_ip = args.node_ip
@@ -210,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
                     bin_dir=args.bin_dir, state_dir=args.state_dir, api_host=host or rest,
                     api_port=int(port) if host else 443, kubelet_version=args.kubelet_version,
                     backoff_base=args.backoff_base, backoff_max=args.backoff_max,
-                    pod_netns=podnet.pod_netns(args.node), pod_ip=pod_ip)
+                    pod_netns=podnet.pod_netns(args.node), pod_ip=pod_ip,
+                    probe_time_scale=args.probe_time_scale)
     Simulator(cfg).run()
 
 

@@ -5,8 +5,8 @@ the baseline iptables kube-proxy from each node's own namespace (OUTPUT) and fro
 What kube-proxy 1.37's iptables mode does, read in pkg/proxy/iptables/proxier.go and asserted here:
 no usable endpoint -> filter REJECT (refused); internalTrafficPolicy Local on a node without a
 local endpoint -> filter DROP (timeout); externalTrafficPolicy Local is short-circuited to every
-endpoint for traffic from the node (src-type LOCAL) and from pods (the clusterCIDR 198.18.0.0/15,
-which covers every address of this cluster), so from these two paths it answers everywhere;
+endpoint for traffic from the node (src-type LOCAL) and from pods (the clusterCIDR 198.18.0.0/16,
+which covers every client address of this cluster), so from these two paths it answers everywhere;
 NodePorts answer on every local address (nodePortAddresses unset) and on 127.0.0.1
 (localhostNodePorts defaults to true: kube-proxy sets route_localnet).
 """

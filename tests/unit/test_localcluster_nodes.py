@@ -145,3 +145,30 @@ def test_a_python_image_runs_its_own_package_from_this_checkout() -> None:
     assert rest == product and (Path(testbed) / "localcluster" / "nodesim" / "podspec.py").exists()
     assert testbed in podspec.image_paths()
 
+
+
+def test_probe_time_scale_stretches_initial_delays_and_timeouts_only() -> None:
+    from localcluster.nodesim import probes
+
+    container = {"name": "agent", "image": "x",
+                 "livenessProbe": {"httpGet": {"path": "/healthz", "port": 9811}, "initialDelaySeconds": 5,
+                                   "periodSeconds": 20, "timeoutSeconds": 5, "failureThreshold": 3},
+                 "readinessProbe": {"httpGet": {"path": "/readyz", "port": 9811}, "periodSeconds": 10}}
+    assert probes.scaled_probes(container, 1) is container
+    scaled = probes.scaled_probes(container, 20)
+    assert scaled["livenessProbe"]["initialDelaySeconds"] == 100 and scaled["livenessProbe"]["timeoutSeconds"] == 100
+    assert scaled["livenessProbe"]["periodSeconds"] == 20 and scaled["livenessProbe"]["failureThreshold"] == 3
+    # Defaults (0 s delay, 1 s timeout) scale too; the period stays, so readiness is seen as often.
+    assert scaled["readinessProbe"]["initialDelaySeconds"] == 0 and scaled["readinessProbe"]["timeoutSeconds"] == 20
+    assert scaled["readinessProbe"]["periodSeconds"] == 10
+    assert container["livenessProbe"]["initialDelaySeconds"] == 5, "the pod's own spec is not changed"
+    with pytest.raises(ValueError, match="positive"):
+        probes.scaled_probes(container, 0)
+
+
+def test_simulator_argv_passes_a_probe_time_scale_only_when_set() -> None:
+    access = network.ClusterAccess(Path("/k"), Path("/bin"), "https://198.18.0.1:6443")
+    plain = network.simulator_argv(access, Path("/s"), "ps-node-4", "vm")
+    assert "--probe-time-scale" not in plain
+    scaled = network.simulator_argv(access, Path("/s"), "ps-node-4", "vm", probe_time_scale=20)
+    assert scaled[scaled.index("--probe-time-scale") + 1] == "20" and scaled[:len(plain)] == plain

@@ -111,6 +111,24 @@ def test_qemu_gets_no_network_a_read_only_host_root_and_tcg(tmp_path):
     assert argv[argv.index("-m") + 1] == "1024M" and argv[argv.index("-smp") + 1] == "1"
 
 
+def test_qemu_gets_one_virtio_nic_on_the_given_tap_only_when_asked(tmp_path):
+    pin = vmkernel.KernelPin("linux-image-6.1.0-test-amd64", "1", "0" * 64)
+    kernel = vmkernel.GuestKernel(pin=pin, root=tmp_path, vmlinux=tmp_path / "vmlinux",
+                                  initramfs=tmp_path / "i.cpio", modules_dir=tmp_path / "lib/modules")
+    argv = vm.qemu_argv(kernel, tmp_path / "share", tmp_path / "out", tmp_path / "console", memory_mib=1024,
+                        cpus=1, accel="tcg", tap="pstap0")
+    assert "-nic" not in argv and "-nodefaults" in argv
+    netdev = argv[argv.index("-netdev") + 1]
+    # An existing tap, no helper scripts (they would configure the host), no user-mode network.
+    assert netdev == "tap,id=psnet,ifname=pstap0,script=no,downscript=no"
+    assert argv.count("-netdev") == 1 and "user," not in " ".join(argv)
+    device = next(a for a in argv if a.startswith("virtio-net-pci,"))
+    assert "netdev=psnet" in device and f"mac={vm.GUEST_MAC}" in device
+    for bad in ("", "a,b", "x" * 16):
+        with pytest.raises(ValueError, match="tap"):
+            vm.network_argv(bad)
+
+
 def test_parse_env():
     assert vm.parse_env(["A=1", "B=x=y", "C="]) == {"A": "1", "B": "x=y", "C": ""}
     with pytest.raises(ValueError, match="NAME=VALUE"):

@@ -68,3 +68,17 @@ def test_a_node_with_every_ipvs_tool_passes_both() -> None:
     assert predict_preflight(_node(tools, ["ip_vs", "ip_vs_rr", "nf_conntrack"]), policy(mode="ipvs")) == []
     report = _node_check("ipvs", ToolVersions(iptables="1.8.9", iptables_nat=True, ipset="7.17"))
     assert not [m for m in report.missing if not m.what.startswith("kernel module")]
+
+
+def test_ipvs_set_names_are_kube_proxys_including_its_cut_ipv6_names() -> None:
+    """kube-proxy cuts an IPv6 set name to the kernel's 31 characters (v1.37 pkg/proxy/ipvs/ipset.go NewIPSet);
+    the flush must know the cut names, or they stay behind (seen on a real ipvs -> nftables move in the guest:
+    kube-proxy's own cleanup destroys only the IPv4 names)."""
+    from proxyshift.agent.ownership import is_kube_proxy_ipset
+    from proxyshift.modes.ipvs import IPSET_MAX_NAME, IPVS_IPSETS
+
+    assert all(len(name) <= IPSET_MAX_NAME for name in IPVS_IPSETS)
+    for cut in ("KUBE-6-LOAD-BALANCER-SOURCE-CID", "KUBE-6-NODE-PORT-LOCAL-SCTP-HAS"):
+        assert cut in IPVS_IPSETS and is_kube_proxy_ipset(cut)
+    assert "KUBE-6-LOAD-BALANCER-SOURCE-IP" in IPVS_IPSETS and "KUBE-LOAD-BALANCER-SOURCE-CIDR" in IPVS_IPSETS
+    assert not is_kube_proxy_ipset("KUBE-6-LOAD-BALANCER-SOURCE-CIDR"), "a name kube-proxy cannot create"

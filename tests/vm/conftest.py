@@ -16,7 +16,14 @@ checkout, so the same `pythonpath` setting finds them.
 from __future__ import annotations
 
 import pytest
-from vm_layer import VM_SUMMARY_KEY, in_guest
+from vm_layer import VM_E2E_SUMMARY_KEY, VM_SUMMARY_KEY, VM_USER_IPVS_SUMMARY_KEY, in_guest
+
+# The operator fixtures of tests/e2e for the staged rollout with a node in the guest
+# (test_vm_staged_rollout.py, on the host); the guest's own pytest has no cluster and skips the import.
+if not in_guest():
+    from tests.support.operator_harness import harness, operator_process, proxyshift_installed
+
+    __all__ = ["harness", "operator_process", "proxyshift_installed"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -30,7 +37,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    summary = config.stash.get(VM_SUMMARY_KEY, None)
-    if summary:
+    lines = [config.stash.get(key, None) for key in (VM_SUMMARY_KEY, VM_E2E_SUMMARY_KEY, VM_USER_IPVS_SUMMARY_KEY)]
+    lines = [line for line in lines if line]
+    if lines:
         terminalreporter.write_sep("-", "vm layer")
-        terminalreporter.write_line(summary)
+        for line in lines:
+            terminalreporter.write_line(line)

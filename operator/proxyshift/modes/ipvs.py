@@ -21,8 +21,20 @@ _IPVS_SET_BASES = (
     "NODE-PORT-SCTP-HASH", "NODE-PORT-LOCAL-SCTP-HASH", "NODE-PORT-SCTP", "NODE-PORT-LOCAL-SCTP",
     "HEALTH-CHECK-NODE-PORT", "IPVS-IPS",
 )
-# IPv4 sets are KUBE-<base>; dual-stack IPv6 sets are KUBE-6-<base>.
-IPVS_IPSETS = frozenset({f"KUBE-{b}" for b in _IPVS_SET_BASES} | {f"KUBE-6-{b}" for b in _IPVS_SET_BASES})
+# The kernel's longest ipset name (IPSET_MAXNAMELEN 32 with its NUL).
+IPSET_MAX_NAME = 31
+
+
+def ipv6_set_name(base: str) -> str:
+    """kube-proxy's IPv6 name of a set: KUBE-6-<base>, cut to 31 characters as kube-proxy cuts it
+    (v1.37 pkg/proxy/ipvs/ipset.go NewIPSet): KUBE-6-LOAD-BALANCER-SOURCE-CIDR is created as
+    KUBE-6-LOAD-BALANCER-SOURCE-CID, KUBE-6-NODE-PORT-LOCAL-SCTP-HASH as KUBE-6-NODE-PORT-LOCAL-SCTP-HAS.
+    kube-proxy's own ipvs cleanup destroys only the IPv4 names, so the agent's flush is what removes these."""
+    return f"KUBE-6-{base}"[:IPSET_MAX_NAME]
+
+
+# IPv4 sets are KUBE-<base>; dual-stack IPv6 sets are KUBE-6-<base> (cut to 31 characters).
+IPVS_IPSETS = frozenset({f"KUBE-{b}" for b in _IPVS_SET_BASES} | {ipv6_set_name(b) for b in _IPVS_SET_BASES})
 
 # Sets whose members are service addresses kube-proxy bound (ip,proto:port entries).
 IPVS_ADDRESS_SETS = frozenset({
