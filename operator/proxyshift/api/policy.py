@@ -47,6 +47,10 @@ NODE_PORT_ADDRESS_PATTERN = (
     r"(12[0-8]|1[01][0-9]|[1-9]?[0-9]))$"
 )
 NODE_PORT_ADDRESS_MESSAGE = "must be a CIDR (like 198.18.0.0/16) or one of the keywords primary, localhost, all"
+# ipvs.excludeCIDRs: CIDRs only (kube-proxy 1.37 refuses to start on anything else, after the switch).
+CIDR_PATTERN = (rf"^(({_OCTET}\.){{3}}{_OCTET}/(3[0-2]|[12]?[0-9])|[0-9a-fA-F:.]*:[0-9a-fA-F:.]*/"
+                r"(12[0-8]|1[01][0-9]|[1-9]?[0-9]))$")
+CIDR_MESSAGE = "must be a CIDR (like 198.18.5.0/24)"
 # kube-proxy's alpha feature gate (1.37) that serves TCP NodePorts on loopback in nftables mode
 # through a userspace proxy, when nodePortAddresses names loopback explicitly.
 NFTABLES_LOCALHOST_GATE = "KubeProxyNFTablesLocalhostNodePorts"
@@ -89,8 +93,22 @@ class IPVSSettings(KubeModel):
         default=None,
         alias="excludeCIDRs",
         max_length=MAX_EXCLUDE_CIDRS,
-        description="CIDRs whose IPVS rules kube-proxy must not touch.",
+        description="CIDRs whose IPVS virtual servers kube-proxy must not touch: an ipvs kube-proxy deletes, at "
+        "every sync, each virtual server it did not create outside them (list your own, e.g. keepalived's).",
+        json_schema_extra={"items": {"type": "string", "maxLength": 64, "pattern": CIDR_PATTERN}},
     )
+
+    @field_validator("exclude_cidrs")
+    @classmethod
+    def _exclude_cidrs(cls, values: list[str] | None) -> list[str] | None:
+        for value in values or []:
+            try:
+                ipaddress.ip_network(value, strict=False)
+            except ValueError:
+                raise ValueError(f"{value!r} {CIDR_MESSAGE}") from None
+            if "/" not in value:
+                raise ValueError(f"{value!r} {CIDR_MESSAGE}")
+        return _check_unique(values)
 
 
 class IPTablesSettings(KubeModel):
