@@ -50,12 +50,21 @@ def pod_item(obj: dict[str, Any]) -> tuple[str, w.KubeProxyPodView] | None:
     return (f"{meta.get('namespace')}/{meta.get('name')}", view) if view is not None else None
 
 
+# What the operator reads of a ProxyNode's metadata: its name, and the resourceVersion that tells when its
+# own write is back (Fleet.seen_version). The rest (managedFields above all: server-side apply records
+# every spec field the operator owns and every status field the agent writes, about 10 KB of parsed JSON
+# per ProxyNode) would be kept for nothing, for every node of the fleet.
+PROXYNODE_METADATA = ("name", "uid", "resourceVersion", "generation", "creationTimestamp", "deletionTimestamp")
+
+
 def proxynode_item(obj: dict[str, Any]) -> tuple[str, ProxyNode] | None:
-    name = (obj.get("metadata") or {}).get("name")
+    meta = obj.get("metadata") or {}
+    name = meta.get("name")
     if not name:
         return None
+    slim = {**obj, "metadata": {k: meta[k] for k in PROXYNODE_METADATA if k in meta}}
     try:
-        return name, ProxyNode.model_validate(obj)
+        return name, ProxyNode.model_validate(slim)
     except ValidationError as exc:
         log.warning("ProxyNode %s is invalid and is ignored: %s", name, exc)
         return None
