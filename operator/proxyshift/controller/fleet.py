@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-import kubernetes
 from pydantic import ValidationError
 
 from proxyshift.api.proxynode import ProxyNode
@@ -22,6 +21,7 @@ from proxyshift.controller.executor import Written
 from proxyshift.controller.kube import API_GROUP, API_VERSION, PROXYNODES
 from proxyshift.controller.metrics import ProxyNodeSeries
 from proxyshift.controller.mirror import Mirror
+from proxyshift.controller.rest import Collection
 from proxyshift.controller.service_cache import service_mirrors, service_world
 from proxyshift.controller.settings import OperatorConfig
 from proxyshift.controller.snapshot import kube_proxy_pod_view, node_view
@@ -118,14 +118,15 @@ class Fleet:
 
     def build(self, config: OperatorConfig) -> None:
         """The mirrors, not yet started; the kubernetes client's configuration must be loaded."""
-        core = kubernetes.client.CoreV1Api()
-        custom = kubernetes.client.CustomObjectsApi()
-        self.mirrors[NODES] = Mirror(NODES, core.list_node, node_item, self.node_changed)
-        self.mirrors[PODS] = Mirror(PODS, core.list_namespaced_pod, pod_item, self.pod_changed,
-                                    args=(config.kube_proxy_namespace,),
+        # Raw collections, not the typed CoreV1Api (controller/rest.py: its import alone is ~78 MB).
+        nodes = Collection("/api/v1/nodes")
+        pods = Collection(f"/api/v1/namespaces/{config.kube_proxy_namespace}/pods")
+        proxynodes = Collection(f"/apis/{API_GROUP}/{API_VERSION}/{PROXYNODES}")
+        self.mirrors[NODES] = Mirror(NODES, nodes.list, node_item, self.node_changed)
+        self.mirrors[PODS] = Mirror(PODS, pods.list, pod_item, self.pod_changed,
                                     kwargs={"label_selector": config.kube_proxy_pod_label})
-        self.mirrors[PROXYNODE_MIRROR] = Mirror(PROXYNODE_MIRROR, custom.list_cluster_custom_object, proxynode_item,
-                                                self.proxynode_changed, args=(API_GROUP, API_VERSION, PROXYNODES))
+        self.mirrors[PROXYNODE_MIRROR] = Mirror(PROXYNODE_MIRROR, proxynodes.list, proxynode_item,
+                                                self.proxynode_changed)
         self.mirrors.update(service_mirrors())
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
