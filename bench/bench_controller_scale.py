@@ -328,12 +328,21 @@ def pyspy_argv(pid: int, out: Path) -> list[str]:
             "--nonblocking", "--format", "raw", "--output", str(out)]
 
 
+# Innermost frames of a thread that waits (on a socket, the selector, the loop's self-pipe): py-spy without
+# pausing the process (--nonblocking) cannot tell such a thread from a busy one, so these are counted apart.
+WAITING_FRAMES = frozenset({"SSLSocket.read (ssl.py)", "EpollSelector.select (selectors.py)",
+                            "poll_wait_for_socket.<locals>.do_poll (wait.py)",
+                            "BaseSelectorEventLoop._write_to_self (selector_events.py)",
+                            "SocketIO.readinto (socket.py)", "Condition.wait (threading.py)"})
+
+
 def profile_summary(path: Path, top: int = 25) -> str:
-    """py-spy's collapsed stacks ("frame;frame;... count") as the share of CPU samples per function:
-    inclusive (the function anywhere on the stack) and self (the innermost frame)."""
+    """py-spy's collapsed stacks ("frame;frame;... count") as the share of samples per function: samples
+    whose innermost frame waits (WAITING_FRAMES) apart, then of the others (the CPU's) inclusive (the
+    function anywhere on the stack) and self (the innermost frame)."""
     inclusive: collections.Counter[str] = collections.Counter()
     own: collections.Counter[str] = collections.Counter()
-    total = 0
+    total = waiting = 0
     try:
         text = path.read_text()
     except OSError as exc:
@@ -344,13 +353,17 @@ def profile_summary(path: Path, top: int = 25) -> str:
             continue
         frames = [f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0].rsplit("/", 1)[-1] + ")"
                   if " (" in f else f for f in stack.split(";")]
+        if frames[-1] in WAITING_FRAMES:
+            waiting += int(count)
+            continue
         total += int(count)
         for frame in set(frames):
             inclusive[frame] += int(count)
         own[frames[-1]] += int(count)
     if not total:
         return "  no samples"
-    rows = [f"  {total} samples at 20 Hz (CPU, not idle): inclusive"]
+    rows = [f"  {total + waiting} samples at 20 Hz, {waiting} of them waiting on a socket or selector; "
+            f"of the other {total} (~{total / 20:.0f} s of the operator's CPU): inclusive"]
     rows += [f"    {100 * c / total:5.1f}%  {f}" for f, c in inclusive.most_common(top)]
     rows.append("  self (innermost frame)")
     rows += [f"    {100 * c / total:5.1f}%  {f}" for f, c in own.most_common(top)]
