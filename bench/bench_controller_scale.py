@@ -37,8 +37,17 @@ nftables over all N nodes with maxUnavailable 10% applied. Measured:
                (harness, then floor client) and the whole machine in the
                rollout and in the floor: where the time went
 
+  RSS at apply the operator's VmRSS when the policy is applied (caches filled)
+
+Options for finding out why: --profile samples the operator with py-spy (dev
+extra) through the rollout and prints the share of CPU samples per function;
+--tracemalloc runs it under tracemalloc (bench/harness/traced_operator.py)
+and prints its allocations at Ready and what grew since the apply (slow: its
+RSS and times are then not the bench's); --no-floor skips the write floor.
+
 Targets (issue 7): <= 8 writes per node, RSS < 250 MB at 5,000 nodes, status
-< 16 KiB. Issue 18: converge within 2x of the write floor at 1,000 and 5,000.
+< 16 KiB. Issue 18: converge within 2x of the write floor at 1,000 and 5,000;
+10,000 nodes with RSS < 300 MB.
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -60,7 +70,7 @@ from typing import Any, cast
 import kubernetes
 import yaml
 
-from bench.harness import write_floor
+from bench.harness import traced_operator, write_floor
 from bench.harness.scale_harness import GROUP, POOL_LABEL, VERSION, Fleet
 from localcluster import baseline, controlplane, pki
 from localcluster.build import build
@@ -92,6 +102,7 @@ class Result:
     converge_s: float = float("nan")
     writes: collections.Counter[str] = field(default_factory=collections.Counter)
     reads: collections.Counter[str] = field(default_factory=collections.Counter)
+    rss_start_mb: float = 0.0  # VmRSS at the apply: caches filled, nothing planned yet
     rss_peak_mb: float = 0.0
     rss_end_mb: float = 0.0
     status_max: int = 0
@@ -107,6 +118,8 @@ class Result:
     floor: write_floor.Floor | None = None
     floor_plan: write_floor.Plan | None = None
     floor_writes: collections.Counter[str] = field(default_factory=collections.Counter)  # audited, floor's identity
+    tracemalloc: str = ""  # with --tracemalloc: the operator's allocations at Ready, and what grew since the apply
+    profile: str = ""  # with --profile: where the operator's CPU went in the rollout (py-spy samples)
 
     @property
     def floor_s(self) -> float:
@@ -308,6 +321,55 @@ def operator_metrics() -> dict[str, float]:
     return out
 
 
+def pyspy_argv(pid: int, out: Path) -> list[str]:
+    """py-spy sampling the operator (all threads, CPU only, not idle waits) until SIGINT, as collapsed stacks.
+    --nonblocking: the operator is not paused to read its stacks, so it runs at its own speed."""
+    return [str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(pid), "--rate", "20",
+            "--nonblocking", "--format", "raw", "--output", str(out)]
+
+
+# Innermost frames of a thread that waits (on a socket, the selector, the loop's self-pipe): py-spy without
+# pausing the process (--nonblocking) cannot tell such a thread from a busy one, so these are counted apart.
+WAITING_FRAMES = frozenset({"SSLSocket.read (ssl.py)", "EpollSelector.select (selectors.py)",
+                            "poll_wait_for_socket.<locals>.do_poll (wait.py)",
+                            "BaseSelectorEventLoop._write_to_self (selector_events.py)",
+                            "SocketIO.readinto (socket.py)", "Condition.wait (threading.py)"})
+
+
+def profile_summary(path: Path, top: int = 25) -> str:
+    """py-spy's collapsed stacks ("frame;frame;... count") as the share of samples per function: samples
+    whose innermost frame waits (WAITING_FRAMES) apart, then of the others (the CPU's) inclusive (the
+    function anywhere on the stack) and self (the innermost frame)."""
+    inclusive: collections.Counter[str] = collections.Counter()
+    own: collections.Counter[str] = collections.Counter()
+    total = waiting = 0
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        return f"  no profile: {exc}"
+    for line in text.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = [f.split(" (")[0] + " (" + f.split(" (")[1].split(":")[0].rsplit("/", 1)[-1] + ")"
+                  if " (" in f else f for f in stack.split(";")]
+        if frames[-1] in WAITING_FRAMES:
+            waiting += int(count)
+            continue
+        total += int(count)
+        for frame in set(frames):
+            inclusive[frame] += int(count)
+        own[frames[-1]] += int(count)
+    if not total:
+        return "  no samples"
+    rows = [f"  {total + waiting} samples at 20 Hz, {waiting} of them waiting on a socket or selector; "
+            f"of the other {total} (~{total / 20:.0f} s of the operator's CPU): inclusive"]
+    rows += [f"    {100 * c / total:5.1f}%  {f}" for f, c in inclusive.most_common(top)]
+    rows.append("  self (innermost frame)")
+    rows += [f"    {100 * c / total:5.1f}%  {f}" for f, c in own.most_common(top)]
+    return "\n".join(rows)
+
+
 def write_floor_run(plan: write_floor.Plan, state: Path, audit: Path, concurrency: int
                     ) -> tuple[write_floor.Floor, collections.Counter[str]]:
     """Replay the operator's writes as the floor's identity; returns the time and the floor's audited writes."""
@@ -322,7 +384,8 @@ def write_floor_run(plan: write_floor.Plan, state: Path, audit: Path, concurrenc
 
 
 def bench(n: int, state: Path, bin_dir: Path, timeout: float, node_events: str = "steps",
-          floor_concurrency: int = NODE_CONCURRENCY) -> Result:
+          floor_concurrency: int = NODE_CONCURRENCY, traced: bool = False, floor: bool = True,
+          profile: bool = False) -> Result:
     res = Result(n)
     procs = Procs(state / "logs")
     fleet: Fleet | None = None
@@ -346,7 +409,11 @@ def bench(n: int, state: Path, bin_dir: Path, timeout: float, node_events: str =
         env["PYTHONPATH"] = str(ROOT / "operator")
         env["PROXYSHIFT_NODE_EVENTS"] = node_events
         env["PROXYSHIFT_NODE_CONCURRENCY"] = str(NODE_CONCURRENCY)
-        op = procs.start("operator", [sys.executable, "-m", "proxyshift.cli", "operator", "--standalone",
+        # --tracemalloc: the same operator under bench/harness/traced_operator.py (snapshots at the apply
+        # and at Ready, on SIGUSR1); its RSS and times then include tracemalloc's own cost.
+        snaps = state / "tracemalloc"
+        entry = ["-m", "bench.harness.traced_operator", str(snaps), "--"] if traced else ["-m", "proxyshift.cli"]
+        op = procs.start("operator", [sys.executable, *entry, "operator", "--standalone",
                                       "--kubeconfig", str(op_kubeconfig), "--metrics-port", str(METRICS_PORT),
                                       "--liveness", f"http://127.0.0.1:{LIVENESS_PORT}/healthz"], env=env)
         wait_for("operator liveness", lambda: run([sys.executable, "-c", "import urllib.request,sys; urllib.request."
@@ -362,6 +429,11 @@ def bench(n: int, state: Path, bin_dir: Path, timeout: float, node_events: str =
         pids = {name: proc.pid for name, proc in procs.procs if name in ("etcd", "kube-apiserver", "operator")}
         window = CpuWindow({**pids, "bench": os.getpid()})
         harness_writes = fleet.writes
+        res.rss_start_mb = vm(op.pid, "VmRSS")
+        if traced:
+            op.send_signal(signal.SIGUSR1)
+            wait_for("tracemalloc snapshot", lambda: (snaps / "usr1-1.snap").exists(), 300)
+        spy = procs.start("py-spy", pyspy_argv(op.pid, state / "operator.pyspy")) if profile else None
         window.start()
         start = time.monotonic()
         custom.create_cluster_custom_object(GROUP, VERSION, "proxypolicies", policy(n))
@@ -394,9 +466,16 @@ def bench(n: int, state: Path, bin_dir: Path, timeout: float, node_events: str =
                 break
             time.sleep(2)
         res.cpu["rollout"] = window.stop()
+        if spy is not None:
+            stop_child(spy, sig=signal.SIGINT, grace=60)  # py-spy writes its samples on SIGINT
+            res.profile = profile_summary(state / "operator.pyspy")
         res.harness_writes = fleet.writes - harness_writes
         res.rss_peak_mb = max(res.rss_peak_mb, vm(op.pid, "VmHWM"))
         res.rss_end_mb = vm(op.pid, "VmRSS")
+        if traced:
+            op.send_signal(signal.SIGUSR1)
+            wait_for("tracemalloc snapshot", lambda: (snaps / "usr1-2.snap").exists(), 300)
+            res.tracemalloc = traced_operator.report(snaps / "usr1-2.snap", snaps / "usr1-1.snap")
         time.sleep(3)  # let the audit backend flush the last events
         events = write_floor.read_audit(audit, offset)
         res.writes, res.reads = count_requests(events)
@@ -411,9 +490,10 @@ def bench(n: int, state: Path, bin_dir: Path, timeout: float, node_events: str =
         fleet.stop()
         procs.stop("operator")
         time.sleep(3)
-        window.start()
-        res.floor, res.floor_writes = write_floor_run(res.floor_plan, state, audit, floor_concurrency)
-        res.cpu["floor"] = window.stop()
+        if floor:
+            window.start()
+            res.floor, res.floor_writes = write_floor_run(res.floor_plan, state, audit, floor_concurrency)
+            res.cpu["floor"] = window.stop()
     finally:
         if fleet is not None:
             fleet.stop()
@@ -424,8 +504,8 @@ def bench(n: int, state: Path, bin_dir: Path, timeout: float, node_events: str =
 
 def table(results: list[Result]) -> str:
     rows = ["| nodes | first status s | converge s | write floor s | converge/floor | operator writes/node | "
-            "writes by verb | RSS peak MB | RSS end MB | status max B | status end B |",
-            "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+            "writes by verb | RSS at apply MB | RSS peak MB | RSS end MB | status max B | status end B |",
+            "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in results:
         total = sum(r.writes.values())
         verbs: collections.Counter[str] = collections.Counter()
@@ -433,7 +513,8 @@ def table(results: list[Result]) -> str:
             verbs[k.split()[0]] += v
         rows.append(f"| {r.nodes} | {r.first_status_s:.0f} | {r.converge_s:.0f} | {r.floor_s:.1f} | "
                     f"{r.converge_s / r.floor_s:.2f} | {total / r.nodes:.2f} | "
-                    f"{', '.join(f'{k} {v}' for k, v in verbs.most_common())} | {r.rss_peak_mb:.0f} | "
+                    f"{', '.join(f'{k} {v}' for k, v in verbs.most_common())} | {r.rss_start_mb:.0f} | "
+                    f"{r.rss_peak_mb:.0f} | "
                     f"{r.rss_end_mb:.0f} | {r.status_max} | {r.status_end} |")
     detail = []
     for r in results:
@@ -461,6 +542,10 @@ def table(results: list[Result]) -> str:
                           + (f"; harness writes {r.harness_writes}" if phase == "rollout" else ""))
         if r.harness_errors:
             detail.append(f"{r.nodes} nodes, harness errors (first): {r.harness_errors[:5]}")
+        if r.profile:
+            detail.append(f"{r.nodes} nodes, where the operator's CPU went in the rollout (py-spy):\n{r.profile}")
+        if r.tracemalloc:
+            detail.append(f"{r.nodes} nodes, the operator under tracemalloc at Ready:\n{r.tracemalloc}")
     return "\n".join(rows + detail)
 
 
@@ -471,6 +556,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the state folder (logs, audit log)")
     p.add_argument("--floor-concurrency", type=int, default=NODE_CONCURRENCY,
                    help="writes the write floor sends at once (default: the operator's node concurrency)")
+    p.add_argument("--profile", action="store_true",
+                   help="sample the operator with py-spy through the rollout and print where its CPU went")
+    p.add_argument("--no-floor", action="store_true", help="skip the write floor (a run for the operator alone)")
+    p.add_argument("--tracemalloc", action="store_true",
+                   help="run the operator under tracemalloc and print where its memory is at Ready (slows it)")
     p.add_argument("--node-events", default="auto", choices=("auto", "steps", "outcomes"),
                    help="the operator's PROXYSHIFT_NODE_EVENTS (which Normal Events nodes get; auto: the default)")
     args = p.parse_args(argv)
@@ -481,7 +571,8 @@ def main(argv: list[str] | None = None) -> int:
         state = Path(f"/tmp/ps-bench-scale-{os.getpid()}-{n}")
         state.mkdir(parents=True, exist_ok=False)
         try:
-            results.append(bench(n, state, bin_dir, args.timeout, args.node_events, args.floor_concurrency))
+            results.append(bench(n, state, bin_dir, args.timeout, args.node_events, args.floor_concurrency,
+                                 args.tracemalloc, not args.no_floor, args.profile))
         finally:
             if not args.keep:
                 shutil.rmtree(state, ignore_errors=True)

@@ -17,8 +17,15 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from proxyshift.api.policy import ProxyPolicy
-from proxyshift.api.proxynode import KubeProxyFacts, OperationStatus, ProxyNode, ProxyNodeSpec, ProxyNodeStatus
-from proxyshift.planner.machine import IN_FLIGHT, UNTOUCHED, is_in_flight
+from proxyshift.api.proxynode import (
+    KubeProxyFacts,
+    NodeMigration,
+    OperationStatus,
+    ProxyNode,
+    ProxyNodeSpec,
+    ProxyNodeStatus,
+)
+from proxyshift.planner.machine import IN_FLIGHT, UNTOUCHED, is_in_flight, is_prepared
 from proxyshift.planner.ownership import compute_ownership, is_deleting
 from proxyshift.planner.planner import plan, resolve_max_unavailable
 from proxyshift.planner.timeutil import fmt
@@ -252,6 +259,13 @@ class Sim:
             before = pn.spec.migration if pn is not None else None
             if before is not None and before.phase in UNTOUCHED:
                 self._check_touch(policy, node, world)
+                self._check_preflight_passed(node, world, action.migration)
+        if isinstance(action, SetMigration) and action.migration is not None and action.migration.phase in UNTOUCHED:
+            before = pn.spec.migration if pn is not None else None
+            if before is not None and before.phase in IN_FLIGHT and before.attempt == action.migration.attempt:
+                # Starting a node is one write, and its preflight passing (Prepared) costs none.
+                self.violations.append(f"{self.now}: {policy} wrote {node} again while it stayed untouched "
+                                       f"({before.phase} -> {action.migration.phase})")
 
     def _owned_phases(self, policy: str, world: World) -> tuple[int, list[str]]:
         owned = [n for n, o in compute_ownership(world).items() if o.owner == policy]
@@ -276,6 +290,20 @@ class Sim:
         if counted + self._starts[policy] > limit or (ahead and len(phases) + self._starts[policy] > 2 * limit):
             self.violations.append(f"{self.now}: {policy} started {node} with {phases} in flight "
                                    f"and {self._starts[policy] - 1} started, maxUnavailable {limit}")
+
+    def _check_preflight_passed(self, node: str, world: World, after: NodeMigration) -> None:
+        """No node is touched without a passed preflight of the same migration: the agent's answer to the
+        Preflight operation of that attempt and revision, for the target mode, still the node's operation."""
+        pn = world.proxynodes[node]
+        op, last, before = pn.spec.operation, pn.status.last_operation, pn.spec.migration
+        attempt = f"{after.to_revision or 'baseline'}.{after.attempt or 0}."
+        passed = (op is not None and last is not None and op.type == "Preflight" and last.id == op.id
+                  and last.state == "Succeeded" and op.id.startswith(attempt)
+                  and op.params.get("mode") == after.to_mode and before is not None
+                  and (before.to_revision, before.attempt) == (after.to_revision, after.attempt))
+        if not passed:
+            self.violations.append(f"{self.now}: {node} touched ({after.phase}) without a passed preflight of "
+                                   f"{attempt}: operation {op and op.id}, answer {last and (last.id, last.state)}")
 
     def _check_touch(self, policy: str, node: str, world: World) -> None:
         """The standing promise of maxUnavailable: a node leaves Preflight/Prepared for a step that touches it
@@ -410,8 +438,10 @@ class Sim:
         return True
 
     def phase(self, node: str) -> str | None:
-        m = self.proxynodes[node].spec.migration
-        return m.phase if m else None
+        """The node's phase as the planner sees it: a passed Preflight waiting for a slot is Prepared."""
+        pn = self.proxynodes[node]
+        m = pn.spec.migration
+        return ("Prepared" if is_prepared(pn) else m.phase) if m else None
 
     def events(self, reason: str | None = None) -> list[Event]:
         return [a for _, _, a in self.log if isinstance(a, Event) and (reason is None or a.reason == reason)]

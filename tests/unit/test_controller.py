@@ -238,9 +238,11 @@ def test_metrics_count_rollbacks_and_migration_durations() -> None:
                           migration=NodeMigration(phase="Done", from_mode="iptables", to_mode="nftables",
                                                   started_at="2026-11-30T12:00:00Z",
                                                   finished_at="2026-11-30T12:00:42Z"))
-    metrics.record_plan("m", world, [done])
+    # The registry is process-wide: other tests' migrations (test_reconcile's) observe the same labels.
     labels = {"from_mode": "iptables", "to_mode": "nftables", "result": "succeeded"}
-    assert REGISTRY.get_sample_value("proxyshift_node_migration_duration_seconds_sum", labels) == 42
+    sum_before = REGISTRY.get_sample_value("proxyshift_node_migration_duration_seconds_sum", labels) or 0
+    metrics.record_plan("m", world, [done])
+    assert REGISTRY.get_sample_value("proxyshift_node_migration_duration_seconds_sum", labels) == sum_before + 42
 
 
 def test_every_api_step_with_a_reason_leaves_an_event_on_what_it_touched() -> None:

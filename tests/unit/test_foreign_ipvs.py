@@ -3,6 +3,7 @@ record of what the switch deletes, and `proxyshift plan`'s list (no host tools, 
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -192,6 +193,20 @@ def test_an_accepted_flush_is_recorded_in_the_migration_and_told_in_a_warning_ev
     # Cordoned first: the record goes along with the cordon step.
     cordoned = machine.step(inp(m, op=op, last=last, rollout={"cordon": True}))
     assert writes(cordoned)[0].migration.foreign_ipvs_flushed == ["TCP 198.18.5.1:80 rr", "FWM 7 sh"]
+
+
+def test_a_prepared_node_tells_the_accepted_flush_once_when_it_switches():
+    # Waiting for a slot writes nothing, so it tells nothing either (it would repeat at every plan);
+    # the switch's write records the flush and its Warning goes with it.
+    m = mig("Preflight", from_mode="ipvs")
+    op = Operation(id=f"{REV}.1.0.Preflight.0", type="Preflight")
+    last = done(op, message="ok", foreignIPVS={"count": 1, "virtualServers": ["FWM 7 sh"], "accepted": True})
+    allow = {"behaviour": {"allowChanges": ["ForeignIPVSFlush"]}}
+    waiting = machine.step(dataclasses.replace(inp(m, op=op, last=last, gate=allow), may_switch=False))
+    assert waiting.phase == "Prepared" and waiting.actions == []
+    granted = machine.step(inp(m, op=op, last=last, gate=allow, rollout={"holdRules": False}))
+    assert writes(granted)[0].migration.foreign_ipvs_flushed == ["FWM 7 sh"]
+    assert [a.reason for a in granted.actions if isinstance(a, Event)].count("ForeignIPVSFlush") == 1
 
 
 def test_a_refused_node_fails_preflight_untouched_and_nothing_is_recorded_as_flushed():

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +22,7 @@ from kubernetes import client
 
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.controller.kube import ClusterAPI
+from proxyshift.controller.rest import Collection
 from proxyshift.render import FIELD_MANAGER, foreign_spec_owners, render_revision, take_spec_ownership
 from proxyshift.render.apply import union_fields
 
@@ -288,3 +291,95 @@ def test_nothing_to_take_when_only_proxyshift_owns_the_spec() -> None:
         ("proxyshift", "Update"): {"f:metadata": {"f:labels": {}}},
         ("proxyshift", "Apply"): {"f:spec": {"f:policy": {}}},
     }
+
+
+# ---- built-in kinds as JSON (controller/rest.py), without the client's typed API classes ----
+
+
+def test_node_patches_are_strategic_merges_and_a_label_is_removed_with_null() -> None:
+    fake = FakeApiClient(answer=lambda r: (200, {"metadata": {"name": "n1", "resourceVersion": "7"}}))
+    api = ClusterAPI(fake)
+    assert api.set_node_label("n1", "proxyshift.io/revision", None) == "7"
+    assert api.set_unschedulable("n1", False) == "7"
+    label, schedulable = fake.requests
+    assert (label.method, label.path, label.content_type) == ("PATCH", "/api/v1/nodes/n1",
+                                                               "application/strategic-merge-patch+json")
+    assert label.body == {"metadata": {"labels": {"proxyshift.io/revision": None}}}
+    assert schedulable.body == {"spec": {"unschedulable": None}}
+
+
+def test_an_error_answer_is_an_api_exception_with_its_status() -> None:
+    fake = FakeApiClient(answer=lambda r: (404, {"kind": "Status", "message": "configmaps \"x\" not found"}))
+    assert ClusterAPI(fake).read_configmap("x") is None  # 404 on a read: absent
+    fake.answer = lambda r: (409, {"kind": "Status", "message": "conflict"})
+    with pytest.raises(client.ApiException) as caught:
+        ClusterAPI(fake).set_node_label("n1", "k", "v")
+    assert caught.value.status == 409 and "conflict" in str(caught.value.body)
+
+
+def test_an_event_is_posted_as_json_with_what_is_known_of_its_object() -> None:
+    fake = FakeApiClient(answer=lambda r: (201, r.body))
+    ClusterAPI(fake).emit_event(kind="Node", name="n1", uid=None, namespace=None, reason="Migrated",
+                                message="now running nftables", api_version="v1")
+    (req,) = fake.requests
+    assert (req.method, req.path) == ("POST", "/api/v1/namespaces/default/events")
+    assert req.body["involvedObject"] == {"apiVersion": "v1", "kind": "Node", "name": "n1"}
+    assert req.body["metadata"] == {"generateName": "n1.", "namespace": "default"}
+    assert (req.body["reason"], req.body["type"], req.body["count"]) == ("Migrated", "Normal", 1)
+    assert req.body["source"] == {"component": "proxyshift"} and req.body["firstTimestamp"].endswith("Z")
+
+
+def test_a_drain_evicts_only_what_it_must_and_counts_what_is_left() -> None:
+    def pod(name: str, **meta: Any) -> dict[str, Any]:
+        return {"metadata": {"name": name, "namespace": "apps", **meta}, "status": {"phase": "Running"}}
+
+    listed = [pod("web"), pod("proxy", ownerReferences=[{"kind": "DaemonSet", "name": "kube-proxy"}]),
+              pod("static", annotations={"kubernetes.io/config.mirror": "x"}),
+              pod("going", deletionTimestamp="2026-12-03T07:00:00Z"), pod("pdb")]
+
+    def answer(r: Request) -> tuple[int, Any]:
+        if r.method == "GET":
+            return 200, {"items": listed}
+        return (429, {"kind": "Status", "message": "budget"}) if "/pdb/" in r.path else (201, {})
+
+    fake = FakeApiClient(answer=answer)
+    remaining, blocked = ClusterAPI(fake).evict_pods("n1")
+    assert (remaining, blocked) == (3, ["apps/pdb: disruption budget"])
+    listing, *evictions = fake.requests
+    assert listing.path == "/api/v1/pods" and listing.query == {"fieldSelector": ["spec.nodeName=n1"]}
+    assert [(e.method, e.path) for e in evictions] == [("POST", "/api/v1/namespaces/apps/pods/web/eviction"),
+                                                      ("POST", "/api/v1/namespaces/apps/pods/pdb/eviction")]
+    assert evictions[0].body == {"apiVersion": "policy/v1", "kind": "Eviction",
+                                 "metadata": {"name": "web", "namespace": "apps"}}
+
+
+def test_a_collection_lists_and_watches_with_the_client_s_argument_names() -> None:
+    fake = FakeApiClient(answer=lambda r: (200, {"items": [], "metadata": {"resourceVersion": "9"}}))
+    pods = Collection("/api/v1/namespaces/kube-system/pods").for_client(fake)
+    answer = pods.list(label_selector="k8s-app=kube-proxy", limit=500, _continue="tok", _preload_content=False,
+                       _request_timeout=(10, 120))
+    assert json.loads(answer.data)["metadata"]["resourceVersion"] == "9"
+    pods.list(watch=True, resource_version="9", allow_watch_bookmarks=True, timeout_seconds=300,
+              _preload_content=False)
+    listing, watching = fake.requests
+    assert listing.query == {"labelSelector": ["k8s-app=kube-proxy"], "limit": ["500"], "continue": ["tok"]}
+    assert watching.query == {"watch": ["true"], "resourceVersion": ["9"], "allowWatchBookmarks": ["true"],
+                              "timeoutSeconds": ["300"]}
+    with pytest.raises(TypeError):
+        pods.list(pretty=True, _preload_content=False)
+
+
+def test_the_operator_imports_none_of_the_client_s_typed_api_classes_for_built_in_kinds() -> None:
+    # Each costs tens of MB of pydantic validators in the operator (controller/rest.py); run apart so that
+    # what other tests imported does not count.
+    code = ("import sys\n"
+            "import proxyshift.controller.handlers, proxyshift.controller.main\n"
+            "from proxyshift.controller.fleet import Fleet\n"
+            "from proxyshift.controller.kube import ClusterAPI\n"
+            "from proxyshift.controller.settings import CONFIG\n"
+            "from proxyshift.controller.wakeups import Wakers\n"
+            "ClusterAPI()\n"
+            "Fleet(Wakers()).build(CONFIG)\n"
+            "print(sorted(m for m in sys.modules if m.startswith('kubernetes.client.api.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "['kubernetes.client.api.custom_objects_api']"

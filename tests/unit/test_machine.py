@@ -111,39 +111,53 @@ def test_preflight_waits_then_switches_intent_first() -> None:
     assert label.revision == REV
 
 
-def test_a_preflight_that_passes_without_a_slot_waits_prepared_and_touches_nothing() -> None:
+def test_a_preflight_that_passes_without_a_slot_waits_prepared_and_writes_nothing() -> None:
     m = mig("Preflight")
     op = Operation(id=f"{REV}.1.0.Preflight.0", type="Preflight")
-    step = machine.step(dataclasses.replace(inp(m, op=op, last=done(op, message="kernel 6.1")), may_switch=False))
-    assert step.phase == "Prepared"
-    assert not any(isinstance(a, SetRevisionLabel | Cordon) for a in step.actions)
-    prepared = writes(step)[0]
-    # The preflight stays the node's operation: its "before" matrix is recorded under that id.
-    assert prepared.operation == op and prepared.migration.phase == "Prepared" and prepared.migration.touched_at is None
-    assert "kernel 6.1" in (prepared.migration.message or "")
-    waiting = dataclasses.replace(inp(prepared.migration, op=op, last=done(op), now_plus=60), may_switch=False)
-    assert machine.step(waiting).actions == [] and machine.step(waiting).phase == "Prepared"
+    waiting = dataclasses.replace(inp(m, op=op, last=done(op, message="kernel 6.1")), may_switch=False)
+    step = machine.step(waiting)
+    # Prepared is the record as it stands (Preflight, its operation answered Succeeded): no write, no touch.
+    assert step.phase == "Prepared" and step.actions == [] and "kernel 6.1" in step.message
+    assert machine.is_prepared(waiting.proxynode)
+    later = dataclasses.replace(inp(m, op=op, last=done(op), now_plus=60), may_switch=False)
+    assert machine.step(later).actions == [] and machine.step(later).phase == "Prepared"
 
 
-def test_a_prepared_node_switches_once_granted_a_slot() -> None:
+def test_only_the_migration_s_own_passed_preflight_makes_it_prepared() -> None:
     op = Operation(id=f"{REV}.1.0.Preflight.0", type="Preflight")
-    prepared = mig("Prepared", message="preflight passed: ok")
-    step = machine.step(inp(prepared, op=op, last=done(op), rollout={"holdRules": False}, now_plus=30))
-    assert step.phase == "Switch"
-    assert [a.revision for a in step.actions if isinstance(a, SetRevisionLabel)] == [REV]
-    switching = writes(step)[0].migration
-    assert switching.message is None and switching.touched_at == fmt(T0 + timedelta(seconds=30))
-    cordoned = machine.step(inp(prepared, op=op, last=done(op), rollout={"cordon": True}))
-    assert cordoned.phase == "Cordon" and any(isinstance(a, Cordon) for a in cordoned.actions)
+    other = Operation(id=f"{REV}.0.0.Preflight.0", type="Preflight")  # an earlier attempt's
+    assert not machine.is_prepared(inp(mig("Preflight"), op=op).proxynode)  # not answered
+    assert not machine.is_prepared(inp(mig("Preflight"), op=op, last=done(op, state="Running")).proxynode)
+    assert not machine.is_prepared(inp(mig("Preflight"), op=op, last=done(op, state="Failed")).proxynode)
+    assert not machine.is_prepared(inp(mig("Preflight"), op=other, last=done(other)).proxynode)
+    assert not machine.is_prepared(inp(mig("Gate"), op=op, last=done(op)).proxynode)
+    assert machine.is_prepared(inp(mig("Prepared"), op=op, last=done(op)).proxynode)  # an older operator's record
+
+
+def test_a_prepared_node_switches_once_granted_a_slot_in_one_write() -> None:
+    op = Operation(id=f"{REV}.1.0.Preflight.0", type="Preflight")
+    for record in (mig("Preflight"), mig("Prepared", message="preflight passed: ok")):  # this and older operators
+        step = machine.step(inp(record, op=op, last=done(op), rollout={"holdRules": False}, now_plus=30))
+        assert step.phase == "Switch"
+        assert [a.revision for a in step.actions if isinstance(a, SetRevisionLabel)] == [REV]
+        assert len(writes(step)) == 1
+        switching = writes(step)[0].migration
+        assert switching.message is None and switching.touched_at == fmt(T0 + timedelta(seconds=30))
+        cordoned = machine.step(inp(record, op=op, last=done(op), rollout={"cordon": True}))
+        assert cordoned.phase == "Cordon" and any(isinstance(a, Cordon) for a in cordoned.actions)
 
 
 def test_a_prepared_node_that_waited_past_the_gate_timeout_goes_back_to_pending() -> None:
     op = Operation(id=f"{REV}.1.0.Preflight.0", type="Preflight")
-    stale = dataclasses.replace(inp(mig("Prepared"), op=op, last=done(op), now_plus=121), may_switch=False)
-    step = machine.step(stale)
-    assert step.phase == "Pending" and writes(step)[0].migration.reason == "PreflightExpired"
-    assert writes(step)[0].operation is None and writes(step)[0].revision is None  # back where it was
-    assert not any(isinstance(a, SetRevisionLabel | Cordon) for a in step.actions)
+    # gate.timeout 2m; the wait counts from the preflight's request (the Preflight record's phaseSince).
+    for record in (mig("Preflight"), mig("Prepared")):
+        fresh = dataclasses.replace(inp(record, op=op, last=done(op), now_plus=119), may_switch=False)
+        assert machine.step(fresh).phase == "Prepared" and machine.step(fresh).requeue_after == 1.0
+        stale = dataclasses.replace(inp(record, op=op, last=done(op), now_plus=121), may_switch=False)
+        step = machine.step(stale)
+        assert step.phase == "Pending" and writes(step)[0].migration.reason == "PreflightExpired"
+        assert writes(step)[0].operation is None and writes(step)[0].revision is None  # back where it was
+        assert not any(isinstance(a, SetRevisionLabel | Cordon) for a in step.actions)
 
 
 def test_iptables_to_nftables_holds_the_old_rules_before_the_label_moves() -> None:

@@ -61,3 +61,22 @@ def test_the_operator_ignores_a_proxynode_it_cannot_read_and_says_so(caplog: pyt
     good = dict(body, status={"kernelRelease": "6.1.0-18-amd64"})
     found = proxynode_item(good)
     assert found is not None and found[0] == "n1"
+
+
+def test_the_operator_keeps_only_the_metadata_it_reads_of_a_proxynode() -> None:
+    # Server-side apply's managedFields name every field the operator and the agent wrote: kept for every
+    # node of the fleet they were most of the operator's memory of it (docs/benchmarks.md, controller scale).
+    managed = [{"manager": "proxyshift", "operation": "Apply", "apiVersion": "proxyshift.io/v1alpha1",
+                "fieldsType": "FieldsV1", "fieldsV1": {"f:spec": {f"f:field{i}": {} for i in range(40)}}}]
+    meta = {"name": "n1", "uid": "u-1", "resourceVersion": "42", "generation": 3, "managedFields": managed,
+            "labels": {"app.kubernetes.io/managed-by": "proxyshift"}, "annotations": {"note": "x" * 1000},
+            "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": "n1", "uid": "node-uid"}]}
+    body = {"apiVersion": "proxyshift.io/v1alpha1", "kind": "ProxyNode", "metadata": meta,
+            "spec": {"policy": "blue", "mode": "nftables"}, "status": {"observedMode": "iptables"}}
+    found = proxynode_item(body)
+    assert found is not None
+    name, pn = found
+    assert name == pn.name == "n1"
+    assert pn.metadata == {"name": "n1", "uid": "u-1", "resourceVersion": "42", "generation": 3}
+    assert pn.spec.policy == "blue" and pn.status.observed_mode == "iptables"
+    assert body["metadata"]["managedFields"] == managed  # the watch's object is not changed

@@ -212,8 +212,9 @@ class RolloutSettings(KubeModel):
     preflight_ahead: bool = Field(
         default=True,
         description="Run the next nodes' preflight (kernel checks, the Service-behaviour matrix before the switch) "
-        "while other nodes are switched and gated; they wait in phase Prepared until a maxUnavailable slot is "
-        "free. Never more than maxUnavailable nodes are touched at once either way. Off with pauseBetweenNodes.",
+        "while other nodes are switched and gated; they wait Prepared until a maxUnavailable slot is free (their "
+        "ProxyNode keeps phase Preflight with the preflight's answer Succeeded: waiting costs no write). Never "
+        "more than maxUnavailable nodes are touched at once either way. Off with pauseBetweenNodes.",
     )
     cordon: bool = Field(default=False, description="Cordon each node while its kube-proxy is switched.")
     drain: bool = Field(

@@ -208,7 +208,9 @@ class NodeMigration(KubeModel):
     # A string on the wire, not Phase: the agent reads the whole spec, and an agent one version older must
     # not refuse a ProxyNode whose phase is one a newer operator added. The operator writes only Phase values.
     phase: str = Field(default="Pending", description="Pending, Preflight, Prepared, Cordon, Switch, Gate, "
-                       "Cleanup, Verify, Uncordon, Done, Failed, RollingBack or RolledBack.")
+                       "Cleanup, Verify, Uncordon, Done, Failed, RollingBack or RolledBack. A passed preflight "
+                       "waiting for a maxUnavailable slot stays Preflight here (the policy's status and "
+                       "`proxyshift status` show it as Prepared); Prepared is written only by older operators.")
     phase_since: str | None = Field(default=None, description="When the node entered this phase (RFC 3339).")
     from_revision: str | None = Field(
         default=None, description="Revision the node came from; empty means the baseline kube-proxy."

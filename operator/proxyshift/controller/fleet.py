@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-import kubernetes
 from pydantic import ValidationError
 
 from proxyshift.api.proxynode import ProxyNode
@@ -22,6 +21,7 @@ from proxyshift.controller.executor import Written
 from proxyshift.controller.kube import API_GROUP, API_VERSION, PROXYNODES
 from proxyshift.controller.metrics import ProxyNodeSeries
 from proxyshift.controller.mirror import Mirror
+from proxyshift.controller.rest import Collection
 from proxyshift.controller.service_cache import service_mirrors, service_world
 from proxyshift.controller.settings import OperatorConfig
 from proxyshift.controller.snapshot import kube_proxy_pod_view, node_view
@@ -50,12 +50,21 @@ def pod_item(obj: dict[str, Any]) -> tuple[str, w.KubeProxyPodView] | None:
     return (f"{meta.get('namespace')}/{meta.get('name')}", view) if view is not None else None
 
 
+# What the operator reads of a ProxyNode's metadata: its name, and the resourceVersion that tells when its
+# own write is back (Fleet.seen_version). The rest (managedFields above all: server-side apply records
+# every spec field the operator owns and every status field the agent writes, about 10 KB of parsed JSON
+# per ProxyNode) would be kept for nothing, for every node of the fleet.
+PROXYNODE_METADATA = ("name", "uid", "resourceVersion", "generation", "creationTimestamp", "deletionTimestamp")
+
+
 def proxynode_item(obj: dict[str, Any]) -> tuple[str, ProxyNode] | None:
-    name = (obj.get("metadata") or {}).get("name")
+    meta = obj.get("metadata") or {}
+    name = meta.get("name")
     if not name:
         return None
+    slim = {**obj, "metadata": {k: meta[k] for k in PROXYNODE_METADATA if k in meta}}
     try:
-        return name, ProxyNode.model_validate(obj)
+        return name, ProxyNode.model_validate(slim)
     except ValidationError as exc:
         log.warning("ProxyNode %s is invalid and is ignored: %s", name, exc)
         return None
@@ -109,14 +118,15 @@ class Fleet:
 
     def build(self, config: OperatorConfig) -> None:
         """The mirrors, not yet started; the kubernetes client's configuration must be loaded."""
-        core = kubernetes.client.CoreV1Api()
-        custom = kubernetes.client.CustomObjectsApi()
-        self.mirrors[NODES] = Mirror(NODES, core.list_node, node_item, self.node_changed)
-        self.mirrors[PODS] = Mirror(PODS, core.list_namespaced_pod, pod_item, self.pod_changed,
-                                    args=(config.kube_proxy_namespace,),
+        # Raw collections, not the typed CoreV1Api (controller/rest.py: its import alone is ~78 MB).
+        nodes = Collection("/api/v1/nodes")
+        pods = Collection(f"/api/v1/namespaces/{config.kube_proxy_namespace}/pods")
+        proxynodes = Collection(f"/apis/{API_GROUP}/{API_VERSION}/{PROXYNODES}")
+        self.mirrors[NODES] = Mirror(NODES, nodes.list, node_item, self.node_changed)
+        self.mirrors[PODS] = Mirror(PODS, pods.list, pod_item, self.pod_changed,
                                     kwargs={"label_selector": config.kube_proxy_pod_label})
-        self.mirrors[PROXYNODE_MIRROR] = Mirror(PROXYNODE_MIRROR, custom.list_cluster_custom_object, proxynode_item,
-                                                self.proxynode_changed, args=(API_GROUP, API_VERSION, PROXYNODES))
+        self.mirrors[PROXYNODE_MIRROR] = Mirror(PROXYNODE_MIRROR, proxynodes.list, proxynode_item,
+                                                self.proxynode_changed)
         self.mirrors.update(service_mirrors())
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -26,6 +26,7 @@ from kubernetes.client.exceptions import ApiException
 
 from proxyshift import render
 from proxyshift.api.common import API_GROUP, API_VERSION
+from proxyshift.controller.rest import STRATEGIC_MERGE, Rest
 from proxyshift.controller.settings import CONFIG
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,11 @@ def _apply_options(*, force: bool) -> dict[str, Any]:
     return {"field_manager": render.FIELD_MANAGER, "force": force, "_content_type": render.APPLY_PATCH}
 
 
+def _rest_apply_options(*, force: bool) -> dict[str, Any]:
+    """The query and body type of a server-side apply through rest.Rest."""
+    return {"query": {"fieldManager": render.FIELD_MANAGER, "force": force}, "content_type": render.APPLY_PATCH}
+
+
 def now_rfc3339() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -57,53 +63,58 @@ def _ignore(status: int, exc: ApiException) -> None:
 
 
 class ClusterAPI:
-    """Typed access to the objects the operator reads and writes."""
+    """Access to the objects the operator reads and writes: custom resources through the client's
+    CustomObjectsApi, built-in kinds as JSON through controller/rest.py (not the typed CoreV1Api and
+    AppsV1Api, whose import alone costs ~87 MB of memory)."""
 
     def __init__(self, api_client: client.ApiClient | None = None) -> None:
         self.api_client = api_client or client.ApiClient()
-        self.core = client.CoreV1Api(self.api_client)
-        self.apps = client.AppsV1Api(self.api_client)
+        self.rest = Rest(self.api_client)
         self.custom = client.CustomObjectsApi(self.api_client)
-        self.policy_api = client.PolicyV1Api(self.api_client)
         self.namespace = CONFIG.kube_proxy_namespace
+
+    def _configmap_path(self, name: str) -> str:
+        return f"/api/v1/namespaces/{self.namespace}/configmaps/{name}"
+
+    def _daemonset_path(self, name: str) -> str:
+        return f"/apis/apps/v1/namespaces/{self.namespace}/daemonsets/{name}"
 
     # ---- nodes ----
 
     def set_node_label(self, node: str, key: str, value: str | None) -> str:
         """Returns the Node's new resourceVersion. A merge patch with null removes the label."""
-        patched = self.core.patch_node(node, {"metadata": {"labels": {key: value}}})
-        return str(cast(client.V1ObjectMeta, patched.metadata).resource_version)
+        patched = self.rest.json("PATCH", f"/api/v1/nodes/{node}", body={"metadata": {"labels": {key: value}}},
+                                 content_type=STRATEGIC_MERGE)
+        return str(patched["metadata"]["resourceVersion"])
 
     def set_unschedulable(self, node: str, unschedulable: bool) -> str:
-        patched = self.core.patch_node(node, {"spec": {"unschedulable": unschedulable or None}})
-        return str(cast(client.V1ObjectMeta, patched.metadata).resource_version)
+        patched = self.rest.json("PATCH", f"/api/v1/nodes/{node}",
+                                 body={"spec": {"unschedulable": unschedulable or None}}, content_type=STRATEGIC_MERGE)
+        return str(patched["metadata"]["resourceVersion"])
 
     def evict_pods(self, node: str) -> tuple[int, list[str]]:
         """Evict the node's pods except DaemonSet and mirror pods; PDBs are honoured by the API.
 
         Returns (pods still to go, messages of evictions a PodDisruptionBudget refused).
         """
-        pods = self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node}").items
+        pods = self.rest.json("GET", "/api/v1/pods", query={"fieldSelector": f"spec.nodeName={node}"}).get("items")
         remaining = 0
         blocked: list[str] = []
-        for pod in pods:
-            # The API server fills metadata (name, namespace) and status of every listed pod; the client's
-            # models type them all Optional.
-            meta = cast(client.V1ObjectMeta, pod.metadata)
-            name, namespace = cast(str, meta.name), cast(str, meta.namespace)
-            owners = meta.owner_references or []
-            if any(o.kind == "DaemonSet" for o in owners):
+        for pod in pods or []:
+            meta = pod.get("metadata") or {}
+            name, namespace = str(meta.get("name")), str(meta.get("namespace"))
+            if any(o.get("kind") == "DaemonSet" for o in meta.get("ownerReferences") or []):
                 continue
-            if "kubernetes.io/config.mirror" in (meta.annotations or {}):
+            if "kubernetes.io/config.mirror" in (meta.get("annotations") or {}):
                 continue
-            if cast(client.V1PodStatus, pod.status).phase in ("Succeeded", "Failed"):
+            if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
                 continue
             remaining += 1
-            if meta.deletion_timestamp:
+            if meta.get("deletionTimestamp"):
                 continue
-            body = client.V1Eviction(metadata=client.V1ObjectMeta(name=name, namespace=namespace))
+            body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name, "namespace": namespace}}
             try:
-                self.core.create_namespaced_pod_eviction(name, namespace, body)
+                self.rest.call("POST", f"/api/v1/namespaces/{namespace}/pods/{name}/eviction", body=body).read()
             except ApiException as exc:
                 if exc.status == 429:
                     blocked.append(f"{namespace}/{name}: disruption budget")
@@ -252,16 +263,14 @@ class ClusterAPI:
 
     def read_configmap(self, name: str) -> dict[str, Any] | None:
         try:
-            obj = self.core.read_namespaced_config_map(name, self.namespace)
-            return self.api_client.sanitize_for_serialization(obj)
+            return self.rest.json("GET", self._configmap_path(name))
         except ApiException as exc:
             _ignore(404, exc)
             return None
 
     def read_daemonset(self, name: str) -> dict[str, Any] | None:
         try:
-            obj = self.apps.read_namespaced_daemon_set(name, self.namespace)
-            return self.api_client.sanitize_for_serialization(obj)
+            return self.rest.json("GET", self._daemonset_path(name))
         except ApiException as exc:
             _ignore(404, exc)
             return None
@@ -269,9 +278,9 @@ class ClusterAPI:
     def apply_configmap(self, desired: dict[str, Any]) -> str:
         """Server-side apply of the rendered ConfigMap (creates it if missing). Returns its resourceVersion;
         an unchanged rendering writes nothing and keeps it."""
-        applied = self.core.patch_namespaced_config_map(
-            desired["metadata"]["name"], self.namespace, desired, **_apply_options(force=REVISION_FORCE))
-        return str(cast(client.V1ObjectMeta, applied.metadata).resource_version)
+        applied = self.rest.json("PATCH", self._configmap_path(desired["metadata"]["name"]), body=desired,
+                                 **_rest_apply_options(force=REVISION_FORCE))
+        return str(applied["metadata"]["resourceVersion"])
 
     def apply_daemonset(self, desired: dict[str, Any]) -> str:
         """Server-side apply of the rendered DaemonSet (creates it if missing). Returns its resourceVersion;
@@ -292,7 +301,7 @@ class ClusterAPI:
         log.warning("DaemonSet %s/%s: its selector changed with the baseline's; deleting and creating it again",
                     self.namespace, name)
         # Foreground: the new DaemonSet must not find the old one's pods still there under the same name.
-        self.apps.delete_namespaced_daemon_set(name, self.namespace, propagation_policy="Foreground")
+        self.rest.call("DELETE", self._daemonset_path(name), query={"propagationPolicy": "Foreground"}).read()
         for _ in range(60):
             if self.read_daemonset(name) is None:
                 break
@@ -300,24 +309,24 @@ class ClusterAPI:
         return self._apply_daemonset(desired)
 
     def _apply_daemonset(self, desired: dict[str, Any]) -> str:
-        applied = self.apps.patch_namespaced_daemon_set(
-            desired["metadata"]["name"], self.namespace, desired, **_apply_options(force=REVISION_FORCE))
-        return str(cast(client.V1ObjectMeta, applied.metadata).resource_version)
+        applied = self.rest.json("PATCH", self._daemonset_path(desired["metadata"]["name"]), body=desired,
+                                 **_rest_apply_options(force=REVISION_FORCE))
+        return str(applied["metadata"]["resourceVersion"])
 
     def delete_configmap(self, name: str) -> None:
         try:
-            self.core.delete_namespaced_config_map(name, self.namespace)
+            self.rest.call("DELETE", self._configmap_path(name)).read()
         except ApiException as exc:
             _ignore(404, exc)
 
     def delete_daemonset(self, name: str) -> None:
         try:
-            self.apps.delete_namespaced_daemon_set(name, self.namespace, propagation_policy="Background")
+            self.rest.call("DELETE", self._daemonset_path(name), query={"propagationPolicy": "Background"}).read()
         except ApiException as exc:
             _ignore(404, exc)
 
     def json_patch_daemonset(self, name: str, patch: jsonpatch.JsonPatch) -> None:
-        self.apps.patch_namespaced_daemon_set(name, self.namespace, list(patch), _content_type=JSON_PATCH)
+        self.rest.call("PATCH", self._daemonset_path(name), body=list(patch), content_type=JSON_PATCH).read()
 
     # ---- events ----
 
@@ -326,24 +335,18 @@ class ClusterAPI:
                    api_version: str = f"{API_GROUP}/{API_VERSION}") -> None:
         stamp = now_rfc3339()
         event_ns = namespace or "default"
-        body = client.CoreV1Event(
-            metadata=client.V1ObjectMeta(generate_name=f"{name}.", namespace=event_ns),
-            involved_object=client.V1ObjectReference(
-                api_version=api_version, kind=kind, name=name, uid=uid, namespace=namespace
-            ),
-            reason=reason,
-            message=message[:1024],
-            type=type_,
-            # The model (pydantic) parses the RFC 3339 text into its datetime.
-            first_timestamp=stamp,  # type: ignore[arg-type]
-            last_timestamp=stamp,  # type: ignore[arg-type]
-            count=1,
-            source=client.V1EventSource(component="proxyshift"),
-            reporting_component="proxyshift.io/operator",
-            reporting_instance="proxyshift",
-        )
+        involved = {"apiVersion": api_version, "kind": kind, "name": name, "uid": uid, "namespace": namespace}
+        body = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{name}.", "namespace": event_ns},
+            "involvedObject": {k: v for k, v in involved.items() if v is not None},
+            "reason": reason, "message": message[:1024], "type": type_,
+            "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
+            "source": {"component": "proxyshift"},
+            "reportingComponent": "proxyshift.io/operator", "reportingInstance": "proxyshift",
+        }
         try:
-            self.core.create_namespaced_event(event_ns, body)
+            self.rest.call("POST", f"/api/v1/namespaces/{event_ns}/events", body=body).read()
         except ApiException as exc:  # an Event is a courtesy: never fail a step because of it
             log.warning("could not record event %s on %s/%s: %s", reason, kind, name, exc.reason)
 

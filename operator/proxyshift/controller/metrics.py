@@ -159,10 +159,13 @@ def record_plan(policy: str, world: Any, actions: list[Any]) -> None:
     # see that first step from nothing: born at 0 here, the first rollback shows as an increase.
     ROLLBACKS.labels(policy)
 
+    from proxyshift.planner.machine import is_prepared
+
     phases: Counter[str] = Counter()
     for pn in world.proxynodes.values():
         if pn.spec.policy == policy and pn.spec.migration is not None:
-            phases[pn.spec.migration.phase] += 1
+            # Prepared is not written (the record stays Preflight): counted as the planner sees it.
+            phases["Prepared" if is_prepared(pn) else pn.spec.migration.phase] += 1
     for phase in ALL_PHASES:
         NODES_BY_PHASE.labels(policy, phase).set(phases.get(phase, 0))
     for action in actions:

@@ -26,6 +26,8 @@ import urllib3
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
+from proxyshift.controller.rest import Collection
+
 log = logging.getLogger("proxyshift.mirror")
 
 LIST_PAGE = 500
@@ -43,7 +45,7 @@ class Mirror:
     """One kind, kept current by a thread; `items` is changed only on the event loop."""
 
     name: str
-    list_fn: Callable[..., Any]  # a kubernetes client list_* method (typed API), called with watch/paging args
+    list_fn: Callable[..., Any]  # rest.Collection.list, or a client's list_* method, with watch/paging args
     view: ViewFn
     on_change: ChangeFn
     args: tuple[Any, ...] = ()
@@ -98,7 +100,9 @@ class Mirror:
     def _run(self) -> None:
         client = kubernetes.client.ApiClient()  # one per thread: the client's pool is not shared
         api = self.list_fn.__self__  # type: ignore[attr-defined]  # list_fn is a bound method of an API class
-        bound = getattr(type(api)(client), self.list_fn.__name__)
+        # A rest.Collection (what the operator lists) or a class constructed with a client (a typed API).
+        again = api.for_client(client) if isinstance(api, Collection) else type(api)(client)
+        bound = getattr(again, self.list_fn.__name__)
         unreachable = False
         while not self._stop.is_set():
             try:

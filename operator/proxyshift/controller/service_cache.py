@@ -12,10 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import kubernetes
-
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.controller.mirror import Mirror
+from proxyshift.controller.rest import Collection
 from proxyshift.controller.settings import CONFIG
 from proxyshift.controller.snapshot import probe_pod_endpoint
 from proxyshift.planner.services import EndpointView, ServiceView, endpoints_from_slice, service_view_from_k8s
@@ -57,16 +56,15 @@ def _quiet(*_: Any) -> None:
 
 
 def service_mirrors() -> dict[str, Mirror]:
-    core = kubernetes.client.CoreV1Api()
-    discovery = kubernetes.client.DiscoveryV1Api()
-    networking = kubernetes.client.NetworkingV1Api()
+    # Raw collections, not the typed API classes (controller/rest.py says why).
     return {
-        "services": Mirror("services", core.list_service_for_all_namespaces, _service_item, _quiet),
-        "endpointslices": Mirror("endpointslices", discovery.list_endpoint_slice_for_all_namespaces,
+        "services": Mirror("services", Collection("/api/v1/services").list, _service_item, _quiet),
+        "endpointslices": Mirror("endpointslices", Collection("/apis/discovery.k8s.io/v1/endpointslices").list,
                                  _slice_item, _quiet),
-        "servicecidrs": Mirror("servicecidrs", networking.list_service_cidr, _cidr_item, _quiet),
-        "probepods": Mirror("probepods", core.list_namespaced_pod, _probe_item, _quiet,
-                            args=(CONFIG.probe_namespace,), kwargs={"label_selector": CONFIG.probe_pod_label}),
+        "servicecidrs": Mirror("servicecidrs", Collection("/apis/networking.k8s.io/v1/servicecidrs").list,
+                               _cidr_item, _quiet),
+        "probepods": Mirror("probepods", Collection(f"/api/v1/namespaces/{CONFIG.probe_namespace}/pods").list,
+                            _probe_item, _quiet, kwargs={"label_selector": CONFIG.probe_pod_label}),
     }
 
 

@@ -62,6 +62,16 @@ def render_policies(policies: list[dict[str, Any]]) -> str:
     return table(rows)
 
 
+def shown_phase(node: dict[str, Any]) -> str:
+    """The node's phase as the planner sees it: a Preflight the agent passed is Prepared (not written)."""
+    spec, st = node.get("spec") or {}, node.get("status") or {}
+    phase = str((spec.get("migration") or {}).get("phase") or "Pending")
+    op, last = spec.get("operation") or {}, st.get("lastOperation") or {}
+    passed = op.get("type") == "Preflight" and op.get("id") and last.get("id") == op.get("id") \
+        and last.get("state") == "Succeeded"
+    return "Prepared" if phase == "Preflight" and passed else phase
+
+
 def render_policy(policy: dict[str, Any], proxynodes: list[dict[str, Any]], now: datetime) -> str:
     name = policy["metadata"]["name"]
     st = policy.get("status") or {}
@@ -80,7 +90,7 @@ def render_policy(policy: dict[str, Any], proxynodes: list[dict[str, Any]], now:
             mig = spec.get("migration") or {}
             error = mig.get("message") if mig.get("phase") in FAILED_PHASES else ""
             rows.append([
-                node["metadata"]["name"], mig.get("phase", "Pending"), nst.get("observedMode") or "?",
+                node["metadata"]["name"], shown_phase(node), nst.get("observedMode") or "?",
                 spec.get("mode") or "baseline", age(mig.get("phaseSince"), now),
                 ",".join(nst.get("leftovers") or []) or "-", (error or "")[:80],
             ])

@@ -4,6 +4,8 @@
     Preflight failure            -> Failed (nothing on the node was touched)
     Prepared: preflight passed while no maxUnavailable slot was free (the planner started the node's
               preflight ahead, during another node's gate); it switches when the planner grants a slot.
+              Not written: the record stays Preflight, and its passed preflight (the agent's answer to the
+              migration's own Preflight id) is what makes it Prepared (is_prepared).
     Switch/Gate/Cleanup/Verify failure -> RollingBack -> RolledBack (or Failed if the old kube-proxy
                                           does not pass the gate either)
 
@@ -164,6 +166,27 @@ def op_id(m: NodeMigration, step: str, n: int) -> str:
 
 def is_in_flight(m: NodeMigration | None) -> bool:
     return m is not None and m.phase in IN_FLIGHT
+
+
+def preflight_passed(pn: ProxyNode) -> bool:
+    """The agent reports the preflight of the node's current migration Succeeded, and that preflight is
+    still the node's operation."""
+    m, op, last = pn.spec.migration, pn.spec.operation, pn.status.last_operation
+    return (m is not None and op is not None and last is not None and last.id == op.id
+            and op.id.startswith(op_prefix(m, "Preflight")) and last.state == "Succeeded")
+
+
+def is_prepared(pn: ProxyNode) -> bool:
+    """Ready to switch: untouched, its preflight passed, waiting for a maxUnavailable slot.
+
+    The record says `Preflight` (an operator before this one wrote `Prepared`): entering Prepared costs
+    no write. Everything Prepared needs is in the record already: the preflight's operation and its
+    answer (the "before" matrix is recorded under that id), and `phaseSince`, the preflight's request,
+    from which the wait expires."""
+    m = pn.spec.migration
+    if m is None:
+        return False
+    return m.phase == "Prepared" or (m.phase == "Preflight" and preflight_passed(pn))
 
 
 # ---- building blocks ----
@@ -414,8 +437,11 @@ def _preflight(inp: NodeInput, m: NodeMigration) -> Step:
             told = [_event(inp, "ForeignIPVSFlush", f"the switch to {m.to_mode} deletes IPVS virtual servers that are "
                            f"not kube-proxy's (accepted by gate.behaviour.allowChanges): {', '.join(flushed)}"
                            + _more(res, len(flushed)), warning=True)]
-        why = f"preflight passed: {clip(res.message)}"
-        nxt = _proceed(inp, m, why) if inp.may_switch else _enter_prepared(inp, m, why)
+        if not inp.may_switch:
+            # Prepared: nothing to write. The Event about foreign virtual servers waits for the switch
+            # too, where the record that says it (foreign_ipvs_flushed) is written.
+            return _wait_prepared(inp, m, f"preflight passed: {clip(res.message)}")
+        nxt = _proceed(inp, m, f"preflight passed: {clip(res.message)}")
         return Step(told + nxt.actions, nxt.phase, nxt.message, nxt.requeue_after)
     if res is not None and res.state == "Failed":
         return _fail(inp, m, "PreflightFailed", f"preflight failed, node untouched: {res.message}")
@@ -433,25 +459,24 @@ def _proceed(inp: NodeInput, m: NodeMigration, why: str) -> Step:
     return _enter_cordon(inp, m) if inp.spec.rollout.cordon else _enter_switch(inp, m, why)
 
 
-def _enter_prepared(inp: NodeInput, m: NodeMigration, why: str) -> Step:
-    # The preflight's operation stays in the spec: the agent has run it and its "before" matrix, recorded
-    # under its id, is what the gate compares with after the switch.
-    nxt = _enter(inp, m, "Prepared", message=clip(why))
-    return Step([_forward_write(inp, nxt, inp.proxynode.spec.operation)], "Prepared",
-                f"{why}; waiting for a free maxUnavailable slot", POLL_SECONDS)
+def _wait_prepared(inp: NodeInput, m: NodeMigration, why: str) -> Step:
+    """Preflight passed, no slot granted: wait without a write, or go back to Pending once the preflight is
+    older than gate.timeout (it is a snapshot: the node's kernel, its Service behaviour). The age counts
+    from the preflight's request (`phaseSince` of the Preflight record), a little before it ran."""
+    left = remaining(m.phase_since, _timeout(inp), inp.now)
+    if left <= 0:
+        return abandon(inp, "PreflightExpired",
+                       f"preflight passed, but it was taken more than {inp.spec.gate.timeout} ago and no slot "
+                       "came free; it is taken again when one does")
+    return _wait("Prepared", f"{why}; waiting for a free maxUnavailable slot", min(POLL_SECONDS, left))
 
 
 def _prepared(inp: NodeInput, m: NodeMigration) -> Step:
+    """A node an operator before this one recorded as Prepared (this one leaves the record at Preflight)."""
     if inp.may_switch:
         why = f"{m.message or 'preflight passed'}; a slot is free"
         return _proceed(inp, m.model_copy(update={"message": None}), why)
-    # A preflight is a snapshot (the node's kernel, its Service behaviour): one that waited longer than the
-    # gate timeout is taken again rather than trusted.
-    if remaining(m.phase_since, _timeout(inp), inp.now) <= 0:
-        return abandon(inp, "PreflightExpired",
-                       f"preflight passed more than {inp.spec.gate.timeout} ago and no slot came free; "
-                       "it is taken again when one does")
-    return _wait("Prepared", "preflight passed; waiting for a free maxUnavailable slot")
+    return _wait_prepared(inp, m, m.message or "preflight passed")
 
 
 def foreign_ipvs_accepted(res: OperationStatus) -> list[str]:

@@ -147,6 +147,11 @@ def _untouched(e: _Node) -> bool:
     return _phase(e) in machine.UNTOUCHED
 
 
+def _prepared(e: _Node) -> bool:
+    """In flight, preflight passed, waiting for a slot (recorded as Preflight: machine.is_prepared)."""
+    return e.kind == "inflight" and e.proxynode is not None and machine.is_prepared(e.proxynode)
+
+
 def _moved_on(e: _Node) -> bool:
     m = _migration(e)
     return m is not None and (e.target is RELEASE
@@ -163,7 +168,7 @@ def _switch_grants(nodes: list[_Node], limit: int, halted: bool) -> set[str]:
         return set()
     touched = sum(e.kind == "inflight" and not _untouched(e) for e in nodes)
     waiting = [e for e in nodes if _untouched(e) and not _moved_on(e)]
-    waiting.sort(key=lambda e: _phase(e) != "Prepared")  # stable: node order within each group
+    waiting.sort(key=lambda e: not _prepared(e))  # stable: node order within each group
     return {e.name for e in waiting[:max(0, limit - touched)]}
 
 
@@ -355,19 +360,21 @@ def plan(world: World, policy_name: str) -> Plan:
         inp = _node_input(ctx, e.name, e.proxynode, may_switch=e.name in grants)
         m = e.proxynode.spec.migration
         assert m is not None
+        prepared = _prepared(e)
         if m.phase in machine.UNTOUCHED and _moved_on(e):
             result = machine.abandon(inp, "Superseded", "the target changed before the switch; starting over")
-        elif m.phase == "Prepared" and halting:
+        elif prepared and halting:
             result = machine.abandon(inp, "Halted", "a failed node halts the rollout; this node was not switched "
                                      "and goes back to Pending (its preflight is taken again on a retry)")
-        elif m.phase == "Prepared" and paused:
+        elif prepared and paused:
             result = machine.abandon(inp, "Paused", "the rollout is paused; this node was not switched and goes "
                                      "back to Pending (its preflight is taken again when it resumes)")
         else:
             result = machine.step(inp)
         ctx.actions += result.actions
         ctx.wake(result.requeue_after)
-        progress.append(NodeProgress(name=e.name, phase=m.phase, since=m.phase_since or fmt(ctx.now),
+        progress.append(NodeProgress(name=e.name, phase="Prepared" if prepared else m.phase,
+                                     since=m.phase_since or fmt(ctx.now),
                                      revision=m.to_revision, message=result.message))
 
     # 2. the revision of the current spec must exist before any node can move to it. An existing one is
