@@ -101,14 +101,7 @@ class IPVSSettings(KubeModel):
     @field_validator("exclude_cidrs")
     @classmethod
     def _exclude_cidrs(cls, values: list[str] | None) -> list[str] | None:
-        for value in values or []:
-            try:
-                ipaddress.ip_network(value, strict=False)
-            except ValueError:
-                raise ValueError(f"{value!r} {CIDR_MESSAGE}") from None
-            if "/" not in value:
-                raise ValueError(f"{value!r} {CIDR_MESSAGE}")
-        return _check_unique(values)
+        return _check_cidrs(values, (), CIDR_MESSAGE)
 
 
 class IPTablesSettings(KubeModel):
@@ -304,6 +297,20 @@ def _unique_rule(field: str) -> dict[str, str]:
                UNIQUE_MESSAGE, f".{field}")
 
 
+def _check_cidrs(values: list[str] | None, keywords: tuple[str, ...], message: str) -> list[str] | None:
+    """Each value a CIDR with its prefix length (or one of `keywords`), none twice."""
+    for value in values or []:
+        if value in keywords:
+            continue
+        try:
+            ipaddress.ip_network(value, strict=False)
+        except ValueError:
+            raise ValueError(f"{value!r} {message}") from None
+        if "/" not in value:
+            raise ValueError(f"{value!r} {message}")
+    return _check_unique(values)
+
+
 def _check_unique(values: list[Any] | None) -> list[Any] | None:
     if values is not None and len(set(values)) != len(values):
         raise ValueError(UNIQUE_MESSAGE)
@@ -447,16 +454,7 @@ class ProxyPolicySpec(KubeModel):
     @field_validator("node_port_addresses")
     @classmethod
     def _node_port_addresses(cls, values: list[str] | None) -> list[str] | None:
-        for value in values or []:
-            if value in NODE_PORT_ADDRESS_KEYWORDS:
-                continue
-            try:
-                ipaddress.ip_network(value, strict=False)
-            except ValueError:
-                raise ValueError(f"{value!r} {NODE_PORT_ADDRESS_MESSAGE}") from None
-            if "/" not in value:
-                raise ValueError(f"{value!r} {NODE_PORT_ADDRESS_MESSAGE}")
-        return _check_unique(values)
+        return _check_cidrs(values, NODE_PORT_ADDRESS_KEYWORDS, NODE_PORT_ADDRESS_MESSAGE)
 
     @model_validator(mode="after")
     def _settings_match_mode(self) -> ProxyPolicySpec:
