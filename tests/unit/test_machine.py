@@ -7,6 +7,8 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from simulator import T0, make_policy
 
 from proxyshift.api.proxynode import (
@@ -289,6 +291,64 @@ def test_every_step_timeout_counts_from_the_api_server_s_return() -> None:
         assert any(w.migration.reason == reason for w in writes(machine.step(late))), phase
         back = dataclasses.replace(late, api_back_at=late.now - timedelta(seconds=10))
         assert not any(w.migration.reason == reason for w in writes(machine.step(back))), phase
+
+
+def test_a_held_gate_stretched_by_api_server_outages_rolls_back_while_the_hold_still_stands() -> None:
+    """The CI run of 3 December: a crash-looping target kube-proxy never synced, the API server had come back
+    just before, so the gate ran 85 s of its 30 s; the hold, then 80 s, went first and the node's own
+    connections failed for 4 s until the rollback's kube-proxy synced. The hold now covers both steps'
+    reconnect grace and a rollback, and a gate stretched further still rolls back before the hold goes."""
+    probe = Operation(id=f"{REV}.1.0.Gate.0", type="Probe", params={})
+    gate = inp(mig("Gate", phase_since=fmt(T0 + timedelta(seconds=1))), label=REV, pods=[pod(f"kube-proxy-{REV}")],
+               op=probe, gate={"timeout": "30s"}, now_plus=86)
+    ttl = machine.hold_ttl(gate).total_seconds()
+    assert ttl >= 2 * (30 + machine.RECONNECT_GRACE.total_seconds()) + machine.HOLD_WAIT_SECONDS
+    # That run: back 25 s after the gate began, so the gate's 30 s count from 60 s later; the hold stands.
+    stretched = dataclasses.replace(gate, api_back_at=T0 + timedelta(seconds=25))
+    assert not writes(machine.step(stretched))
+    # Outage after outage: the gate gives up HOLD_ROLLBACK_SECONDS before the hold's end, not at it.
+    last_call = ttl - machine.HOLD_ROLLBACK_SECONDS
+    for now_plus, rolls_back in ((last_call - 1, False), (last_call + 0.5, True)):
+        late = dataclasses.replace(inp(mig("Gate"), label=REV, pods=[pod(f"kube-proxy-{REV}")], op=probe,
+                                       gate={"timeout": "30s"}, now_plus=now_plus),
+                                   api_back_at=T0 + timedelta(seconds=now_plus - 10))
+        found = [w.migration for w in writes(machine.step(late)) if w.migration.reason == "GateTimeout"]
+        assert bool(found) == rolls_back, now_plus
+    assert "before the rule hold runs out" in (found[0].message or "")
+    # Without a hold (holdRules off, or ipvs) nothing but the timeout and its grace decides.
+    unheld = dataclasses.replace(late, spec=make_policy("blue", gate={"timeout": "30s"},
+                                                        rollout={"holdRules": False}).spec)
+    assert not writes(machine.step(unheld))
+
+
+def test_a_held_switch_that_never_ends_rolls_back_while_the_hold_still_stands() -> None:
+    ttl = machine.hold_ttl(inp(gate={"timeout": "30s"})).total_seconds()
+    now_plus = ttl - machine.HOLD_ROLLBACK_SECONDS + 1
+    late = inp(mig("Switch"), label=REV, pods=[pod(f"kube-proxy-{REV}", ready=False)], gate={"timeout": "30s"},
+               now_plus=now_plus)
+    step = machine.step(dataclasses.replace(late, api_back_at=late.now - timedelta(seconds=5)))
+    (w,) = [w for w in writes(step) if w.migration.reason == "SwitchTimeout"]
+    assert "before the rule hold runs out" in (w.migration.message or "")
+
+
+@settings(max_examples=200, deadline=None)
+@given(timeout=st.integers(min_value=5, max_value=900), phase=st.sampled_from(["Switch", "Gate"]),
+       entered=st.floats(min_value=0, max_value=600),
+       back=st.one_of(st.none(), st.floats(min_value=-100, max_value=2000)),
+       after=st.floats(min_value=0, max_value=4000))
+def test_no_held_forward_step_outlives_its_hold_less_a_rollback(timeout: int, phase: str, entered: float,
+                                                                 back: float | None, after: float) -> None:
+    """Whatever the API server did, a held node in Switch or Gate starts its rollback by the time only
+    HOLD_ROLLBACK_SECONDS of its rule hold are left (times in seconds after the switch)."""
+    probe = Operation(id=f"{REV}.1.0.Gate.0", type="Probe", params={})
+    step_in = inp(mig(phase, phase_since=fmt(T0 + timedelta(seconds=entered))), label=REV, op=probe,
+                  pods=[pod(f"kube-proxy-{REV}", ready=phase == "Gate")], gate={"timeout": f"{timeout}s"},
+                  now_plus=entered + after)
+    if back is not None:
+        step_in = dataclasses.replace(step_in, api_back_at=T0 + timedelta(seconds=back))
+    rolled_back = any(w.migration.phase == "RollingBack" for w in writes(machine.step(step_in)))
+    if entered + after >= (machine.hold_ttl(step_in).total_seconds() - machine.HOLD_ROLLBACK_SECONDS):
+        assert rolled_back
 
 
 def _good_facts() -> KubeProxyFacts:

@@ -85,6 +85,9 @@ CRASHLOOP_RESTARTS = 3  # a new kube-proxy pod restarting this often is not goin
 # 53 s behind its own writes after five API server restarts in 90 s (docs/reliability.md).
 RECONNECT_GRACE = timedelta(seconds=60)
 HOLD_WAIT_SECONDS = 20.0  # how long the switch waits for the agent's rule hold before going without
+# The end of a rule hold kept for a rollback: the label back, the old kube-proxy's pod started and its first
+# sync, all under the hold (a rollback without it loses the node's own connections until that sync).
+HOLD_ROLLBACK_SECONDS = 30.0
 MESSAGE_LIMIT = 400  # agent messages are copied into API objects: keep them bounded
 class _Keep(enum.Enum):
     """_write's default for `diagnose`: carry the ProxyNode's current spec.diagnose over."""
@@ -540,11 +543,34 @@ def holds_rules(inp: NodeInput, m: NodeMigration) -> bool:
     return inp.spec.rollout.hold_rules and startup_cleanup_drops_old_rules(m.from_mode, m.to_mode)
 
 
+def hold_ttl(inp: NodeInput) -> timedelta:
+    """How long a rule hold may live: the hold's wait, the switch and the gate each given gate.timeout and the
+    reconnect grace of an API server outage (_step_since), then a rollback's return to the old kube-proxy.
+
+    Never the whole rollout: it is a copy that goes stale. It goes earlier as soon as any other kube-proxy
+    has synced, which is how a switch or a rollback normally ends it."""
+    step = _timeout(inp) + RECONNECT_GRACE
+    return 2 * step + timedelta(seconds=HOLD_WAIT_SECONDS + HOLD_ROLLBACK_SECONDS)
+
+
 def _hold_op(inp: NodeInput, m: NodeMigration) -> Operation:
-    # A hold outlives the gate by a margin, never the whole rollout: it is a copy that goes stale.
-    ttl = int(_timeout(inp).total_seconds() * 2 + HOLD_WAIT_SECONDS)
+    ttl = int(hold_ttl(inp).total_seconds())
     return Operation.request(op_id(m, "Hold", 0), HoldParams(from_mode=m.from_mode, to_mode=m.to_mode,
                                                              ttl_seconds=ttl))
+
+
+def _forward_left(inp: NodeInput, m: NodeMigration) -> tuple[float, str]:
+    """Seconds left for a forward Switch or Gate, and the limit in words: gate.timeout from the step's start
+    (_time_left), but never so late that a rollback would not find the rule hold in place. Only a run of API
+    server outages stretches the steps that far; a hold gone before the old kube-proxy is back leaves the node
+    with no Service rules at all."""
+    left, limit = _time_left(inp, m), f"within {inp.spec.gate.timeout}"
+    if holds_rules(inp, m) and m.switched_at is not None:
+        before_rollback = hold_ttl(inp) - timedelta(seconds=HOLD_ROLLBACK_SECONDS)
+        held = remaining(m.switched_at, before_rollback, inp.now)
+        if held < left:
+            left, limit = held, f"before the rule hold runs out ({int(hold_ttl(inp).total_seconds())}s)"
+    return left, limit
 
 
 def _enter_switch(inp: NodeInput, m: NodeMigration, why: str) -> Step:
@@ -605,9 +631,9 @@ def _switch(inp: NodeInput, m: NodeMigration) -> Step:
         return _start_rollback(inp, m, "KubeProxyCrashLooping",
                                f"the new kube-proxy pod {pod.name} restarted {pod.restarts} times without "
                                "becoming Ready (kube-proxy exits when its mode cannot run)")
-    left = _time_left(inp, m)
+    left, limit = _forward_left(inp, m)
     if left <= 0:
-        return _start_rollback(inp, m, "SwitchTimeout", f"{waiting} for longer than {inp.spec.gate.timeout}")
+        return _start_rollback(inp, m, "SwitchTimeout", f"{waiting}, not done {limit}")
     return _wait("Switch", waiting, min(POLL_SECONDS, left))
 
 
@@ -743,11 +769,11 @@ def _gate(inp: NodeInput, m: NodeMigration) -> Step:
                                f"{phase.lower()}: {verdict.message}")
     if verdict is not None and verdict.passed:
         return _after_gate(inp, m, verdict)
-    left = _time_left(inp, m)
+    left, limit = _forward_left(inp, m) if phase == "Gate" else (_time_left(inp, m), f"within {inp.spec.gate.timeout}")
     waiting = verdict.message if verdict else "waiting for the agent's probe"
     if left <= 0:
         reason = "GateTimeout" if phase == "Gate" else "VerifyTimeout"
-        return _start_rollback(inp, m, reason, f"not proven within {inp.spec.gate.timeout}: {waiting}")
+        return _start_rollback(inp, m, reason, f"not proven {limit}: {waiting}")
     actions: list[Action] = []
     if next_op is not None:
         note = m.model_copy(update={"message": clip(waiting),
