@@ -195,8 +195,10 @@ def run_in_vm(argv: Sequence[str], *, cwd: str | Path = "/", env: Mapping[str, s
     rss: float | None = None
     try:
         with open(work / "qemu.log", "wb") as qemu_log, open(output, "rb") as reader:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=qemu_log,  # noqa: S603 - argument list
-                                    stderr=subprocess.STDOUT)
+            # setpriv --pdeathsig: the kernel kills QEMU when this thread dies, even by SIGKILL, which no
+            # finally sees (a killed test run once left a guest running; it still held the tap and 1.5 GB).
+            proc = subprocess.Popen(["setpriv", "--pdeathsig", "KILL", "--", *cmd],  # noqa: S603 - argument list
+                                    stdin=subprocess.DEVNULL, stdout=qemu_log, stderr=subprocess.STDOUT)
             try:
                 while proc.poll() is None:
                     if time.monotonic() - started > timeout:
