@@ -12,14 +12,12 @@ the agent's own leftovers empty, the policy Ready. The host pool loses no connec
 from __future__ import annotations
 
 import os
-import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from vm_layer import VM_E2E_SUMMARY_KEY
-from vm_node_checks import agent_leftovers, ipvs_services, left, observed_mode, proxy_mode, wait_ready
+from vm_node_checks import Stages, agent_leftovers, ipvs_services, left, observed_mode, proxy_mode
 
 from localcluster import controlplane, network, workloads
 from localcluster.vmnodes import VmNodes, VmNodesError
@@ -47,7 +45,6 @@ def test_staged_iptables_ipvs_wrr_nftables_with_nodes_in_the_guest(
         cluster: Any, harness: Harness, test_service: Any, wait_for: Callable[..., Any],
         request: pytest.FixtureRequest) -> None:
     h = harness
-    started = time.monotonic()
     state_dir = cluster.require_local("nodes in the QEMU guest")
     info = controlplane.load_info(state_dir)
     assert info is not None
@@ -56,38 +53,26 @@ def test_staged_iptables_ipvs_wrr_nftables_with_nodes_in_the_guest(
     nodes = [network.node_name(i) for i, _ in plan]
     other = cluster.nodes[-1]  # green, on the host
     ip, port = test_service.cluster_ip, test_service.port
-    timings: dict[str, float] = {}
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-
-    def say(message: str) -> None:
-        with capture.global_and_fixture_disabled():
-            print(f"[vm staged] {time.monotonic() - started:6.1f}s {message}", file=sys.stderr, flush=True)
-
-    def stage(what: str, change: Callable[[], Any]) -> None:
-        stage_start = time.monotonic()
-        change()
-        wait_ready(h, POLICY, STAGE_TIMEOUT)
-        timings[what] = time.monotonic() - stage_start
-        say(f"{what}: {POLICY} Ready after {timings[what]:.0f}s")
+    run = Stages(h, POLICY, STAGE_TIMEOUT, "vm staged", request)
 
     host = with_guest = None
     with VmNodes(info, plan) as guest:
-        timings["guest up"] = guest.boot_seconds
-        say(f"guest nodes {', '.join(nodes)} up in {guest.boot_seconds:.1f}s (guest clock "
-            f"{guest.clock_offset:+.2f}s against the host's)")
+        run.timings["guest up"] = guest.boot_seconds
+        run.say(f"guest nodes {', '.join(nodes)} up in {guest.boot_seconds:.1f}s (guest clock "
+                f"{guest.clock_offset:+.2f}s against the host's)")
         for node in nodes:
             wait_for(lambda node=node: observed_mode(h, node) == "iptables", NODE_UP_TIMEOUT,
                      f"{node}'s agent to report iptables")
             wait_for(lambda node=node: guest.tcp_probe(node, ip, port, 1).failed == 0, NODE_UP_TIMEOUT,
                      f"{ip}:{port} to answer from {node}")
             assert proxy_mode(guest, node) == "iptables"
-        timings["nodes ready"] = time.monotonic() - started
-        say("kube-proxy (iptables) and agent ready on the guest's nodes; probes start")
+        run.timings["nodes ready"] = run.elapsed()
+        run.say("kube-proxy (iptables) and agent ready on the guest's nodes; probes start")
         host_prober = workloads.ContinuousProber(other, ip, port).start()
         for node in nodes:
             guest.start_prober(node, ip, port, interval=0.1)
         try:
-            stage("iptables -> ipvs rr", lambda: h.apply(policy(
+            run.stage("iptables -> ipvs rr", lambda: h.apply(policy(
                 POLICY, "ipvs", pool=VM_POOL, ipvs={"scheduler": "rr"}, rollout={"maxUnavailable": 1},
                 gate={"timeout": GATE_TIMEOUT, "minSyncs": 1, "behaviour": {"budgetSeconds": BEHAVIOUR_BUDGET}},
                 deletionPolicy="Orphan")))
@@ -98,7 +83,7 @@ def test_staged_iptables_ipvs_wrr_nftables_with_nodes_in_the_guest(
                 assert left(guest, node, "ipvs") == {}, f"iptables mode's objects left on {node}"
                 assert agent_leftovers(h, node) == []
 
-            stage("ipvs rr -> wrr", lambda: h.patch(POLICY, {"spec": {"ipvs": {"scheduler": "wrr"}}}))
+            run.stage("ipvs rr -> wrr", lambda: h.patch(POLICY, {"spec": {"ipvs": {"scheduler": "wrr"}}}))
             for node in nodes:
                 assert proxy_mode(guest, node) == "ipvs"
                 services = ipvs_services(guest, node)
@@ -106,7 +91,7 @@ def test_staged_iptables_ipvs_wrr_nftables_with_nodes_in_the_guest(
                 assert not any(s.endswith(" -s rr") or " -s rr " in s for s in services), services
                 assert agent_leftovers(h, node) == []
 
-            stage("ipvs -> nftables", lambda: h.patch(POLICY, {"spec": {"mode": "nftables", "ipvs": None}}))
+            run.stage("ipvs -> nftables", lambda: h.patch(POLICY, {"spec": {"mode": "nftables", "ipvs": None}}))
             for node in nodes:
                 assert proxy_mode(guest, node) == "nftables"
                 assert left(guest, node, "nftables") == {}, f"iptables or ipvs mode's objects left on {node}"
@@ -114,23 +99,23 @@ def test_staged_iptables_ipvs_wrr_nftables_with_nodes_in_the_guest(
             assert h.proxy_mode(other) == "iptables", "the host pool was not touched"
         finally:
             host = host_prober.stop()
-            say(f"traffic to {ip}:{port} from {other} (green, host): {host.ok} ok, {host.failed} failed "
-                f"{dict(host.errors)}")
+            run.say(f"traffic to {ip}:{port} from {other} (green, host): {host.ok} ok, {host.failed} failed "
+                    f"{dict(host.errors)}")
             with_guest = {}
             for node in nodes:
                 try:
                     with_guest[node] = counts = guest.stop_prober(node)
                 except VmNodesError as exc:  # the guest is gone: the test's own failure says why
-                    say(f"no traffic count from {node}: {exc}")
+                    run.say(f"no traffic count from {node}: {exc}")
                     continue
-                say(f"traffic to {ip}:{port} from {node} (vm, switched): {counts.ok} ok, {counts.failed} failed "
-                    f"{counts.errors}")
-    total = time.monotonic() - started
+                run.say(f"traffic to {ip}:{port} from {node} (vm, switched): {counts.ok} ok, "
+                        f"{counts.failed} failed {counts.errors}")
+    total = run.elapsed()
     summary = (f"staged iptables -> ipvs rr -> wrr -> nftables, {len(nodes)} node(s) in the guest: {total:.0f} s ("
-               + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()) + "); "
+               + run.summary() + "); "
                + ", ".join(f"{n}: {c.ok} ok / {c.failed} failed" for n, c in with_guest.items())
                + f"; {other} (host): {host.ok} ok / {host.failed} failed connections")
     request.config.stash[VM_E2E_SUMMARY_KEY] = summary
-    say(summary)
+    run.say(summary)
     assert host.ok > 0 and host.failed == 0, f"the host pool lost connections: {dict(host.errors)}"
     assert all(c.ok > 0 for c in with_guest.values()), "no connection from a switched node succeeded"

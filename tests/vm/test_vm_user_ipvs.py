@@ -12,14 +12,12 @@ exactly as `ipvsadm -Sn` showed them. Same layout as test_vm_staged_rollout.py (
 
 from __future__ import annotations
 
-import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from vm_layer import VM_USER_IPVS_SUMMARY_KEY
-from vm_node_checks import agent_leftovers, ipvs_services, left, links, observed_mode, proxy_mode, wait_ready
+from vm_node_checks import Stages, agent_leftovers, ipvs_services, left, links, observed_mode, proxy_mode
 
 from localcluster import controlplane, network
 from localcluster.vmnodes import VmNodes
@@ -46,38 +44,25 @@ def test_users_ipvs_virtual_server_survives_iptables_ipvs_iptables_in_the_guest(
         cluster: Any, harness: Harness, test_service: Any, wait_for: Callable[..., Any],
         request: pytest.FixtureRequest) -> None:
     h = harness
-    started = time.monotonic()
     state_dir = cluster.require_local("nodes in the QEMU guest")
     info = controlplane.load_info(state_dir)
     assert info is not None
     index = max(network.node_indices()) + 1
     node = network.node_name(index)
     ip, port = test_service.cluster_ip, test_service.port
-    timings: dict[str, float] = {}
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-
-    def say(message: str) -> None:
-        with capture.global_and_fixture_disabled():
-            print(f"[vm user ipvs] {time.monotonic() - started:6.1f}s {message}", file=sys.stderr, flush=True)
-
-    def stage(what: str, change: Callable[[], Any]) -> None:
-        stage_start = time.monotonic()
-        change()
-        wait_ready(h, POLICY, STAGE_TIMEOUT)
-        timings[what] = time.monotonic() - stage_start
-        say(f"{what}: {POLICY} Ready after {timings[what]:.0f}s")
+    run = Stages(h, POLICY, STAGE_TIMEOUT, "vm user ipvs", request)
 
     with VmNodes(info, [(index, VM_POOL)]) as guest:
-        timings["guest up"] = guest.boot_seconds
+        run.timings["guest up"] = guest.boot_seconds
         wait_for(lambda: observed_mode(h, node) == "iptables", NODE_UP_TIMEOUT, f"{node}'s agent to report iptables")
         wait_for(lambda: guest.tcp_probe(node, ip, port, 1).failed == 0, NODE_UP_TIMEOUT,
                  f"{ip}:{port} to answer from {node}")
         guest.exec(node, ["ipvsadm", "-A", "-t", USER_VS[0], "-s", "rr"])
         guest.exec(node, ["ipvsadm", "-a", "-t", USER_VS[0], "-r", USER_VS[1], "-m", "-w", "1"])
         assert _user_lines(guest, node) == USER_LINES
-        say(f"{node} ready on iptables with a user's IPVS virtual server {USER_VS[0]} -> {USER_VS[1]}")
+        run.say(f"{node} ready on iptables with a user's IPVS virtual server {USER_VS[0]} -> {USER_VS[1]}")
 
-        stage("iptables -> ipvs", lambda: h.apply(policy(
+        run.stage("iptables -> ipvs", lambda: h.apply(policy(
             POLICY, "ipvs", pool=VM_POOL, ipvs={"scheduler": "rr", "excludeCIDRs": [f"{USER_VS[0].split(':')[0]}/32"]},
             rollout={"maxUnavailable": 1},
             gate={"timeout": "5m", "minSyncs": 1, "behaviour": {"budgetSeconds": 10}}, deletionPolicy="Orphan")))
@@ -90,7 +75,7 @@ def test_users_ipvs_virtual_server_survives_iptables_ipvs_iptables_in_the_guest(
             foreign
         assert left(guest, node, "ipvs") == {}, "iptables mode's objects left"
 
-        stage("ipvs -> iptables", lambda: h.patch(POLICY, {"spec": {"mode": "iptables", "ipvs": None}}))
+        run.stage("ipvs -> iptables", lambda: h.patch(POLICY, {"spec": {"mode": "iptables", "ipvs": None}}))
         assert proxy_mode(guest, node) == "iptables"
         assert _user_lines(guest, node) == USER_LINES, "the user's virtual server changed"
         # kube-proxy's ipvs objects are gone (the agent's flush: an iptables kube-proxy cleans none of them),
@@ -99,8 +84,8 @@ def test_users_ipvs_virtual_server_survives_iptables_ipvs_iptables_in_the_guest(
         assert ipvs_services(guest, node) == [USER_LINES[0]]
         assert "kube-ipvs0" not in links(guest, node)
         assert agent_leftovers(h, node) == []
-    total = time.monotonic() - started
+    total = run.elapsed()
     summary = (f"a user's IPVS virtual server through iptables -> ipvs -> iptables on {node} in the guest: "
-               f"{total:.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()) + ")")
+               f"{total:.0f} s (" + run.summary() + ")")
     request.config.stash[VM_USER_IPVS_SUMMARY_KEY] = summary
-    say(summary)
+    run.say(summary)

@@ -4,8 +4,10 @@ what kube-proxy left of the modes a node left, and the policy's progress."""
 
 from __future__ import annotations
 
+import sys
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -109,3 +111,36 @@ def wait_ready(h: Harness, name: str, timeout: float) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"{name} not Ready within {timeout:g}s\n{h.describe(name)}")
         time.sleep(2)
+
+
+@dataclass
+class Stages:
+    """A guest e2e's progress lines (past pytest's capture: the run takes minutes) and its stages, each timed
+    from its change to the policy's Ready."""
+
+    h: Harness
+    policy: str
+    timeout: float
+    tag: str
+    request: pytest.FixtureRequest
+    started: float = field(default_factory=time.monotonic)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def say(self, message: str) -> None:
+        capture = self.request.config.pluginmanager.getplugin("capturemanager")
+        with capture.global_and_fixture_disabled():
+            print(f"[{self.tag}] {self.elapsed():6.1f}s {message}", file=sys.stderr, flush=True)
+
+    def stage(self, what: str, change: Callable[[], Any]) -> None:
+        stage_start = time.monotonic()
+        change()
+        wait_ready(self.h, self.policy, self.timeout)
+        self.timings[what] = time.monotonic() - stage_start
+        self.say(f"{what}: {self.policy} Ready after {self.timings[what]:.0f}s")
+
+    def summary(self) -> str:
+        """Each timing, in the order taken."""
+        return ", ".join(f"{k} {v:.0f} s" for k, v in self.timings.items())
