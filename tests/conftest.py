@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from proxyshift.commands import Result, run
+from tests.support.polling import wait_until
 
 E2E_POOLS = "blue=2,green=1"
 UP_TIMEOUT_SECONDS = 3 * 3600  # the first `up` may build Kubernetes from source
@@ -295,24 +296,7 @@ def test_service(cluster: Cluster, kube: Any) -> Any:
     return service
 
 
-def _wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.5) -> Any:
-    """Poll until predicate() is truthy and return it; fail with `what` and the last value otherwise."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while True:
-        try:
-            last = predicate()
-        except Exception as exc:
-            last = exc
-        else:
-            if last:
-                return last
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:g}s waiting for {what}; last: {last!r}")
-        time.sleep(interval)
-
-
 @pytest.fixture(scope="session")
 def wait_for() -> Callable[..., Any]:
     """wait_for(predicate, timeout, what, interval=0.5): poll until truthy, else fail naming `what`."""
-    return _wait_for
+    return wait_until

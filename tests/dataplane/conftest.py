@@ -2,36 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from tests.support.ps_netns import netns, netns_factory
 
-import pytest
-
-from tests.support.ps_netns import Netns, need_root
-
-
-@pytest.fixture
-def netns() -> Iterator[Netns]:
-    need_root()
-    ns = Netns()
-    try:
-        yield ns
-    finally:
-        ns.delete()
-
-
-@pytest.fixture
-def netns_factory() -> Iterator:
-    """Several namespaces (e.g. a reference one holding only the user's rules)."""
-    need_root()
-    made: list[Netns] = []
-
-    def make() -> Netns:
-        ns = Netns()
-        made.append(ns)
-        return ns
-
-    try:
-        yield make
-    finally:
-        for ns in made:
-            ns.delete()
+__all__ = ["netns", "netns_factory"]

@@ -33,6 +33,7 @@ from localcluster import controlplane, state
 from localcluster.kubeapi import Kube
 from proxyshift.commands import run
 from tests.support.operator_harness import IPTABLES_MODE_CHAINS, REVISION_LABEL, Harness, migration
+from tests.support.polling import wait_until
 from tests.support.processes import container_pid
 
 BLUE = ["ps-node-1", "ps-node-2"]
@@ -46,6 +47,7 @@ VERIFY = "Verify"
 # Uncordon lasts ~50-80 ms (one plan: the node patch, then Done): a slower look misses it.
 POLL_SECONDS = 0.05
 ETCD_PAUSE_SECONDS = 5.0
+FAULT_POLL_SECONDS = 0.2  # how often a fault waits for what it acts on (a pid, a restarted API server)
 PROBE_BLOCK_SECONDS = 20.0
 PROBE_BLOCK_TABLE = "ps-fault-probe"  # a user's table: the agent's flush must leave it alone
 KUBE_PROXY_PORTS = (10249, 10256)  # metrics (/proxyMode, /metrics) and health (/healthz): what the agent probes
@@ -225,21 +227,6 @@ class StepInjector:
 # ---- the faults ----
 
 
-def _wait(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = predicate()
-        except Exception as exc:
-            last = exc
-        else:
-            if last:
-                return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}; last: {last!r}")
-
-
 def agent_pid(state_dir: Path, node: str) -> int | None:
     return container_pid(state_dir, node, "proxyshift-system", "proxyshift-agent-", "agent")
 
@@ -265,15 +252,16 @@ class Faults:
         self.h.operator.kill(signal.SIGKILL)
         # With no operator at all, no node is left without kube-proxy: a pod swap under way when it
         # died completes by itself (the DaemonSet controller's work).
-        _wait(lambda: all(self.h.kube_proxy_running(n) for n in self.all_nodes), 60,
-              "a running kube-proxy on every node while no operator runs")
+        wait_until(lambda: all(self.h.kube_proxy_running(n) for n in self.all_nodes), 60,
+                   "a running kube-proxy on every node while no operator runs", interval=FAULT_POLL_SECONDS)
         self.h.operator.start()
         self.h.operator.wait_healthy()
         return "operator SIGKILLed; kube-proxy ran on every node meanwhile; a new operator started"
 
     def agent_kill(self, step: str, node: str) -> str:
         # Not waiting for the restart: the simulator's back-off (like the kubelet's) is part of the fault.
-        pid = _wait(lambda: agent_pid(self.state_dir, node), 60, f"the agent's pid on {node}")
+        pid = wait_until(lambda: agent_pid(self.state_dir, node), 60, f"the agent's pid on {node}",
+                         interval=FAULT_POLL_SECONDS)
         os.kill(pid, signal.SIGKILL)
         return f"agent pid {pid} SIGKILLed"
 
@@ -286,8 +274,8 @@ class Faults:
         info = controlplane.load_info(self.state_dir)
         assert info is not None
         context = controlplane.admin_ssl_context(info.pki_dir)
-        _wait(lambda: controlplane.http_get(f"{info.api_url}/readyz", context)[0] == 200, 120,
-              "kube-apiserver /readyz after its restart")
+        wait_until(lambda: controlplane.http_get(f"{info.api_url}/readyz", context)[0] == 200, 120,
+                   "kube-apiserver /readyz after its restart", interval=FAULT_POLL_SECONDS)
         return f"kube-apiserver stopped and started again; ready after {time.monotonic() - down_at:.1f}s"
 
     def etcd_pause(self, step: str, node: str) -> str:

@@ -6,6 +6,7 @@ import functools
 import os
 import secrets
 import shutil
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -33,3 +34,32 @@ class Netns:
 
     def save(self, *, v6: bool = False) -> str:
         return self.run(["ip6tables-save" if v6 else "iptables-save"], timeout=120).stdout
+
+
+@pytest.fixture
+def netns() -> Iterator[Netns]:
+    """A fresh namespace, always deleted afterwards (a conftest imports this fixture)."""
+    need_root()
+    ns = Netns()
+    try:
+        yield ns
+    finally:
+        ns.delete()
+
+
+@pytest.fixture
+def netns_factory() -> Iterator[Callable[[], Netns]]:
+    """Several namespaces (e.g. a reference one holding only the user's rules), all deleted afterwards."""
+    need_root()
+    made: list[Netns] = []
+
+    def make() -> Netns:
+        ns = Netns()
+        made.append(ns)
+        return ns
+
+    try:
+        yield make
+    finally:
+        for ns in made:
+            ns.delete()
