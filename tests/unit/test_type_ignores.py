@@ -19,9 +19,10 @@ REASON_REACH = 3
 
 
 def checked_files() -> list[Path]:
-    """The files `make lint` type-checks: [tool.mypy] files in pyproject.toml."""
-    roots = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
-    return sorted(p for root in roots for p in (REPO / root).rglob("*.py"))
+    """The files [tool.mypy] files in pyproject.toml names (folders and single files); the test layers
+    hack/mypy-tests.sh checks are not held to this yet."""
+    roots = [REPO / r for r in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["mypy"]["files"]]
+    return sorted(p for root in roots for p in ([root] if root.is_file() else root.rglob("*.py")))
 
 
 def unexplained(source: str) -> list[tuple[int, str]]:
