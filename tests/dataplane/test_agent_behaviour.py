@@ -18,7 +18,7 @@ import behaviour_topology as bt
 import pytest
 
 from proxyshift.agent.behaviour import run_behaviour
-from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams, BehaviourTarget
+from proxyshift.api.behaviour import BehaviourCell, BehaviourMatrix, BehaviourParams, BehaviourTarget
 from proxyshift.commands import ToolMissingError, run
 from tests.support.ps_netns import need_root
 
@@ -51,7 +51,7 @@ def probe(topo: bt.Topology, targets: list[BehaviourTarget], *, runner=None, **k
     return topo.in_node(run_behaviour, params, mode="iptables", runner=runner or run)
 
 
-def cells(matrix: BehaviourMatrix, service: str, path: str = "node") -> list:  # type: ignore[type-arg]
+def cells(matrix: BehaviourMatrix, service: str, path: str = "node") -> list[BehaviourCell]:
     return [c for c in matrix.cells if c.service == service and c.path == path]
 
 

@@ -13,6 +13,7 @@ import json
 import socket
 import threading
 import time
+from pathlib import Path
 
 import behaviour_topology as bt
 import pytest
@@ -34,7 +35,7 @@ def done(op_id: str):  # type: ignore[no-untyped-def]
                       and o["status"]["lastOperation"]["state"] != "Running")
 
 
-def test_agent_process_writes_before_and_after_and_runs_the_conntrack_step(tmp_path):
+def test_agent_process_writes_before_and_after_and_runs_the_conntrack_step(tmp_path: Path) -> None:
     need_root()
     topo = bt.build()
     procs = Processes(topo.node, tmp_path)
