@@ -54,7 +54,7 @@ UDP_UNREPLIED = flow_xml("udp", "198.18.1.2", "198.19.0.53", 5000, 53, "198.19.0
 UDP_ANSWERED = flow_xml("udp", "198.18.1.2", "198.19.0.53", 5001, 53, "198.19.0.53", "198.18.1.2", 53, 5001)
 
 
-def test_conntrack_xml_is_parsed_into_flows():
+def test_conntrack_xml_is_parsed_into_flows() -> None:
     flows, truncated = ct.parse_flows(document(UNNATED, NATED, UDP_UNREPLIED))
     assert not truncated and len(flows) == 3
     assert flows[0] == ct.Flow("tcp", "198.18.1.2", "198.19.0.10", 40000, 80, "198.19.0.10", "198.18.1.2", 80,
@@ -64,7 +64,7 @@ def test_conntrack_xml_is_parsed_into_flows():
     assert ct.parse_flows("") == ([], False)
 
 
-def test_the_step_picks_only_unnated_unanswered_flows_to_service_destinations():
+def test_the_step_picks_only_unnated_unanswered_flows_to_service_destinations() -> None:
     flows, _ = ct.parse_flows(document(UNNATED, NATED, OTHER, NODEPORT, ESTABLISHED, UDP_UNREPLIED, UDP_ANSWERED))
     services = ct.ServiceDestinations(ConntrackParams(service_cidrs=["198.19.0.0/16"], node_ports=[30080]),
                                       ["198.18.1.2"])
@@ -119,10 +119,10 @@ def test_the_batched_tcp_delete_counts_what_conntrack_says_it_deleted():
     assert report.deleted_tcp == 2 and [c[c.index("--sport") + 1] for c in calls] == ["40000", "40001"]
 
 
-def test_the_step_reports_a_tool_failure_instead_of_raising():
+def test_the_step_reports_a_tool_failure_instead_of_raising() -> None:
     from proxyshift.commands import ToolMissingError
 
-    def runner(argv, **kw):
+    def runner(argv, **kw) -> None:
         raise ToolMissingError(argv, "not found on PATH")
 
     report = ct.clean_unnated(ConntrackParams(service_cidrs=["198.19.0.0/16"]), [], runner=runner)
@@ -137,7 +137,7 @@ ports = st.integers(1, 65535)
 @given(st.lists(st.tuples(st.sampled_from(["tcp", "udp"]), addresses, addresses, ports, ports, addresses, ports,
                           st.sampled_from([None, "SYN_SENT", "ESTABLISHED"]), st.booleans()), max_size=30),
        st.integers(1, 40))
-def test_parser_roundtrips_and_never_returns_more_than_asked(rows, max_flows):
+def test_parser_roundtrips_and_never_returns_more_than_asked(rows, max_flows) -> None:
     text = document(*(flow_xml(p, s, d, sp, dp, rs, s, rp, sp, state if p == "tcp" else None, un)
                       for p, s, d, sp, dp, rs, rp, state, un in rows))
     flows, truncated = ct.parse_flows(text, max_flows=max_flows)
@@ -149,7 +149,7 @@ def test_parser_roundtrips_and_never_returns_more_than_asked(rows, max_flows):
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 30), st.integers(200, 6000))
-def test_parser_cuts_oversized_output_at_a_whole_flow(count, max_bytes):
+def test_parser_cuts_oversized_output_at_a_whole_flow(count, max_bytes) -> None:
     text = document(*([UNNATED] * count))
     flows, truncated = ct.parse_flows(text, max_bytes=max_bytes)
     assert len(flows) <= count and all(f == ct.parse_flows(document(UNNATED))[0][0] for f in flows)
@@ -159,7 +159,7 @@ def test_parser_cuts_oversized_output_at_a_whole_flow(count, max_bytes):
 
 @settings(max_examples=80, deadline=None)
 @given(st.text(max_size=300))
-def test_parser_takes_garbage_without_surprises(text):
+def test_parser_takes_garbage_without_surprises(text) -> None:
     try:
         flows, _ = ct.parse_flows(text)
     except ct.ConntrackOutputError:
@@ -177,7 +177,7 @@ IP_JSON = json.dumps([
 ])
 
 
-def test_node_addresses_put_the_node_ips_first_and_skip_loopback_link_local_and_ipvs():
+def test_node_addresses_put_the_node_ips_first_and_skip_loopback_link_local_and_ipvs() -> None:
     assert bh.parse_ip_addr(IP_JSON) == [("198.18.1.2", "eth0"), ("198.18.9.1", "eth1"),
                                          ("198.19.0.10", "kube-ipvs0")]
     runner = lambda argv, **kw: Result(list(argv), 0, IP_JSON, "")  # noqa: E731
@@ -191,7 +191,7 @@ def T(service: str, address: str | None, **kw) -> BehaviourTarget:
                            address=address, **kw)
 
 
-def test_plan_expands_nodeports_and_keeps_localhost_node_only():
+def test_plan_expands_nodeports_and_keeps_localhost_node_only() -> None:
     params = BehaviourParams(targets=[T("a/np", None, kind="NodePort", port=30080), T("a/c", "198.19.0.10")],
                              node_ips=["198.18.1.2"])
     planned, truncated = bh.plan_cells(params, ["198.18.1.2", "198.18.9.1"], pod_path=True)
@@ -204,7 +204,7 @@ def test_plan_expands_nodeports_and_keeps_localhost_node_only():
     assert [c.path for c in bh.plan_cells(params, [], pod_path=False)[0]] == ["node", "node"]
 
 
-def test_plan_keeps_to_max_cells():
+def test_plan_keeps_to_max_cells() -> None:
     params = BehaviourParams(targets=[T(f"a/np{i}", None, kind="NodePort") for i in range(40)])
     planned, truncated = bh.plan_cells(params, ["198.18.1.2", "198.18.1.3"], pod_path=True)
     assert len(planned) == MAX_CELLS and truncated
@@ -219,7 +219,7 @@ def answered(port: int, payload: str = "ep-a") -> bh.Attempt:
     return bh.Attempt("answered", payload=payload, source=("198.18.1.2", port))
 
 
-def test_cells_judge_stickiness_and_locality_on_conntrack_addresses():
+def test_cells_judge_stickiness_and_locality_on_conntrack_addresses() -> None:
     t = T("a/aff", "198.19.0.10", attempts=3, local_endpoints=["198.18.3.3"])
     key = lambda port: ("TCP", "198.18.1.2", port, "198.19.0.10", 80)  # noqa: E731
     same = cell_for(t, [answered(1), answered(2), answered(3)], {key(p): "198.18.3.3" for p in (1, 2, 3)})
@@ -231,7 +231,7 @@ def test_cells_judge_stickiness_and_locality_on_conntrack_addresses():
     assert by_name.endpoints == ["ep-a"] and by_name.sticky is True and by_name.local is None
 
 
-def test_cells_report_the_first_failure_and_partial_answers():
+def test_cells_report_the_first_failure_and_partial_answers() -> None:
     t = T("a/c", "198.19.0.10", attempts=2)
     cell = cell_for(t, [answered(1), bh.Attempt("refused", "connection refused")])
     assert cell.outcome == "refused" and cell.detail.startswith("1/2 attempts answered") and cell.sticky is None
@@ -254,7 +254,7 @@ class FakeTime:
         return dial
 
 
-def test_jobs_stop_at_the_deadline_and_say_so():
+def test_jobs_stop_at_the_deadline_and_say_so() -> None:
     clock = FakeTime()
     jobs = [bh.DialJob("198.19.0.10", 80, "TCP", 8) for _ in range(3)]
     results, cut = bh.run_jobs(jobs, attempt_timeout=0.25, deadline=101.0, dialer=clock.dialer("timeout"),
@@ -274,7 +274,7 @@ def test_no_retry_by_default():
     assert tries == ["198.19.0.1"]
 
 
-def test_with_retries_on_a_lone_timeout_is_tried_once_more_and_a_refusal_never(monkeypatch):
+def test_with_retries_on_a_lone_timeout_is_tried_once_more_and_a_refusal_never(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(bh, "RETRY_TIMEOUTS", True)
     clock = FakeTime()
     tries: list[str] = []
@@ -289,13 +289,13 @@ def test_with_retries_on_a_lone_timeout_is_tried_once_more_and_a_refusal_never(m
     assert [len(r) for r in results] == [1, 1]
 
 
-def test_printable_line_is_bounded():
+def test_printable_line_is_bounded() -> None:
     assert bh.printable_line(b"ep-a\nrest") == "ep-a"
     assert bh.printable_line(b"\x00\x01\xff") is None
     assert len(bh.printable_line(b"x" * 500) or "") == 64
 
 
-def test_the_probe_server_refuses_bad_requests():
+def test_the_probe_server_refuses_bad_requests() -> None:
     for body, why in [(b"{", "not JSON"), (b"[]", "jobs list"),
                       (json.dumps({"jobs": [{"address": "x", "port": 80, "protocol": "TCP"}]}).encode(), "IP"),
                       (json.dumps({"jobs": [{"address": "198.19.0.1", "port": 0, "protocol": "TCP"}]}).encode(),
@@ -307,7 +307,7 @@ def test_the_probe_server_refuses_bad_requests():
             ps.parse_request(body)
 
 
-def test_the_probe_server_answers_over_http_and_the_agent_reads_it():
+def test_the_probe_server_answers_over_http_and_the_agent_reads_it() -> None:
     server = ps.ProbeServer(("127.0.0.1", 0))
     ps.ProbeHandler.dialer = staticmethod(lambda a, p, proto, t: bh.Attempt(  # type: ignore[assignment]
         "answered", payload="ep-z", source=("198.18.2.5", 41000)))
@@ -337,7 +337,7 @@ attempt_json = st.fixed_dictionaries({"outcome": st.sampled_from(["answered", "r
 
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.lists(attempt_json, max_size=5), min_size=2, max_size=2), st.sampled_from([True, False, "yes"]))
-def test_a_pod_answer_is_bounded_and_checked(results, truncated):
+def test_a_pod_answer_is_bounded_and_checked(results, truncated) -> None:
     answer = bh.parse_pod_answer(json.dumps({"results": results, "truncated": truncated}).encode(), JOBS)
     assert [len(r) for r in answer.results] == [min(len(results[0]), 2), min(len(results[1]), 1)]
     assert answer.truncated is (truncated is True)
@@ -349,14 +349,14 @@ def test_a_pod_answer_is_bounded_and_checked(results, truncated):
 
 @settings(max_examples=80, deadline=None)
 @given(st.binary(max_size=200))
-def test_a_garbage_pod_answer_is_a_value_error(data):
+def test_a_garbage_pod_answer_is_a_value_error(data) -> None:
     try:
         bh.parse_pod_answer(data, JOBS)
     except ValueError:
         return
 
 
-def test_a_pod_answer_of_the_wrong_shape_is_refused():
+def test_a_pod_answer_of_the_wrong_shape_is_refused() -> None:
     for bad in [b"[]", b'{"results": [[]]}', b"[" * 100_000, b'{"results": [[{"outcome": "maybe"}], []]}',
                 b"x" * (bh.MAX_POD_ANSWER_BYTES + 1)]:
         with pytest.raises(ValueError):
@@ -412,7 +412,7 @@ IDENTITIES = {("TCP", "198.18.1.2", 41000, "198.19.0.10", 80): "198.18.5.5",
               ("UDP", "198.18.1.2", 41003, "198.19.0.53", 53): "198.18.5.8"}
 
 
-def test_identities_come_from_one_dump_per_protocol_matched_on_the_whole_tuple():
+def test_identities_come_from_one_dump_per_protocol_matched_on_the_whole_tuple() -> None:
     table = ConntrackTable(*IDENTITY_TABLE)
     found = bh.conntrack_identities(IDENTITY_KEYS, runner=table, deadline=time.monotonic() + 5,
                                     table_size=lambda: 40)
@@ -421,7 +421,7 @@ def test_identities_come_from_one_dump_per_protocol_matched_on_the_whole_tuple()
     assert sorted(table.calls) == [["conntrack", "-L", "-p", p, "-o", "xml"] for p in ("tcp", "udp")]
 
 
-def test_a_dump_cut_at_its_bound_is_looked_up_again_per_source(monkeypatch):
+def test_a_dump_cut_at_its_bound_is_looked_up_again_per_source(monkeypatch: pytest.MonkeyPatch):
     whole = ct.list_flows
 
     def tcp_dump_cut(protocol, **kw):  # type: ignore[no-untyped-def]
@@ -437,7 +437,7 @@ def test_a_dump_cut_at_its_bound_is_looked_up_again_per_source(monkeypatch):
     assert sources == ["10.244.1.9", "127.0.0.1", "198.18.1.2"]  # TCP only: the UDP dump was whole
 
 
-def test_a_large_table_is_never_dumped_the_kernel_filters_per_source():
+def test_a_large_table_is_never_dumped_the_kernel_filters_per_source() -> None:
     table = ConntrackTable(*IDENTITY_TABLE)
     found = bh.conntrack_identities(IDENTITY_KEYS, runner=table, deadline=time.monotonic() + 5,
                                     table_size=lambda: ct.DUMP_MAX_ENTRIES + 1)
@@ -445,7 +445,7 @@ def test_a_large_table_is_never_dumped_the_kernel_filters_per_source():
     assert all("-s" in c for c in table.calls) and len(table.calls) == 4  # (TCP, 3 sources) + (UDP, 1)
 
 
-def test_a_full_dump_is_parsed_without_building_its_whole_tree():
+def test_a_full_dump_is_parsed_without_building_its_whole_tree() -> None:
     """A 2,000-flow dump (the most the agent dumps whole) peaks at a few MiB, not a tree of every flow:
     fed whole it was ~12 MiB per dump, which fragmented the agent's heap migration after migration."""
     import tracemalloc

@@ -51,7 +51,7 @@ class FakeAPI:
 
 
 class Clock:
-    def __init__(self):
+    def __init__(self) -> None:
         self.t = 1_800_000_000.0
 
     def __call__(self):
@@ -102,7 +102,7 @@ class FakeNode:
     """The node behind the agent's NodeEffects protocol, from memory: records flushes, answers the rest."""
 
     def __init__(self, *, inventory=CLEAN, facts=FACTS, flush_calls=None, preflight=None, hold=None, checks=None,
-                 readers=None):
+                 readers=None) -> None:
         self.facts, self.inventory_now = facts, inventory
         self.readers = readers  # diagnose: the node's tools as text (diagnostics.Readers), None for the real ones
         self.flush_calls = flush_calls if flush_calls is not None else []
@@ -149,7 +149,7 @@ class FakeNode:
         assert self.checks is not None, "this test gave the fake node no conntrack checks"
         return self.checks.conntrack(params)
 
-    def diagnose(self, request, mode):
+    def diagnose(self, request: pytest.FixtureRequest, mode):
         return diag.serve(request, mode, self.readers)
 
 
@@ -158,7 +158,7 @@ def make_agent(api, *, inventory=CLEAN, facts=FACTS, flush_calls=None, preflight
     return Agent(AgentConfig(node="n1"), api, node, clock=Clock())
 
 
-def test_cleanup_runs_once_and_records_running_before_the_flush():
+def test_cleanup_runs_once_and_records_running_before_the_flush() -> None:
     api = FakeAPI(node_obj({"id": "m1.Cleanup.0", "type": "Cleanup",
                             "params": {"removeModes": ["iptables"], "targetMode": "nftables"}}))
     calls: list = []
@@ -176,7 +176,7 @@ def test_cleanup_runs_once_and_records_running_before_the_flush():
     assert node.status.heartbeat and node.status.kube_proxy.sync_count == 4
 
 
-def test_a_cleanup_reports_kube_proxy_and_the_gate_services_as_seen_after_the_flush():
+def test_a_cleanup_reports_kube_proxy_and_the_gate_services_as_seen_after_the_flush() -> None:
     api = FakeAPI(node_obj({"id": "m1.Cleanup.0", "type": "Cleanup",
                             "params": {"removeModes": ["iptables"], "targetMode": "nftables",
                                        "services": ["198.19.0.10:443", "198.19.0.11:80"]}}))
@@ -193,7 +193,7 @@ def test_a_cleanup_reports_kube_proxy_and_the_gate_services_as_seen_after_the_fl
     assert "connects" not in ProxyNode.model_validate(plain.obj).status.last_operation.details
 
 
-def test_a_restarted_agent_does_not_rerun_a_cleanup_and_reports_what_is_left():
+def test_a_restarted_agent_does_not_rerun_a_cleanup_and_reports_what_is_left() -> None:
     op = {"id": "m1.Cleanup.0", "type": "Cleanup", "params": {"removeModes": ["iptables"], "targetMode": "nftables"}}
     api = FakeAPI(node_obj(op, {"lastOperation": {"id": "m1.Cleanup.0", "type": "Cleanup", "state": "Running",
                                                   "startedAt": "2027-01-15T08:00:00Z"}}))
@@ -205,7 +205,7 @@ def test_a_restarted_agent_does_not_rerun_a_cleanup_and_reports_what_is_left():
     assert last.details == {"recovered": True, "remaining": {"iptables": 1}}
 
 
-def test_a_restarted_agent_reports_success_when_the_cleanup_had_completed():
+def test_a_restarted_agent_reports_success_when_the_cleanup_had_completed() -> None:
     op = {"id": "m1.Cleanup.0", "type": "Cleanup", "params": {"removeModes": ["iptables"], "targetMode": "nftables"}}
     api = FakeAPI(node_obj(op, {"lastOperation": {"id": "m1.Cleanup.0", "type": "Cleanup", "state": "Running"}}))
     calls: list = []
@@ -214,7 +214,7 @@ def test_a_restarted_agent_reports_success_when_the_cleanup_had_completed():
     assert calls == [] and last.state == "Succeeded" and last.details["recovered"] is True
 
 
-def test_finished_operations_are_not_run_again_after_a_restart():
+def test_finished_operations_are_not_run_again_after_a_restart() -> None:
     op = {"id": "m1.Cleanup.0", "type": "Cleanup", "params": {"removeModes": ["iptables"], "targetMode": "nftables"}}
     api = FakeAPI(node_obj(op, {"lastOperation": {"id": "m1.Cleanup.0", "type": "Cleanup", "state": "Succeeded"}}))
     calls: list = []
@@ -238,7 +238,7 @@ def test_failed_preflight_is_reported_with_what_is_missing():
     assert last.details["missing"][0]["fix"] == "modprobe ip_vs"
 
 
-def test_probe_reports_connects_in_the_shape_the_planner_reads():
+def test_probe_reports_connects_in_the_shape_the_planner_reads() -> None:
     api = FakeAPI(node_obj({"id": "m3.Gate.0", "type": "Probe",
                             "params": {"services": ["198.19.0.1:443", "198.19.0.10:53"]}}))
     make_agent(api).handle(api.get("n1"))
@@ -248,7 +248,7 @@ def test_probe_reports_connects_in_the_shape_the_planner_reads():
     assert "1/2 service connects ok" in last.message
 
 
-def test_a_new_operation_replaces_every_detail_of_the_previous_one():
+def test_a_new_operation_replaces_every_detail_of_the_previous_one() -> None:
     api = FakeAPI(node_obj({"id": "a", "type": "Probe", "params": {"services": ["198.19.0.1:443"]}}))
     agent = make_agent(api)
     agent.handle(api.get("n1"))
@@ -258,7 +258,7 @@ def test_a_new_operation_replaces_every_detail_of_the_previous_one():
     assert last["id"] == "b" and "details" not in last
 
 
-def test_heartbeat_clears_an_old_error_and_writes_an_infinite_p99_as_a_finite_number():
+def test_heartbeat_clears_an_old_error_and_writes_an_infinite_p99_as_a_finite_number() -> None:
     api = FakeAPI(node_obj(status={"kubeProxy": {"error": "connection refused", "proxyMode": None}}))
     slow = FACTS.model_copy(update={"sync_duration_p99_seconds": math.inf})
     agent = make_agent(api, facts=slow)
@@ -277,14 +277,14 @@ def test_heartbeat_clears_an_old_error_and_writes_an_infinite_p99_as_a_finite_nu
     assert len(api.patches) == writes + 1
 
 
-def test_unknown_modes_in_a_cleanup_fail_the_operation_not_the_agent():
+def test_unknown_modes_in_a_cleanup_fail_the_operation_not_the_agent() -> None:
     api = FakeAPI(node_obj({"id": "x", "type": "Cleanup", "params": {"removeModes": ["userspace"]}}))
     make_agent(api).handle(api.get("n1"))
     last = api.obj["status"]["lastOperation"]
     assert last["state"] == "Failed" and "unknown kube-proxy mode" in last["message"]
 
 
-def test_cli_arguments(monkeypatch):
+def test_cli_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NODE_NAME", "ps-node-1")
     cfg = parse_args(["--metrics-address", "127.0.0.1:10249", "--probe-interval", "5"])
     assert cfg.node == "ps-node-1" and cfg.probe_interval == 5
@@ -293,7 +293,7 @@ def test_cli_arguments(monkeypatch):
         parse_args([])
 
 
-def test_the_real_client_sends_a_merge_patch_to_the_status_subresource_and_a_field_selector():
+def test_the_real_client_sends_a_merge_patch_to_the_status_subresource_and_a_field_selector() -> None:
     import json
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -305,7 +305,7 @@ def test_the_real_client_sends_a_merge_patch_to_the_status_subresource_and_a_fie
     seen: list[tuple[str, str, str | None, bytes]] = []
 
     class H(BaseHTTPRequestHandler):
-        def log_message(self, *a):
+        def log_message(self, *a) -> None:
             pass
 
         def _answer(self, body: dict) -> None:
@@ -316,12 +316,12 @@ def test_the_real_client_sends_a_merge_patch_to_the_status_subresource_and_a_fie
             self.end_headers()
             self.wfile.write(data)
 
-        def do_PATCH(self):
+        def do_PATCH(self) -> None:
             payload = self.rfile.read(int(self.headers["Content-Length"]))
             seen.append(("PATCH", self.path, self.headers.get("Content-Type"), payload))
             self._answer(node_obj())
 
-        def do_GET(self):
+        def do_GET(self) -> None:
             seen.append(("GET", self.path, None, b""))
             self._answer(node_obj())
 
@@ -346,7 +346,7 @@ def test_the_real_client_sends_a_merge_patch_to_the_status_subresource_and_a_fie
 class FlakyAPI(FakeAPI):
     """Refuses the patches whose numbers (1-based) are listed."""
 
-    def __init__(self, obj, fail_on: set[int]):
+    def __init__(self, obj, fail_on: set[int]) -> None:
         super().__init__(obj)
         self.fail_on, self.calls = fail_on, 0
 
@@ -357,7 +357,7 @@ class FlakyAPI(FakeAPI):
         return super().patch_status(name, status)
 
 
-def test_an_unrecorded_start_runs_nothing_and_a_lost_result_is_sent_again():
+def test_an_unrecorded_start_runs_nothing_and_a_lost_result_is_sent_again() -> None:
     op = {"id": "c1", "type": "Cleanup", "params": {"removeModes": ["iptables"], "targetMode": "nftables"}}
     api = FlakyAPI(node_obj(op), fail_on={1, 3})
     calls: list = []
@@ -378,7 +378,7 @@ def test_an_unrecorded_start_runs_nothing_and_a_lost_result_is_sent_again():
 class SlowAPI(FakeAPI):
     """The first patch (the Running record) returns only once the preflight has begun, or after 5 s."""
 
-    def __init__(self, obj):
+    def __init__(self, obj) -> None:
         super().__init__(obj)
         self.preflight_began = threading.Event()
         self.overlapped: bool | None = None
@@ -436,10 +436,10 @@ def test_the_real_client_watches_with_bookmarks_and_from_now_without_a_version(r
     queries: list[dict[str, list[str]]] = []
 
     class H(BaseHTTPRequestHandler):
-        def log_message(self, *a):
+        def log_message(self, *a) -> None:
             pass
 
-        def do_GET(self):
+        def do_GET(self) -> None:
             queries.append(urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query))
             bookmark = {"kind": "ProxyNode", "apiVersion": "proxyshift.io/v1alpha1",
                         "metadata": {"resourceVersion": "900"}}
@@ -466,7 +466,7 @@ def test_the_real_client_watches_with_bookmarks_and_from_now_without_a_version(r
     assert q.get("resourceVersion") == ([rv] if rv else None)
 
 
-def test_the_watch_loop_gets_once_then_follows_resource_versions_and_starts_from_now_after_a_410():
+def test_the_watch_loop_gets_once_then_follows_resource_versions_and_starts_from_now_after_a_410() -> None:
     import queue
     import threading
 
@@ -633,7 +633,7 @@ NEW_STARTED = FACTS.model_copy(update={"process_start_time": 1.8e9, "last_sync_t
 NEW_SYNCED = FACTS.model_copy(update={"process_start_time": 1.8e9, "last_sync_timestamp": 1.8e9 + 1})
 
 
-def test_hold_copies_the_old_rules_and_goes_once_a_new_kube_proxy_has_synced():
+def test_hold_copies_the_old_rules_and_goes_once_a_new_kube_proxy_has_synced() -> None:
     api, hold = FakeAPI(node_obj(hold_op())), FakeHold()
     seen = [OLD_PROXY]
     agent = make_agent(api, hold=hold)
@@ -652,7 +652,7 @@ def test_hold_copies_the_old_rules_and_goes_once_a_new_kube_proxy_has_synced():
     assert not hold.present and agent.hold is None and hold.calls[-1] == "release"
 
 
-def test_a_hold_never_outlives_its_time_to_live():
+def test_a_hold_never_outlives_its_time_to_live() -> None:
     api, hold = FakeAPI(node_obj(hold_op())), FakeHold()
     agent = make_agent(api, hold=hold, facts=OLD_PROXY)
     agent.handle(api.get("n1"))
@@ -664,7 +664,7 @@ def test_a_hold_never_outlives_its_time_to_live():
     assert not hold.present and agent.hold is None
 
 
-def test_a_failed_hold_is_reported_failed_and_nothing_is_recorded():
+def test_a_failed_hold_is_reported_failed_and_nothing_is_recorded() -> None:
     api, hold = FakeAPI(node_obj(hold_op())), FakeHold(fail=True)
     agent = make_agent(api, hold=hold, facts=OLD_PROXY)
     agent.handle(api.get("n1"))
@@ -672,7 +672,7 @@ def test_a_failed_hold_is_reported_failed_and_nothing_is_recorded():
     assert last.state == "Failed" and "exit status 4" in last.message and agent.hold is None
 
 
-def test_no_hold_between_modes_kube_proxy_does_not_clean_up():
+def test_no_hold_between_modes_kube_proxy_does_not_clean_up() -> None:
     op = {"id": "m1.Hold.0", "type": "Hold", "params": {"fromMode": "iptables", "toMode": "ipvs"}}
     api, hold = FakeAPI(node_obj(op)), FakeHold()
     make_agent(api, hold=hold).handle(api.get("n1"))
@@ -680,7 +680,7 @@ def test_no_hold_between_modes_kube_proxy_does_not_clean_up():
     assert last.state == "Succeeded" and "no rule hold needed" in last.message and hold.calls == []
 
 
-def test_cleanup_releases_the_hold_with_the_flush():
+def test_cleanup_releases_the_hold_with_the_flush() -> None:
     api, hold = FakeAPI(node_obj({"id": "m1.Cleanup.0", "type": "Cleanup",
                                   "params": {"removeModes": ["iptables"], "targetMode": "nftables"}})),\
         FakeHold(present=True)
@@ -691,7 +691,7 @@ def test_cleanup_releases_the_hold_with_the_flush():
     assert last.state == "Succeeded" and "9 chains removed" in last.message and not hold.present
 
 
-def test_a_hold_left_by_an_earlier_agent_goes_once_kube_proxy_has_synced():
+def test_a_hold_left_by_an_earlier_agent_goes_once_kube_proxy_has_synced() -> None:
     hold = FakeHold(present=True)
     agent = make_agent(FakeAPI(node_obj()), hold=hold, facts=NEW_STARTED)
     agent.observe(inventory=False)
@@ -729,7 +729,7 @@ STARTING = KubeProxyFacts(proxy_mode=None, error="connection refused")
 UP_NOT_SYNCED = FACTS.model_copy(update={"last_sync_timestamp": 0.0, "sync_count": 0, "healthz_status": 503})
 
 
-def test_a_probe_answers_once_the_new_kube_proxy_has_synced():
+def test_a_probe_answers_once_the_new_kube_proxy_has_synced() -> None:
     api = FakeAPI(node_obj(probe_op(awaitMode="nftables", awaitSyncs=1, awaitSeconds=10)))
     agent, sleeps = _sequence_agent(api, [STARTING, STARTING, UP_NOT_SYNCED, FACTS])
     agent.handle(api.get("n1"))
@@ -738,7 +738,7 @@ def test_a_probe_answers_once_the_new_kube_proxy_has_synced():
     assert node.status.kube_proxy.sync_count == 4 and len(sleeps) == 3  # answered at the first synced look
 
 
-def test_a_probe_waits_no_longer_than_asked_and_then_reports_what_it_sees():
+def test_a_probe_waits_no_longer_than_asked_and_then_reports_what_it_sees() -> None:
     api = FakeAPI(node_obj(probe_op(awaitMode="nftables", awaitSyncs=1, awaitSeconds=2)))
     agent, sleeps = _sequence_agent(api, [STARTING])
     agent.handle(api.get("n1"))
@@ -747,7 +747,7 @@ def test_a_probe_waits_no_longer_than_asked_and_then_reports_what_it_sees():
     assert 1.8 <= sum(sleeps) <= 2.2
 
 
-def test_a_probe_does_not_wait_on_a_kube_proxy_in_the_wrong_mode_or_when_not_asked():
+def test_a_probe_does_not_wait_on_a_kube_proxy_in_the_wrong_mode_or_when_not_asked() -> None:
     api = FakeAPI(node_obj(probe_op(awaitMode="iptables", awaitSyncs=1, awaitSeconds=10)))
     agent, sleeps = _sequence_agent(api, [FACTS])  # runs nftables: the gate fails it, no use waiting
     agent.handle(api.get("n1"))
@@ -787,7 +787,7 @@ def _with_diagnose(agent: Agent, tools: FakeDiagnoseTools) -> Agent:
     return agent
 
 
-def test_a_preflight_and_the_before_distribution_are_answered_in_one_write():
+def test_a_preflight_and_the_before_distribution_are_answered_in_one_write() -> None:
     op = {"id": "p.1.0.Preflight.0", "type": "Preflight", "params": {"mode": "nftables"}}
     obj = node_obj(op)
     obj["spec"]["diagnose"] = _diagnose_request("p.1.0.before")
@@ -805,7 +805,7 @@ def test_a_preflight_and_the_before_distribution_are_answered_in_one_write():
     assert tools.calls == [] and len(api.patches) == 2
 
 
-def test_a_broken_diagnose_beside_a_preflight_never_holds_back_the_preflight_s_report():
+def test_a_broken_diagnose_beside_a_preflight_never_holds_back_the_preflight_s_report() -> None:
     op = {"id": "p.1.0.Preflight.0", "type": "Preflight", "params": {"mode": "nftables"}}
     obj = node_obj(op)
     obj["spec"]["diagnose"] = _diagnose_request("p.1.0.before")
@@ -817,7 +817,7 @@ def test_a_broken_diagnose_beside_a_preflight_never_holds_back_the_preflight_s_r
     assert "distribution" not in api.patches[-1]
 
 
-def test_a_diagnose_beside_a_cleanup_is_answered_first_on_its_own():
+def test_a_diagnose_beside_a_cleanup_is_answered_first_on_its_own() -> None:
     op = {"id": "p.1.0.Cleanup.0", "type": "Cleanup", "params": {"removeModes": ["iptables"],
                                                                  "targetMode": "nftables"}}
     obj = node_obj(op)

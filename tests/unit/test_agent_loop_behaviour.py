@@ -47,7 +47,7 @@ def run_op(op: dict, checks: FakeChecks, status: dict | None = None) -> ProxyNod
     return ProxyNode.model_validate(api.obj)
 
 
-def test_preflight_with_behaviour_writes_the_before_matrix_and_clears_an_old_after():
+def test_preflight_with_behaviour_writes_the_before_matrix_and_clears_an_old_after() -> None:
     checks = FakeChecks()
     old = {"behaviour": {"after": {"operationId": "old.Probe.3", "cells": []}}}
     node = run_op({"id": "m1.Preflight.0", "type": "Preflight", "params": {"mode": "nftables",
@@ -59,7 +59,7 @@ def test_preflight_with_behaviour_writes_the_before_matrix_and_clears_an_old_aft
     assert last.state == "Succeeded" and "behaviour: 1/1 cells answered" in last.message
 
 
-def test_a_failed_preflight_records_no_matrix():
+def test_a_failed_preflight_records_no_matrix() -> None:
     from proxyshift.agent.preflight import Missing, PreflightReport, ToolVersions
 
     checks = FakeChecks()
@@ -77,7 +77,7 @@ def test_a_failed_preflight_records_no_matrix():
     assert "behaviour" not in node.status.last_operation.message
 
 
-def test_probe_runs_the_conntrack_step_then_the_behaviour_probe_after_the_wait():
+def test_probe_runs_the_conntrack_step_then_the_behaviour_probe_after_the_wait() -> None:
     checks = FakeChecks(pod_error="probe server 198.18.2.5:9810: connection refused")
     before = {"behaviour": {"before": {"operationId": "m1.Preflight.0", "cells": []}}}
     node = run_op({"id": "m1.Probe.1", "type": "Probe",
@@ -93,14 +93,14 @@ def test_probe_runs_the_conntrack_step_then_the_behaviour_probe_after_the_wait()
     assert "conntrack: 1 TCP and 0 UDP" in last.message and "pod path: probe server" in last.message
 
 
-def test_a_new_after_matrix_clears_the_old_ones_pod_path_error():
+def test_a_new_after_matrix_clears_the_old_ones_pod_path_error() -> None:
     old = {"behaviour": {"after": {"operationId": "m1.Probe.1", "podPathError": "refused", "cells": []}}}
     node = run_op({"id": "m1.Probe.2", "type": "Probe", "params": {"behaviour": BEHAVIOUR}}, FakeChecks(), old)
     assert node.status.behaviour.after.operation_id == "m1.Probe.2"
     assert node.status.behaviour.after.pod_path_error is None
 
 
-def test_an_old_operator_sending_neither_sees_no_change():
+def test_an_old_operator_sending_neither_sees_no_change() -> None:
     checks = FakeChecks()
     node = run_op({"id": "m1.Probe.1", "type": "Probe", "params": {"services": ["198.19.0.10:443"]}}, checks)
     assert checks.calls == [] and node.status.behaviour is None
@@ -109,7 +109,7 @@ def test_an_old_operator_sending_neither_sees_no_change():
     assert checks.calls == [] and pre.status.behaviour is None and "behaviour" not in pre.status.last_operation.message
 
 
-def test_bad_behaviour_params_fail_the_operation_with_a_reason():
+def test_bad_behaviour_params_fail_the_operation_with_a_reason() -> None:
     node = run_op({"id": "m1.Probe.1", "type": "Probe", "params": {"behaviour": {"targets": [{"port": 0}]}}},
                   FakeChecks())
     last = node.status.last_operation

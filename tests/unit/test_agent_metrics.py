@@ -110,7 +110,7 @@ class FlakyAPI(FakeAPI):
         return super().patch_status(name, status)
 
 
-def test_a_result_the_api_server_refused_is_counted_once_and_its_write_error_too():
+def test_a_result_the_api_server_refused_is_counted_once_and_its_write_error_too() -> None:
     api = FlakyAPI(node_obj(CLEANUP), refuse={1})  # write 0 is Running, write 1 the result
     agent = make_agent(api)
     counted = Counted()
@@ -122,7 +122,7 @@ def test_a_result_the_api_server_refused_is_counted_once_and_its_write_error_too
     assert counted.delta("proxyshift_agent_operations_total", type="Cleanup", result="succeeded") == 1
 
 
-def test_heartbeat_age_and_last_write_follow_the_status_writes():
+def test_heartbeat_age_and_last_write_follow_the_status_writes() -> None:
     api = FakeAPI(node_obj())
     agent = make_agent(api)
     clock, health = agent.clock, agent.health
@@ -139,7 +139,7 @@ def test_heartbeat_age_and_last_write_follow_the_status_writes():
     assert sample("proxyshift_agent_heartbeat_age_seconds") == 45
 
 
-def test_every_kube_proxy_probe_is_timed_and_a_failed_one_counted():
+def test_every_kube_proxy_probe_is_timed_and_a_failed_one_counted() -> None:
     api = FakeAPI(node_obj())
     agent = make_agent(api, facts=KubeProxyFacts(error="GET http://127.0.0.1:10249/metrics: connection refused"))
     clock = agent.clock
@@ -156,11 +156,11 @@ def test_every_kube_proxy_probe_is_timed_and_a_failed_one_counted():
     assert counted.delta("proxyshift_agent_errors_total", where="kube_proxy_probe") == 1
 
 
-def test_the_watch_loop_marks_api_contact_and_counts_its_errors():
+def test_the_watch_loop_marks_api_contact_and_counts_its_errors() -> None:
     stop = threading.Event()
 
     class BrokenWatch(FakeAPI):
-        def watch(self, name, rv, timeout):
+        def watch(self, name, rv, timeout) -> None:
             stop.set()
             raise ConnectionError("watch cut")
 
@@ -173,7 +173,7 @@ def test_the_watch_loop_marks_api_contact_and_counts_its_errors():
     assert counted.delta("proxyshift_agent_errors_total", where="watch") == 1
 
 
-def test_every_error_place_is_exported_at_zero():
+def test_every_error_place_is_exported_at_zero() -> None:
     for where in metrics.ERROR_PLACES:
         assert REGISTRY.get_sample_value("proxyshift_agent_errors_total", {"where": where}) is not None
 
@@ -181,7 +181,7 @@ def test_every_error_place_is_exported_at_zero():
 # ---- health ----
 
 
-def test_healthz_holds_through_startup_and_readyz_waits_for_the_api_server():
+def test_healthz_holds_through_startup_and_readyz_waits_for_the_api_server() -> None:
     clock = Clock()
     health = metrics.Health(clock, stale_after=600)
     assert health.live() == (True, "ok")
@@ -191,7 +191,7 @@ def test_healthz_holds_through_startup_and_readyz_waits_for_the_api_server():
     assert health.ready() == (True, "ok")
 
 
-def test_healthz_fails_when_the_api_server_stopped_answering_or_the_loop_stalled():
+def test_healthz_fails_when_the_api_server_stopped_answering_or_the_loop_stalled() -> None:
     clock = Clock()
     health = metrics.Health(clock, stale_after=600)
     health.contact()
@@ -208,7 +208,7 @@ def test_healthz_fails_when_the_api_server_stopped_answering_or_the_loop_stalled
     assert not ok and "loop has not turned for 601s" in why
 
 
-def test_respond_serves_metrics_health_and_nothing_else():
+def test_respond_serves_metrics_health_and_nothing_else() -> None:
     clock = Clock()
     health = metrics.Health(clock, stale_after=10)
     status, content_type, body = metrics.respond("/metrics", health)
@@ -221,7 +221,7 @@ def test_respond_serves_metrics_health_and_nothing_else():
     assert metrics.respond("/", health)[0] == 404
 
 
-def test_the_server_answers_on_its_port():
+def test_the_server_answers_on_its_port() -> None:
     health = metrics.Health(stale_after=60)
     health.contact()
     server = metrics.serve("127.0.0.1:0", health)
@@ -239,7 +239,7 @@ def test_the_server_answers_on_its_port():
         server.server_close()
 
 
-def test_listen_flag_default_and_validation(capsys):
+def test_listen_flag_default_and_validation(capsys: pytest.CaptureFixture[str]) -> None:
     cfg = parse_args(["--node", "n1"])
     assert cfg.listen == "0.0.0.0:9811" and cfg.stale_seconds == 600
     assert metrics.parse_listen(cfg.listen) == ("0.0.0.0", 9811)
@@ -259,7 +259,7 @@ def _agent_daemonset() -> dict[str, Any]:
     return ds
 
 
-def test_the_daemonset_probes_the_agent_on_the_port_it_listens_on():
+def test_the_daemonset_probes_the_agent_on_the_port_it_listens_on() -> None:
     ds = _agent_daemonset()
     (agent,) = ds["spec"]["template"]["spec"]["containers"]
     ports = {p["name"]: p["containerPort"] for p in agent["ports"]}
@@ -273,7 +273,7 @@ def test_the_daemonset_probes_the_agent_on_the_port_it_listens_on():
     assert live["periodSeconds"] * live["failureThreshold"] >= 60
 
 
-def test_the_podmonitor_selects_the_agent_pods_and_port():
+def test_the_podmonitor_selects_the_agent_pods_and_port() -> None:
     monitor = yaml.safe_load((CONFIG / "prometheus" / "podmonitor.yaml").read_text())
     ds = _agent_daemonset()
     assert monitor["kind"] == "PodMonitor" and monitor["apiVersion"] == "monitoring.coreos.com/v1"

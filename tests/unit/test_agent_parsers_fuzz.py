@@ -25,7 +25,7 @@ LINES = st.lists(st.one_of(
 
 @settings(max_examples=300, deadline=None)
 @given(LINES)
-def test_iptables_save_parser(text):
+def test_iptables_save_parser(text) -> None:
     with contextlib.suppress(IptablesSaveError):
         dump = parse(text)
         for table in dump.tables.values():
@@ -35,7 +35,7 @@ def test_iptables_save_parser(text):
 
 @settings(max_examples=300, deadline=None)
 @given(LINES)
-def test_ipvsadm_and_ipset_parsers(text):
+def test_ipvsadm_and_ipset_parsers(text) -> None:
     with contextlib.suppress(IpvsadmOutputError):
         for vs in parse_ipvsadm_save(text):
             assert vs.protocol in ("tcp", "udp", "sctp", "fwmark")
@@ -47,7 +47,7 @@ def test_ipvsadm_and_ipset_parsers(text):
 @given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                                  max_size=4), max_leaves=20))
-def test_nft_json_parser(doc):
+def test_nft_json_parser(doc) -> None:
     import json
 
     with contextlib.suppress(NftOutputError):
@@ -55,5 +55,5 @@ def test_nft_json_parser(doc):
             assert isinstance(family, str) and isinstance(name, str)
 
 
-def test_ip_addr_json_without_addresses():
+def test_ip_addr_json_without_addresses() -> None:
     assert parse_ip_addr_json('[{"ifname":"kube-ipvs0","addr_info":[]}]') == []

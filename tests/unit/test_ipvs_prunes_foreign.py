@@ -35,7 +35,7 @@ def ipvs_check(**kw):
     return on_ipvs_kernel("ipvs", **kw)
 
 
-def test_an_address_is_deleted_unless_an_exclude_cidr_holds_it():
+def test_an_address_is_deleted_unless_an_exclude_cidr_holds_it() -> None:
     assert outside_exclude_cidrs("198.18.5.1", [])
     assert not outside_exclude_cidrs("198.18.5.1", ["198.18.5.0/24"])
     assert not outside_exclude_cidrs("198.18.5.1", ["10.0.0.0/8", "198.18.5.1/32"])
@@ -47,13 +47,13 @@ def test_an_address_is_deleted_unless_an_exclude_cidr_holds_it():
     assert outside_exclude_cidrs("198.18.5.1", ["not-a-cidr"])
 
 
-def test_the_status_text_of_a_virtual_server_gives_its_address_back():
+def test_the_status_text_of_a_virtual_server_gives_its_address_back() -> None:
     for vs in (USER_VS, V6_VS, FWM_VS):
         assert described_address(vs.describe()) == vs.address
     assert described_address("nonsense") is None
 
 
-def test_preflight_for_ipvs_refuses_a_users_virtual_server_outside_exclude_cidrs_naming_the_fix():
+def test_preflight_for_ipvs_refuses_a_users_virtual_server_outside_exclude_cidrs_naming_the_fix() -> None:
     report = ipvs_check(ipvs_inventory=holding(USER_VS, FWM_VS), ipvs_exclude_cidrs=[])
     assert not report.ok
     assert report.foreign_ipvs == ForeignIPVS(count=1, virtual_servers=["TCP 198.18.5.1:80 rr"])
@@ -64,7 +64,7 @@ def test_preflight_for_ipvs_refuses_a_users_virtual_server_outside_exclude_cidrs
     assert "allowChanges: [ForeignIPVSFlush]" in message
 
 
-def test_preflight_for_ipvs_passes_when_the_address_is_excluded_or_the_loss_accepted():
+def test_preflight_for_ipvs_passes_when_the_address_is_excluded_or_the_loss_accepted() -> None:
     excluded = ipvs_check(ipvs_inventory=holding(USER_VS), ipvs_exclude_cidrs=["198.18.5.0/24"])
     assert excluded.ok, excluded.message()
     assert excluded.foreign_ipvs == ForeignIPVS(count=0, virtual_servers=[])
@@ -74,17 +74,17 @@ def test_preflight_for_ipvs_passes_when_the_address_is_excluded_or_the_loss_acce
     assert "ForeignIPVSFlush accepted: the switch deletes 1 IPVS virtual server" in accepted.message()
 
 
-def test_an_operator_that_sends_no_exclude_cidrs_gets_the_old_behaviour():
+def test_an_operator_that_sends_no_exclude_cidrs_gets_the_old_behaviour() -> None:
     # None: an operator older than the field. The agent cannot know the revision's excludeCIDRs, so it does not
     # refuse on a guess; the ipvs inventory is not even read.
-    def unread():
+    def unread() -> None:
         raise AssertionError("the IPVS table was read")
 
     report = ipvs_check(ipvs_inventory=unread)
     assert report.ok and report.foreign_ipvs is None
 
 
-def test_the_operator_sends_the_revisions_exclude_cidrs_only_with_a_preflight_for_ipvs():
+def test_the_operator_sends_the_revisions_exclude_cidrs_only_with_a_preflight_for_ipvs() -> None:
     node = dataclasses.replace(inp(), ipvs_exclude_cidrs=("198.18.5.0/24",))
     step = machine.start(node, Target(REV, "ipvs"), from_mode="iptables", generation=1, retry_token=None)
     params = writes(step)[0].operation.params
@@ -98,7 +98,7 @@ def test_the_operator_sends_the_revisions_exclude_cidrs_only_with_a_preflight_fo
     assert "ipvsExcludeCIDRs" not in writes(step)[0].operation.params
 
 
-def test_the_rendered_revision_carries_the_policys_exclude_cidrs():
+def test_the_rendered_revision_carries_the_policys_exclude_cidrs() -> None:
     p = policy(mode="ipvs", ipvs={"excludeCIDRs": ["198.18.5.0/24"]})
     targets, errors = snapshot.current_revisions({"blue": p}, CM, DS)
     assert not errors
@@ -107,7 +107,7 @@ def test_the_rendered_revision_carries_the_policys_exclude_cidrs():
     assert plain["blue"].ipvs_exclude_cidrs == ()
 
 
-def test_plan_for_ipvs_names_a_node_whose_virtual_server_the_ipvs_kube_proxy_would_delete():
+def test_plan_for_ipvs_names_a_node_whose_virtual_server_the_ipvs_kube_proxy_would_delete() -> None:
     held = {"n1": ForeignIPVS(count=2, virtual_servers=["TCP 198.18.5.1:80 rr", "FWM 7 sh"])}
     p = policy(mode="ipvs")
     wld = _with_inventory(p, held)
@@ -132,7 +132,7 @@ def test_plan_for_ipvs_names_a_node_whose_virtual_server_the_ipvs_kube_proxy_wou
         "(TCP 198.18.5.1:80 rr) at its first sync"]
 
 
-def test_the_compatibility_report_of_a_move_into_ipvs_names_exclude_cidrs():
+def test_the_compatibility_report_of_a_move_into_ipvs_names_exclude_cidrs() -> None:
     into = [f for f in compatibility("iptables", None, "ipvs", None, [], []) if f.change == "ForeignIPVSFlush"]
     assert len(into) == 1 and into[0].preserving == "ipvs.excludeCIDRs"
     assert "unless its address is in ipvs.excludeCIDRs" in into[0].summary
