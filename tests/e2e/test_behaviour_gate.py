@@ -136,6 +136,7 @@ def test_a_default_policy_stops_on_the_nodeport_changes_then_passes_when_they_ar
     # The report still tells what is not allowed (no NodePort firewall openings, INVALID not dropped),
     # and no longer the two changes the policy now accepts.
     report = h.condition(name, "BehaviourChanges")
+    assert report is not None
     assert not any(f"{change} (" in report["message"] for change in NODE_PORT_CHANGES), report
     for n in BLUE:
         assert h.proxy_mode(n) == "nftables"
