@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
-LAYERS=(${MYPY_TEST_LAYERS:-dataplane e2e reliability vm vm/guest})
+LAYERS=(${MYPY_TEST_LAYERS:-unit dataplane e2e reliability vm vm/guest})
 status=0
 for layer in "${LAYERS[@]}"; do
   dir=tests/$layer

@@ -202,6 +202,7 @@ def test_ipvs_flusher_deletes_only_owned_services_then_dummy_then_sets(tmp_path:
     assert steps[0].removed == {"virtual servers": 8, "interfaces": 1, "ipsets": 3}
     assert "4 virtual servers not created by kube-proxy left in place" in steps[0].skipped
     restore = next(inp for argv, inp in node.calls if argv == ["ipvsadm", "-R"])
+    assert restore is not None
     assert {line.removeprefix("-D ") for line in restore.splitlines()} == EXPECTED_OWNED
     order = [argv[0] + " " + argv[1] for argv, _ in node.calls if argv[:2] in (["ipvsadm", "-R"],
              ["ip", "link"], ["ipset", "restore"])]

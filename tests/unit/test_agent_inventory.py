@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,8 +19,8 @@ SAVE = (FIX / "iptables" / "iptables-mode-20-services-with-user-rules.save.txt")
 NFT = (FIX / "nft" / "list-tables.json").read_text()
 
 
-def fake(outputs: dict[str, str]):
-    def runner(argv, **_):
+def fake(outputs: dict[str, str]) -> Callable[..., Result]:
+    def runner(argv: Sequence[str], **_: Any) -> Result:
         key = " ".join(argv)
         for prefix, out in outputs.items():
             if key.startswith(prefix):

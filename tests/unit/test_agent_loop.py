@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -13,8 +14,10 @@ from proxyshift.agent import diagnostics as diag
 from proxyshift.agent.flush.base import FlushReport, FlushStep
 from proxyshift.agent.hold import HoldReport
 from proxyshift.agent.inventory import ChainInventory, Inventory
-from proxyshift.agent.loop import P99_ABOVE_BUCKETS, Agent, AgentConfig, parse_args
+from proxyshift.agent.loop import P99_ABOVE_BUCKETS, Agent, AgentConfig, ProxyNodeAPI, parse_args
 from proxyshift.agent.preflight import Missing, PreflightReport, ToolVersions
+from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams, ConntrackParams, ConntrackReport
+from proxyshift.api.diagnostics import DiagnoseRequest, NodeDiagnostics
 from proxyshift.api.proxynode import KubeProxyFacts, ProxyNode
 
 pytestmark = pytest.mark.unit
@@ -38,13 +41,13 @@ class FakeAPI:
         self.obj = obj
         self.patches: list[dict[str, Any]] = []
 
-    def get(self, name):
+    def get(self, name: str) -> dict[str, Any]:
         return copy.deepcopy(self.obj)
 
-    def watch(self, name, rv, timeout):
+    def watch(self, name: str, rv: str | None, timeout: int) -> Iterator[tuple[str, dict[str, Any]]]:
         return iter(())
 
-    def patch_status(self, name, status):
+    def patch_status(self, name: str, status: dict[str, Any]) -> dict[str, Any]:
         self.patches.append(copy.deepcopy(status))
         self.obj = merge(self.obj, {"status": status})
         return self.obj
@@ -54,7 +57,7 @@ class Clock:
     def __init__(self) -> None:
         self.t = 1_800_000_000.0
 
-    def __call__(self):
+    def __call__(self) -> float:
         return self.t
 
 
@@ -101,8 +104,11 @@ class FakeHold:
 class FakeNode:
     """The node behind the agent's NodeEffects protocol, from memory: records flushes, answers the rest."""
 
-    def __init__(self, *, inventory=CLEAN, facts=FACTS, flush_calls=None, preflight=None, hold=None, checks=None,
-                 readers=None) -> None:
+    # checks: test_agent_loop_behaviour's FakeChecks (its behaviour and conntrack), which imports this module.
+    def __init__(self, *, inventory: Inventory = CLEAN, facts: KubeProxyFacts = FACTS,
+                 flush_calls: list[tuple[list[str], str | None]] | None = None,
+                 preflight: Callable[..., PreflightReport] | None = None, hold: FakeHold | None = None,
+                 checks: Any = None, readers: diag.Readers | None = None) -> None:
         self.facts, self.inventory_now = facts, inventory
         self.readers = readers  # diagnose: the node's tools as text (diagnostics.Readers), None for the real ones
         self.flush_calls = flush_calls if flush_calls is not None else []
@@ -110,50 +116,52 @@ class FakeNode:
         self.held = hold if hold is not None else FakeHold()
         self.checks = checks  # behaviour and conntrack (test_agent_loop_behaviour's FakeChecks)
 
-    def probe(self):
+    def probe(self) -> KubeProxyFacts:
         return self.facts
 
-    def inventory(self):
+    def inventory(self) -> Inventory:
         return self.inventory_now
 
-    def flush(self, remove, target):
+    def flush(self, remove: list[str], target: str | None) -> FlushReport:
         self.flush_calls.append((remove, target))
         report = FlushReport(sorted(remove), target)
         report.steps.append(FlushStep("iptables (ipv4, nft backend)", removed={"chains": 3}))
         return report
 
-    def preflight(self, mode, scheduler=None, **kw):
+    def preflight(self, mode: str, scheduler: str | None = None, **kw: Any) -> PreflightReport:
         if self.preflight_fn is not None:
             return self.preflight_fn(mode, scheduler, **kw)
         return PreflightReport(mode=mode, scheduler=scheduler, kernel_release="6.1.0",
                                modules={"nf_conntrack": "present"},
                                tools=ToolVersions(nft="1.0.9", iptables="1.8.9", iptables_backend="nf_tables"))
 
-    def connect(self, targets):
+    def connect(self, targets: list[str]) -> dict[str, bool | str]:
         return {t: (True if t.endswith(":443") else "connection refused") for t in targets}
 
-    def install_hold(self, from_mode):
+    def install_hold(self, from_mode: str) -> HoldReport:
         return self.held.install(from_mode)
 
-    def release_hold(self):
+    def release_hold(self) -> HoldReport:
         return self.held.release()
 
-    def hold_present(self):
+    def hold_present(self) -> bool:
         return self.held.present
 
-    def behaviour(self, params, *, mode, operation_id):
+    def behaviour(self, params: BehaviourParams, *, mode: str | None, operation_id: str) -> BehaviourMatrix:
         assert self.checks is not None, "this test gave the fake node no behaviour checks"
         return self.checks.behaviour(params, mode=mode, operation_id=operation_id)
 
-    def conntrack(self, params):
+    def conntrack(self, params: ConntrackParams) -> ConntrackReport:
         assert self.checks is not None, "this test gave the fake node no conntrack checks"
         return self.checks.conntrack(params)
 
-    def diagnose(self, request: pytest.FixtureRequest, mode):
+    def diagnose(self, request: DiagnoseRequest, mode: str | None) -> NodeDiagnostics:
         return diag.serve(request, mode, self.readers)
 
 
-def make_agent(api, *, inventory=CLEAN, facts=FACTS, flush_calls=None, preflight=None, hold=None):
+def make_agent(api: ProxyNodeAPI, *, inventory: Inventory = CLEAN, facts: KubeProxyFacts = FACTS,
+               flush_calls: list[tuple[list[str], str | None]] | None = None,
+               preflight: Callable[..., PreflightReport] | None = None, hold: FakeHold | None = None) -> Agent:
     node = FakeNode(inventory=inventory, facts=facts, flush_calls=flush_calls, preflight=preflight, hold=hold)
     return Agent(AgentConfig(node="n1"), api, node, clock=Clock())
 
@@ -169,10 +177,13 @@ def test_cleanup_runs_once_and_records_running_before_the_flush() -> None:
     assert api.patches[0]["lastOperation"]["state"] == "Running"
     node = ProxyNode.model_validate(api.obj)
     last = node.status.last_operation
+    assert last is not None
     assert last.state == "Succeeded" and last.id == "m1.Cleanup.0"
+    assert last is not None
     assert last.details["steps"][0]["removed"] == {"chains": 3}
     assert node.status.observed_mode == "nftables" and node.status.leftovers == []
     assert node.status.leftover_objects == 0  # written as a count, so kubectl shows 0, not <none>
+    assert node.status.kube_proxy is not None
     assert node.status.heartbeat and node.status.kube_proxy.sync_count == 4
 
 
@@ -186,7 +197,9 @@ def test_a_cleanup_reports_kube_proxy_and_the_gate_services_as_seen_after_the_fl
     agent.handle(api.get("n1"))
     assert order == [(["iptables"], "nftables"), "connect"]  # connects after the flush, not before
     node = ProxyNode.model_validate(api.obj)
+    assert node.status.last_operation is not None
     assert node.status.last_operation.details["connects"] == {"198.19.0.10:443": True, "198.19.0.11:80": False}
+    assert node.status.kube_proxy is not None
     assert node.status.kube_proxy.sync_count == 4
     plain = FakeAPI(node_obj({"id": "m2.Cleanup.0", "type": "Cleanup", "params": {"removeModes": ["iptables"]}}))
     make_agent(plain).handle(plain.get("n1"))
@@ -201,7 +214,9 @@ def test_a_restarted_agent_does_not_rerun_a_cleanup_and_reports_what_is_left() -
     make_agent(api, inventory=IPT_LEFT, flush_calls=calls).handle(api.get("n1"))
     assert calls == []
     last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last is not None
     assert last.state == "Failed" and "did not re-run" in last.message and "1 iptables objects" in last.message
+    assert last is not None
     assert last.details == {"recovered": True, "remaining": {"iptables": 1}}
 
 
@@ -211,6 +226,7 @@ def test_a_restarted_agent_reports_success_when_the_cleanup_had_completed() -> N
     calls: list = []
     make_agent(api, inventory=CLEAN, flush_calls=calls).handle(api.get("n1"))
     last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last is not None
     assert calls == [] and last.state == "Succeeded" and last.details["recovered"] is True
 
 
@@ -243,8 +259,11 @@ def test_probe_reports_connects_in_the_shape_the_planner_reads() -> None:
                             "params": {"services": ["198.19.0.1:443", "198.19.0.10:53"]}}))
     make_agent(api).handle(api.get("n1"))
     last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last is not None
     assert last.state == "Succeeded"
+    assert last is not None
     assert last.details == {"connects": {"198.19.0.1:443": True, "198.19.0.10:53": "connection refused"}}
+    assert last is not None
     assert "1/2 service connects ok" in last.message
 
 
@@ -640,6 +659,7 @@ def test_hold_copies_the_old_rules_and_goes_once_a_new_kube_proxy_has_synced() -
     agent.effects.probe = lambda: seen[0]
     agent.handle(api.get("n1"))
     last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last is not None
     assert last.state == "Succeeded" and "9 chains, 20 rules copied" in last.message
     assert hold.calls == ["install iptables"] and hold.present
     # The old kube-proxy syncing again is not a reason to let go: it is about to be replaced.
@@ -669,6 +689,7 @@ def test_a_failed_hold_is_reported_failed_and_nothing_is_recorded() -> None:
     agent = make_agent(api, hold=hold, facts=OLD_PROXY)
     agent.handle(api.get("n1"))
     last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last is not None
     assert last.state == "Failed" and "exit status 4" in last.message and agent.hold is None
 
 
@@ -677,6 +698,7 @@ def test_no_hold_between_modes_kube_proxy_does_not_clean_up() -> None:
     api, hold = FakeAPI(node_obj(op)), FakeHold()
     make_agent(api, hold=hold).handle(api.get("n1"))
     last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last is not None
     assert last.state == "Succeeded" and "no rule hold needed" in last.message and hold.calls == []
 
 
@@ -688,6 +710,7 @@ def test_cleanup_releases_the_hold_with_the_flush() -> None:
     agent._hold_checked = True  # the agent has not seen it: the cleanup removes it all the same
     agent.handle(api.get("n1"))
     last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last is not None
     assert last.state == "Succeeded" and "9 chains removed" in last.message and not hold.present
 
 
@@ -734,7 +757,9 @@ def test_a_probe_answers_once_the_new_kube_proxy_has_synced() -> None:
     agent, sleeps = _sequence_agent(api, [STARTING, STARTING, UP_NOT_SYNCED, FACTS])
     agent.handle(api.get("n1"))
     node = ProxyNode.model_validate(api.obj)
+    assert node.status.last_operation is not None
     assert node.status.last_operation.state == "Succeeded"
+    assert node.status.kube_proxy is not None
     assert node.status.kube_proxy.sync_count == 4 and len(sleeps) == 3  # answered at the first synced look
 
 
@@ -743,6 +768,8 @@ def test_a_probe_waits_no_longer_than_asked_and_then_reports_what_it_sees() -> N
     agent, sleeps = _sequence_agent(api, [STARTING])
     agent.handle(api.get("n1"))
     node = ProxyNode.model_validate(api.obj)
+    assert node.status.last_operation is not None
+    assert node.status.kube_proxy is not None
     assert node.status.last_operation.state == "Succeeded" and node.status.kube_proxy.error
     assert 1.8 <= sum(sleeps) <= 2.2
 

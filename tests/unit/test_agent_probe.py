@@ -84,6 +84,7 @@ def test_probe_of_a_healthy_kube_proxy(server) -> None:
     facts = facts_from_probe(probe(addr, addr))
     assert facts.error is None
     assert facts.proxy_mode == "nftables" and facts.healthz_status == 200
+    assert facts.probed_at is not None
     assert facts.sync_count == 1 and facts.sync_failures is None and facts.probed_at.endswith("Z")
     assert facts.process_start_time < facts.last_sync_timestamp
 

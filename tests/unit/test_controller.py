@@ -183,7 +183,8 @@ def test_status_view_shows_progress_conditions_and_nodes() -> None:
                        "conditions": [{"type": "Progressing", "status": "True", "reason": "NodesMigrating",
                                        "message": "1/4"}]}}
     migration = {"phase": "Gate", "phaseSince": "2026-11-30T12:00:00Z"}
-    nodes = [{"metadata": {"name": "n1"}, "spec": {"policy": "blue", "mode": "nftables", "migration": migration},
+    nodes: list[dict[str, Any]] = [{"metadata": {"name": "n1"}, "spec": {"policy": "blue", "mode": "nftables",
+                                                                           "migration": migration},
               "status": {"observedMode": "nftables", "leftovers": ["iptables"]}},
              {"metadata": {"name": "other"}, "spec": {"policy": "green"}}]
     text = status_view.render_policy(body, nodes, datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC))

@@ -4,25 +4,28 @@ record of what the switch deletes, and `proxyshift plan`'s list (no host tools, 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any, NoReturn
 
 import pytest
 from test_agent_flush_plan import EXPECTED_OWNED, IPVSADM, FakeNode
 from test_agent_loop import FakeAPI, make_agent, node_obj
-from test_machine import REV, done, inp, mig, writes
+from test_machine import REV, done, inp, mig, migration_of, operation_of
 from test_plan_compat import policy, world
 
 from proxyshift.agent.flush.iptables import IptablesTool
 from proxyshift.agent.flush.ipvs import VirtualServer, parse_ipvsadm_save
 from proxyshift.agent.inventory import Inventory, foreign_ipvs, leftovers, take_inventory
-from proxyshift.agent.preflight import ToolVersions, check
+from proxyshift.agent.preflight import PreflightReport, ToolVersions, check
+from proxyshift.api.policy import ProxyPolicy
 from proxyshift.api.proxynode import ForeignIPVS, Operation, PreflightParams, ProxyNode
 from proxyshift.controller import plan_view
 from proxyshift.planner import machine
 from proxyshift.planner.machine import Target
 from proxyshift.planner.preview import foreign_ipvs_nodes, predict_preflight
-from proxyshift.planner.world import Event, SetRevisionLabel
+from proxyshift.planner.world import Event, SetRevisionLabel, World
 
 pytestmark = pytest.mark.unit
 
@@ -41,17 +44,17 @@ def ipvs_node(tmp_path: Path) -> Inventory:
     return take_inventory(runner=FakeNode(), iptables_tools=[IptablesTool("ipv4", "nft")], proc_root=tmp_path)
 
 
-def holding(*vs: VirtualServer):
+def holding(*vs: VirtualServer) -> Callable[[], Inventory]:
     return lambda: Inventory(ipvs_available=True, virtual_servers=list(vs), foreign_virtual_servers=list(vs))
 
 
-def on_ipvs_kernel(mode: str, **kw):
+def on_ipvs_kernel(mode: str, **kw: Any) -> PreflightReport:
     """Preflight on the fixture kernel 6.8 with IPVS built in (/proc/net/ip_vs exists)."""
     return check(mode, proc_root=FIX / "proc" / "ipvs-builtin", sys_root=FIX / "sys" / "ipvs-builtin",
                  modules_root=FIX / "sys" / "ipvs-builtin" / "lib-modules", tools=GOOD_TOOLS, **kw)
 
 
-def nftables_check(**kw):
+def nftables_check(**kw: Any) -> PreflightReport:
     return on_ipvs_kernel("nftables", **kw)
 
 
@@ -114,7 +117,7 @@ def test_with_foreign_ipvs_flush_accepted_preflight_passes_and_names_what_goes(t
 
 
 def test_only_a_move_to_nftables_looks_at_ipvs_and_only_when_the_kernel_has_it(tmp_path: Path) -> None:
-    def never() -> None:
+    def never() -> NoReturn:
         raise AssertionError("IPVS read where no kube-proxy would delete anything")
 
     for mode in ("iptables", "ipvs"):
@@ -144,17 +147,18 @@ def test_an_unreadable_ipvs_table_is_refused_not_taken_for_empty(tmp_path: Path)
 # ---- operator -> agent: the typed Preflight params ----
 
 
-def test_the_operator_passes_allow_changes_and_the_agent_hands_them_to_preflight():
+def test_the_operator_passes_allow_changes_and_the_agent_hands_them_to_preflight() -> None:
     step = machine.start(inp(gate={"behaviour": {"allowChanges": ["ForeignIPVSFlush"]}}), Target(REV, "nftables"),
                          from_mode="ipvs", generation=1, retry_token=None)
-    params = writes(step)[0].operation.params
+    params = operation_of(step).params
     assert PreflightParams.model_validate(params).allow_changes == ["ForeignIPVSFlush"]
     plain = machine.start(inp(), Target(REV, "nftables"), from_mode="ipvs", generation=1, retry_token=None)
-    assert "allowChanges" not in writes(plain)[0].operation.params
+    assert "allowChanges" not in operation_of(plain).params
 
-    seen = {}
+    seen: dict[str, Any] = {}
 
-    def preflight(mode, scheduler=None, *, allow_changes, **kw):
+    def preflight(mode: str, scheduler: str | None = None, *, allow_changes: list[str],
+                  **kw: Any) -> PreflightReport:
         seen.update(kw, allow_changes=allow_changes)
         return on_ipvs_kernel(mode, allow_changes=allow_changes, ipvs_inventory=holding(USER_VS))
 
@@ -162,6 +166,7 @@ def test_the_operator_passes_allow_changes_and_the_agent_hands_them_to_preflight
     make_agent(api, preflight=preflight).handle(api.get("n1"))
     assert seen["allow_changes"] == ["ForeignIPVSFlush"]
     status = ProxyNode.model_validate(api.obj).status
+    assert status.last_operation is not None
     assert status.last_operation.state == "Succeeded", status.last_operation.message
     assert status.foreign_ipvs == ForeignIPVS(count=1, virtual_servers=["TCP 198.18.5.1:80 rr"])
 
@@ -185,14 +190,14 @@ def test_an_accepted_flush_is_recorded_in_the_migration_and_told_in_a_warning_ev
     step = machine.step(inp(m, op=op, last=last, rollout={"holdRules": False},
                             gate={"behaviour": {"allowChanges": ["ForeignIPVSFlush"]}}))
     assert step.phase == "Switch" and any(isinstance(a, SetRevisionLabel) for a in step.actions)
-    assert writes(step)[0].migration.foreign_ipvs_flushed == ["TCP 198.18.5.1:80 rr", "FWM 7 sh"]
+    assert migration_of(step).foreign_ipvs_flushed == ["TCP 198.18.5.1:80 rr", "FWM 7 sh"]
     (event,) = [a for a in step.actions if isinstance(a, Event) and a.reason == "ForeignIPVSFlush"]
     assert event.type == "Warning"
     assert event.message == ("the switch to nftables deletes IPVS virtual servers that are not kube-proxy's "
                              "(accepted by gate.behaviour.allowChanges): TCP 198.18.5.1:80 rr, FWM 7 sh and 1 more")
     # Cordoned first: the record goes along with the cordon step.
     cordoned = machine.step(inp(m, op=op, last=last, rollout={"cordon": True}))
-    assert writes(cordoned)[0].migration.foreign_ipvs_flushed == ["TCP 198.18.5.1:80 rr", "FWM 7 sh"]
+    assert migration_of(cordoned).foreign_ipvs_flushed == ["TCP 198.18.5.1:80 rr", "FWM 7 sh"]
 
 
 def test_a_prepared_node_tells_the_accepted_flush_once_when_it_switches() -> None:
@@ -205,7 +210,7 @@ def test_a_prepared_node_tells_the_accepted_flush_once_when_it_switches() -> Non
     waiting = machine.step(dataclasses.replace(inp(m, op=op, last=last, gate=allow), may_switch=False))
     assert waiting.phase == "Prepared" and waiting.actions == []
     granted = machine.step(inp(m, op=op, last=last, gate=allow, rollout={"holdRules": False}))
-    assert writes(granted)[0].migration.foreign_ipvs_flushed == ["FWM 7 sh"]
+    assert migration_of(granted).foreign_ipvs_flushed == ["FWM 7 sh"]
     assert [a.reason for a in granted.actions if isinstance(a, Event)].count("ForeignIPVSFlush") == 1
 
 
@@ -216,14 +221,14 @@ def test_a_refused_node_fails_preflight_untouched_and_nothing_is_recorded_as_flu
                 foreignIPVS={"count": 1, "virtualServers": ["TCP 198.18.5.1:80 rr"], "accepted": False})
     step = machine.step(inp(m, op=op, last=last))
     assert step.phase == "Failed" and not any(isinstance(a, SetRevisionLabel) for a in step.actions)
-    assert writes(step)[0].migration.foreign_ipvs_flushed is None
+    assert migration_of(step).foreign_ipvs_flushed is None
     assert not any(isinstance(a, Event) and a.reason == "ForeignIPVSFlush" for a in step.actions)
 
 
 # ---- proxyshift plan -f ----
 
 
-def _with_inventory(p, foreign: dict[str, ForeignIPVS]):
+def _with_inventory(p: ProxyPolicy, foreign: dict[str, ForeignIPVS]) -> World:
     wld = world(p)
     for name in wld.nodes:
         wld.proxynodes[name] = ProxyNode.model_validate({"metadata": {"name": name}, "status": {

@@ -6,14 +6,17 @@ guest's staged rollout). Preflight refuses such a node unless the policy exclude
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 from test_foreign_ipvs import USER_VS, _with_inventory, holding, on_ipvs_kernel
-from test_machine import REV, inp, writes
+from test_machine import REV, inp, operation_of
 from test_plan_compat import CM, DS, policy
 
 from proxyshift.agent.flush.ipvs import VirtualServer
-from proxyshift.api.proxynode import ForeignIPVS, PreflightParams
+from proxyshift.agent.preflight import PreflightReport
+from proxyshift.api.policy import ProxyPolicy
+from proxyshift.api.proxynode import ForeignIPVS, PreflightParams, ProxyNode
 from proxyshift.controller import plan_view, snapshot
 from proxyshift.modes import described_address, outside_exclude_cidrs
 from proxyshift.planner import machine
@@ -27,11 +30,11 @@ FWM_VS = VirtualServer("fwmark", None, None, 7, "-f 7", "sh")
 V6_VS = VirtualServer("tcp", "fd00::5", 443, None, "-t [fd00::5]:443", "rr")
 
 
-def foreign_problems(pn, p) -> list[str]:
+def foreign_problems(pn: ProxyNode | None, p: ProxyPolicy) -> list[str]:
     return [t for t in predict_preflight(pn, p) if "IPVS virtual server" in t]
 
 
-def ipvs_check(**kw):
+def ipvs_check(**kw: Any) -> PreflightReport:
     return on_ipvs_kernel("ipvs", **kw)
 
 
@@ -87,15 +90,15 @@ def test_an_operator_that_sends_no_exclude_cidrs_gets_the_old_behaviour() -> Non
 def test_the_operator_sends_the_revisions_exclude_cidrs_only_with_a_preflight_for_ipvs() -> None:
     node = dataclasses.replace(inp(), ipvs_exclude_cidrs=("198.18.5.0/24",))
     step = machine.start(node, Target(REV, "ipvs"), from_mode="iptables", generation=1, retry_token=None)
-    params = writes(step)[0].operation.params
+    params = operation_of(step).params
     assert params["ipvsExcludeCIDRs"] == ["198.18.5.0/24"]
     assert PreflightParams.model_validate(params).ipvs_exclude_cidrs == ["198.18.5.0/24"]
     empty = dataclasses.replace(inp(), ipvs_exclude_cidrs=())
     step = machine.start(empty, Target(REV, "ipvs"), from_mode="iptables", generation=1, retry_token=None)
-    assert writes(step)[0].operation.params["ipvsExcludeCIDRs"] == []
+    assert operation_of(step).params["ipvsExcludeCIDRs"] == []
     to_nftables = dataclasses.replace(inp(), ipvs_exclude_cidrs=("198.18.5.0/24",))
     step = machine.start(to_nftables, Target(REV, "nftables"), from_mode="ipvs", generation=1, retry_token=None)
-    assert "ipvsExcludeCIDRs" not in writes(step)[0].operation.params
+    assert "ipvsExcludeCIDRs" not in operation_of(step).params
 
 
 def test_the_rendered_revision_carries_the_policys_exclude_cidrs() -> None:

@@ -44,7 +44,7 @@ PREFERRED = {"preferredDuringSchedulingIgnoredDuringExecution": [
     {"weight": 1, "preference": {"matchExpressions": [ZONE]}}]}
 
 # Baseline shapes: (id, affinity value or ... for "no affinity key").
-SHAPES = [
+SHAPES: list[tuple[str, Any]] = [
     ("none", ...),
     ("null", None),
     ("empty", {}),
