@@ -6,6 +6,8 @@ import json
 import threading
 import time
 import urllib.request
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 from xml.sax.saxutils import escape
 
 import pytest
@@ -15,7 +17,14 @@ from hypothesis import strategies as st
 from proxyshift.agent import behaviour as bh
 from proxyshift.agent import conntrack as ct
 from proxyshift.agent import probe_server as ps
-from proxyshift.api.behaviour import MAX_CELLS, BehaviourParams, BehaviourTarget, ConntrackParams
+from proxyshift.api.behaviour import (
+    MAX_CELLS,
+    BehaviourCell,
+    BehaviourParams,
+    BehaviourTarget,
+    ConntrackParams,
+    Outcome,
+)
 from proxyshift.commands import Result
 
 pytestmark = pytest.mark.unit
@@ -75,10 +84,10 @@ def test_the_step_picks_only_unnated_unanswered_flows_to_service_destinations() 
     assert ct.stale_flows(flows, elsewhere, "TCP") == []
 
 
-def test_the_step_deletes_each_entry_by_its_exact_tuple_and_reports_bounded():
+def test_the_step_deletes_each_entry_by_its_exact_tuple_and_reports_bounded() -> None:
     calls: list[list[str]] = []
 
-    def runner(argv, **kw):
+    def runner(argv: Sequence[str], **kw: Any) -> Result:
         calls.append(list(argv))
         if argv[1] == "-L":
             return Result(list(argv), 0, document(UNNATED, NATED) if "tcp" in argv else document(UDP_UNREPLIED), "")
@@ -97,12 +106,12 @@ def test_the_step_deletes_each_entry_by_its_exact_tuple_and_reports_bounded():
     assert capped.deleted_tcp + capped.deleted_udp == 1 and capped.truncated
 
 
-def test_the_batched_tcp_delete_counts_what_conntrack_says_it_deleted():
+def test_the_batched_tcp_delete_counts_what_conntrack_says_it_deleted() -> None:
     unnated = [ct.Flow("tcp", "198.18.1.2", "198.19.0.10", 40000 + i, 80, "198.19.0.10", "198.18.1.2", 80,
                        40000 + i, "SYN_SENT", True) for i in range(5)]
     calls: list[list[str]] = []
 
-    def runner(argv, **kw):
+    def runner(argv: Sequence[str], **kw: Any) -> Result:
         calls.append(list(argv))
         if argv[1] == "-L":
             return Result(list(argv), 0, "", "")
@@ -122,7 +131,7 @@ def test_the_batched_tcp_delete_counts_what_conntrack_says_it_deleted():
 def test_the_step_reports_a_tool_failure_instead_of_raising() -> None:
     from proxyshift.commands import ToolMissingError
 
-    def runner(argv, **kw) -> None:
+    def runner(argv: Sequence[str], **kw: Any) -> NoReturn:
         raise ToolMissingError(argv, "not found on PATH")
 
     report = ct.clean_unnated(ConntrackParams(service_cidrs=["198.19.0.0/16"]), [], runner=runner)
@@ -137,7 +146,8 @@ ports = st.integers(1, 65535)
 @given(st.lists(st.tuples(st.sampled_from(["tcp", "udp"]), addresses, addresses, ports, ports, addresses, ports,
                           st.sampled_from([None, "SYN_SENT", "ESTABLISHED"]), st.booleans()), max_size=30),
        st.integers(1, 40))
-def test_parser_roundtrips_and_never_returns_more_than_asked(rows, max_flows) -> None:
+def test_parser_roundtrips_and_never_returns_more_than_asked(
+        rows: list[tuple[str, str, str, int, int, str, int, str | None, bool]], max_flows: int) -> None:
     text = document(*(flow_xml(p, s, d, sp, dp, rs, s, rp, sp, state if p == "tcp" else None, un)
                       for p, s, d, sp, dp, rs, rp, state, un in rows))
     flows, truncated = ct.parse_flows(text, max_flows=max_flows)
@@ -149,7 +159,7 @@ def test_parser_roundtrips_and_never_returns_more_than_asked(rows, max_flows) ->
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 30), st.integers(200, 6000))
-def test_parser_cuts_oversized_output_at_a_whole_flow(count, max_bytes) -> None:
+def test_parser_cuts_oversized_output_at_a_whole_flow(count: int, max_bytes: int) -> None:
     text = document(*([UNNATED] * count))
     flows, truncated = ct.parse_flows(text, max_bytes=max_bytes)
     assert len(flows) <= count and all(f == ct.parse_flows(document(UNNATED))[0][0] for f in flows)
@@ -159,7 +169,7 @@ def test_parser_cuts_oversized_output_at_a_whole_flow(count, max_bytes) -> None:
 
 @settings(max_examples=80, deadline=None)
 @given(st.text(max_size=300))
-def test_parser_takes_garbage_without_surprises(text) -> None:
+def test_parser_takes_garbage_without_surprises(text: str) -> None:
     try:
         flows, _ = ct.parse_flows(text)
     except ct.ConntrackOutputError:
@@ -186,7 +196,7 @@ def test_node_addresses_put_the_node_ips_first_and_skip_loopback_link_local_and_
         bh.parse_ip_addr("x" * 100, max_bytes=10)
 
 
-def T(service: str, address: str | None, **kw) -> BehaviourTarget:
+def T(service: str, address: str | None, **kw: Any) -> BehaviourTarget:
     return BehaviourTarget(service=service, kind=kw.pop("kind", "ClusterIP"), port=kw.pop("port", 80),
                            address=address, **kw)
 
@@ -210,7 +220,7 @@ def test_plan_keeps_to_max_cells() -> None:
     assert len(planned) == MAX_CELLS and truncated
 
 
-def cell_for(target: BehaviourTarget, attempts: list[bh.Attempt], known: dict | None = None):
+def cell_for(target: BehaviourTarget, attempts: list[bh.Attempt], known: dict | None = None) -> BehaviourCell:
     planned = bh.PlannedCell(target, target.address or "198.18.1.2", "clusterIP", "node")
     return bh.build_cell(planned, attempts, known or {})
 
@@ -246,11 +256,11 @@ class FakeTime:
     def __call__(self) -> float:
         return self.t
 
-    def dialer(self, outcome: str):
-        def dial(address, port, protocol, timeout):
+    def dialer(self, outcome: Outcome) -> Callable[[str, int, str, float], bh.Attempt]:
+        def dial(address: str, port: int, protocol: str, timeout: float) -> bh.Attempt:
             with self.lock:
                 self.t += timeout if outcome == "timeout" else 0.001
-            return bh.Attempt(outcome)  # type: ignore[arg-type]
+            return bh.Attempt(outcome)
         return dial
 
 
@@ -262,10 +272,10 @@ def test_jobs_stop_at_the_deadline_and_say_so() -> None:
     assert cut and sum(len(r) for r in results) == 4 and clock.t <= 101.0
 
 
-def test_no_retry_by_default():
+def test_no_retry_by_default() -> None:
     tries: list[str] = []
 
-    def dial(address, port, protocol, timeout):
+    def dial(address: str, port: int, protocol: str, timeout: float) -> bh.Attempt:
         tries.append(address)
         return bh.Attempt("timeout")
 
@@ -274,12 +284,12 @@ def test_no_retry_by_default():
     assert tries == ["198.19.0.1"]
 
 
-def test_with_retries_on_a_lone_timeout_is_tried_once_more_and_a_refusal_never(monkeypatch: pytest.MonkeyPatch):
+def test_with_retries_on_a_lone_timeout_is_tried_once_more_and_a_refusal_never(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bh, "RETRY_TIMEOUTS", True)
     clock = FakeTime()
     tries: list[str] = []
 
-    def dial(address, port, protocol, timeout):
+    def dial(address: str, port: int, protocol: str, timeout: float) -> bh.Attempt:
         tries.append(address)
         return bh.Attempt("timeout" if address == "198.19.0.1" else "refused")
 
@@ -309,7 +319,7 @@ def test_the_probe_server_refuses_bad_requests() -> None:
 
 def test_the_probe_server_answers_over_http_and_the_agent_reads_it() -> None:
     server = ps.ProbeServer(("127.0.0.1", 0))
-    ps.ProbeHandler.dialer = staticmethod(lambda a, p, proto, t: bh.Attempt(  # type: ignore[assignment]
+    ps.ProbeHandler.dialer = staticmethod(lambda a, p, proto, t: bh.Attempt(
         "answered", payload="ep-z", source=("198.18.2.5", 41000)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -324,7 +334,7 @@ def test_the_probe_server_answers_over_http_and_the_agent_reads_it() -> None:
             urllib.request.urlopen(big, timeout=2)
         assert err.value.code == 413
     finally:
-        ps.ProbeHandler.dialer = staticmethod(bh.dial)  # type: ignore[assignment]
+        ps.ProbeHandler.dialer = staticmethod(bh.dial)
         server.shutdown()
         server.server_close()
 
@@ -337,7 +347,7 @@ attempt_json = st.fixed_dictionaries({"outcome": st.sampled_from(["answered", "r
 
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.lists(attempt_json, max_size=5), min_size=2, max_size=2), st.sampled_from([True, False, "yes"]))
-def test_a_pod_answer_is_bounded_and_checked(results, truncated) -> None:
+def test_a_pod_answer_is_bounded_and_checked(results: list[list[dict[str, Any]]], truncated: bool | str) -> None:
     answer = bh.parse_pod_answer(json.dumps({"results": results, "truncated": truncated}).encode(), JOBS)
     assert [len(r) for r in answer.results] == [min(len(results[0]), 2), min(len(results[1]), 1)]
     assert answer.truncated is (truncated is True)
@@ -349,7 +359,7 @@ def test_a_pod_answer_is_bounded_and_checked(results, truncated) -> None:
 
 @settings(max_examples=80, deadline=None)
 @given(st.binary(max_size=200))
-def test_a_garbage_pod_answer_is_a_value_error(data) -> None:
+def test_a_garbage_pod_answer_is_a_value_error(data: bytes) -> None:
     try:
         bh.parse_pod_answer(data, JOBS)
     except ValueError:
@@ -363,10 +373,10 @@ def test_a_pod_answer_of_the_wrong_shape_is_refused() -> None:
             bh.parse_pod_answer(bad, JOBS)
 
 
-def test_the_step_lists_each_ip_family_the_service_destinations_are_in():
+def test_the_step_lists_each_ip_family_the_service_destinations_are_in() -> None:
     calls: list[list[str]] = []
 
-    def runner(argv, **kw):
+    def runner(argv: Sequence[str], **kw: Any) -> Result:
         calls.append(list(argv))
         return Result(list(argv), 0, "", "")
 
@@ -403,9 +413,10 @@ IDENTITY_TABLE = (
     # someone else's flow from the same source and to the same Service: never an identity
     flow_xml("tcp", "198.18.1.2", "198.19.0.10", 41999, 80, "198.18.9.9", "198.18.1.2", 8080, 41999, "TIME_WAIT"),
 )
-IDENTITY_KEYS = {("TCP", "198.18.1.2", 41000, "198.19.0.10", 80), ("TCP", "127.0.0.1", 41001, "127.0.0.1", 30080),
-                 ("TCP", "10.244.1.9", 41002, "198.19.0.10", 80), ("UDP", "198.18.1.2", 41003, "198.19.0.53", 53),
-                 ("TCP", "198.18.1.2", 41004, "198.19.0.10", 80)}  # the last one has no entry
+IDENTITY_KEYS: set[bh.FlowKey] = {
+    ("TCP", "198.18.1.2", 41000, "198.19.0.10", 80), ("TCP", "127.0.0.1", 41001, "127.0.0.1", 30080),
+    ("TCP", "10.244.1.9", 41002, "198.19.0.10", 80), ("UDP", "198.18.1.2", 41003, "198.19.0.53", 53),
+    ("TCP", "198.18.1.2", 41004, "198.19.0.10", 80)}  # the last one has no entry
 IDENTITIES = {("TCP", "198.18.1.2", 41000, "198.19.0.10", 80): "198.18.5.5",
               ("TCP", "127.0.0.1", 41001, "127.0.0.1", 30080): "198.18.5.6",
               ("TCP", "10.244.1.9", 41002, "198.19.0.10", 80): "198.18.5.7",
@@ -421,7 +432,7 @@ def test_identities_come_from_one_dump_per_protocol_matched_on_the_whole_tuple()
     assert sorted(table.calls) == [["conntrack", "-L", "-p", p, "-o", "xml"] for p in ("tcp", "udp")]
 
 
-def test_a_dump_cut_at_its_bound_is_looked_up_again_per_source(monkeypatch: pytest.MonkeyPatch):
+def test_a_dump_cut_at_its_bound_is_looked_up_again_per_source(monkeypatch: pytest.MonkeyPatch) -> None:
     whole = ct.list_flows
 
     def tcp_dump_cut(protocol, **kw):  # type: ignore[no-untyped-def]

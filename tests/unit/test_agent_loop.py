@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 import math
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
 
 import pytest
 
@@ -18,7 +18,8 @@ from proxyshift.agent.loop import P99_ABOVE_BUCKETS, Agent, AgentConfig, ProxyNo
 from proxyshift.agent.preflight import Missing, PreflightReport, ToolVersions
 from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams, ConntrackParams, ConntrackReport
 from proxyshift.api.diagnostics import DiagnoseRequest, NodeDiagnostics
-from proxyshift.api.proxynode import KubeProxyFacts, ProxyNode
+from proxyshift.api.proxynode import KubeProxyFacts, Mode, ProxyNode
+from proxyshift.commands import Result
 
 pytestmark = pytest.mark.unit
 
@@ -106,7 +107,7 @@ class FakeNode:
 
     # checks: test_agent_loop_behaviour's FakeChecks (its behaviour and conntrack), which imports this module.
     def __init__(self, *, inventory: Inventory = CLEAN, facts: KubeProxyFacts = FACTS,
-                 flush_calls: list[tuple[list[str], str | None]] | None = None,
+                 flush_calls: list[Any] | None = None,
                  preflight: Callable[..., PreflightReport] | None = None, hold: FakeHold | None = None,
                  checks: Any = None, readers: diag.Readers | None = None) -> None:
         self.facts, self.inventory_now = facts, inventory
@@ -124,14 +125,15 @@ class FakeNode:
 
     def flush(self, remove: list[str], target: str | None) -> FlushReport:
         self.flush_calls.append((remove, target))
-        report = FlushReport(sorted(remove), target)
+        # The agent passes only the modes it validated.
+        report = FlushReport(cast(list[Mode], sorted(remove)), cast(Mode | None, target))
         report.steps.append(FlushStep("iptables (ipv4, nft backend)", removed={"chains": 3}))
         return report
 
     def preflight(self, mode: str, scheduler: str | None = None, **kw: Any) -> PreflightReport:
         if self.preflight_fn is not None:
             return self.preflight_fn(mode, scheduler, **kw)
-        return PreflightReport(mode=mode, scheduler=scheduler, kernel_release="6.1.0",
+        return PreflightReport(mode=cast(Mode, mode), scheduler=scheduler, kernel_release="6.1.0",
                                modules={"nf_conntrack": "present"},
                                tools=ToolVersions(nft="1.0.9", iptables="1.8.9", iptables_backend="nf_tables"))
 
@@ -159,8 +161,20 @@ class FakeNode:
         return diag.serve(request, mode, self.readers)
 
 
+def fake_node(agent: Agent) -> FakeNode:
+    """The agent's node effects: make_agent's FakeNode."""
+    assert isinstance(agent.effects, FakeNode)
+    return agent.effects
+
+
+def fake_clock(agent: Agent) -> Clock:
+    """The agent's clock: make_agent's Clock."""
+    assert isinstance(agent.clock, Clock)
+    return agent.clock
+
+
 def make_agent(api: ProxyNodeAPI, *, inventory: Inventory = CLEAN, facts: KubeProxyFacts = FACTS,
-               flush_calls: list[tuple[list[str], str | None]] | None = None,
+               flush_calls: list[Any] | None = None,
                preflight: Callable[..., PreflightReport] | None = None, hold: FakeHold | None = None) -> Agent:
     node = FakeNode(inventory=inventory, facts=facts, flush_calls=flush_calls, preflight=preflight, hold=hold)
     return Agent(AgentConfig(node="n1"), api, node, clock=Clock())
@@ -193,7 +207,11 @@ def test_a_cleanup_reports_kube_proxy_and_the_gate_services_as_seen_after_the_fl
                                        "services": ["198.19.0.10:443", "198.19.0.11:80"]}}))
     order: list[str] = []
     agent = make_agent(api, flush_calls=order)
-    agent.effects.connect = lambda targets: order.append("connect") or {t: t.endswith(":443") for t in targets}
+    def connect(targets: list[str]) -> dict[str, bool | str]:
+        order.append("connect")
+        return {t: t.endswith(":443") for t in targets}
+
+    agent.effects.connect = connect  # type: ignore[method-assign]  # the test swaps this one seam
     agent.handle(api.get("n1"))
     assert order == [(["iptables"], "nftables"), "connect"]  # connects after the flush, not before
     node = ProxyNode.model_validate(api.obj)
@@ -203,7 +221,9 @@ def test_a_cleanup_reports_kube_proxy_and_the_gate_services_as_seen_after_the_fl
     assert node.status.kube_proxy.sync_count == 4
     plain = FakeAPI(node_obj({"id": "m2.Cleanup.0", "type": "Cleanup", "params": {"removeModes": ["iptables"]}}))
     make_agent(plain).handle(plain.get("n1"))
-    assert "connects" not in ProxyNode.model_validate(plain.obj).status.last_operation.details
+    plain_last = ProxyNode.model_validate(plain.obj).status.last_operation
+    assert plain_last is not None
+    assert "connects" not in plain_last.details
 
 
 def test_a_restarted_agent_does_not_rerun_a_cleanup_and_reports_what_is_left() -> None:
@@ -238,8 +258,8 @@ def test_finished_operations_are_not_run_again_after_a_restart() -> None:
     assert calls == [] and api.patches == []
 
 
-def test_failed_preflight_is_reported_with_what_is_missing():
-    def refuse(mode, scheduler, **kw):
+def test_failed_preflight_is_reported_with_what_is_missing() -> None:
+    def refuse(mode: Mode, scheduler: str | None, **kw: Any) -> PreflightReport:
         assert kw["load_modules"] is True and kw["extra_modules"] == ["br_netfilter"]
         return PreflightReport(mode=mode, scheduler=scheduler, kernel_release="6.8.0", modules={},
                                tools=ToolVersions(),
@@ -250,7 +270,9 @@ def test_failed_preflight_is_reported_with_what_is_missing():
                                        "extraModules": ["br_netfilter"]}}))
     make_agent(api, preflight=refuse).handle(api.get("n1"))
     last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last is not None
     assert last.state == "Failed" and "kernel module ip_vs" in last.message
+    assert last is not None
     assert last.details["missing"][0]["fix"] == "modprobe ip_vs"
 
 
@@ -291,7 +313,7 @@ def test_heartbeat_clears_an_old_error_and_writes_an_infinite_p99_as_a_finite_nu
     writes = len(api.patches)
     agent.tick()                                  # nothing due, nothing changed
     assert len(api.patches) == writes
-    agent.clock.t += 61                           # heartbeat due
+    fake_clock(agent).t += 61                           # heartbeat due
     agent.tick()
     assert len(api.patches) == writes + 1
 
@@ -324,7 +346,7 @@ def test_the_real_client_sends_a_merge_patch_to_the_status_subresource_and_a_fie
     seen: list[tuple[str, str, str | None, bytes]] = []
 
     class H(BaseHTTPRequestHandler):
-        def log_message(self, *a) -> None:
+        def log_message(self, *a: Any) -> None:
             pass
 
         def _answer(self, body: dict) -> None:
@@ -365,11 +387,11 @@ def test_the_real_client_sends_a_merge_patch_to_the_status_subresource_and_a_fie
 class FlakyAPI(FakeAPI):
     """Refuses the patches whose numbers (1-based) are listed."""
 
-    def __init__(self, obj, fail_on: set[int]) -> None:
+    def __init__(self, obj: dict[str, Any], fail_on: set[int]) -> None:
         super().__init__(obj)
         self.fail_on, self.calls = fail_on, 0
 
-    def patch_status(self, name, status):
+    def patch_status(self, name: str, status: dict[str, Any]) -> dict[str, Any]:
         self.calls += 1
         if self.calls in self.fail_on:
             raise ConnectionError("API server away")
@@ -397,21 +419,21 @@ def test_an_unrecorded_start_runs_nothing_and_a_lost_result_is_sent_again() -> N
 class SlowAPI(FakeAPI):
     """The first patch (the Running record) returns only once the preflight has begun, or after 5 s."""
 
-    def __init__(self, obj) -> None:
+    def __init__(self, obj: dict[str, Any]) -> None:
         super().__init__(obj)
         self.preflight_began = threading.Event()
         self.overlapped: bool | None = None
 
-    def patch_status(self, name, status):
+    def patch_status(self, name: str, status: dict[str, Any]) -> dict[str, Any]:
         if self.overlapped is None:
             self.overlapped = self.preflight_began.wait(5.0)
         return super().patch_status(name, status)
 
 
-def test_a_read_only_operation_runs_while_its_running_record_is_written_and_reports_after_it():
+def test_a_read_only_operation_runs_while_its_running_record_is_written_and_reports_after_it() -> None:
     api = SlowAPI(node_obj({"id": "m1.Preflight.0", "type": "Preflight", "params": {"mode": "nftables"}}))
 
-    def preflight(mode, scheduler, **kw):
+    def preflight(mode: str, scheduler: str | None, **kw: Any) -> PreflightReport:
         api.preflight_began.set()
         return FakeNode().preflight(mode, scheduler)
 
@@ -421,12 +443,12 @@ def test_a_read_only_operation_runs_while_its_running_record_is_written_and_repo
     assert [p["lastOperation"]["state"] for p in api.patches] == ["Running", "Succeeded"]
 
 
-def test_a_read_only_operation_whose_running_record_failed_is_not_reported_and_runs_again():
+def test_a_read_only_operation_whose_running_record_failed_is_not_reported_and_runs_again() -> None:
     api = FlakyAPI(node_obj({"id": "m1.Preflight.0", "type": "Preflight", "params": {"mode": "nftables"}}),
                    fail_on={1})
     ran: list[str] = []
 
-    def preflight(mode, scheduler, **kw):
+    def preflight(mode: str, scheduler: str | None, **kw: Any) -> PreflightReport:
         ran.append(mode)
         return FakeNode().preflight(mode, scheduler)
 
@@ -455,7 +477,7 @@ def test_the_real_client_watches_with_bookmarks_and_from_now_without_a_version(r
     queries: list[dict[str, list[str]]] = []
 
     class H(BaseHTTPRequestHandler):
-        def log_message(self, *a) -> None:
+        def log_message(self, *a: Any) -> None:
             pass
 
         def do_GET(self) -> None:
@@ -493,11 +515,11 @@ def test_the_watch_loop_gets_once_then_follows_resource_versions_and_starts_from
     stop = threading.Event()
 
     class WatchAPI(FakeAPI):
-        def get(self, name):
+        def get(self, name: str) -> dict[str, Any]:
             calls.append(("get",))
             return super().get(name)
 
-        def watch(self, name, rv, timeout):
+        def watch(self, name: str, rv: str | None, timeout: int) -> Iterator[tuple[str, dict[str, Any]]]:
             calls.append(("watch", rv))
             n = sum(1 for c in calls if c[0] == "watch")
             if n == 1:
@@ -535,11 +557,11 @@ def test_after_a_410_the_watch_starts_from_now_until_an_event_brings_a_version(f
     stop = threading.Event()
 
     class RestartedAPI(FakeAPI):
-        def get(self, name):
+        def get(self, name: str) -> dict[str, Any]:
             calls.append(("get", None))
             return super().get(name)  # resourceVersion "1", from before the restart
 
-        def watch(self, name, rv, timeout):
+        def watch(self, name: str, rv: str | None, timeout: int) -> Iterator[tuple[str, dict[str, Any]]]:
             calls.append(("watch", rv))
             if len(calls) > 8:  # the loop this test is about: end it, the assertion below says what went wrong
                 stop.set()
@@ -571,7 +593,7 @@ def test_a_bookmark_moves_the_version_the_next_watch_resumes_from() -> None:
     stop = threading.Event()
 
     class IdleAPI(FakeAPI):
-        def watch(self, name, rv, timeout):
+        def watch(self, name: str, rv: str | None, timeout: int) -> Iterator[tuple[str, dict[str, Any]]]:
             calls.append(rv)
             if len(calls) == 1:
                 yield "BOOKMARK", {"kind": "ProxyNode", "metadata": {"resourceVersion": "900"}}
@@ -618,13 +640,13 @@ def test_the_watch_back_off_starts_anew_after_a_watch_that_ran(monkeypatch: pyte
             return self.is_set()
 
     class FlakyAPI(FakeAPI):
-        def get(self, name):
+        def get(self, name: str) -> dict[str, Any]:
             if script and script[0] == "down":
                 script.pop(0)
                 raise ConnectionRefusedError("API server away")
             return super().get(name)
 
-        def watch(self, name, rv, timeout):
+        def watch(self, name: str, rv: str | None, timeout: int) -> Iterator[tuple[str, dict[str, Any]]]:
             script.pop(0)  # "ok": the watch runs 60 s, then the API server goes away again
             clock[0] += 60.0
             raise ConnectionResetError("API server restarting")
@@ -656,7 +678,7 @@ def test_hold_copies_the_old_rules_and_goes_once_a_new_kube_proxy_has_synced() -
     api, hold = FakeAPI(node_obj(hold_op())), FakeHold()
     seen = [OLD_PROXY]
     agent = make_agent(api, hold=hold)
-    agent.effects.probe = lambda: seen[0]
+    agent.effects.probe = lambda: seen[0]  # type: ignore[method-assign]  # the test swaps this seam
     agent.handle(api.get("n1"))
     last = ProxyNode.model_validate(api.obj).status.last_operation
     assert last is not None
@@ -676,10 +698,10 @@ def test_a_hold_never_outlives_its_time_to_live() -> None:
     api, hold = FakeAPI(node_obj(hold_op())), FakeHold()
     agent = make_agent(api, hold=hold, facts=OLD_PROXY)
     agent.handle(api.get("n1"))
-    agent.clock.t += 299
+    fake_clock(agent).t += 299
     agent.observe(inventory=False)
     assert hold.present
-    agent.clock.t += 2
+    fake_clock(agent).t += 2
     agent.observe(inventory=False)
     assert not hold.present and agent.hold is None
 
@@ -719,7 +741,7 @@ def test_a_hold_left_by_an_earlier_agent_goes_once_kube_proxy_has_synced() -> No
     agent = make_agent(FakeAPI(node_obj()), hold=hold, facts=NEW_STARTED)
     agent.observe(inventory=False)
     assert hold.present and agent.hold is not None  # found, kept while kube-proxy has not synced
-    agent.effects.probe = lambda: NEW_SYNCED
+    agent.effects.probe = lambda: NEW_SYNCED  # type: ignore[method-assign]  # the test swaps this seam
     agent.observe(inventory=False)
     assert not hold.present and hold.calls == ["release"]
 
@@ -742,9 +764,9 @@ def _sequence_agent(api: FakeAPI, answers: list[KubeProxyFacts]) -> tuple[Agent,
 
     def sleep(seconds: float) -> None:
         sleeps.append(seconds)
-        agent.clock.t += seconds
+        fake_clock(agent).t += seconds
 
-    agent.effects.probe, agent.sleep = probe, sleep
+    agent.effects.probe, agent.sleep = probe, sleep  # type: ignore[method-assign]  # swapped seams
     return agent, sleeps
 
 
@@ -792,9 +814,7 @@ class FakeDiagnoseTools:
         self.fail = fail
         self.calls: list[list[str]] = []
 
-    def __call__(self, argv, **kw):
-        from proxyshift.commands import Result
-
+    def __call__(self, argv: Sequence[str], **kw: Any) -> Result:
         if self.fail:
             raise RuntimeError("the reader broke")
         self.calls.append(list(argv))
@@ -810,7 +830,7 @@ def _diagnose_request(request_id: str, record: str | None = "before") -> dict[st
 def _with_diagnose(agent: Agent, tools: FakeDiagnoseTools) -> Agent:
     from pathlib import Path
 
-    agent.effects.readers = diag.Readers(runner=tools, proc_root=Path("/nonexistent"))
+    fake_node(agent).readers = diag.Readers(runner=tools, proc_root=Path("/nonexistent"))
     return agent
 
 
