@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, NoReturn
 
 import pytest
 from hypothesis import given, settings
@@ -20,6 +22,7 @@ from proxyshift.agent.flush.ipvs import (
 from proxyshift.agent.flush.nftables import parse_tables, render_delete
 from proxyshift.agent.iptables_save import IptablesSaveError, parse, rule_target
 from proxyshift.agent.ownership import chain_is_stale, iptables_chain_modes
+from proxyshift.api.proxynode import Mode
 from proxyshift.commands import CommandError, Result
 
 pytestmark = pytest.mark.unit
@@ -27,7 +30,7 @@ pytestmark = pytest.mark.unit
 FIX = Path(__file__).resolve().parents[1] / "fixtures"
 SAVE = (FIX / "iptables" / "iptables-mode-20-services-with-user-rules.save.txt").read_text()
 IPVSADM = (FIX / "ipvsadm" / "ipvs-node-with-keepalived.Sn.txt").read_text()
-ALL = frozenset({"iptables", "ipvs"})
+ALL: frozenset[Mode] = frozenset({"iptables", "ipvs"})
 
 
 def test_ownership_is_exact_names_and_hash_shaped_service_chains() -> None:
@@ -43,7 +46,7 @@ def test_ownership_is_exact_names_and_hash_shaped_service_chains() -> None:
     assert chain_is_stale("nat", "KUBE-NODE-PORT", {"ipvs"}, "iptables")
 
 
-def test_plan_for_nftables_names_only_kube_proxy_chains_and_jumps_into_them():
+def test_plan_for_nftables_names_only_kube_proxy_chains_and_jumps_into_them() -> None:
     dump = parse(SAVE)
     plans = plan_flush(dump, ALL, "nftables")
     doomed = {(p.table, c) for p in plans for c in p.delete_chains}
@@ -177,7 +180,7 @@ class FakeNode:
     def __init__(self) -> None:
         self.calls: list[tuple[list[str], str | None]] = []
 
-    def __call__(self, argv, *, input=None, **_):
+    def __call__(self, argv: Sequence[str], *, input: str | None = None, **_: Any) -> Result:
         argv = list(argv)
         self.calls.append((argv, input))
         out = ""
@@ -208,6 +211,7 @@ def test_ipvs_flusher_deletes_only_owned_services_then_dummy_then_sets(tmp_path:
              ["ip", "link"], ["ipset", "restore"])]
     assert order == ["ipvsadm -R", "ip link", "ipset restore"]
     destroy = next(inp for argv, inp in node.calls if argv == ["ipset", "restore"])
+    assert destroy is not None
     assert "KUBE-ALLOWED" not in destroy and "keepalived" not in destroy
 
 
@@ -219,7 +223,7 @@ def test_ipvs_flusher_without_ipvs_never_calls_ipvsadm(tmp_path: Path) -> None:
 
 
 def test_a_failing_tool_is_reported_not_raised(tmp_path: Path) -> None:
-    def broken(argv, **_) -> None:
+    def broken(argv: Sequence[str], **_: Any) -> NoReturn:
         raise CommandError(list(argv), "exited 1: boom")
 
     report = flush(["iptables", "ipvs", "nftables"], "iptables", runner=broken,
@@ -234,7 +238,7 @@ TARGETS = st.sampled_from(["ACCEPT", "DROP", "RETURN"])
 
 
 @st.composite
-def user_rule_lines(draw: st.DrawFn):
+def user_rule_lines(draw: st.DrawFn) -> tuple[list[str], list[str]]:
     chains = draw(st.lists(USER_CHAIN, min_size=1, max_size=4, unique=True))
     rules = []
     for _ in range(draw(st.integers(1, 12))):
@@ -248,7 +252,7 @@ def user_rule_lines(draw: st.DrawFn):
 
 @settings(max_examples=150, deadline=None)
 @given(user_rule_lines())
-def test_user_chains_and_rules_never_appear_in_the_restore_text(data) -> None:
+def test_user_chains_and_rules_never_appear_in_the_restore_text(data: tuple[list[str], list[str]]) -> None:
     chains, rules = data
     head, sep, tail = SAVE.partition("*filter\n")
     decls = "".join(f":{c} - [0:0]\n" for c in chains)
@@ -280,14 +284,14 @@ def test_plan_on_real_kube_proxy_rules_for_ipvs_keeps_exactly_the_shared_chains(
                                ("filter", "KUBE-PROXY-FIREWALL")}
 
 
-def test_a_refused_restore_is_planned_again_from_a_fresh_save_once():
+def test_a_refused_restore_is_planned_again_from_a_fresh_save_once() -> None:
     from proxyshift.agent.flush.iptables import IptablesFlusher
 
     small = "*nat\n:KUBE-SVC-AAAAAAAAAAAAAAAA - [0:0]\n:MINE - [0:0]\n-A MINE -j ACCEPT\nCOMMIT\n"
     saves = [SAVE, small, "*nat\n:MINE - [0:0]\n-A MINE -j ACCEPT\nCOMMIT\n"]
-    restores: list[str] = []
+    restores: list[str | None] = []
 
-    def runner(argv, *, input=None, **_):
+    def runner(argv: Sequence[str], *, input: str | None = None, **_: Any) -> Result:
         if argv[0].endswith("-save"):
             return Result(list(argv), 0, saves.pop(0), "")
         restores.append(input)
@@ -298,5 +302,6 @@ def test_a_refused_restore_is_planned_again_from_a_fresh_save_once():
     step = IptablesFlusher(run=runner, tools=[IptablesTool("ipv4", "nft")]).flush_one(
         IptablesTool("ipv4", "nft"), ALL, "nftables")
     assert not step.errors
-    assert len(restores) == 2 and "KUBE-SVC-AAAAAAAAAAAAAAAA" in restores[1] and "MINE" not in restores[1]
+    assert len(restores) == 2 and restores[1] is not None
+    assert "KUBE-SVC-AAAAAAAAAAAAAAAA" in restores[1] and "MINE" not in restores[1]
     assert step.removed == {"chains": 1}

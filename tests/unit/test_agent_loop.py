@@ -193,7 +193,6 @@ def test_cleanup_runs_once_and_records_running_before_the_flush() -> None:
     last = node.status.last_operation
     assert last is not None
     assert last.state == "Succeeded" and last.id == "m1.Cleanup.0"
-    assert last is not None
     assert last.details["steps"][0]["removed"] == {"chains": 3}
     assert node.status.observed_mode == "nftables" and node.status.leftovers == []
     assert node.status.leftover_objects == 0  # written as a count, so kubectl shows 0, not <none>
@@ -236,7 +235,6 @@ def test_a_restarted_agent_does_not_rerun_a_cleanup_and_reports_what_is_left() -
     last = ProxyNode.model_validate(api.obj).status.last_operation
     assert last is not None
     assert last.state == "Failed" and "did not re-run" in last.message and "1 iptables objects" in last.message
-    assert last is not None
     assert last.details == {"recovered": True, "remaining": {"iptables": 1}}
 
 
@@ -272,7 +270,6 @@ def test_failed_preflight_is_reported_with_what_is_missing() -> None:
     last = ProxyNode.model_validate(api.obj).status.last_operation
     assert last is not None
     assert last.state == "Failed" and "kernel module ip_vs" in last.message
-    assert last is not None
     assert last.details["missing"][0]["fix"] == "modprobe ip_vs"
 
 
@@ -283,9 +280,7 @@ def test_probe_reports_connects_in_the_shape_the_planner_reads() -> None:
     last = ProxyNode.model_validate(api.obj).status.last_operation
     assert last is not None
     assert last.state == "Succeeded"
-    assert last is not None
     assert last.details == {"connects": {"198.19.0.1:443": True, "198.19.0.10:53": "connection refused"}}
-    assert last is not None
     assert "1/2 service connects ok" in last.message
 
 

@@ -57,7 +57,6 @@ def test_preflight_with_behaviour_writes_the_before_matrix_and_clears_an_old_aft
     assert node.status.behaviour is not None
     assert node.status.behaviour.before is not None
     assert node.status.behaviour.before.cells[0].endpoints == ["198.18.3.4"]
-    assert node.status.behaviour is not None
     assert node.status.behaviour.after is None
     last = node.status.last_operation
     assert last is not None
@@ -81,7 +80,6 @@ def test_a_failed_preflight_records_no_matrix() -> None:
     # an untouched node has no "before" to compare with.
     assert node.status.last_operation is not None
     assert node.status.behaviour is None and node.status.last_operation.state == "Failed"
-    assert node.status.last_operation is not None
     assert "behaviour" not in node.status.last_operation.message
 
 
@@ -96,7 +94,6 @@ def test_probe_runs_the_conntrack_step_then_the_behaviour_probe_after_the_wait()
     assert behaviour is not None
     assert behaviour.before is not None
     assert behaviour.before.operation_id == "m1.Preflight.0"  # the Probe leaves "before" alone
-    assert behaviour is not None
     assert behaviour.after is not None
     assert behaviour.after.pod_path_error is not None
     assert behaviour.after.operation_id == "m1.Probe.1" and behaviour.after.pod_path_error.startswith("probe")
@@ -104,7 +101,6 @@ def test_probe_runs_the_conntrack_step_then_the_behaviour_probe_after_the_wait()
     assert last is not None
     assert last.details["conntrack"] == {"scanned": 3, "deletedTcp": 1, "deletedUdp": 0,
                                          "entries": ["tcp 198.18.1.2:40000 -> 198.19.0.10:80"], "truncated": False}
-    assert last is not None
     assert "conntrack: 1 TCP and 0 UDP" in last.message and "pod path: probe server" in last.message
 
 
@@ -114,8 +110,6 @@ def test_a_new_after_matrix_clears_the_old_ones_pod_path_error() -> None:
     assert node.status.behaviour is not None
     assert node.status.behaviour.after is not None
     assert node.status.behaviour.after.operation_id == "m1.Probe.2"
-    assert node.status.behaviour is not None
-    assert node.status.behaviour.after is not None
     assert node.status.behaviour.after.pod_path_error is None
 
 

@@ -7,6 +7,7 @@ import queue
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,10 @@ from prometheus_client import REGISTRY
 from test_agent_loop import Clock, FakeAPI, make_agent, node_obj
 
 from proxyshift.agent import metrics
+from proxyshift.agent.flush.base import FlushReport
 from proxyshift.agent.loop import parse_args
 from proxyshift.agent.preflight import Missing, PreflightReport, ToolVersions
-from proxyshift.api.proxynode import KubeProxyFacts
+from proxyshift.api.proxynode import KubeProxyFacts, Mode
 
 pytestmark = pytest.mark.unit
 
@@ -55,18 +57,18 @@ class Counted:
         return self._read().get(key, 0.0) - self.before.get(key, 0.0)
 
 
-def test_an_operation_is_counted_by_type_and_result_with_its_duration_and_the_flush_s():
+def test_an_operation_is_counted_by_type_and_result_with_its_duration_and_the_flush_s() -> None:
     api = FakeAPI(node_obj(CLEANUP))
     agent = make_agent(api)
     clock = agent.clock
     inner = agent.effects.flush
     assert isinstance(clock, Clock)
 
-    def slow_flush(remove, target):
+    def slow_flush(remove: list[str], target: str | None) -> FlushReport:
         clock.t += 2.0  # the flush takes two seconds of the agent's clock
         return inner(remove, target)
 
-    agent.effects.flush = slow_flush
+    agent.effects.flush = slow_flush  # type: ignore[method-assign]  # the test swaps this seam
     counted = Counted()
     flushes = sample("proxyshift_agent_flush_duration_seconds_count")
     flush_sum = sample("proxyshift_agent_flush_duration_seconds_sum")
@@ -80,8 +82,8 @@ def test_an_operation_is_counted_by_type_and_result_with_its_duration_and_the_fl
     assert sample("proxyshift_agent_flush_duration_seconds_sum") - flush_sum == pytest.approx(2.0)
 
 
-def test_a_failed_preflight_and_an_operation_that_raises_are_counted_failed():
-    def refuse(mode, scheduler, **kw):
+def test_a_failed_preflight_and_an_operation_that_raises_are_counted_failed() -> None:
+    def refuse(mode: Mode, scheduler: str | None, **kw: Any) -> PreflightReport:
         return PreflightReport(mode=mode, scheduler=scheduler, kernel_release="6.8.0", modules={},
                                tools=ToolVersions(), missing=[Missing("kernel module ip_vs", "needed", "modprobe")])
 
@@ -103,7 +105,7 @@ class FlakyAPI(FakeAPI):
         super().__init__(obj)
         self.refuse, self.calls = refuse, 0
 
-    def patch_status(self, name, status):
+    def patch_status(self, name: str, status: dict[str, Any]) -> dict[str, Any]:
         self.calls += 1
         if self.calls - 1 in self.refuse:
             raise ConnectionError("apiserver away")
@@ -145,7 +147,12 @@ def test_every_kube_proxy_probe_is_timed_and_a_failed_one_counted() -> None:
     clock = agent.clock
     assert isinstance(clock, Clock)
     inner = agent.effects.probe
-    agent.effects.probe = lambda: (setattr(clock, "t", clock.t + 0.25), inner())[1]
+
+    def slow_probe() -> KubeProxyFacts:
+        clock.t += 0.25
+        return inner()
+
+    agent.effects.probe = slow_probe  # type: ignore[method-assign]  # the test swaps this seam
     counted = Counted()
     probes = sample("proxyshift_agent_kube_proxy_probe_duration_seconds_count")
     probe_sum = sample("proxyshift_agent_kube_proxy_probe_duration_seconds_sum")
@@ -160,7 +167,7 @@ def test_the_watch_loop_marks_api_contact_and_counts_its_errors() -> None:
     stop = threading.Event()
 
     class BrokenWatch(FakeAPI):
-        def watch(self, name, rv, timeout) -> None:
+        def watch(self, name: str, rv: str | None, timeout: int) -> Iterator[tuple[str, dict[str, Any]]]:
             stop.set()
             raise ConnectionError("watch cut")
 

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from proxyshift.agent.inventory import Inventory
-from proxyshift.agent.preflight import ToolVersions, check, detect_tools, parse_kernel_release, parse_version
+from proxyshift.agent.preflight import (
+    PreflightReport,
+    ToolVersions,
+    check,
+    detect_tools,
+    parse_kernel_release,
+    parse_version,
+)
 from proxyshift.commands import Result, ToolMissingError
 
 pytestmark = pytest.mark.unit
@@ -17,7 +26,7 @@ GOOD_TOOLS = ToolVersions(nft="1.0.9", iptables="1.8.10", iptables_backend="nf_t
                           nft_usable=True, iptables_nat=True)
 
 
-def kernel(name: str, mode: str, scheduler: str | None = None, **kw):
+def kernel(name: str, mode: str, scheduler: str | None = None, **kw: Any) -> PreflightReport:
     kw.setdefault("tools", GOOD_TOOLS)
     # The fixture kernels with /proc/net/ip_vs hold no virtual server; never the host's ipvsadm.
     kw.setdefault("ipvs_inventory", lambda: Inventory(ipvs_available=True))
@@ -47,10 +56,10 @@ def test_ip_vs_without_ip_vs_mh_says_how_to_load_it() -> None:
     assert "modprobe ip_vs_mh" in report.missing[0].fix and "loadModules" in report.missing[0].fix
 
 
-def test_load_modules_modprobes_and_reports_what_it_loaded():
+def test_load_modules_modprobes_and_reports_what_it_loaded() -> None:
     calls = []
 
-    def runner(argv, **_):
+    def runner(argv: Sequence[str], **_: Any) -> Result:
         calls.append(list(argv))
         return Result(list(argv), 0, "", "")
 
@@ -102,12 +111,12 @@ def test_version_parsing() -> None:
     assert parse_kernel_release("6.1-rc1") == (6, 1, 0)
 
 
-def test_detect_tools_with_a_fake_runner_and_missing_tools(tmp_path: Path):
+def test_detect_tools_with_a_fake_runner_and_missing_tools(tmp_path: Path) -> None:
     outputs = {"nft": "nftables v1.0.6 (Lester Gooch #5)", "iptables": "iptables v1.8.9 (legacy)",
                "ipset": "ipset v7.17, protocol version: 7"}
     asked = []
 
-    def runner(argv, **_):
+    def runner(argv: Sequence[str], **_: Any) -> Result:
         asked.append(argv[0])
         if argv[0] not in outputs:
             raise ToolMissingError(argv, "not found")
@@ -121,11 +130,11 @@ def test_detect_tools_with_a_fake_runner_and_missing_tools(tmp_path: Path):
                                  "ipset": "7.17"}
 
 
-def test_an_error_message_is_not_a_version(tmp_path: Path):
+def test_an_error_message_is_not_a_version(tmp_path: Path) -> None:
     (tmp_path / "net").mkdir()
     (tmp_path / "net" / "ip_vs").write_text("")
 
-    def runner(argv, **_):
+    def runner(argv: Sequence[str], **_: Any) -> Result:
         if argv[0] == "ipvsadm":
             return Result(list(argv), 2, "", "modprobe: FATAL: Module ip_vs not found in directory "
                           "/lib/modules/6.18.44-fc-v669\nCan't initialize ipvs: Protocol not available")
@@ -136,7 +145,7 @@ def test_an_error_message_is_not_a_version(tmp_path: Path):
     tools = detect_tools(runner, proc_root=tmp_path)
     assert tools.ipvsadm is None and tools.nft is None and tools.ipset == "7.17"
 
-    def good(argv, **_):
+    def good(argv: Sequence[str], **_: Any) -> Result:
         out = "ipvsadm v1.31 2019/12/24 (compiled with popt and IPVS v1.2.1)" if argv[0] == "ipvsadm" else ""
         return Result(list(argv), 0, out, "")
 
@@ -160,7 +169,7 @@ def _autoload_kernel(tmp_path: Path, *, disabled: str = "0", modprobe: str = "/s
     return root
 
 
-def _check_at(root: Path, *args, **kw):
+def _check_at(root: Path, *args: Any, **kw: Any) -> PreflightReport:
     kw.setdefault("tools", GOOD_TOOLS)
     return check(*args, proc_root=root / "proc", sys_root=root / "sys", modules_root=root / "sys" / "lib-modules",
                  **kw)
@@ -178,7 +187,8 @@ def test_an_installed_scheduler_is_accepted_when_the_kernel_loads_it_on_first_us
 
 
 def test_without_on_demand_loading_an_installed_scheduler_is_still_refused(tmp_path: Path) -> None:
-    for i, kw in enumerate(({"disabled": "1"}, {"modprobe": ""})):
+    variants: tuple[dict[str, Any], ...] = ({"disabled": "1"}, {"modprobe": ""})
+    for i, kw in enumerate(variants):
         report = _check_at(_autoload_kernel(tmp_path / str(i), **kw), "ipvs", "mh")
         assert [m.what for m in report.missing] == ["kernel module ip_vs_mh"], kw
         assert "installed but not loaded" in report.missing[0].why and not report.on_demand

@@ -191,9 +191,7 @@ def test_iptables_to_nftables_holds_the_old_rules_before_the_label_moves() -> No
     hold = writes(step)[0].operation
     assert hold is not None
     assert hold.type == "Hold" and hold.id == f"{REV}.1.0.Hold.0"
-    assert hold is not None
     assert hold.params["fromMode"] == "iptables" and hold.params["toMode"] == "nftables"
-    assert hold is not None
     assert hold.params["ttlSeconds"] >= 2 * 120  # outlives the gate, bounded
     switching = writes(step)[0].migration
     assert machine.step(inp(switching, op=hold)).actions == []  # agent not done yet: wait

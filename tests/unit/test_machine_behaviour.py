@@ -108,7 +108,6 @@ def test_a_difference_is_confirmed_for_a_while_then_rolls_the_node_back_naming_t
     m = writes(second)[0].migration
     assert m is not None
     assert m.reason == "BehaviourChanged"
-    assert m is not None
     assert m.message is not None
     assert "127.0.0.1" in m.message and "refused" in m.message and "LocalhostNodePorts" in m.message
 
