@@ -13,7 +13,9 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import behaviour_topology as bt
 import pytest
@@ -30,7 +32,7 @@ BEHAVIOUR = {"nodeIps": [bt.NODE_IP], "podProbe": f"{bt.POD_IP}:{bt.PROBE_PORT}"
 ]}
 
 
-def done(op_id: str):  # type: ignore[no-untyped-def]
+def done(op_id: str) -> Callable[[dict[str, Any]], bool]:
     return lambda o: (o.get("status", {}).get("lastOperation", {}).get("id") == op_id
                       and o["status"]["lastOperation"]["state"] != "Running")
 

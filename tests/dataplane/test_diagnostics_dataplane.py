@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -121,9 +122,9 @@ SERVICE = DiagnoseService(namespace="ps-diag", name="web", cluster_ips=[CLUSTER_
                           ports=[DiagnosePort(name="http", port=80)], endpoints=ENDPOINTS)
 
 
-def view(**kw: object) -> ServiceView:
+def view(**kw: Any) -> ServiceView:
     return ServiceView(namespace="ps-diag", name="web", cluster_ips=(CLUSTER_IP,),
-                       ports=(ServicePortView(name="http", protocol="TCP", port=80),), **kw)  # type: ignore[arg-type]
+                       ports=(ServicePortView(name="http", protocol="TCP", port=80),), **kw)
 
 
 def test_rule_counters_after_real_connections_are_each_endpoints_flows(node: Netns) -> None:
