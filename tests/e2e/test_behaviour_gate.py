@@ -38,7 +38,7 @@ def settled(made: BehaviourWorkloads, modes: dict[str, str]) -> list[Cell]:
     while True:
         cells = observe(made)
         problems = [p for node, mode in modes.items()
-                    for p in expected_problems(made, [c for c in cells if c.node == node], mode)]  # type: ignore[arg-type]
+                    for p in expected_problems(made, [c for c in cells if c.node == node], mode)]  # type: ignore[arg-type]  # modes: the policies' ProxyMode names
         if not problems:
             return cells
         if time.monotonic() > deadline:

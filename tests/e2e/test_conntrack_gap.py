@@ -106,7 +106,7 @@ def _clients(stop: threading.Event, tcp: tuple[str, int], udp: tuple[str, int], 
                         while u.recv(256):
                             out.udp_answers.append(time.time())
                     continue
-                s = key.fileobj  # type: ignore[assignment]
+                s = key.fileobj  # type: ignore[assignment]  # registered as sockets only
                 a = key.data
                 a.ended, a.error = time.time(), s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
                 sel.unregister(s)

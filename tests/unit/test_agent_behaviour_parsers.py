@@ -24,6 +24,7 @@ from proxyshift.api.behaviour import (
     BehaviourTarget,
     ConntrackParams,
     Outcome,
+    Protocol,
 )
 from proxyshift.commands import Result
 
@@ -396,7 +397,7 @@ class ConntrackTable:
         self.flows = [(x, ct.parse_flows(document(x))[0][0]) for x in flows]
         self.calls: list[list[str]] = []
 
-    def __call__(self, argv, timeout, **kw):  # type: ignore[no-untyped-def]
+    def __call__(self, argv: Sequence[str], timeout: float, **kw: Any) -> Result:
         self.calls.append(list(argv))
         opts = dict(zip(argv[2::2], argv[3::2], strict=False))
         chosen = [x for x, f in self.flows
@@ -435,7 +436,7 @@ def test_identities_come_from_one_dump_per_protocol_matched_on_the_whole_tuple()
 def test_a_dump_cut_at_its_bound_is_looked_up_again_per_source(monkeypatch: pytest.MonkeyPatch) -> None:
     whole = ct.list_flows
 
-    def tcp_dump_cut(protocol, **kw):  # type: ignore[no-untyped-def]
+    def tcp_dump_cut(protocol: Protocol, **kw: Any) -> tuple[list[ct.Flow], bool]:
         flows, cut = whole(protocol, **kw)
         return flows, cut or (protocol == "TCP" and kw.get("source") is None)  # as past MAX_XML_BYTES
 

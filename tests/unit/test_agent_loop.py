@@ -853,7 +853,7 @@ def test_a_broken_diagnose_beside_a_preflight_never_holds_back_the_preflight_s_r
     obj["spec"]["diagnose"] = _diagnose_request("p.1.0.before")
     api = FakeAPI(obj)
     agent = _with_diagnose(make_agent(api), FakeDiagnoseTools(fail=True))
-    agent._probe = lambda: (_ for _ in ()).throw(RuntimeError("metrics port gone"))  # type: ignore[method-assign]
+    agent._probe = lambda: (_ for _ in ()).throw(RuntimeError("metrics port gone"))  # type: ignore[method-assign]  # the test swaps this seam
     agent.handle(api.get("n1"))
     assert api.patches[-1]["lastOperation"]["state"] in ("Succeeded", "Failed")
     assert "distribution" not in api.patches[-1]

@@ -179,7 +179,7 @@ def test_watch_until_done_that_times_out_is_not_ready_1(monkeypatch: pytest.Monk
 
 class Unreachable(FakeCustom):
     def list_cluster_custom_object(self, *args: Any) -> dict[str, Any]:
-        raise urllib3.exceptions.MaxRetryError(None, "/apis", "connection refused")  # type: ignore[arg-type]
+        raise urllib3.exceptions.MaxRetryError(None, "/apis", "connection refused")  # type: ignore[arg-type]  # no pool: the code reads only the reason
 
 
 class Forbidden(FakeCustom):

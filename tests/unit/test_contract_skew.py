@@ -132,7 +132,7 @@ def test_an_operator_one_version_older_gets_the_results_it_knows() -> None:
 @pytest.mark.parametrize("name", sorted(V0["results"]))
 def test_the_previous_results_read_into_the_result_models(name: str) -> None:
     status = OperationStatus.model_validate(V0["results"][name])
-    result = status.result_as(RESULT_MODELS[status.type])  # type: ignore[index]
+    result = status.result_as(RESULT_MODELS[status.type])  # type: ignore[index]  # every V0 type is an OperationType
     wire = V0["results"][name].get("details", {})
     if name == "ProbeConnectsList":  # the first agents' list of connects reads as the map
         assert result.to_details() == {"connects": {"198.19.0.10:80": True, "198.19.0.11:80": "timeout"}}

@@ -145,11 +145,11 @@ def test_unserved_resources_names_each_missing_crd() -> None:
     from proxyshift.controller.kube import ClusterAPI
 
     api = ClusterAPI()
-    api.custom = FakeDiscovery({("proxyshift.io", "v1alpha1"): ["proxypolicies", "proxypolicies/status"]})  # type: ignore[assignment]
+    api.custom = FakeDiscovery({("proxyshift.io", "v1alpha1"): ["proxypolicies", "proxypolicies/status"]})  # type: ignore[assignment]  # a fake discovery API
     assert api.unserved_resources(with_peering=False) == ["proxynodes.proxyshift.io/v1alpha1"]
     assert api.unserved_resources(with_peering=True) == ["proxynodes.proxyshift.io/v1alpha1",
                                                          "clusterkopfpeerings.kopf.dev/v1"]
-    api.custom = FakeDiscovery({("proxyshift.io", "v1alpha1"): ["proxypolicies", "proxynodes"],  # type: ignore[assignment]
+    api.custom = FakeDiscovery({("proxyshift.io", "v1alpha1"): ["proxypolicies", "proxynodes"],  # type: ignore[assignment]  # a fake discovery API
                                 ("kopf.dev", "v1"): ["clusterkopfpeerings"]})
     assert api.unserved_resources(with_peering=True) == []
 
