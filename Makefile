@@ -34,9 +34,10 @@ lock: venv ## regenerate requirements.lock and requirements/dev.lock from pyproj
 	$(VENV)/bin/uv pip compile pyproject.toml requirements/venv.in --extra dev -c requirements.lock \
 	    $(LOCK_FLAGS) -o requirements/dev.lock
 
-lint: $(PY) ## ruff over the whole tree, mypy over the package and the test bed (strict on api, modes, planner, render)
+lint: $(PY) ## ruff over the whole tree, mypy over the package, the test bed, bench/ and tests/ (strict on the pure core)
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m mypy
+	PYTHON=$(PYTHON) ./hack/mypy-tests.sh
 
 crds: $(PY) ## regenerate crds/ and docs/crd-reference.md from the pydantic models
 	$(PYTHON) -m proxyshift.cli crds

@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nmedian of {args.runs} runs; {version}; {os.cpu_count()} CPUs\n")
     print("| services | kube-proxy lines | method | median seconds | user + kubelet rules intact |")
     print("|---:|---:|---|---:|---|")
-    for size, lines, name, median, intact in rows:
-        print(f"| {size} | {lines} | {name} | {median:.3f} | {intact} |")
+    for size, lines, name, median, verdict in rows:
+        print(f"| {size} | {lines} | {name} | {median:.3f} | {verdict} |")
     return 0
 
 

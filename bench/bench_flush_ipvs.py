@@ -126,9 +126,9 @@ def inside(sizes: list[int], runs: int, kube_proxy: Path) -> int:
     print(f"\nin the QEMU guest (TCG), kernel {release}; median of {runs} run(s); ratios only\n")
     print("| services | method | median seconds (emulated) | vs agent | user's virtual servers + set kept |")
     print("|---:|---|---:|---:|---|")
-    for size, name, median, kept in rows:
+    for size, name, median, verdict in rows:
         agent = next(m for s, n, m, _ in rows if s == size and n == "agent")
-        print(f"| {size} | {name} | {median:.2f} | {median / agent:.1f}x | {kept} |")
+        print(f"| {size} | {name} | {median:.2f} | {median / agent:.1f}x | {verdict} |")
     return 0
 
 

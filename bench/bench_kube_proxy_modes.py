@@ -30,6 +30,7 @@ inside each run so that load from other work on the machine hits both alike.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import secrets
@@ -64,7 +65,7 @@ class BenchNetns(Netns):
     def __init__(self) -> None:
         self.name = f"ps-bench-{secrets.token_hex(4)}"
         run(["ip", "netns", "add", self.name])
-        self.run = lambda argv, **kw: run(argv, netns=self.name, **kw)
+        self.run = functools.partial(run, netns=self.name)
 
 
 def histograms(text: str) -> dict[str, tuple[float, float]]:

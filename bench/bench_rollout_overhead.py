@@ -67,7 +67,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 ROOT = Path(__file__).resolve().parents[1]
 # The node simulators and the operator are child processes (`python -m proxyshift...`): they must find
@@ -118,6 +118,11 @@ def readiness_probe() -> dict[str, Any]:
     """restart-ready's probe: the most favourable to the restart that Kubernetes allows."""
     return {"httpGet": {"path": "/healthz", "port": kube_proxy_healthz_port()},
             "periodSeconds": 1, "initialDelaySeconds": 0}
+
+
+def _labels(metadata: kubernetes.client.V1ObjectMeta | None) -> dict[str, str]:
+    """An object's labels; none when the API left out its metadata or labels."""
+    return (metadata.labels if metadata else None) or {}
 
 
 def say(message: str) -> None:
@@ -303,10 +308,11 @@ class Bench:
     def _settled(self) -> bool:
         """One Running+Ready kube-proxy pod per node and nothing terminating."""
         pods = self.core.list_namespaced_pod(NAMESPACE, label_selector="k8s-app=kube-proxy").items
-        live = [p for p in pods if not p.metadata.deletion_timestamp]
+        live = [p for p in pods if p.metadata is not None and not p.metadata.deletion_timestamp]
+        # A pod not yet scheduled has no node name: "" (sorting None among names would raise TypeError).
         return (len(pods) == len(live) == len(self.nodes)
-                and all(p.status.phase == "Running" for p in live)
-                and sorted(p.spec.node_name for p in live) == sorted(self.nodes))
+                and all(p.status is not None and p.status.phase == "Running" for p in live)
+                and sorted((p.spec.node_name if p.spec else None) or "" for p in live) == sorted(self.nodes))
 
     def wait_settled(self) -> None:
         deadline = time.monotonic() + self.timeout
@@ -317,8 +323,14 @@ class Bench:
         self.kubectl("-n", NAMESPACE, "rollout", "status", f"daemonset/{BASELINE_DS}", "--timeout=300s",
                      timeout=320)
 
+    def _containers(self) -> list[kubernetes.client.V1Container]:
+        """The baseline DaemonSet's pod template's containers (a DaemonSet always has them)."""
+        spec = self.apps.read_namespaced_daemon_set(BASELINE_DS, NAMESPACE).spec
+        assert spec is not None and spec.template.spec is not None
+        return spec.template.spec.containers
+
     def _container_index(self) -> int:
-        containers = self.apps.read_namespaced_daemon_set(BASELINE_DS, NAMESPACE).spec.template.spec.containers
+        containers = self._containers()
         return next(i for i, c in enumerate(containers) if c.name == baseline.NAME)
 
     def set_probe(self, on: bool) -> None:
@@ -335,8 +347,7 @@ class Bench:
             content_type = JSON_PATCH
         self.apps.patch_namespaced_daemon_set(BASELINE_DS, NAMESPACE, body, _content_type=content_type)
         self.wait_settled()
-        container = self.apps.read_namespaced_daemon_set(BASELINE_DS, NAMESPACE).spec.template.spec.containers[
-            self._container_index()]
+        container = self._containers()[self._container_index()]
         if (container.readiness_probe is not None) != on:
             raise RuntimeError(f"baseline readinessProbe {'missing' if on else 'still there'} after the patch")
 
@@ -440,8 +451,8 @@ class Bench:
     def migrate(self, run: int, matrix: bool = True, ahead: bool = True) -> Result:
         self.wait_settled()
         t0 = time.monotonic()
-        created = self.custom.create_cluster_custom_object(GROUP, VERSION, "proxypolicies",
-                                                           self.policy_body(matrix, ahead))
+        created = cast(dict[str, Any], self.custom.create_cluster_custom_object(
+            GROUP, VERSION, "proxypolicies", self.policy_body(matrix, ahead)))
         key = f"{POLICY}/{created['metadata']['uid']}"
         end = self.seen.wait(lambda: self.seen.policy_ready.get(key), self.timeout, "the policy's Ready")
         if self.show_timeline:
@@ -454,7 +465,7 @@ class Bench:
         self.seen.policy_gone.pop(POLICY, None)
         self.custom.delete_cluster_custom_object(GROUP, VERSION, "proxypolicies", POLICY)
         end = self.seen.wait(lambda: self.seen.policy_gone.get(POLICY), self.timeout, "the policy gone")
-        left = [n for n in self.nodes if REVISION_LABEL in (self.core.read_node(n).metadata.labels or {})]
+        left = [n for n in self.nodes if REVISION_LABEL in _labels(self.core.read_node(n).metadata)]
         if left:
             raise RuntimeError(f"policy gone but {left} still carry a revision label")
         return Result("revert", run, end - t0, self._splits(t0, end))

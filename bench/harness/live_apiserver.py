@@ -56,7 +56,7 @@ class Changes:
 def make_handler(objects: dict[str, list[dict[str, Any]]], changes: Changes) -> type:
     base = fake_apiserver.make_handler(objects)
 
-    class Handler(base):  # type: ignore[misc, valid-type]
+    class Handler(base):  # type: ignore[misc, valid-type]  # base is a class made at run time
         def log_message(self, fmt: str, *args: Any) -> None:
             pass  # 10k-object lists would flood the log; errors still reach stderr via send_error
 

@@ -82,6 +82,7 @@ class Fleet:
         self._bulk(self._create_node, "nodes")
         self._bulk(self._create_proxynode, "proxynodes")
         base = self.apps.read_namespaced_daemon_set("kube-proxy", NS)
+        assert base.metadata is not None and base.metadata.uid is not None
         self.ds_uids["kube-proxy"] = base.metadata.uid
         self._bulk(lambda i: self._make_pod(node_name(i), "kube-proxy"), "pods")
 
@@ -90,7 +91,7 @@ class Fleet:
         body = {"metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
                                                        POOL_LABEL: "all"}},
                 "spec": {}}
-        self.core.create_node(body)
+        self.core.create_node(body)  # type: ignore[arg-type]  # the client sends a dict body as it is
         self.core.patch_node_status(name, {"status": {
             "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "bench",
                             "lastHeartbeatTime": now_iso(), "lastTransitionTime": now_iso()}],
@@ -108,7 +109,9 @@ class Fleet:
         uid = self.ds_uids.get(ds)
         if uid is None:
             try:
-                uid = self.apps.read_namespaced_daemon_set(ds, NS).metadata.uid
+                metadata = self.apps.read_namespaced_daemon_set(ds, NS).metadata
+                assert metadata is not None and metadata.uid is not None
+                uid = metadata.uid
             except ApiException:
                 uid = "00000000-0000-0000-0000-000000000000"
             self.ds_uids[ds] = uid
@@ -123,7 +126,7 @@ class Fleet:
                 "spec": {"nodeName": node, "serviceAccountName": "kube-proxy", "automountServiceAccountToken": False,
                          "containers": [{"name": "kube-proxy", "image": "registry.k8s.io/kube-proxy:v1.37.2"}]}}
         try:
-            self.core.create_namespaced_pod(NS, body)
+            self.core.create_namespaced_pod(NS, body)  # type: ignore[arg-type]  # the client sends a dict body as it is
         except ApiException as exc:
             if exc.status != 409:
                 raise

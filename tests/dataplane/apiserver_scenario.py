@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -94,9 +94,12 @@ def main() -> int:
         ext = client.ApiextensionsV1Api()
         crd = yaml.safe_load((ROOT / "crds" / "proxynode.yaml").read_text())
         wait(lambda: ext.create_custom_resource_definition(crd), "the CRD to be accepted", 120)
-        wait(lambda: any(c.type == "Established" and c.status == "True"
-                         for c in ext.read_custom_resource_definition(crd["metadata"]["name"]).status.conditions or []),
-             "the CRD to be established")
+        def established() -> bool:
+            status = ext.read_custom_resource_definition(crd["metadata"]["name"]).status
+            return any(c.type == "Established" and c.status == "True"
+                       for c in (status.conditions if status else None) or [])
+
+        wait(established, "the CRD to be established")
         api = client.CustomObjectsApi()
         wait(lambda: api.create_cluster_custom_object(GROUP, VERSION, PLURAL, {
             "apiVersion": f"{GROUP}/{VERSION}", "kind": "ProxyNode", "metadata": {"name": NODE},
@@ -113,7 +116,9 @@ def main() -> int:
                            work / "agent.log", env))
 
         def status() -> dict[str, Any]:
-            return api.get_cluster_custom_object(GROUP, VERSION, PLURAL, NODE).get("status") or {}
+            # The custom-objects API returns the object as JSON: a dict.
+            obj = cast(dict[str, Any], api.get_cluster_custom_object(GROUP, VERSION, PLURAL, NODE))
+            return cast(dict[str, Any], obj.get("status") or {})
 
         result["first"] = wait(lambda: status() if status().get("heartbeat") else None, "a heartbeat")
 

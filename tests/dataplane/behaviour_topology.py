@@ -21,12 +21,16 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from localcluster.container import run_in_netns
 from proxyshift.commands import stop_child
 from tests.support.ps_netns import Netns
+
+T = TypeVar("T")
 
 NODE_IP = "198.18.201.1"  # the Node object's InternalIP
 NODE_OTHER = ["198.18.202.1", "198.18.203.1"]
@@ -146,10 +150,10 @@ class Topology:
     probe_server: subprocess.Popen[bytes] | None = None
     made: list[Netns] = field(default_factory=list)
 
-    def in_node(self, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def in_node(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         return run_in_netns(self.node.name, fn, *args, **kwargs)
 
-    def in_pod(self, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def in_pod(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         return run_in_netns(self.pod.name, fn, *args, **kwargs)
 
     def counter(self, table: str, chain: str, match: str) -> int:
@@ -182,7 +186,7 @@ def start_probe_server(pod: Netns, address: str, reach_from: Netns) -> subproces
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"probe server exited: {proc.stderr.read()!r}")  # type: ignore[union-attr]
+            raise AssertionError(f"probe server exited: {proc.stderr.read()!r}")  # type: ignore[union-attr]  # PIPE
         if run_in_netns(reach_from.name, _connects, address, PROBE_PORT):
             return proc
         time.sleep(0.1)

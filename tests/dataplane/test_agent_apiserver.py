@@ -13,12 +13,14 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.support import REPO
 from tests.support.kp_rules import kubelet_rules, user_rules
+from tests.support.ps_netns import Netns
 
 pytestmark = pytest.mark.dataplane
 
@@ -36,7 +38,7 @@ def body(text: str) -> list[str]:
     return [line for line in text.splitlines() if not line.startswith("#")]
 
 
-def test_agent_against_a_real_apiserver_and_crd(netns_factory, tmp_path):
+def test_agent_against_a_real_apiserver_and_crd(netns_factory: Callable[[], Netns], tmp_path: Path) -> None:
     bins = bin_dir()
     if bins is None:
         pytest.skip("no kube-apiserver/etcd build (localcluster build, or PROXYSHIFT_K8S_BIN)")

@@ -12,14 +12,15 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import behaviour_topology as bt
 import pytest
 
 from proxyshift.agent.behaviour import run_behaviour
-from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams, BehaviourTarget
-from proxyshift.commands import ToolMissingError, run
+from proxyshift.api.behaviour import BehaviourCell, BehaviourMatrix, BehaviourParams, BehaviourTarget
+from proxyshift.commands import Result, ToolMissingError, run
 from tests.support.ps_netns import need_root
 
 pytestmark = pytest.mark.dataplane
@@ -40,18 +41,18 @@ def pod_probe(topo: bt.Topology) -> str:
     return topo.start_probe_server()
 
 
-def target(service: str, address: str | None, port: int = 80, **kw: object) -> BehaviourTarget:
-    return BehaviourTarget(service=service, kind=kw.pop("kind", "ClusterIP"), address=address, port=port,  # type: ignore[arg-type]
-                           **kw)  # type: ignore[arg-type]
+def target(service: str, address: str | None, port: int = 80, **kw: Any) -> BehaviourTarget:
+    return BehaviourTarget(service=service, kind=kw.pop("kind", "ClusterIP"), address=address, port=port, **kw)
 
 
-def probe(topo: bt.Topology, targets: list[BehaviourTarget], *, runner=None, **kw: object) -> BehaviourMatrix:  # type: ignore[no-untyped-def]
+def probe(topo: bt.Topology, targets: list[BehaviourTarget], *, runner: Callable[..., Result] | None = None,
+          **kw: Any) -> BehaviourMatrix:
     # Plain `run`, as the agent has it: the tools start from the probe's thread, which is in the node.
-    params = BehaviourParams(targets=targets, node_ips=[bt.NODE_IP], **kw)  # type: ignore[arg-type]
+    params = BehaviourParams(targets=targets, node_ips=[bt.NODE_IP], **kw)
     return topo.in_node(run_behaviour, params, mode="iptables", runner=runner or run)
 
 
-def cells(matrix: BehaviourMatrix, service: str, path: str = "node") -> list:  # type: ignore[type-arg]
+def cells(matrix: BehaviourMatrix, service: str, path: str = "node") -> list[BehaviourCell]:
     return [c for c in matrix.cells if c.service == service and c.path == path]
 
 
@@ -89,7 +90,7 @@ def test_identity_is_the_dnat_target_from_conntrack(topo: bt.Topology) -> None:
 
 
 def test_identity_falls_back_to_the_payload_without_conntrack(topo: bt.Topology) -> None:
-    def no_conntrack(argv, **kw):  # type: ignore[no-untyped-def]
+    def no_conntrack(argv: Sequence[str], **kw: Any) -> Result:
         if argv[0] == "conntrack":
             raise ToolMissingError(argv, "not found on PATH")
         return run(argv, **kw)

@@ -75,7 +75,8 @@ def matrix(node: Netns, pod_probe: str) -> BehaviourMatrix:
 
 
 @pytest.mark.parametrize("mode", ["iptables", "nftables"])
-def test_the_probe_sees_what_each_mode_serves(node_and_endpoints, mode: str, tmp_path: Path) -> None:
+def test_the_probe_sees_what_each_mode_serves(
+        node_and_endpoints: tuple[Netns, Netns, Netns], mode: str, tmp_path: Path) -> None:
     node, _, pod = node_and_endpoints
     kp = KubeProxy(node, tmp_path / "kp", mode, services=4, node_ip=NODE_IP)
     server = None

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import behaviour_topology as bt
 import pytest
 
-from proxyshift.agent.conntrack import clean_unnated, list_flows
+from proxyshift.agent.conntrack import Flow, clean_unnated, list_flows
 from proxyshift.api.behaviour import ConntrackParams
 from tests.support.ps_netns import need_root
 
@@ -69,7 +69,7 @@ def open_syn(address: str, port: int) -> socket.socket:
     return sock
 
 
-def syn_sent(topo: bt.Topology) -> list:  # type: ignore[type-arg]
+def syn_sent(topo: bt.Topology) -> list[Flow]:
     flows, _ = list_flows("TCP", state="SYN_SENT", runner=topo.node.run)
     return flows
 

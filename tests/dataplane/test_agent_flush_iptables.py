@@ -8,12 +8,15 @@ identical (headers with timestamps aside).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from proxyshift.agent.flush import flush
 from proxyshift.agent.flush.iptables import IptablesTool
 from proxyshift.agent.iptables_save import parse
 from tests.support.kp_rules import iptables_mode_rules, kubelet_rules, user_rules
+from tests.support.ps_netns import Netns
 
 pytestmark = pytest.mark.dataplane
 
@@ -33,7 +36,7 @@ def chains(save_text: str) -> set[tuple[str, str]]:
     return {(t.name, c) for t in dump.tables.values() for c in t.user_defined()}
 
 
-def load_node(ns, services: int, *, v6: bool = False) -> None:
+def load_node(ns: Netns, services: int, *, v6: bool = False) -> None:
     before, after = user_rules(v6=v6)
     ns.restore(kubelet_rules(v6=v6), v6=v6)
     ns.restore(before, v6=v6)
@@ -41,7 +44,7 @@ def load_node(ns, services: int, *, v6: bool = False) -> None:
     ns.restore(after, v6=v6)
 
 
-def load_reference(ns, *, v6: bool = False) -> None:
+def load_reference(ns: Netns, *, v6: bool = False) -> None:
     before, after = user_rules(v6=v6)
     ns.restore(kubelet_rules(v6=v6), v6=v6)
     ns.restore(before, v6=v6)
@@ -49,7 +52,8 @@ def load_reference(ns, *, v6: bool = False) -> None:
 
 
 @pytest.mark.parametrize("v6", [False, True], ids=["ipv4", "ipv6"])
-def test_flush_for_nftables_removes_every_kube_proxy_chain_and_keeps_user_rules_byte_for_byte(netns_factory, v6):
+def test_flush_for_nftables_removes_every_kube_proxy_chain_and_keeps_user_rules_byte_for_byte(
+        netns_factory: Callable[[], Netns], v6: bool) -> None:
     node, ref = netns_factory(), netns_factory()
     load_node(node, 1000, v6=v6)
     load_reference(ref, v6=v6)
@@ -66,7 +70,7 @@ def test_flush_for_nftables_removes_every_kube_proxy_chain_and_keeps_user_rules_
                     ("filter", "KUBE-KUBELET-CANARY"), ("filter", "KUBE-FIREWALL"), ("filter", "KUBE-MYAPP")}
 
 
-def test_flush_is_idempotent(netns):
+def test_flush_is_idempotent(netns: Netns) -> None:
     load_node(netns, 200)
     first = flush(["iptables"], "nftables", runner=netns.run, iptables_tools=V4_NFT)
     after_first = body(netns.save())
@@ -77,7 +81,7 @@ def test_flush_is_idempotent(netns):
     assert body(netns.save()) == after_first
 
 
-def test_flush_for_ipvs_keeps_the_chains_ipvs_shares(netns_factory):
+def test_flush_for_ipvs_keeps_the_chains_ipvs_shares(netns_factory: Callable[[], Netns]) -> None:
     node = netns_factory()
     load_node(node, 300)
     report = flush(["iptables"], "ipvs", runner=node.run, iptables_tools=V4_NFT)
@@ -96,7 +100,7 @@ def test_flush_for_ipvs_keeps_the_chains_ipvs_shares(netns_factory):
     assert not [line for line in lines if "KUBE-SVC-" in line or "KUBE-SEP-" in line or "KUBE-NODEPORTS" in line]
 
 
-def test_flush_leaves_a_node_without_kube_proxy_rules_untouched(netns_factory):
+def test_flush_leaves_a_node_without_kube_proxy_rules_untouched(netns_factory: Callable[[], Netns]) -> None:
     node, ref = netns_factory(), netns_factory()
     load_reference(node)
     load_reference(ref)

@@ -11,6 +11,7 @@ from proxyshift.agent.flush.iptables import IptablesTool
 from proxyshift.agent.flush.nftables import list_tables
 from proxyshift.commands import CommandError
 from tests.support.kp_rules import ipvs_mode_ipsets, ipvs_mode_rules, nftables_mode_ruleset
+from tests.support.ps_netns import Netns
 
 pytestmark = pytest.mark.dataplane
 
@@ -34,11 +35,11 @@ table ip kube-proxy-lookalike {
 """
 
 
-def nft_list(ns, family: str, name: str) -> str:
+def nft_list(ns: Netns, family: str, name: str) -> str:
     return ns.run(["nft", "list", "table", family, name]).stdout
 
 
-def test_nft_flush_removes_both_kube_proxy_tables_and_keeps_the_users(netns):
+def test_nft_flush_removes_both_kube_proxy_tables_and_keeps_the_users(netns: Netns) -> None:
     netns.run(["nft", "-f", "-"], input=USER_NFT)
     user_before = {t: nft_list(netns, *t) for t in [("inet", "user-fw"), ("ip", "kube-proxy-lookalike")]}
     netns.run(["nft", "-f", "-"], input=nftables_mode_ruleset(1000, family="ip"))
@@ -57,18 +58,19 @@ def test_nft_flush_removes_both_kube_proxy_tables_and_keeps_the_users(netns):
     assert again.ok and again.total_removed() == 0
 
 
-def test_nft_flush_never_runs_when_nftables_is_the_target(netns):
+def test_nft_flush_never_runs_when_nftables_is_the_target(netns: Netns) -> None:
     netns.run(["nft", "-f", "-"], input=nftables_mode_ruleset(5))
     report = flush(["nftables", "iptables"], "nftables", runner=netns.run, iptables_tools=[])
     assert report.ok
     assert ("ip", "kube-proxy") in set(list_tables(netns.run))
 
 
-def _ipset_names(ns) -> set[str]:
+def _ipset_names(ns: Netns) -> set[str]:
     return set(ns.run(["ipset", "list", "-n"]).stdout.split())
 
 
-def test_ipvs_flush_without_ipvs_in_the_kernel_removes_sets_dummy_and_chains_but_no_user_objects(netns, tmp_path):
+def test_ipvs_flush_without_ipvs_in_the_kernel_removes_sets_dummy_and_chains_but_no_user_objects(
+        netns: Netns, tmp_path: Path) -> None:
     # Everything ipvs mode leaves besides virtual servers can exist without ip_vs.
     netns.run(["ipset", "restore"], input=ipvs_mode_ipsets())
     netns.run(["ipset", "create", "KUBE-ALLOWED", "hash:ip"])          # a user's set with a KUBE- name
@@ -107,7 +109,7 @@ def test_ipvs_flush_without_ipvs_in_the_kernel_removes_sets_dummy_and_chains_but
     assert again.ok and again.total_removed() == 0
 
 
-def test_ipvs_flush_reports_a_kube_set_a_user_rule_still_uses(netns, tmp_path):
+def test_ipvs_flush_reports_a_kube_set_a_user_rule_still_uses(netns: Netns, tmp_path: Path) -> None:
     netns.run(["ipset", "restore"], input=ipvs_mode_ipsets())
     netns.restore("*filter\n-A INPUT -m set --match-set KUBE-CLUSTER-IP dst,dst -j ACCEPT\nCOMMIT\n")
     report = flush(["ipvs"], "nftables", runner=netns.run, iptables_tools=[IptablesTool("ipv4", "nft")],

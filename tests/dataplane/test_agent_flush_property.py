@@ -29,7 +29,7 @@ COMMENT = st.text(alphabet="abcXYZ019 -_:/.=", min_size=1, max_size=20)
 
 
 @st.composite
-def rule_body(draw, table: str) -> str:
+def rule_body(draw: st.DrawFn, table: str) -> str:
     kind = draw(st.sampled_from(["src", "dst-port", "udp-comment", "mark"] if table != "nat" else
                                 ["src", "dst-port", "udp-comment"]))
     if kind == "src":
@@ -42,7 +42,7 @@ def rule_body(draw, table: str) -> str:
 
 
 @st.composite
-def user_ruleset(draw) -> tuple[str, str]:
+def user_ruleset(draw: st.DrawFn) -> tuple[str, str]:
     before: list[str] = []
     after: list[str] = []
     for table, builtins in (("filter", ["INPUT", "FORWARD", "OUTPUT"]),
@@ -69,7 +69,7 @@ def body(text: str) -> list[str]:
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(user_ruleset())
-def test_random_user_rules_survive_the_flush_byte_for_byte(rules):
+def test_random_user_rules_survive_the_flush_byte_for_byte(rules: tuple[str, str]) -> None:
     need_root()
     before, after = rules
     node, ref = Netns(), Netns()

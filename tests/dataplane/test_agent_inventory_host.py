@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from proxyshift.agent.flush import flush
 from proxyshift.agent.flush.iptables import IptablesTool
 from proxyshift.agent.inventory import leftovers, mode_objects, take_inventory
 from tests.support.kp_rules import iptables_mode_rules, kubelet_rules, nftables_mode_ruleset, user_rules
+from tests.support.ps_netns import Netns
 
 pytestmark = pytest.mark.dataplane
 TOOLS = [IptablesTool("ipv4", "nft"), IptablesTool("ipv6", "nft")]
 
 
-def test_inventory_after_a_switch_from_iptables_to_nftables_and_after_the_cleanup(netns, tmp_path):
+def test_inventory_after_a_switch_from_iptables_to_nftables_and_after_the_cleanup(netns: Netns, tmp_path: Path) -> None:
     before, after = user_rules()
     netns.restore(kubelet_rules())
     netns.restore(before)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.kp_rules import iptables_mode_rules, kubelet_rules, nftables_mode_ruleset
+from tests.support.ps_netns import Netns
 
 pytestmark = pytest.mark.dataplane
 OPERATOR = Path(__file__).resolve().parents[2] / "operator"
@@ -20,14 +21,14 @@ def body(text: str) -> list[str]:
     return [line for line in text.splitlines() if not line.startswith("#")]
 
 
-def agent(ns, *args: str) -> tuple[int, dict]:
+def agent(ns: Netns, *args: str) -> tuple[int, dict]:
     out = subprocess.run(["ip", "netns", "exec", ns.name, sys.executable, "-m", "proxyshift.cli", "agent", *args],
                          capture_output=True, text=True, timeout=120,
                          env={"PATH": os.environ["PATH"], "PYTHONPATH": str(OPERATOR)})
     return out.returncode, json.loads(out.stdout)
 
 
-def test_inventory_dry_run_cleanup_and_probe_from_the_command_line(netns):
+def test_inventory_dry_run_cleanup_and_probe_from_the_command_line(netns: Netns) -> None:
     netns.restore(kubelet_rules())
     netns.restore(iptables_mode_rules(50))
     netns.run(["nft", "-f", "-"], input=nftables_mode_ruleset(5))

@@ -13,12 +13,12 @@ pytestmark = pytest.mark.dataplane
 
 
 @pytest.fixture(autouse=True)
-def _root():
+def _root() -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root to run nft/iptables")
 
 
-def test_ipvs_is_refused_here_with_the_module_list():
+def test_ipvs_is_refused_here_with_the_module_list() -> None:
     if Path("/proc/net/ip_vs").exists() or Path("/sys/module/ip_vs").exists():
         pytest.skip("this kernel has IPVS")
     report = check("ipvs", "mh")
@@ -28,14 +28,14 @@ def test_ipvs_is_refused_here_with_the_module_list():
     assert "ip_vs" in report.message()
 
 
-def test_nftables_is_accepted_here():
+def test_nftables_is_accepted_here() -> None:
     report = check("nftables")
     assert report.ok, report.message()
     assert report.tools.nft_usable is True
     assert report.kernel_release == Path("/proc/sys/kernel/osrelease").read_text().strip()
 
 
-def test_iptables_is_accepted_here():
+def test_iptables_is_accepted_here() -> None:
     report = check("iptables")
     assert report.ok, report.message()
     assert report.tools.iptables_nat is True

@@ -15,13 +15,14 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 
 from proxyshift.commands import stop_child
 from tests.support import REPO
 from tests.support.kp_rules import iptables_mode_rules, kubelet_rules, user_rules
+from tests.support.ps_netns import Netns
 
 pytestmark = pytest.mark.dataplane
 
@@ -38,8 +39,9 @@ current-context: fake
 
 
 class Processes:
-    def __init__(self, ns, state: Path):
-        self.ns, self.state, self.procs = ns, state, []
+    def __init__(self, ns: Netns, state: Path) -> None:
+        self.ns, self.state = ns, state
+        self.procs: list[tuple[subprocess.Popen[bytes], IO[str]]] = []
         (state / "kubeconfig").write_text(KUBECONFIG)
         self.env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(OPERATOR), "KUBECONFIG": str(state / "kubeconfig"),
                     "HOME": str(state), "NODE_NAME": "ps-node-1"}
@@ -83,7 +85,8 @@ def body(text: str) -> list[str]:
     return [line for line in text.splitlines() if not line.startswith("#")]
 
 
-def test_agent_process_reports_runs_a_cleanup_once_and_recovers_after_a_restart(netns_factory, tmp_path):
+def test_agent_process_reports_runs_a_cleanup_once_and_recovers_after_a_restart(
+        netns_factory: Callable[[], Netns], tmp_path: Path) -> None:
     node, ref = netns_factory(), netns_factory()
     before, after = user_rules()
     for ns, kube in ((node, True), (ref, False)):

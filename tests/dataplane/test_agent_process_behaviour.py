@@ -13,6 +13,9 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import behaviour_topology as bt
 import pytest
@@ -29,12 +32,12 @@ BEHAVIOUR = {"nodeIps": [bt.NODE_IP], "podProbe": f"{bt.POD_IP}:{bt.PROBE_PORT}"
 ]}
 
 
-def done(op_id: str):  # type: ignore[no-untyped-def]
+def done(op_id: str) -> Callable[[dict[str, Any]], bool]:
     return lambda o: (o.get("status", {}).get("lastOperation", {}).get("id") == op_id
                       and o["status"]["lastOperation"]["state"] != "Running")
 
 
-def test_agent_process_writes_before_and_after_and_runs_the_conntrack_step(tmp_path):
+def test_agent_process_writes_before_and_after_and_runs_the_conntrack_step(tmp_path: Path) -> None:
     need_root()
     topo = bt.build()
     procs = Processes(topo.node, tmp_path)

@@ -7,6 +7,9 @@ rules byte for byte, in both iptables families and in nftables.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 
 from proxyshift.agent.flush import flush
@@ -16,6 +19,7 @@ from proxyshift.agent.inventory import leftovers, take_inventory
 from proxyshift.planner.metrics import parse_kube_proxy_metrics
 from tests.support.kp_rules import kubelet_rules, user_rules
 from tests.support.kube_proxy_runner import KubeProxy, find_kube_proxy
+from tests.support.ps_netns import Netns
 
 pytestmark = pytest.mark.dataplane
 
@@ -25,7 +29,7 @@ USER_NFT = "table inet user-fw {\n\tchain input {\n\t\ttype filter hook input pr
 
 
 @pytest.fixture(autouse=True)
-def _binary():
+def _binary() -> None:
     if find_kube_proxy() is None:
         pytest.skip("no kube-proxy binary (build the local cluster or set PROXYSHIFT_KUBE_PROXY)")
 
@@ -34,7 +38,7 @@ def body(text: str) -> list[str]:
     return [line for line in text.splitlines() if not line.startswith("#")]
 
 
-def load_user(ns, part: str) -> None:
+def load_user(ns: Netns, part: str) -> None:
     before, after = user_rules()
     if part == "before":
         ns.restore(kubelet_rules())
@@ -43,7 +47,8 @@ def load_user(ns, part: str) -> None:
         ns.restore(after)
 
 
-def test_probe_reads_a_real_iptables_kube_proxy_and_the_flush_removes_its_real_rules(netns_factory, tmp_path):
+def test_probe_reads_a_real_iptables_kube_proxy_and_the_flush_removes_its_real_rules(
+        netns_factory: Callable[[], Netns], tmp_path: Path) -> None:
     node, ref = netns_factory(), netns_factory()
     for ns in (node, ref):
         load_user(ns, "before")
@@ -76,7 +81,7 @@ def test_probe_reads_a_real_iptables_kube_proxy_and_the_flush_removes_its_real_r
                                                              "-A OUTPUT -j KUBE-FIREWALL"}
 
 
-def test_probe_reads_a_real_nftables_kube_proxy_and_the_flush_removes_its_tables(netns, tmp_path):
+def test_probe_reads_a_real_nftables_kube_proxy_and_the_flush_removes_its_tables(netns: Netns, tmp_path: Path) -> None:
     netns.run(["nft", "-f", "-"], input=USER_NFT)
     user_before = netns.run(["nft", "list", "table", "inet", "user-fw"]).stdout
     kp = KubeProxy(netns, tmp_path / "kp", "nftables", services=30)
@@ -95,7 +100,7 @@ def test_probe_reads_a_real_nftables_kube_proxy_and_the_flush_removes_its_tables
     assert netns.run(["nft", "list", "table", "inet", "user-fw"]).stdout == user_before
 
 
-def test_real_kube_proxy_refuses_ipvs_here_exactly_when_preflight_does(netns, tmp_path):
+def test_real_kube_proxy_refuses_ipvs_here_exactly_when_preflight_does(netns: Netns, tmp_path: Path) -> None:
     import time
 
     from proxyshift.agent.preflight import check

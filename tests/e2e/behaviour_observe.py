@@ -9,6 +9,7 @@ it can check the agent.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from localcluster import behaviour_workloads, workloads
 from localcluster.behaviour_workloads import BehaviourService, BehaviourWorkloads
@@ -79,7 +80,7 @@ def expected_problems(made: BehaviourWorkloads, cells: list[Cell],
     problems = []
     for cell in cells:
         svc = made.service(cell.service)
-        path = "pod" if cell.path == "pod" else "node"
+        path: Literal["pod", "node"] = "pod" if cell.path == "pod" else "node"
         want, allowed = behaviour_workloads.expected_outcome(made, cell.service, cell.node, path, cell.address, mode)
         if cell.outcome != want:
             problems.append(f"{cell}: want {want}")

@@ -41,6 +41,7 @@ def custom_objects(kubeconfig: Path) -> Any:
         if exc.status != 409:
             raise
         live = ext.read_custom_resource_definition(name)
+        assert live.metadata is not None
         crd["metadata"]["resourceVersion"] = live.metadata.resource_version
         ext.replace_custom_resource_definition(name, crd)
     deadline = time.monotonic() + 60
@@ -73,6 +74,7 @@ def test_api_server_refuses_with_the_message(name: str, meta: dict[str, str], ma
     with pytest.raises(ApiException) as info:
         _dry_run_create(custom_objects, manifest)
     assert info.value.status in (400, 422), info.value.body
+    assert info.value.body is not None
     message = json.loads(info.value.body).get("message", "")
     assert meta["apiserver"] in message, f"{name}: the API server said: {message}"
     assert meta["field"] in message, f"{name}: the API server said: {message}"

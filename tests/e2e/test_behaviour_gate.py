@@ -38,7 +38,7 @@ def settled(made: BehaviourWorkloads, modes: dict[str, str]) -> list[Cell]:
     while True:
         cells = observe(made)
         problems = [p for node, mode in modes.items()
-                    for p in expected_problems(made, [c for c in cells if c.node == node], mode)]  # type: ignore[arg-type]
+                    for p in expected_problems(made, [c for c in cells if c.node == node], mode)]  # type: ignore[arg-type]  # modes: the policies' ProxyMode names
         if not problems:
             return cells
         if time.monotonic() > deadline:
@@ -136,6 +136,7 @@ def test_a_default_policy_stops_on_the_nodeport_changes_then_passes_when_they_ar
     # The report still tells what is not allowed (no NodePort firewall openings, INVALID not dropped),
     # and no longer the two changes the policy now accepts.
     report = h.condition(name, "BehaviourChanges")
+    assert report is not None
     assert not any(f"{change} (" in report["message"] for change in NODE_PORT_CHANGES), report
     for n in BLUE:
         assert h.proxy_mode(n) == "nftables"

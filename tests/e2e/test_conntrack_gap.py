@@ -106,7 +106,7 @@ def _clients(stop: threading.Event, tcp: tuple[str, int], udp: tuple[str, int], 
                         while u.recv(256):
                             out.udp_answers.append(time.time())
                     continue
-                s = key.fileobj  # type: ignore[assignment]
+                s = key.fileobj  # type: ignore[assignment]  # registered as sockets only
                 a = key.data
                 a.ended, a.error = time.time(), s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
                 sel.unregister(s)
@@ -227,7 +227,7 @@ def _conntrack_told(h: Harness, since: float) -> list[str]:
         stamp = e.last_timestamp or e.event_time or e.first_timestamp
         return stamp.timestamp() if stamp is not None else 0.0
 
-    return [e.message for e in events
+    return [e.message or "" for e in events
             if e.reason == "GatePassed" and "conntrack" in (e.message or "") and when(e) >= since - 1]
 
 
@@ -236,7 +236,8 @@ def _ready_on(h: Harness, mode: str) -> None:
     def ready() -> bool:
         body = h.get(NAME) or {}
         gen = (body.get("metadata") or {}).get("generation")
-        cond = next((c for c in (body.get("status") or {}).get("conditions") or [] if c["type"] == "Ready"), {})
+        cond: dict[str, Any] = next(
+            (c for c in (body.get("status") or {}).get("conditions") or [] if c["type"] == "Ready"), {})
         return (cond.get("status") == "True" and (body.get("status") or {}).get("observedGeneration") == gen
                 and h.proxy_mode(NODE) == mode)
 

@@ -68,7 +68,9 @@ def _session_cluster_active(request: pytest.FixtureRequest) -> bool:
     """
     try:
         defs = request._fixturemanager.getfixturedefs("cluster", request.node)
-        return bool(defs) and defs[-1].cached_result is not None
+        if not defs:
+            return False
+        return defs[-1].cached_result is not None
     except (AttributeError, TypeError):
         return False
 
@@ -109,7 +111,7 @@ def cp(bin_dir: Path, tmp_path_factory: pytest.TempPathFactory,
         print(f"\ncontrol plane up in {time.monotonic() - started:.1f}s")
         # No kubernetes.io/os label: the baseline DaemonSet must not target it.
         client.CoreV1Api(config.new_client_from_config(str(info.kubeconfig))).create_node(
-            {"metadata": {"name": "cp-test-node"}})
+            {"metadata": {"name": "cp-test-node"}})  # type: ignore[arg-type]  # the client sends a dict as it is
         yield ControlPlane(info=info, private=True, node="cp-test-node")
     finally:
         recorded = [r["pid"] for r in state.read_state(state_dir)["processes"]]
@@ -150,7 +152,8 @@ def test_readyz(cluster_info: controlplane.ClusterInfo, api: client.ApiClient) -
 def test_validating_admission_policy_is_served_and_enforced(api: client.ApiClient) -> None:
     admission = client.AdmissionregistrationV1Api(api)
     admission.list_validating_admission_policy()
-    admission.create_validating_admission_policy({
+    # Here and below: the client sends a dict body as it is.
+    admission.create_validating_admission_policy({  # type: ignore[arg-type]
         "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
         "metadata": {"name": "no-forbidden-configmaps"},
         "spec": {"failurePolicy": "Fail",
@@ -159,7 +162,7 @@ def test_validating_admission_policy_is_served_and_enforced(api: client.ApiClien
                                                          "resources": ["configmaps"]}]},
                  "validations": [{"expression": "object.metadata.name != 'forbidden'"}]},
     })
-    admission.create_validating_admission_policy_binding({
+    admission.create_validating_admission_policy_binding({  # type: ignore[arg-type]  # a dict body
         "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
         "metadata": {"name": "no-forbidden-configmaps"},
         "spec": {"policyName": "no-forbidden-configmaps", "validationActions": ["Deny"]},
@@ -169,10 +172,11 @@ def test_validating_admission_policy_is_served_and_enforced(api: client.ApiClien
     try:
         while True:  # the policy reaches the admission plugin through an informer
             try:
-                core.create_namespaced_config_map("default", {"metadata": {"name": "forbidden"}})
+                core.create_namespaced_config_map(
+                    "default", {"metadata": {"name": "forbidden"}})  # type: ignore[arg-type]  # a dict body
             except ApiException as exc:
                 assert exc.status in (400, 403, 422), exc
-                assert "no-forbidden-configmaps" in exc.body
+                assert exc.body is not None and "no-forbidden-configmaps" in exc.body
                 break
             core.delete_namespaced_config_map("forbidden", "default")
             assert time.monotonic() < deadline, "ValidatingAdmissionPolicy never took effect"
@@ -188,8 +192,9 @@ def test_baseline_objects(cp: ControlPlane, api: client.ApiClient) -> None:
             baseline.install(cp.info.kubeconfig, cp.info.bin_dir / "kubectl", env=controlplane.daemon_env())
     core, apps, rbac = client.CoreV1Api(api), client.AppsV1Api(api), client.RbacAuthorizationV1Api(api)
     cm = core.read_namespaced_config_map("kube-proxy", "kube-system")
-    assert "mode: iptables" in cm.data["config.conf"]
+    assert cm.data is not None and "mode: iptables" in cm.data["config.conf"]
     ds = apps.read_namespaced_daemon_set("kube-proxy", "kube-system")
+    assert ds.spec is not None and ds.spec.template.spec is not None
     assert ds.spec.template.spec.containers[0].image == "registry.k8s.io/kube-proxy:v1.37.2"
     core.read_namespaced_service_account("kube-proxy", "kube-system")
     assert rbac.read_cluster_role_binding("kubeadm:node-proxier").role_ref.name == "system:node-proxier"
@@ -202,9 +207,10 @@ def test_node_identity_is_held_to_its_own_node(cp: ControlPlane) -> None:
         pytest.skip("creates Node objects: only on the private control plane")
     node_api = config.new_client_from_config(str(controlplane.node_kubeconfig(cp.info, "cp-node-a")))
     core = client.CoreV1Api(node_api)
-    core.create_node({"metadata": {"name": "cp-node-a"}})  # a kubelet registers itself
+    # A kubelet registers itself. The client sends a dict body as it is.
+    core.create_node({"metadata": {"name": "cp-node-a"}})  # type: ignore[arg-type]
     with pytest.raises(ApiException) as refused:
-        core.create_node({"metadata": {"name": "cp-node-b"}})
+        core.create_node({"metadata": {"name": "cp-node-b"}})  # type: ignore[arg-type]  # a dict body
     assert refused.value.status == 403
 
 
@@ -213,30 +219,43 @@ def _claims(token: str) -> dict:
     return json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
 
 
+def _authenticated(api: client.ApiClient, token: str) -> bool:
+    """Whether a TokenReview of `token` says it authenticates."""
+    review = client.AuthenticationV1Api(api).create_token_review(
+        {"spec": {"token": token}})  # type: ignore[arg-type]  # the client sends a dict body as it is
+    assert review.status is not None
+    return bool(review.status.authenticated)
+
+
 def test_pod_bound_token(cp: ControlPlane, api: client.ApiClient) -> None:
     core = client.CoreV1Api(api)
-    pod = core.create_namespaced_pod("default", {
+    # Dict bodies: the client sends them as they are.
+    pod = core.create_namespaced_pod("default", {  # type: ignore[arg-type]
         "metadata": {"name": "token-holder"},
         "spec": {"nodeName": cp.node, "containers": [{"name": "c", "image": "example.invalid/none"}]},
     })
     # The ServiceAccount admission plugin projected a token volume into the pod.
-    assert any(v.projected for v in pod.spec.volumes)
-    request = core.create_namespaced_service_account_token("default", "default", {
+    assert pod.spec is not None and pod.metadata is not None
+    assert any(v.projected for v in pod.spec.volumes or [])
+    request = core.create_namespaced_service_account_token("default", "default", {  # type: ignore[arg-type]
         "spec": {"audiences": [controlplane.SA_ISSUER], "expirationSeconds": 3600,
                  "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": "token-holder",
                                     "uid": pod.metadata.uid}},
     })
+    assert request.status is not None and request.status.token
     token = request.status.token
     claims = _claims(token)["kubernetes.io"]
     assert claims["pod"]["name"] == "token-holder"
     assert claims["node"]["name"] == cp.node
-    review = client.AuthenticationV1Api(api).create_token_review({"spec": {"token": token}})
-    assert review.status.authenticated
+    review = client.AuthenticationV1Api(api).create_token_review(
+        {"spec": {"token": token}})  # type: ignore[arg-type]  # a dict body
+    assert review.status is not None and review.status.authenticated
+    assert review.status.user is not None and review.status.user.extra is not None
     assert review.status.user.username == "system:serviceaccount:default:default"
     assert review.status.user.extra["authentication.kubernetes.io/node-name"] == [cp.node]
     # Deleting the pod invalidates the bound token.
     core.delete_namespaced_pod("token-holder", "default", grace_period_seconds=0)
     deadline = time.monotonic() + 20
-    while client.AuthenticationV1Api(api).create_token_review({"spec": {"token": token}}).status.authenticated:
+    while _authenticated(api, token):
         assert time.monotonic() < deadline, "token still valid after its pod was deleted"
         time.sleep(0.5)

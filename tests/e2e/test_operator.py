@@ -230,7 +230,7 @@ def test_delete_with_revert_returns_nodes_to_baseline(harness: Harness) -> None:
 
     apps = client.AppsV1Api(h.api_client)
     leftovers = [d.metadata.name for d in apps.list_namespaced_daemon_set("kube-system").items
-                 if d.metadata.name.startswith("kube-proxy-blue-revert")]
+                 if d.metadata and (d.metadata.name or "").startswith("kube-proxy-blue-revert")]
     assert not leftovers, leftovers
 
     # uninstall: the baseline DaemonSet gets back exactly the affinity it had
@@ -242,6 +242,7 @@ def test_delete_with_revert_returns_nodes_to_baseline(harness: Harness) -> None:
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     baseline = apps.read_namespaced_daemon_set("kube-proxy", "kube-system")
+    assert baseline.spec is not None and baseline.spec.template.spec is not None and baseline.metadata is not None
     assert baseline.spec.template.spec.affinity is None, baseline.spec.template.spec.affinity
     assert "proxyshift.io/baseline-affinity-undo" not in (baseline.metadata.annotations or {})
     h.wait_for(lambda: all(h.kube_proxy_running(n) for n in BLUE + GREEN), 120, "baseline kube-proxy everywhere")
@@ -254,18 +255,22 @@ def test_a_drain_blocked_by_a_disruption_budget_times_out_and_leaves_the_node_un
 
     policy_api = client.PolicyV1Api(h.api_client)
     guard = {"app": "ps-drain-guard"}
-    core.create_namespaced_pod("default", {
+    # The client sends a dict body as it is.
+    core.create_namespaced_pod("default", {  # type: ignore[arg-type]
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "ps-drain-guard", "labels": guard},
         "spec": {"nodeName": BLUE[0], "terminationGracePeriodSeconds": 1,
                  "containers": [{"name": "pause", "image": "registry.k8s.io/pause:3.10"}]}})
-    policy_api.create_namespaced_pod_disruption_budget("default", {
+    policy_api.create_namespaced_pod_disruption_budget("default", {  # type: ignore[arg-type]  # a dict body
         "apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": "ps-drain-guard"},
         "spec": {"minAvailable": 1, "selector": {"matchLabels": guard}}})
     try:
-        h.wait_for(lambda: core.read_namespaced_pod("ps-drain-guard", "default").status.phase == "Running", 60,
+        # A read Pod and PDB have a status: the API server sets it on create.
+        h.wait_for(lambda: core.read_namespaced_pod("ps-drain-guard", "default").status.phase == "Running",  # type: ignore[union-attr]
+                   60,
                    "the guarded pod to run")
         h.wait_for(lambda: (policy_api.read_namespaced_pod_disruption_budget("ps-drain-guard", "default")
-                            .status.observed_generation or 0) >= 1, 60, "the disruption controller to see the PDB")
+                            .status.observed_generation or 0) >= 1,  # type: ignore[union-attr]  # as above
+                   60, "the disruption controller to see the PDB")
         labels_before = h.node_labels(BLUE[0])
         h.apply(policy("blue-guarded", "nftables", pool=None,
                        nodeSelector={"matchLabels": {"kubernetes.io/hostname": BLUE[0]}},
@@ -278,9 +283,10 @@ def test_a_drain_blocked_by_a_disruption_budget_times_out_and_leaves_the_node_un
         assert not h.unschedulable(BLUE[0])
         assert h.node_labels(BLUE[0]) == labels_before
         assert h.proxy_mode(BLUE[0]) == "iptables"
-        assert core.read_namespaced_pod("ps-drain-guard", "default").metadata.deletion_timestamp is None
+        guarded = core.read_namespaced_pod("ps-drain-guard", "default").metadata
+        assert guarded is not None and guarded.deletion_timestamp is None
         events = core.list_namespaced_event("default", field_selector=f"involvedObject.name={BLUE[0]}").items
-        said = [e.message for e in events if e.reason == "DrainBlocked"]
+        said = [e.message or "" for e in events if e.reason == "DrainBlocked"]
         # Told once (the rollout retried every few seconds for 20 s), naming the pod the budget guards.
         assert len(said) == 1 and "default/ps-drain-guard" in said[0], [(e.reason, e.message) for e in events]
     finally:

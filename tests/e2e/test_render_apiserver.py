@@ -42,7 +42,7 @@ def k8s(kubeconfig: Path) -> Iterator[tuple[Any, Any, str]]:
     api_client = config.new_client_from_config(config_file=str(kubeconfig))
     core, apps = client.CoreV1Api(api_client), client.AppsV1Api(api_client)
     namespace = f"proxyshift-e2e-render-{uuid.uuid4().hex[:6]}"
-    core.create_namespace({"metadata": {"name": namespace}})
+    core.create_namespace({"metadata": {"name": namespace}})  # type: ignore[arg-type]  # the client sends a dict as it is
     try:
         yield core, apps, namespace
     finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from kubernetes import client, config
@@ -54,8 +54,10 @@ def test_an_unchanged_revision_is_not_written_again_and_a_changed_one_is(harness
         ds = apps.read_namespaced_daemon_set(name, "kube-system")
         cm = core.read_namespaced_config_map(name, "kube-system")
         pods = core.list_namespaced_pod("kube-system", label_selector=f"{REVISION_LABEL}={revision}").items
-        assert [p.spec.node_name for p in pods] == [GREEN]
-        return ds, cm, pods[0].metadata.uid
+        assert [p.spec.node_name if p.spec else None for p in pods] == [GREEN]
+        uid = pods[0].metadata.uid if pods[0].metadata else None
+        assert uid is not None
+        return ds, cm, uid
 
     ds, cm, pod_uid = state()
     assert _applied_by_proxyshift(ds.metadata) and _applied_by_proxyshift(cm.metadata)
@@ -105,7 +107,7 @@ def test_a_proxynode_spec_is_replaced_whatever_else_wrote_it(cluster: Any, harne
         custom.patch_cluster_custom_object(GROUP, VERSION, "proxynodes", name, {"spec": {"scheduler": "rr"}},
                                            field_manager="e2e-person")
         rv = api.ensure_proxynode(name, None, {"policy": "p", "revision": None, "mode": "nftables"})
-        live = custom.get_cluster_custom_object(GROUP, VERSION, "proxynodes", name)
+        live = cast(dict[str, Any], custom.get_cluster_custom_object(GROUP, VERSION, "proxynodes", name))
         assert live["spec"] == {"policy": "p", "mode": "nftables"}
         assert live["status"]["observedMode"] == "iptables"
         spec_owners = {(e["manager"], e["operation"]) for e in live["metadata"]["managedFields"]
@@ -115,7 +117,7 @@ def test_a_proxynode_spec_is_replaced_whatever_else_wrote_it(cluster: Any, harne
         assert api.ensure_proxynode(name, None, {"policy": "p", "mode": "nftables"}) == rv
         # A merge (the inventory's, EnsureProxyNode's) keeps the rest of the spec.
         api.ensure_proxynode(name, None, {"policy": "q"}, replace=False)
-        live = custom.get_cluster_custom_object(GROUP, VERSION, "proxynodes", name)
+        live = cast(dict[str, Any], custom.get_cluster_custom_object(GROUP, VERSION, "proxynodes", name))
         assert live["spec"] == {"policy": "q", "mode": "nftables"}
     finally:
         try:

@@ -25,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from loss_budget import BEFORE_SWITCH, DELETED, Budget, Seen, attribute, timeline_json
 
@@ -78,10 +78,16 @@ class History:
     timeline: dict[str, list[Seen]] = field(default_factory=lambda: defaultdict(list))
 
 
+class ClusterReader(Protocol):
+    """What StepInjector reads the cluster with: a Kube, or a unit test's scripted fake."""
+
+    def get(self, path: str, *, timeout: float = ...) -> Any: ...
+
+
 class StepInjector:
     """Fires `fault(step, node) -> detail` once per step in `steps`, on entering it; records history."""
 
-    def __init__(self, kube: Kube, nodes: Iterable[str], fault: Callable[[str, str], str] | None,
+    def __init__(self, kube: ClusterReader, nodes: Iterable[str], fault: Callable[[str, str], str] | None,
                  steps: Iterable[str] = ALL_STEPS, max_per_node: int | None = None) -> None:
         self.kube, self.nodes, self.fault = kube, set(nodes), fault
         # At most this many firings on one node; a step entered by a node that had its share waits for the next.
@@ -463,11 +469,11 @@ def check_end_state(h: Harness, name: str, history: History, tcp_probe: Callable
     for node in ALL_NODES:
         h.wait_for(lambda n=node: tcp_probe(n, service.cluster_ip, service.port, 3).failed == 0, 30,
                    f"traffic through {service.name} from {node} after the run")
-    migrations = {n: migration(pn) for n, pn in h.proxynodes().items() if n in history.phases}
-    attempts = {n: m.get("attempt") for n, m in migrations.items()}
+    records = {n: migration(pn) for n, pn in h.proxynodes().items() if n in history.phases}
+    attempts = {n: m.get("attempt") for n, m in records.items()}
     switches = {n: sum(1 for k in history.switched_at if k[0] == n) for n in ALL_NODES}
     # Why a node rolled back or failed: without it a Degraded end in the report says only that it did.
-    reasons = {n: f"{m.get('reason')}: {(m.get('message') or '')[:300]}" for n, m in migrations.items()
+    reasons = {n: f"{m.get('reason')}: {(m.get('message') or '')[:300]}" for n, m in records.items()
                if m.get("reason")}
     return {"modes": modes, "attempts": attempts, "switches": switches, "reasons": reasons,
             "longest_outage_s": {n: round(v, 2) for n, v in longest.items()},

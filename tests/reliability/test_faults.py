@@ -106,7 +106,7 @@ def wait_settled(h: Harness, name: str, timeout: float = END_TIMEOUT, nodes: lis
 def migrate_under(h: Harness, cluster: Any, kube: Any, test_service: Any, tcp_probe: Callable[..., Any],
                   continuous_prober: Callable[..., Any], name: str, fault: Callable[[str, str], str] | None,
                   loss: str, steps: tuple[str, ...] = ALL_STEPS, before_end: Callable[[], None] | None = None,
-                  kick: Callable[[], None] | None = None, gate_timeout: int = GATE_TIMEOUT,
+                  kick: Callable[[], object] | None = None, gate_timeout: int = GATE_TIMEOUT,
                   nodes: list[str] = BLUE, max_per_node: int | None = None,
                   ) -> tuple[str, dict[str, Any], StepInjector, dict[str, Any], dict[str, Any]]:
     """One blue iptables -> nftables migration with `fault` fired at each of `steps`; invariants checked.
@@ -173,7 +173,7 @@ def _retry(h: Harness, name: str, token: str, nodes: list[str] = BLUE) -> None:
 def _wait_nodes_registered(h: Harness, timeout: float = 120.0) -> None:
     """Every node exists again: a deleted Node is registered anew by the node simulator ~25 s later."""
     def registered() -> bool:
-        return set(ALL_NODES) <= {n.metadata.name for n in h.core.list_node().items}
+        return set(ALL_NODES) <= {n.metadata.name for n in h.core.list_node().items if n.metadata}
     h.wait_for(registered, timeout, f"nodes {ALL_NODES} registered", interval=1.0)
 
 
@@ -246,7 +246,7 @@ def test_fault_at_every_step(harness: Harness, cluster: Any, kube: Any, test_ser
     # report verifies the node), but a fault at Cleanup can make it (the probe blocked, the agent killed).
     missing, mode, rounds, retry, verify_fired = list(ALL_STEPS), "nftables", 0, False, False
     while missing and rounds < MAX_ROUNDS:
-        kick: Callable[[], None] | None = None
+        kick: Callable[[], object] | None = None
         if retry:
             kick = functools.partial(_retry, h, name, f"round-{rounds}", nodes)
         elif rounds:
@@ -390,7 +390,7 @@ def test_a_fault_in_verify(harness: Harness, cluster: Any, kube: Any, test_servi
         return faults.probe_block_at_cleanup(step, node) if step == "Gate" else fault(step, node)
 
     name, mode = f"rel-verify-{fault_name}", "nftables"
-    kick: Callable[[], None] | None = None
+    kick: Callable[[], object] | None = None
     for tries in range(1, MAX_VERIFY_TRIES + 1):
         try:
             outcome, cond, injector, facts, _ = migrate_under(

@@ -21,8 +21,9 @@ class ScriptedKube:
     def __init__(self, phases: dict[str, str], fail: bool = False) -> None:
         self.phases, self.fail = dict(phases), fail
         self.attempts = dict.fromkeys(phases, 1)
-        self.uids = {n: f"uid-{n}" for n in phases}  # the Node's uid; None: the Node is deleted
-        self.owners = dict(self.uids)  # the uid the node's ProxyNode is owned by; None: no ProxyNode
+        self.uids: dict[str, str | None] = {n: f"uid-{n}" for n in phases}  # the Node's uid; None: the Node is deleted
+        # The uid the node's ProxyNode is owned by; None: no ProxyNode.
+        self.owners: dict[str, str | None] = dict(self.uids)
         self.lock = threading.Lock()
 
     def set(self, node: str, phase: str, attempt: int = 1) -> None:
@@ -65,8 +66,12 @@ def _until(predicate: Any, timeout: float = 5.0) -> None:
 def test_it_fires_at_verify_when_a_node_enters_it() -> None:
     kube = ScriptedKube({"n1": "Gate", "n2": "Pending"})
     calls: list[tuple[str, str]] = []
-    injector = StepInjector(kube, ["n1", "n2"], lambda step, node: calls.append((step, node)) or "done",  # type: ignore[arg-type]
-                            steps=("Cleanup", VERIFY)).start()
+
+    def record(step: str, node: str) -> str:
+        calls.append((step, node))
+        return "done"
+
+    injector = StepInjector(kube, ["n1", "n2"], record, steps=("Cleanup", VERIFY)).start()
     kube.set("n1", "Cleanup")
     _until(lambda: calls == [("Cleanup", "n1")])
     kube.set("n1", VERIFY)

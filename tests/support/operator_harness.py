@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack, cast
 
 import pytest
 import yaml
@@ -68,18 +68,21 @@ class Harness:
         if name not in self.created:
             self.created.append(name)
         try:
-            return self.custom.create_cluster_custom_object(GROUP, VERSION, "proxypolicies", copy.deepcopy(body))
+            # The custom-objects API returns the object as JSON: a dict.
+            return cast(dict[str, Any], self.custom.create_cluster_custom_object(
+                GROUP, VERSION, "proxypolicies", copy.deepcopy(body)))
         except ApiException as exc:
             if exc.status != 409:
                 raise
         return self.patch(name, {"spec": body["spec"]})
 
     def patch(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self.custom.patch_cluster_custom_object(GROUP, VERSION, "proxypolicies", name, body)
+        return cast(dict[str, Any], self.custom.patch_cluster_custom_object(
+            GROUP, VERSION, "proxypolicies", name, body))
 
     def get(self, name: str) -> dict[str, Any] | None:
         try:
-            return self.custom.get_cluster_custom_object(GROUP, VERSION, "proxypolicies", name)
+            return cast(dict[str, Any], self.custom.get_cluster_custom_object(GROUP, VERSION, "proxypolicies", name))
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -125,14 +128,17 @@ class Harness:
     # ---- nodes ----
 
     def proxynodes(self) -> dict[str, dict[str, Any]]:
-        items = self.custom.list_cluster_custom_object(GROUP, VERSION, "proxynodes")["items"]
+        items = cast(dict[str, Any], self.custom.list_cluster_custom_object(GROUP, VERSION, "proxynodes"))["items"]
         return {i["metadata"]["name"]: i for i in items}
 
     def node_labels(self, node: str) -> dict[str, str]:
-        return dict(self.core.read_node(node).metadata.labels or {})
+        metadata = self.core.read_node(node).metadata
+        assert metadata is not None
+        return dict(metadata.labels or {})
 
     def unschedulable(self, node: str) -> bool:
-        return bool(self.core.read_node(node).spec.unschedulable)
+        spec = self.core.read_node(node).spec
+        return bool(spec is not None and spec.unschedulable)
 
     def proxy_mode(self, node: str) -> str:
         # kube-proxy may be restarting for a legitimate reason (the baseline DaemonSet rolls once when
@@ -164,7 +170,8 @@ class Harness:
     def kube_proxy_running(self, node: str) -> bool:
         pods = self.core.list_namespaced_pod("kube-system", label_selector="k8s-app=kube-proxy",
                                              field_selector=f"spec.nodeName={node}").items
-        return any(p.status.phase == "Running" and not p.metadata.deletion_timestamp for p in pods)
+        return any(p.status is not None and p.status.phase == "Running"
+                   and not (p.metadata is not None and p.metadata.deletion_timestamp) for p in pods)
 
     def migration_windows(self, nodes: list[str]) -> list[tuple[str, float, float]]:
         """(node, start, end) of each node's last migration, from the ProxyNode records: from its first change
@@ -258,9 +265,16 @@ def operator_process(cluster: Any, proxyshift_installed: Path) -> Iterator[Opera
         yield op
 
 
+class OperatorPorts(TypedDict, total=False):
+    """The ports an operator_as_service_account caller may choose (OperatorProcess's defaults otherwise)."""
+
+    metrics_port: int
+    health_port: int
+
+
 @contextlib.contextmanager
 def operator_as_service_account(cluster: Any, admin_kubeconfig: Path, name: str,
-                                **ports: int) -> Iterator[OperatorProcess]:
+                                **ports: Unpack[OperatorPorts]) -> Iterator[OperatorProcess]:
     """The operator as a host process, logged in with a fresh token of its ServiceAccount (on a local
     cluster; elsewhere with `admin_kubeconfig`), healthy; stopped at the end. Its log is logs/<name>.log."""
     state_dir = cluster.state_dir or Path("/tmp")

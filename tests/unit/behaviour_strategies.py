@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from proxyshift.api.behaviour import BehaviourCell, BehaviourMatrix
+from proxyshift.api.behaviour import AddressRole, BehaviourCell, BehaviourMatrix
 from proxyshift.planner.services import EndpointView, ServicePortView, ServiceView
 
 NODES = ["ps-node-1", "ps-node-2", "ps-node-3"]
@@ -51,7 +51,7 @@ def clusters(draw: st.DrawFn, max_services: int = 40) -> tuple[list[ServiceView]
 
 @st.composite
 def cells(draw: st.DrawFn) -> BehaviourCell:
-    role = draw(st.sampled_from(["clusterIP", "nodeIP", "otherAddress", "localhost"]))
+    role: AddressRole = draw(st.sampled_from(["clusterIP", "nodeIP", "otherAddress", "localhost"]))
     address = {"clusterIP": "198.19.0.10", "nodeIP": "198.18.0.11", "otherAddress": "198.18.200.11",
                "localhost": "127.0.0.1"}[role]
     answered = draw(st.booleans())

@@ -6,6 +6,8 @@ import json
 import threading
 import time
 import urllib.request
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 from xml.sax.saxutils import escape
 
 import pytest
@@ -15,7 +17,15 @@ from hypothesis import strategies as st
 from proxyshift.agent import behaviour as bh
 from proxyshift.agent import conntrack as ct
 from proxyshift.agent import probe_server as ps
-from proxyshift.api.behaviour import MAX_CELLS, BehaviourParams, BehaviourTarget, ConntrackParams
+from proxyshift.api.behaviour import (
+    MAX_CELLS,
+    BehaviourCell,
+    BehaviourParams,
+    BehaviourTarget,
+    ConntrackParams,
+    Outcome,
+    Protocol,
+)
 from proxyshift.commands import Result
 
 pytestmark = pytest.mark.unit
@@ -54,7 +64,7 @@ UDP_UNREPLIED = flow_xml("udp", "198.18.1.2", "198.19.0.53", 5000, 53, "198.19.0
 UDP_ANSWERED = flow_xml("udp", "198.18.1.2", "198.19.0.53", 5001, 53, "198.19.0.53", "198.18.1.2", 53, 5001)
 
 
-def test_conntrack_xml_is_parsed_into_flows():
+def test_conntrack_xml_is_parsed_into_flows() -> None:
     flows, truncated = ct.parse_flows(document(UNNATED, NATED, UDP_UNREPLIED))
     assert not truncated and len(flows) == 3
     assert flows[0] == ct.Flow("tcp", "198.18.1.2", "198.19.0.10", 40000, 80, "198.19.0.10", "198.18.1.2", 80,
@@ -64,7 +74,7 @@ def test_conntrack_xml_is_parsed_into_flows():
     assert ct.parse_flows("") == ([], False)
 
 
-def test_the_step_picks_only_unnated_unanswered_flows_to_service_destinations():
+def test_the_step_picks_only_unnated_unanswered_flows_to_service_destinations() -> None:
     flows, _ = ct.parse_flows(document(UNNATED, NATED, OTHER, NODEPORT, ESTABLISHED, UDP_UNREPLIED, UDP_ANSWERED))
     services = ct.ServiceDestinations(ConntrackParams(service_cidrs=["198.19.0.0/16"], node_ports=[30080]),
                                       ["198.18.1.2"])
@@ -75,10 +85,10 @@ def test_the_step_picks_only_unnated_unanswered_flows_to_service_destinations():
     assert ct.stale_flows(flows, elsewhere, "TCP") == []
 
 
-def test_the_step_deletes_each_entry_by_its_exact_tuple_and_reports_bounded():
+def test_the_step_deletes_each_entry_by_its_exact_tuple_and_reports_bounded() -> None:
     calls: list[list[str]] = []
 
-    def runner(argv, **kw):
+    def runner(argv: Sequence[str], **kw: Any) -> Result:
         calls.append(list(argv))
         if argv[1] == "-L":
             return Result(list(argv), 0, document(UNNATED, NATED) if "tcp" in argv else document(UDP_UNREPLIED), "")
@@ -97,12 +107,12 @@ def test_the_step_deletes_each_entry_by_its_exact_tuple_and_reports_bounded():
     assert capped.deleted_tcp + capped.deleted_udp == 1 and capped.truncated
 
 
-def test_the_batched_tcp_delete_counts_what_conntrack_says_it_deleted():
+def test_the_batched_tcp_delete_counts_what_conntrack_says_it_deleted() -> None:
     unnated = [ct.Flow("tcp", "198.18.1.2", "198.19.0.10", 40000 + i, 80, "198.19.0.10", "198.18.1.2", 80,
                        40000 + i, "SYN_SENT", True) for i in range(5)]
     calls: list[list[str]] = []
 
-    def runner(argv, **kw):
+    def runner(argv: Sequence[str], **kw: Any) -> Result:
         calls.append(list(argv))
         if argv[1] == "-L":
             return Result(list(argv), 0, "", "")
@@ -119,10 +129,10 @@ def test_the_batched_tcp_delete_counts_what_conntrack_says_it_deleted():
     assert report.deleted_tcp == 2 and [c[c.index("--sport") + 1] for c in calls] == ["40000", "40001"]
 
 
-def test_the_step_reports_a_tool_failure_instead_of_raising():
+def test_the_step_reports_a_tool_failure_instead_of_raising() -> None:
     from proxyshift.commands import ToolMissingError
 
-    def runner(argv, **kw):
+    def runner(argv: Sequence[str], **kw: Any) -> NoReturn:
         raise ToolMissingError(argv, "not found on PATH")
 
     report = ct.clean_unnated(ConntrackParams(service_cidrs=["198.19.0.0/16"]), [], runner=runner)
@@ -137,7 +147,8 @@ ports = st.integers(1, 65535)
 @given(st.lists(st.tuples(st.sampled_from(["tcp", "udp"]), addresses, addresses, ports, ports, addresses, ports,
                           st.sampled_from([None, "SYN_SENT", "ESTABLISHED"]), st.booleans()), max_size=30),
        st.integers(1, 40))
-def test_parser_roundtrips_and_never_returns_more_than_asked(rows, max_flows):
+def test_parser_roundtrips_and_never_returns_more_than_asked(
+        rows: list[tuple[str, str, str, int, int, str, int, str | None, bool]], max_flows: int) -> None:
     text = document(*(flow_xml(p, s, d, sp, dp, rs, s, rp, sp, state if p == "tcp" else None, un)
                       for p, s, d, sp, dp, rs, rp, state, un in rows))
     flows, truncated = ct.parse_flows(text, max_flows=max_flows)
@@ -149,7 +160,7 @@ def test_parser_roundtrips_and_never_returns_more_than_asked(rows, max_flows):
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 30), st.integers(200, 6000))
-def test_parser_cuts_oversized_output_at_a_whole_flow(count, max_bytes):
+def test_parser_cuts_oversized_output_at_a_whole_flow(count: int, max_bytes: int) -> None:
     text = document(*([UNNATED] * count))
     flows, truncated = ct.parse_flows(text, max_bytes=max_bytes)
     assert len(flows) <= count and all(f == ct.parse_flows(document(UNNATED))[0][0] for f in flows)
@@ -159,7 +170,7 @@ def test_parser_cuts_oversized_output_at_a_whole_flow(count, max_bytes):
 
 @settings(max_examples=80, deadline=None)
 @given(st.text(max_size=300))
-def test_parser_takes_garbage_without_surprises(text):
+def test_parser_takes_garbage_without_surprises(text: str) -> None:
     try:
         flows, _ = ct.parse_flows(text)
     except ct.ConntrackOutputError:
@@ -177,7 +188,7 @@ IP_JSON = json.dumps([
 ])
 
 
-def test_node_addresses_put_the_node_ips_first_and_skip_loopback_link_local_and_ipvs():
+def test_node_addresses_put_the_node_ips_first_and_skip_loopback_link_local_and_ipvs() -> None:
     assert bh.parse_ip_addr(IP_JSON) == [("198.18.1.2", "eth0"), ("198.18.9.1", "eth1"),
                                          ("198.19.0.10", "kube-ipvs0")]
     runner = lambda argv, **kw: Result(list(argv), 0, IP_JSON, "")  # noqa: E731
@@ -186,12 +197,12 @@ def test_node_addresses_put_the_node_ips_first_and_skip_loopback_link_local_and_
         bh.parse_ip_addr("x" * 100, max_bytes=10)
 
 
-def T(service: str, address: str | None, **kw) -> BehaviourTarget:
+def T(service: str, address: str | None, **kw: Any) -> BehaviourTarget:
     return BehaviourTarget(service=service, kind=kw.pop("kind", "ClusterIP"), port=kw.pop("port", 80),
                            address=address, **kw)
 
 
-def test_plan_expands_nodeports_and_keeps_localhost_node_only():
+def test_plan_expands_nodeports_and_keeps_localhost_node_only() -> None:
     params = BehaviourParams(targets=[T("a/np", None, kind="NodePort", port=30080), T("a/c", "198.19.0.10")],
                              node_ips=["198.18.1.2"])
     planned, truncated = bh.plan_cells(params, ["198.18.1.2", "198.18.9.1"], pod_path=True)
@@ -204,13 +215,13 @@ def test_plan_expands_nodeports_and_keeps_localhost_node_only():
     assert [c.path for c in bh.plan_cells(params, [], pod_path=False)[0]] == ["node", "node"]
 
 
-def test_plan_keeps_to_max_cells():
+def test_plan_keeps_to_max_cells() -> None:
     params = BehaviourParams(targets=[T(f"a/np{i}", None, kind="NodePort") for i in range(40)])
     planned, truncated = bh.plan_cells(params, ["198.18.1.2", "198.18.1.3"], pod_path=True)
     assert len(planned) == MAX_CELLS and truncated
 
 
-def cell_for(target: BehaviourTarget, attempts: list[bh.Attempt], known: dict | None = None):
+def cell_for(target: BehaviourTarget, attempts: list[bh.Attempt], known: dict | None = None) -> BehaviourCell:
     planned = bh.PlannedCell(target, target.address or "198.18.1.2", "clusterIP", "node")
     return bh.build_cell(planned, attempts, known or {})
 
@@ -219,7 +230,7 @@ def answered(port: int, payload: str = "ep-a") -> bh.Attempt:
     return bh.Attempt("answered", payload=payload, source=("198.18.1.2", port))
 
 
-def test_cells_judge_stickiness_and_locality_on_conntrack_addresses():
+def test_cells_judge_stickiness_and_locality_on_conntrack_addresses() -> None:
     t = T("a/aff", "198.19.0.10", attempts=3, local_endpoints=["198.18.3.3"])
     key = lambda port: ("TCP", "198.18.1.2", port, "198.19.0.10", 80)  # noqa: E731
     same = cell_for(t, [answered(1), answered(2), answered(3)], {key(p): "198.18.3.3" for p in (1, 2, 3)})
@@ -231,7 +242,7 @@ def test_cells_judge_stickiness_and_locality_on_conntrack_addresses():
     assert by_name.endpoints == ["ep-a"] and by_name.sticky is True and by_name.local is None
 
 
-def test_cells_report_the_first_failure_and_partial_answers():
+def test_cells_report_the_first_failure_and_partial_answers() -> None:
     t = T("a/c", "198.19.0.10", attempts=2)
     cell = cell_for(t, [answered(1), bh.Attempt("refused", "connection refused")])
     assert cell.outcome == "refused" and cell.detail.startswith("1/2 attempts answered") and cell.sticky is None
@@ -246,15 +257,15 @@ class FakeTime:
     def __call__(self) -> float:
         return self.t
 
-    def dialer(self, outcome: str):
-        def dial(address, port, protocol, timeout):
+    def dialer(self, outcome: Outcome) -> Callable[[str, int, str, float], bh.Attempt]:
+        def dial(address: str, port: int, protocol: str, timeout: float) -> bh.Attempt:
             with self.lock:
                 self.t += timeout if outcome == "timeout" else 0.001
-            return bh.Attempt(outcome)  # type: ignore[arg-type]
+            return bh.Attempt(outcome)
         return dial
 
 
-def test_jobs_stop_at_the_deadline_and_say_so():
+def test_jobs_stop_at_the_deadline_and_say_so() -> None:
     clock = FakeTime()
     jobs = [bh.DialJob("198.19.0.10", 80, "TCP", 8) for _ in range(3)]
     results, cut = bh.run_jobs(jobs, attempt_timeout=0.25, deadline=101.0, dialer=clock.dialer("timeout"),
@@ -262,10 +273,10 @@ def test_jobs_stop_at_the_deadline_and_say_so():
     assert cut and sum(len(r) for r in results) == 4 and clock.t <= 101.0
 
 
-def test_no_retry_by_default():
+def test_no_retry_by_default() -> None:
     tries: list[str] = []
 
-    def dial(address, port, protocol, timeout):
+    def dial(address: str, port: int, protocol: str, timeout: float) -> bh.Attempt:
         tries.append(address)
         return bh.Attempt("timeout")
 
@@ -274,12 +285,12 @@ def test_no_retry_by_default():
     assert tries == ["198.19.0.1"]
 
 
-def test_with_retries_on_a_lone_timeout_is_tried_once_more_and_a_refusal_never(monkeypatch):
+def test_with_retries_on_a_lone_timeout_is_tried_once_more_and_a_refusal_never(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bh, "RETRY_TIMEOUTS", True)
     clock = FakeTime()
     tries: list[str] = []
 
-    def dial(address, port, protocol, timeout):
+    def dial(address: str, port: int, protocol: str, timeout: float) -> bh.Attempt:
         tries.append(address)
         return bh.Attempt("timeout" if address == "198.19.0.1" else "refused")
 
@@ -289,13 +300,13 @@ def test_with_retries_on_a_lone_timeout_is_tried_once_more_and_a_refusal_never(m
     assert [len(r) for r in results] == [1, 1]
 
 
-def test_printable_line_is_bounded():
+def test_printable_line_is_bounded() -> None:
     assert bh.printable_line(b"ep-a\nrest") == "ep-a"
     assert bh.printable_line(b"\x00\x01\xff") is None
     assert len(bh.printable_line(b"x" * 500) or "") == 64
 
 
-def test_the_probe_server_refuses_bad_requests():
+def test_the_probe_server_refuses_bad_requests() -> None:
     for body, why in [(b"{", "not JSON"), (b"[]", "jobs list"),
                       (json.dumps({"jobs": [{"address": "x", "port": 80, "protocol": "TCP"}]}).encode(), "IP"),
                       (json.dumps({"jobs": [{"address": "198.19.0.1", "port": 0, "protocol": "TCP"}]}).encode(),
@@ -307,9 +318,9 @@ def test_the_probe_server_refuses_bad_requests():
             ps.parse_request(body)
 
 
-def test_the_probe_server_answers_over_http_and_the_agent_reads_it():
+def test_the_probe_server_answers_over_http_and_the_agent_reads_it() -> None:
     server = ps.ProbeServer(("127.0.0.1", 0))
-    ps.ProbeHandler.dialer = staticmethod(lambda a, p, proto, t: bh.Attempt(  # type: ignore[assignment]
+    ps.ProbeHandler.dialer = staticmethod(lambda a, p, proto, t: bh.Attempt(
         "answered", payload="ep-z", source=("198.18.2.5", 41000)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -324,7 +335,7 @@ def test_the_probe_server_answers_over_http_and_the_agent_reads_it():
             urllib.request.urlopen(big, timeout=2)
         assert err.value.code == 413
     finally:
-        ps.ProbeHandler.dialer = staticmethod(bh.dial)  # type: ignore[assignment]
+        ps.ProbeHandler.dialer = staticmethod(bh.dial)
         server.shutdown()
         server.server_close()
 
@@ -337,7 +348,7 @@ attempt_json = st.fixed_dictionaries({"outcome": st.sampled_from(["answered", "r
 
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.lists(attempt_json, max_size=5), min_size=2, max_size=2), st.sampled_from([True, False, "yes"]))
-def test_a_pod_answer_is_bounded_and_checked(results, truncated):
+def test_a_pod_answer_is_bounded_and_checked(results: list[list[dict[str, Any]]], truncated: bool | str) -> None:
     answer = bh.parse_pod_answer(json.dumps({"results": results, "truncated": truncated}).encode(), JOBS)
     assert [len(r) for r in answer.results] == [min(len(results[0]), 2), min(len(results[1]), 1)]
     assert answer.truncated is (truncated is True)
@@ -349,24 +360,24 @@ def test_a_pod_answer_is_bounded_and_checked(results, truncated):
 
 @settings(max_examples=80, deadline=None)
 @given(st.binary(max_size=200))
-def test_a_garbage_pod_answer_is_a_value_error(data):
+def test_a_garbage_pod_answer_is_a_value_error(data: bytes) -> None:
     try:
         bh.parse_pod_answer(data, JOBS)
     except ValueError:
         return
 
 
-def test_a_pod_answer_of_the_wrong_shape_is_refused():
+def test_a_pod_answer_of_the_wrong_shape_is_refused() -> None:
     for bad in [b"[]", b'{"results": [[]]}', b"[" * 100_000, b'{"results": [[{"outcome": "maybe"}], []]}',
                 b"x" * (bh.MAX_POD_ANSWER_BYTES + 1)]:
         with pytest.raises(ValueError):
             bh.parse_pod_answer(bad, JOBS)
 
 
-def test_the_step_lists_each_ip_family_the_service_destinations_are_in():
+def test_the_step_lists_each_ip_family_the_service_destinations_are_in() -> None:
     calls: list[list[str]] = []
 
-    def runner(argv, **kw):
+    def runner(argv: Sequence[str], **kw: Any) -> Result:
         calls.append(list(argv))
         return Result(list(argv), 0, "", "")
 
@@ -386,7 +397,7 @@ class ConntrackTable:
         self.flows = [(x, ct.parse_flows(document(x))[0][0]) for x in flows]
         self.calls: list[list[str]] = []
 
-    def __call__(self, argv, timeout, **kw):  # type: ignore[no-untyped-def]
+    def __call__(self, argv: Sequence[str], timeout: float, **kw: Any) -> Result:
         self.calls.append(list(argv))
         opts = dict(zip(argv[2::2], argv[3::2], strict=False))
         chosen = [x for x, f in self.flows
@@ -403,16 +414,17 @@ IDENTITY_TABLE = (
     # someone else's flow from the same source and to the same Service: never an identity
     flow_xml("tcp", "198.18.1.2", "198.19.0.10", 41999, 80, "198.18.9.9", "198.18.1.2", 8080, 41999, "TIME_WAIT"),
 )
-IDENTITY_KEYS = {("TCP", "198.18.1.2", 41000, "198.19.0.10", 80), ("TCP", "127.0.0.1", 41001, "127.0.0.1", 30080),
-                 ("TCP", "10.244.1.9", 41002, "198.19.0.10", 80), ("UDP", "198.18.1.2", 41003, "198.19.0.53", 53),
-                 ("TCP", "198.18.1.2", 41004, "198.19.0.10", 80)}  # the last one has no entry
+IDENTITY_KEYS: set[bh.FlowKey] = {
+    ("TCP", "198.18.1.2", 41000, "198.19.0.10", 80), ("TCP", "127.0.0.1", 41001, "127.0.0.1", 30080),
+    ("TCP", "10.244.1.9", 41002, "198.19.0.10", 80), ("UDP", "198.18.1.2", 41003, "198.19.0.53", 53),
+    ("TCP", "198.18.1.2", 41004, "198.19.0.10", 80)}  # the last one has no entry
 IDENTITIES = {("TCP", "198.18.1.2", 41000, "198.19.0.10", 80): "198.18.5.5",
               ("TCP", "127.0.0.1", 41001, "127.0.0.1", 30080): "198.18.5.6",
               ("TCP", "10.244.1.9", 41002, "198.19.0.10", 80): "198.18.5.7",
               ("UDP", "198.18.1.2", 41003, "198.19.0.53", 53): "198.18.5.8"}
 
 
-def test_identities_come_from_one_dump_per_protocol_matched_on_the_whole_tuple():
+def test_identities_come_from_one_dump_per_protocol_matched_on_the_whole_tuple() -> None:
     table = ConntrackTable(*IDENTITY_TABLE)
     found = bh.conntrack_identities(IDENTITY_KEYS, runner=table, deadline=time.monotonic() + 5,
                                     table_size=lambda: 40)
@@ -421,10 +433,10 @@ def test_identities_come_from_one_dump_per_protocol_matched_on_the_whole_tuple()
     assert sorted(table.calls) == [["conntrack", "-L", "-p", p, "-o", "xml"] for p in ("tcp", "udp")]
 
 
-def test_a_dump_cut_at_its_bound_is_looked_up_again_per_source(monkeypatch):
+def test_a_dump_cut_at_its_bound_is_looked_up_again_per_source(monkeypatch: pytest.MonkeyPatch) -> None:
     whole = ct.list_flows
 
-    def tcp_dump_cut(protocol, **kw):  # type: ignore[no-untyped-def]
+    def tcp_dump_cut(protocol: Protocol, **kw: Any) -> tuple[list[ct.Flow], bool]:
         flows, cut = whole(protocol, **kw)
         return flows, cut or (protocol == "TCP" and kw.get("source") is None)  # as past MAX_XML_BYTES
 
@@ -437,7 +449,7 @@ def test_a_dump_cut_at_its_bound_is_looked_up_again_per_source(monkeypatch):
     assert sources == ["10.244.1.9", "127.0.0.1", "198.18.1.2"]  # TCP only: the UDP dump was whole
 
 
-def test_a_large_table_is_never_dumped_the_kernel_filters_per_source():
+def test_a_large_table_is_never_dumped_the_kernel_filters_per_source() -> None:
     table = ConntrackTable(*IDENTITY_TABLE)
     found = bh.conntrack_identities(IDENTITY_KEYS, runner=table, deadline=time.monotonic() + 5,
                                     table_size=lambda: ct.DUMP_MAX_ENTRIES + 1)
@@ -445,7 +457,7 @@ def test_a_large_table_is_never_dumped_the_kernel_filters_per_source():
     assert all("-s" in c for c in table.calls) and len(table.calls) == 4  # (TCP, 3 sources) + (UDP, 1)
 
 
-def test_a_full_dump_is_parsed_without_building_its_whole_tree():
+def test_a_full_dump_is_parsed_without_building_its_whole_tree() -> None:
     """A 2,000-flow dump (the most the agent dumps whole) peaks at a few MiB, not a tree of every flow:
     fed whole it was ~12 MiB per dump, which fragmented the agent's heap migration after migration."""
     import tracemalloc

@@ -113,7 +113,7 @@ def test_no_text_makes_the_parsers_raise_anything_but_their_own_error(text: str)
 
 
 EMPTY_CONNTRACK = '<?xml version="1.0" encoding="utf-8"?>\n<conntrack>\n</conntrack>\n'
-SVC12 = DiagnoseService(namespace="ns2", name="svc12", cluster_ips=["198.19.0.22"],
+SVC12 = DiagnoseService(namespace="ns2", name="svc12", clusterIPs=["198.19.0.22"],
                         ports=[DiagnosePort(name="http", port=80, node_port=30012)],
                         endpoints=["198.18.16.25", "198.18.16.26", "198.18.16.27"])
 
@@ -122,7 +122,8 @@ class FakeNode:
     """Tool output by program name; records what was run."""
 
     def __init__(self, outputs: dict[str, str], proc_root: Path | None = None) -> None:
-        self.outputs, self.calls = outputs, []
+        self.outputs = outputs
+        self.calls: list[list[str]] = []
         self.readers = diag.Readers(runner=self, proc_root=proc_root or Path("/nonexistent"))
 
     def __call__(self, argv: list[str], timeout: float) -> Result:
@@ -146,7 +147,7 @@ def test_read_service_in_iptables_mode_has_rule_flows_and_conntrack_for_every_li
                                                                 "xml"]]
 
 
-WEB = DiagnoseService(namespace="ps-diag", name="web", cluster_ips=["198.19.200.10"],
+WEB = DiagnoseService(namespace="ps-diag", name="web", clusterIPs=["198.19.200.10"],
                       ports=[DiagnosePort(name="http", port=80)], endpoints=["198.18.200.1", "198.18.200.2"])
 
 
@@ -172,7 +173,7 @@ def test_read_service_in_ipvs_mode_without_ipvs_in_the_kernel_says_so_and_never_
 def test_read_service_in_ipvs_mode_reads_the_virtual_servers_of_the_service(tmp_path: Path) -> None:
     (tmp_path / "net").mkdir()
     (tmp_path / "net" / "ip_vs").write_text("")
-    service = DiagnoseService(namespace="kube-system", name="kube-dns", cluster_ips=["10.96.0.10"],
+    service = DiagnoseService(namespace="kube-system", name="kube-dns", clusterIPs=["10.96.0.10"],
                               ports=[DiagnosePort(name="dns", port=53, protocol="UDP")],
                               endpoints=["10.244.0.3", "10.244.0.4"])
     outputs = {("ipvsadm", "-Ln"): IPVS_STATS, ("ipvsadm", "-Sn"): IPVS_SAVE}
@@ -239,7 +240,8 @@ def test_a_request_the_models_refuse_is_answered_with_the_reason() -> None:
 
 class StatusAPI:
     def __init__(self, obj: dict[str, Any]) -> None:
-        self.obj, self.patches = obj, []
+        self.obj = obj
+        self.patches: list[dict[str, Any]] = []
 
     def get(self, name: str) -> dict[str, Any]:
         return self.obj
@@ -285,13 +287,13 @@ def table_xml(flows: list[str]) -> str:
 
 
 NODE_IP = "198.18.0.2"
-WEB_TCP = DiagnoseService(namespace="a", name="web", cluster_ips=["198.19.0.10"],
+WEB_TCP = DiagnoseService(namespace="a", name="web", clusterIPs=["198.19.0.10"],
                           ports=[DiagnosePort(name="http", port=80, node_port=30080)],
                           endpoints=["198.18.1.1", "198.18.1.2"])
-DNS_UDP = DiagnoseService(namespace="a", name="dns", cluster_ips=["198.19.0.53"],
+DNS_UDP = DiagnoseService(namespace="a", name="dns", clusterIPs=["198.19.0.53"],
                           ports=[DiagnosePort(name="dns", port=53, protocol="UDP")],
                           endpoints=["198.18.1.3", "198.18.1.4"])
-API_TCP = DiagnoseService(namespace="b", name="api", cluster_ips=["198.19.0.11"],
+API_TCP = DiagnoseService(namespace="b", name="api", clusterIPs=["198.19.0.11"],
                           ports=[DiagnosePort(name="https", port=443), DiagnosePort(name="http", port=80)],
                           endpoints=["198.18.1.5"])
 SERVICES = [WEB_TCP, DNS_UDP, API_TCP]

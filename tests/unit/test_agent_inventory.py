@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,8 +19,8 @@ SAVE = (FIX / "iptables" / "iptables-mode-20-services-with-user-rules.save.txt")
 NFT = (FIX / "nft" / "list-tables.json").read_text()
 
 
-def fake(outputs: dict[str, str]):
-    def runner(argv, **_):
+def fake(outputs: dict[str, str]) -> Callable[..., Result]:
+    def runner(argv: Sequence[str], **_: Any) -> Result:
         key = " ".join(argv)
         for prefix, out in outputs.items():
             if key.startswith(prefix):
@@ -30,7 +32,7 @@ def fake(outputs: dict[str, str]):
     return runner
 
 
-def test_iptables_node_after_a_switch_to_nftables(tmp_path):
+def test_iptables_node_after_a_switch_to_nftables(tmp_path: Path) -> None:
     runner = fake({"iptables-nft-save": SAVE, "nft -j list tables": NFT, "ip -j addr show dev": "!missing-device"})
     inv = take_inventory(runner=runner, iptables_tools=[IptablesTool("ipv4", "nft")], proc_root=tmp_path)
     assert not inv.errors
@@ -46,13 +48,13 @@ def test_iptables_node_after_a_switch_to_nftables(tmp_path):
     assert leftovers(inv, None) == []
 
 
-def test_clean_node_has_no_objects(tmp_path):
+def test_clean_node_has_no_objects(tmp_path: Path) -> None:
     inv = take_inventory(runner=fake({"ip -j addr show dev": "!missing-device"}),
                          iptables_tools=[IptablesTool("ipv4", "nft")], proc_root=tmp_path)
     assert mode_objects(inv) == [] and leftovers(inv, "iptables") == []
 
 
-def test_ipvs_node_shared_chains_count_for_ipvs_and_iptables_leftovers_are_only_its_own(tmp_path):
+def test_ipvs_node_shared_chains_count_for_ipvs_and_iptables_leftovers_are_only_its_own(tmp_path: Path) -> None:
     save = """*nat
 :KUBE-SERVICES - [0:0]
 :KUBE-NODE-PORT - [0:0]

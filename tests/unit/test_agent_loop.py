@@ -5,7 +5,8 @@ from __future__ import annotations
 import copy
 import math
 import threading
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
 
 import pytest
 
@@ -13,9 +14,12 @@ from proxyshift.agent import diagnostics as diag
 from proxyshift.agent.flush.base import FlushReport, FlushStep
 from proxyshift.agent.hold import HoldReport
 from proxyshift.agent.inventory import ChainInventory, Inventory
-from proxyshift.agent.loop import P99_ABOVE_BUCKETS, Agent, AgentConfig, parse_args
+from proxyshift.agent.loop import P99_ABOVE_BUCKETS, Agent, AgentConfig, ProxyNodeAPI, parse_args
 from proxyshift.agent.preflight import Missing, PreflightReport, ToolVersions
-from proxyshift.api.proxynode import KubeProxyFacts, ProxyNode
+from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams, ConntrackParams, ConntrackReport
+from proxyshift.api.diagnostics import DiagnoseRequest, NodeDiagnostics
+from proxyshift.api.proxynode import KubeProxyFacts, Mode, ProxyNode
+from proxyshift.commands import Result
 
 pytestmark = pytest.mark.unit
 
@@ -38,23 +42,23 @@ class FakeAPI:
         self.obj = obj
         self.patches: list[dict[str, Any]] = []
 
-    def get(self, name):
+    def get(self, name: str) -> dict[str, Any]:
         return copy.deepcopy(self.obj)
 
-    def watch(self, name, rv, timeout):
+    def watch(self, name: str, rv: str | None, timeout: int) -> Iterator[tuple[str, dict[str, Any]]]:
         return iter(())
 
-    def patch_status(self, name, status):
+    def patch_status(self, name: str, status: dict[str, Any]) -> dict[str, Any]:
         self.patches.append(copy.deepcopy(status))
         self.obj = merge(self.obj, {"status": status})
         return self.obj
 
 
 class Clock:
-    def __init__(self):
+    def __init__(self) -> None:
         self.t = 1_800_000_000.0
 
-    def __call__(self):
+    def __call__(self) -> float:
         return self.t
 
 
@@ -101,8 +105,11 @@ class FakeHold:
 class FakeNode:
     """The node behind the agent's NodeEffects protocol, from memory: records flushes, answers the rest."""
 
-    def __init__(self, *, inventory=CLEAN, facts=FACTS, flush_calls=None, preflight=None, hold=None, checks=None,
-                 readers=None):
+    # checks: test_agent_loop_behaviour's FakeChecks (its behaviour and conntrack), which imports this module.
+    def __init__(self, *, inventory: Inventory = CLEAN, facts: KubeProxyFacts = FACTS,
+                 flush_calls: list[Any] | None = None,
+                 preflight: Callable[..., PreflightReport] | None = None, hold: FakeHold | None = None,
+                 checks: Any = None, readers: diag.Readers | None = None) -> None:
         self.facts, self.inventory_now = facts, inventory
         self.readers = readers  # diagnose: the node's tools as text (diagnostics.Readers), None for the real ones
         self.flush_calls = flush_calls if flush_calls is not None else []
@@ -110,55 +117,70 @@ class FakeNode:
         self.held = hold if hold is not None else FakeHold()
         self.checks = checks  # behaviour and conntrack (test_agent_loop_behaviour's FakeChecks)
 
-    def probe(self):
+    def probe(self) -> KubeProxyFacts:
         return self.facts
 
-    def inventory(self):
+    def inventory(self) -> Inventory:
         return self.inventory_now
 
-    def flush(self, remove, target):
+    def flush(self, remove: list[str], target: str | None) -> FlushReport:
         self.flush_calls.append((remove, target))
-        report = FlushReport(sorted(remove), target)
+        # The agent passes only the modes it validated.
+        report = FlushReport(cast(list[Mode], sorted(remove)), cast(Mode | None, target))
         report.steps.append(FlushStep("iptables (ipv4, nft backend)", removed={"chains": 3}))
         return report
 
-    def preflight(self, mode, scheduler=None, **kw):
+    def preflight(self, mode: str, scheduler: str | None = None, **kw: Any) -> PreflightReport:
         if self.preflight_fn is not None:
             return self.preflight_fn(mode, scheduler, **kw)
-        return PreflightReport(mode=mode, scheduler=scheduler, kernel_release="6.1.0",
+        return PreflightReport(mode=cast(Mode, mode), scheduler=scheduler, kernel_release="6.1.0",
                                modules={"nf_conntrack": "present"},
                                tools=ToolVersions(nft="1.0.9", iptables="1.8.9", iptables_backend="nf_tables"))
 
-    def connect(self, targets):
+    def connect(self, targets: list[str]) -> dict[str, bool | str]:
         return {t: (True if t.endswith(":443") else "connection refused") for t in targets}
 
-    def install_hold(self, from_mode):
+    def install_hold(self, from_mode: str) -> HoldReport:
         return self.held.install(from_mode)
 
-    def release_hold(self):
+    def release_hold(self) -> HoldReport:
         return self.held.release()
 
-    def hold_present(self):
+    def hold_present(self) -> bool:
         return self.held.present
 
-    def behaviour(self, params, *, mode, operation_id):
+    def behaviour(self, params: BehaviourParams, *, mode: str | None, operation_id: str) -> BehaviourMatrix:
         assert self.checks is not None, "this test gave the fake node no behaviour checks"
         return self.checks.behaviour(params, mode=mode, operation_id=operation_id)
 
-    def conntrack(self, params):
+    def conntrack(self, params: ConntrackParams) -> ConntrackReport:
         assert self.checks is not None, "this test gave the fake node no conntrack checks"
         return self.checks.conntrack(params)
 
-    def diagnose(self, request, mode):
+    def diagnose(self, request: DiagnoseRequest, mode: str | None) -> NodeDiagnostics:
         return diag.serve(request, mode, self.readers)
 
 
-def make_agent(api, *, inventory=CLEAN, facts=FACTS, flush_calls=None, preflight=None, hold=None):
+def fake_node(agent: Agent) -> FakeNode:
+    """The agent's node effects: make_agent's FakeNode."""
+    assert isinstance(agent.effects, FakeNode)
+    return agent.effects
+
+
+def fake_clock(agent: Agent) -> Clock:
+    """The agent's clock: make_agent's Clock."""
+    assert isinstance(agent.clock, Clock)
+    return agent.clock
+
+
+def make_agent(api: ProxyNodeAPI, *, inventory: Inventory = CLEAN, facts: KubeProxyFacts = FACTS,
+               flush_calls: list[Any] | None = None,
+               preflight: Callable[..., PreflightReport] | None = None, hold: FakeHold | None = None) -> Agent:
     node = FakeNode(inventory=inventory, facts=facts, flush_calls=flush_calls, preflight=preflight, hold=hold)
     return Agent(AgentConfig(node="n1"), api, node, clock=Clock())
 
 
-def test_cleanup_runs_once_and_records_running_before_the_flush():
+def test_cleanup_runs_once_and_records_running_before_the_flush() -> None:
     api = FakeAPI(node_obj({"id": "m1.Cleanup.0", "type": "Cleanup",
                             "params": {"removeModes": ["iptables"], "targetMode": "nftables"}}))
     calls: list = []
@@ -169,31 +191,41 @@ def test_cleanup_runs_once_and_records_running_before_the_flush():
     assert api.patches[0]["lastOperation"]["state"] == "Running"
     node = ProxyNode.model_validate(api.obj)
     last = node.status.last_operation
+    assert last is not None
     assert last.state == "Succeeded" and last.id == "m1.Cleanup.0"
     assert last.details["steps"][0]["removed"] == {"chains": 3}
     assert node.status.observed_mode == "nftables" and node.status.leftovers == []
     assert node.status.leftover_objects == 0  # written as a count, so kubectl shows 0, not <none>
+    assert node.status.kube_proxy is not None
     assert node.status.heartbeat and node.status.kube_proxy.sync_count == 4
 
 
-def test_a_cleanup_reports_kube_proxy_and_the_gate_services_as_seen_after_the_flush():
+def test_a_cleanup_reports_kube_proxy_and_the_gate_services_as_seen_after_the_flush() -> None:
     api = FakeAPI(node_obj({"id": "m1.Cleanup.0", "type": "Cleanup",
                             "params": {"removeModes": ["iptables"], "targetMode": "nftables",
                                        "services": ["198.19.0.10:443", "198.19.0.11:80"]}}))
     order: list[str] = []
     agent = make_agent(api, flush_calls=order)
-    agent.effects.connect = lambda targets: order.append("connect") or {t: t.endswith(":443") for t in targets}
+    def connect(targets: list[str]) -> dict[str, bool | str]:
+        order.append("connect")
+        return {t: t.endswith(":443") for t in targets}
+
+    agent.effects.connect = connect  # type: ignore[method-assign]  # the test swaps this one seam
     agent.handle(api.get("n1"))
     assert order == [(["iptables"], "nftables"), "connect"]  # connects after the flush, not before
     node = ProxyNode.model_validate(api.obj)
+    assert node.status.last_operation is not None
     assert node.status.last_operation.details["connects"] == {"198.19.0.10:443": True, "198.19.0.11:80": False}
+    assert node.status.kube_proxy is not None
     assert node.status.kube_proxy.sync_count == 4
     plain = FakeAPI(node_obj({"id": "m2.Cleanup.0", "type": "Cleanup", "params": {"removeModes": ["iptables"]}}))
     make_agent(plain).handle(plain.get("n1"))
-    assert "connects" not in ProxyNode.model_validate(plain.obj).status.last_operation.details
+    plain_last = ProxyNode.model_validate(plain.obj).status.last_operation
+    assert plain_last is not None
+    assert "connects" not in plain_last.details
 
 
-def test_a_restarted_agent_does_not_rerun_a_cleanup_and_reports_what_is_left():
+def test_a_restarted_agent_does_not_rerun_a_cleanup_and_reports_what_is_left() -> None:
     op = {"id": "m1.Cleanup.0", "type": "Cleanup", "params": {"removeModes": ["iptables"], "targetMode": "nftables"}}
     api = FakeAPI(node_obj(op, {"lastOperation": {"id": "m1.Cleanup.0", "type": "Cleanup", "state": "Running",
                                                   "startedAt": "2027-01-15T08:00:00Z"}}))
@@ -201,20 +233,22 @@ def test_a_restarted_agent_does_not_rerun_a_cleanup_and_reports_what_is_left():
     make_agent(api, inventory=IPT_LEFT, flush_calls=calls).handle(api.get("n1"))
     assert calls == []
     last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last is not None
     assert last.state == "Failed" and "did not re-run" in last.message and "1 iptables objects" in last.message
     assert last.details == {"recovered": True, "remaining": {"iptables": 1}}
 
 
-def test_a_restarted_agent_reports_success_when_the_cleanup_had_completed():
+def test_a_restarted_agent_reports_success_when_the_cleanup_had_completed() -> None:
     op = {"id": "m1.Cleanup.0", "type": "Cleanup", "params": {"removeModes": ["iptables"], "targetMode": "nftables"}}
     api = FakeAPI(node_obj(op, {"lastOperation": {"id": "m1.Cleanup.0", "type": "Cleanup", "state": "Running"}}))
     calls: list = []
     make_agent(api, inventory=CLEAN, flush_calls=calls).handle(api.get("n1"))
     last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last is not None
     assert calls == [] and last.state == "Succeeded" and last.details["recovered"] is True
 
 
-def test_finished_operations_are_not_run_again_after_a_restart():
+def test_finished_operations_are_not_run_again_after_a_restart() -> None:
     op = {"id": "m1.Cleanup.0", "type": "Cleanup", "params": {"removeModes": ["iptables"], "targetMode": "nftables"}}
     api = FakeAPI(node_obj(op, {"lastOperation": {"id": "m1.Cleanup.0", "type": "Cleanup", "state": "Succeeded"}}))
     calls: list = []
@@ -222,8 +256,8 @@ def test_finished_operations_are_not_run_again_after_a_restart():
     assert calls == [] and api.patches == []
 
 
-def test_failed_preflight_is_reported_with_what_is_missing():
-    def refuse(mode, scheduler, **kw):
+def test_failed_preflight_is_reported_with_what_is_missing() -> None:
+    def refuse(mode: Mode, scheduler: str | None, **kw: Any) -> PreflightReport:
         assert kw["load_modules"] is True and kw["extra_modules"] == ["br_netfilter"]
         return PreflightReport(mode=mode, scheduler=scheduler, kernel_release="6.8.0", modules={},
                                tools=ToolVersions(),
@@ -234,21 +268,23 @@ def test_failed_preflight_is_reported_with_what_is_missing():
                                        "extraModules": ["br_netfilter"]}}))
     make_agent(api, preflight=refuse).handle(api.get("n1"))
     last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last is not None
     assert last.state == "Failed" and "kernel module ip_vs" in last.message
     assert last.details["missing"][0]["fix"] == "modprobe ip_vs"
 
 
-def test_probe_reports_connects_in_the_shape_the_planner_reads():
+def test_probe_reports_connects_in_the_shape_the_planner_reads() -> None:
     api = FakeAPI(node_obj({"id": "m3.Gate.0", "type": "Probe",
                             "params": {"services": ["198.19.0.1:443", "198.19.0.10:53"]}}))
     make_agent(api).handle(api.get("n1"))
     last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last is not None
     assert last.state == "Succeeded"
     assert last.details == {"connects": {"198.19.0.1:443": True, "198.19.0.10:53": "connection refused"}}
     assert "1/2 service connects ok" in last.message
 
 
-def test_a_new_operation_replaces_every_detail_of_the_previous_one():
+def test_a_new_operation_replaces_every_detail_of_the_previous_one() -> None:
     api = FakeAPI(node_obj({"id": "a", "type": "Probe", "params": {"services": ["198.19.0.1:443"]}}))
     agent = make_agent(api)
     agent.handle(api.get("n1"))
@@ -258,7 +294,7 @@ def test_a_new_operation_replaces_every_detail_of_the_previous_one():
     assert last["id"] == "b" and "details" not in last
 
 
-def test_heartbeat_clears_an_old_error_and_writes_an_infinite_p99_as_a_finite_number():
+def test_heartbeat_clears_an_old_error_and_writes_an_infinite_p99_as_a_finite_number() -> None:
     api = FakeAPI(node_obj(status={"kubeProxy": {"error": "connection refused", "proxyMode": None}}))
     slow = FACTS.model_copy(update={"sync_duration_p99_seconds": math.inf})
     agent = make_agent(api, facts=slow)
@@ -272,19 +308,19 @@ def test_heartbeat_clears_an_old_error_and_writes_an_infinite_p99_as_a_finite_nu
     writes = len(api.patches)
     agent.tick()                                  # nothing due, nothing changed
     assert len(api.patches) == writes
-    agent.clock.t += 61                           # heartbeat due
+    fake_clock(agent).t += 61                           # heartbeat due
     agent.tick()
     assert len(api.patches) == writes + 1
 
 
-def test_unknown_modes_in_a_cleanup_fail_the_operation_not_the_agent():
+def test_unknown_modes_in_a_cleanup_fail_the_operation_not_the_agent() -> None:
     api = FakeAPI(node_obj({"id": "x", "type": "Cleanup", "params": {"removeModes": ["userspace"]}}))
     make_agent(api).handle(api.get("n1"))
     last = api.obj["status"]["lastOperation"]
     assert last["state"] == "Failed" and "unknown kube-proxy mode" in last["message"]
 
 
-def test_cli_arguments(monkeypatch):
+def test_cli_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NODE_NAME", "ps-node-1")
     cfg = parse_args(["--metrics-address", "127.0.0.1:10249", "--probe-interval", "5"])
     assert cfg.node == "ps-node-1" and cfg.probe_interval == 5
@@ -293,7 +329,7 @@ def test_cli_arguments(monkeypatch):
         parse_args([])
 
 
-def test_the_real_client_sends_a_merge_patch_to_the_status_subresource_and_a_field_selector():
+def test_the_real_client_sends_a_merge_patch_to_the_status_subresource_and_a_field_selector() -> None:
     import json
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -305,7 +341,7 @@ def test_the_real_client_sends_a_merge_patch_to_the_status_subresource_and_a_fie
     seen: list[tuple[str, str, str | None, bytes]] = []
 
     class H(BaseHTTPRequestHandler):
-        def log_message(self, *a):
+        def log_message(self, *a: Any) -> None:
             pass
 
         def _answer(self, body: dict) -> None:
@@ -316,12 +352,12 @@ def test_the_real_client_sends_a_merge_patch_to_the_status_subresource_and_a_fie
             self.end_headers()
             self.wfile.write(data)
 
-        def do_PATCH(self):
+        def do_PATCH(self) -> None:
             payload = self.rfile.read(int(self.headers["Content-Length"]))
             seen.append(("PATCH", self.path, self.headers.get("Content-Type"), payload))
             self._answer(node_obj())
 
-        def do_GET(self):
+        def do_GET(self) -> None:
             seen.append(("GET", self.path, None, b""))
             self._answer(node_obj())
 
@@ -346,18 +382,18 @@ def test_the_real_client_sends_a_merge_patch_to_the_status_subresource_and_a_fie
 class FlakyAPI(FakeAPI):
     """Refuses the patches whose numbers (1-based) are listed."""
 
-    def __init__(self, obj, fail_on: set[int]):
+    def __init__(self, obj: dict[str, Any], fail_on: set[int]) -> None:
         super().__init__(obj)
         self.fail_on, self.calls = fail_on, 0
 
-    def patch_status(self, name, status):
+    def patch_status(self, name: str, status: dict[str, Any]) -> dict[str, Any]:
         self.calls += 1
         if self.calls in self.fail_on:
             raise ConnectionError("API server away")
         return super().patch_status(name, status)
 
 
-def test_an_unrecorded_start_runs_nothing_and_a_lost_result_is_sent_again():
+def test_an_unrecorded_start_runs_nothing_and_a_lost_result_is_sent_again() -> None:
     op = {"id": "c1", "type": "Cleanup", "params": {"removeModes": ["iptables"], "targetMode": "nftables"}}
     api = FlakyAPI(node_obj(op), fail_on={1, 3})
     calls: list = []
@@ -378,21 +414,21 @@ def test_an_unrecorded_start_runs_nothing_and_a_lost_result_is_sent_again():
 class SlowAPI(FakeAPI):
     """The first patch (the Running record) returns only once the preflight has begun, or after 5 s."""
 
-    def __init__(self, obj):
+    def __init__(self, obj: dict[str, Any]) -> None:
         super().__init__(obj)
         self.preflight_began = threading.Event()
         self.overlapped: bool | None = None
 
-    def patch_status(self, name, status):
+    def patch_status(self, name: str, status: dict[str, Any]) -> dict[str, Any]:
         if self.overlapped is None:
             self.overlapped = self.preflight_began.wait(5.0)
         return super().patch_status(name, status)
 
 
-def test_a_read_only_operation_runs_while_its_running_record_is_written_and_reports_after_it():
+def test_a_read_only_operation_runs_while_its_running_record_is_written_and_reports_after_it() -> None:
     api = SlowAPI(node_obj({"id": "m1.Preflight.0", "type": "Preflight", "params": {"mode": "nftables"}}))
 
-    def preflight(mode, scheduler, **kw):
+    def preflight(mode: str, scheduler: str | None, **kw: Any) -> PreflightReport:
         api.preflight_began.set()
         return FakeNode().preflight(mode, scheduler)
 
@@ -402,12 +438,12 @@ def test_a_read_only_operation_runs_while_its_running_record_is_written_and_repo
     assert [p["lastOperation"]["state"] for p in api.patches] == ["Running", "Succeeded"]
 
 
-def test_a_read_only_operation_whose_running_record_failed_is_not_reported_and_runs_again():
+def test_a_read_only_operation_whose_running_record_failed_is_not_reported_and_runs_again() -> None:
     api = FlakyAPI(node_obj({"id": "m1.Preflight.0", "type": "Preflight", "params": {"mode": "nftables"}}),
                    fail_on={1})
     ran: list[str] = []
 
-    def preflight(mode, scheduler, **kw):
+    def preflight(mode: str, scheduler: str | None, **kw: Any) -> PreflightReport:
         ran.append(mode)
         return FakeNode().preflight(mode, scheduler)
 
@@ -436,10 +472,10 @@ def test_the_real_client_watches_with_bookmarks_and_from_now_without_a_version(r
     queries: list[dict[str, list[str]]] = []
 
     class H(BaseHTTPRequestHandler):
-        def log_message(self, *a):
+        def log_message(self, *a: Any) -> None:
             pass
 
-        def do_GET(self):
+        def do_GET(self) -> None:
             queries.append(urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query))
             bookmark = {"kind": "ProxyNode", "apiVersion": "proxyshift.io/v1alpha1",
                         "metadata": {"resourceVersion": "900"}}
@@ -466,7 +502,7 @@ def test_the_real_client_watches_with_bookmarks_and_from_now_without_a_version(r
     assert q.get("resourceVersion") == ([rv] if rv else None)
 
 
-def test_the_watch_loop_gets_once_then_follows_resource_versions_and_starts_from_now_after_a_410():
+def test_the_watch_loop_gets_once_then_follows_resource_versions_and_starts_from_now_after_a_410() -> None:
     import queue
     import threading
 
@@ -474,11 +510,11 @@ def test_the_watch_loop_gets_once_then_follows_resource_versions_and_starts_from
     stop = threading.Event()
 
     class WatchAPI(FakeAPI):
-        def get(self, name):
+        def get(self, name: str) -> dict[str, Any]:
             calls.append(("get",))
             return super().get(name)
 
-        def watch(self, name, rv, timeout):
+        def watch(self, name: str, rv: str | None, timeout: int) -> Iterator[tuple[str, dict[str, Any]]]:
             calls.append(("watch", rv))
             n = sum(1 for c in calls if c[0] == "watch")
             if n == 1:
@@ -516,11 +552,11 @@ def test_after_a_410_the_watch_starts_from_now_until_an_event_brings_a_version(f
     stop = threading.Event()
 
     class RestartedAPI(FakeAPI):
-        def get(self, name):
+        def get(self, name: str) -> dict[str, Any]:
             calls.append(("get", None))
             return super().get(name)  # resourceVersion "1", from before the restart
 
-        def watch(self, name, rv, timeout):
+        def watch(self, name: str, rv: str | None, timeout: int) -> Iterator[tuple[str, dict[str, Any]]]:
             calls.append(("watch", rv))
             if len(calls) > 8:  # the loop this test is about: end it, the assertion below says what went wrong
                 stop.set()
@@ -552,7 +588,7 @@ def test_a_bookmark_moves_the_version_the_next_watch_resumes_from() -> None:
     stop = threading.Event()
 
     class IdleAPI(FakeAPI):
-        def watch(self, name, rv, timeout):
+        def watch(self, name: str, rv: str | None, timeout: int) -> Iterator[tuple[str, dict[str, Any]]]:
             calls.append(rv)
             if len(calls) == 1:
                 yield "BOOKMARK", {"kind": "ProxyNode", "metadata": {"resourceVersion": "900"}}
@@ -599,13 +635,13 @@ def test_the_watch_back_off_starts_anew_after_a_watch_that_ran(monkeypatch: pyte
             return self.is_set()
 
     class FlakyAPI(FakeAPI):
-        def get(self, name):
+        def get(self, name: str) -> dict[str, Any]:
             if script and script[0] == "down":
                 script.pop(0)
                 raise ConnectionRefusedError("API server away")
             return super().get(name)
 
-        def watch(self, name, rv, timeout):
+        def watch(self, name: str, rv: str | None, timeout: int) -> Iterator[tuple[str, dict[str, Any]]]:
             script.pop(0)  # "ok": the watch runs 60 s, then the API server goes away again
             clock[0] += 60.0
             raise ConnectionResetError("API server restarting")
@@ -633,13 +669,14 @@ NEW_STARTED = FACTS.model_copy(update={"process_start_time": 1.8e9, "last_sync_t
 NEW_SYNCED = FACTS.model_copy(update={"process_start_time": 1.8e9, "last_sync_timestamp": 1.8e9 + 1})
 
 
-def test_hold_copies_the_old_rules_and_goes_once_a_new_kube_proxy_has_synced():
+def test_hold_copies_the_old_rules_and_goes_once_a_new_kube_proxy_has_synced() -> None:
     api, hold = FakeAPI(node_obj(hold_op())), FakeHold()
     seen = [OLD_PROXY]
     agent = make_agent(api, hold=hold)
-    agent.effects.probe = lambda: seen[0]
+    agent.effects.probe = lambda: seen[0]  # type: ignore[method-assign]  # the test swaps this seam
     agent.handle(api.get("n1"))
     last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last is not None
     assert last.state == "Succeeded" and "9 chains, 20 rules copied" in last.message
     assert hold.calls == ["install iptables"] and hold.present
     # The old kube-proxy syncing again is not a reason to let go: it is about to be replaced.
@@ -652,35 +689,37 @@ def test_hold_copies_the_old_rules_and_goes_once_a_new_kube_proxy_has_synced():
     assert not hold.present and agent.hold is None and hold.calls[-1] == "release"
 
 
-def test_a_hold_never_outlives_its_time_to_live():
+def test_a_hold_never_outlives_its_time_to_live() -> None:
     api, hold = FakeAPI(node_obj(hold_op())), FakeHold()
     agent = make_agent(api, hold=hold, facts=OLD_PROXY)
     agent.handle(api.get("n1"))
-    agent.clock.t += 299
+    fake_clock(agent).t += 299
     agent.observe(inventory=False)
     assert hold.present
-    agent.clock.t += 2
+    fake_clock(agent).t += 2
     agent.observe(inventory=False)
     assert not hold.present and agent.hold is None
 
 
-def test_a_failed_hold_is_reported_failed_and_nothing_is_recorded():
+def test_a_failed_hold_is_reported_failed_and_nothing_is_recorded() -> None:
     api, hold = FakeAPI(node_obj(hold_op())), FakeHold(fail=True)
     agent = make_agent(api, hold=hold, facts=OLD_PROXY)
     agent.handle(api.get("n1"))
     last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last is not None
     assert last.state == "Failed" and "exit status 4" in last.message and agent.hold is None
 
 
-def test_no_hold_between_modes_kube_proxy_does_not_clean_up():
+def test_no_hold_between_modes_kube_proxy_does_not_clean_up() -> None:
     op = {"id": "m1.Hold.0", "type": "Hold", "params": {"fromMode": "iptables", "toMode": "ipvs"}}
     api, hold = FakeAPI(node_obj(op)), FakeHold()
     make_agent(api, hold=hold).handle(api.get("n1"))
     last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last is not None
     assert last.state == "Succeeded" and "no rule hold needed" in last.message and hold.calls == []
 
 
-def test_cleanup_releases_the_hold_with_the_flush():
+def test_cleanup_releases_the_hold_with_the_flush() -> None:
     api, hold = FakeAPI(node_obj({"id": "m1.Cleanup.0", "type": "Cleanup",
                                   "params": {"removeModes": ["iptables"], "targetMode": "nftables"}})),\
         FakeHold(present=True)
@@ -688,15 +727,16 @@ def test_cleanup_releases_the_hold_with_the_flush():
     agent._hold_checked = True  # the agent has not seen it: the cleanup removes it all the same
     agent.handle(api.get("n1"))
     last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last is not None
     assert last.state == "Succeeded" and "9 chains removed" in last.message and not hold.present
 
 
-def test_a_hold_left_by_an_earlier_agent_goes_once_kube_proxy_has_synced():
+def test_a_hold_left_by_an_earlier_agent_goes_once_kube_proxy_has_synced() -> None:
     hold = FakeHold(present=True)
     agent = make_agent(FakeAPI(node_obj()), hold=hold, facts=NEW_STARTED)
     agent.observe(inventory=False)
     assert hold.present and agent.hold is not None  # found, kept while kube-proxy has not synced
-    agent.effects.probe = lambda: NEW_SYNCED
+    agent.effects.probe = lambda: NEW_SYNCED  # type: ignore[method-assign]  # the test swaps this seam
     agent.observe(inventory=False)
     assert not hold.present and hold.calls == ["release"]
 
@@ -719,9 +759,9 @@ def _sequence_agent(api: FakeAPI, answers: list[KubeProxyFacts]) -> tuple[Agent,
 
     def sleep(seconds: float) -> None:
         sleeps.append(seconds)
-        agent.clock.t += seconds
+        fake_clock(agent).t += seconds
 
-    agent.effects.probe, agent.sleep = probe, sleep
+    agent.effects.probe, agent.sleep = probe, sleep  # type: ignore[method-assign]  # swapped seams
     return agent, sleeps
 
 
@@ -729,25 +769,29 @@ STARTING = KubeProxyFacts(proxy_mode=None, error="connection refused")
 UP_NOT_SYNCED = FACTS.model_copy(update={"last_sync_timestamp": 0.0, "sync_count": 0, "healthz_status": 503})
 
 
-def test_a_probe_answers_once_the_new_kube_proxy_has_synced():
+def test_a_probe_answers_once_the_new_kube_proxy_has_synced() -> None:
     api = FakeAPI(node_obj(probe_op(awaitMode="nftables", awaitSyncs=1, awaitSeconds=10)))
     agent, sleeps = _sequence_agent(api, [STARTING, STARTING, UP_NOT_SYNCED, FACTS])
     agent.handle(api.get("n1"))
     node = ProxyNode.model_validate(api.obj)
+    assert node.status.last_operation is not None
     assert node.status.last_operation.state == "Succeeded"
+    assert node.status.kube_proxy is not None
     assert node.status.kube_proxy.sync_count == 4 and len(sleeps) == 3  # answered at the first synced look
 
 
-def test_a_probe_waits_no_longer_than_asked_and_then_reports_what_it_sees():
+def test_a_probe_waits_no_longer_than_asked_and_then_reports_what_it_sees() -> None:
     api = FakeAPI(node_obj(probe_op(awaitMode="nftables", awaitSyncs=1, awaitSeconds=2)))
     agent, sleeps = _sequence_agent(api, [STARTING])
     agent.handle(api.get("n1"))
     node = ProxyNode.model_validate(api.obj)
+    assert node.status.last_operation is not None
+    assert node.status.kube_proxy is not None
     assert node.status.last_operation.state == "Succeeded" and node.status.kube_proxy.error
     assert 1.8 <= sum(sleeps) <= 2.2
 
 
-def test_a_probe_does_not_wait_on_a_kube_proxy_in_the_wrong_mode_or_when_not_asked():
+def test_a_probe_does_not_wait_on_a_kube_proxy_in_the_wrong_mode_or_when_not_asked() -> None:
     api = FakeAPI(node_obj(probe_op(awaitMode="iptables", awaitSyncs=1, awaitSeconds=10)))
     agent, sleeps = _sequence_agent(api, [FACTS])  # runs nftables: the gate fails it, no use waiting
     agent.handle(api.get("n1"))
@@ -765,9 +809,7 @@ class FakeDiagnoseTools:
         self.fail = fail
         self.calls: list[list[str]] = []
 
-    def __call__(self, argv, **kw):
-        from proxyshift.commands import Result
-
+    def __call__(self, argv: Sequence[str], **kw: Any) -> Result:
         if self.fail:
             raise RuntimeError("the reader broke")
         self.calls.append(list(argv))
@@ -783,11 +825,11 @@ def _diagnose_request(request_id: str, record: str | None = "before") -> dict[st
 def _with_diagnose(agent: Agent, tools: FakeDiagnoseTools) -> Agent:
     from pathlib import Path
 
-    agent.effects.readers = diag.Readers(runner=tools, proc_root=Path("/nonexistent"))
+    fake_node(agent).readers = diag.Readers(runner=tools, proc_root=Path("/nonexistent"))
     return agent
 
 
-def test_a_preflight_and_the_before_distribution_are_answered_in_one_write():
+def test_a_preflight_and_the_before_distribution_are_answered_in_one_write() -> None:
     op = {"id": "p.1.0.Preflight.0", "type": "Preflight", "params": {"mode": "nftables"}}
     obj = node_obj(op)
     obj["spec"]["diagnose"] = _diagnose_request("p.1.0.before")
@@ -805,19 +847,19 @@ def test_a_preflight_and_the_before_distribution_are_answered_in_one_write():
     assert tools.calls == [] and len(api.patches) == 2
 
 
-def test_a_broken_diagnose_beside_a_preflight_never_holds_back_the_preflight_s_report():
+def test_a_broken_diagnose_beside_a_preflight_never_holds_back_the_preflight_s_report() -> None:
     op = {"id": "p.1.0.Preflight.0", "type": "Preflight", "params": {"mode": "nftables"}}
     obj = node_obj(op)
     obj["spec"]["diagnose"] = _diagnose_request("p.1.0.before")
     api = FakeAPI(obj)
     agent = _with_diagnose(make_agent(api), FakeDiagnoseTools(fail=True))
-    agent._probe = lambda: (_ for _ in ()).throw(RuntimeError("metrics port gone"))  # type: ignore[method-assign]
+    agent._probe = lambda: (_ for _ in ()).throw(RuntimeError("metrics port gone"))  # type: ignore[method-assign]  # the test swaps this seam
     agent.handle(api.get("n1"))
     assert api.patches[-1]["lastOperation"]["state"] in ("Succeeded", "Failed")
     assert "distribution" not in api.patches[-1]
 
 
-def test_a_diagnose_beside_a_cleanup_is_answered_first_on_its_own():
+def test_a_diagnose_beside_a_cleanup_is_answered_first_on_its_own() -> None:
     op = {"id": "p.1.0.Cleanup.0", "type": "Cleanup", "params": {"removeModes": ["iptables"],
                                                                  "targetMode": "nftables"}}
     obj = node_obj(op)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from test_agent_loop import FACTS, FakeAPI, make_agent, node_obj
+from test_agent_loop import FACTS, FakeAPI, FakeNode, make_agent, node_obj
 
 from proxyshift.api.behaviour import (
     BehaviourCell,
@@ -41,25 +41,29 @@ class FakeChecks:
 def run_op(op: dict, checks: FakeChecks, status: dict | None = None) -> ProxyNode:
     api = FakeAPI(node_obj(op, status))
     agent = make_agent(api)
+    assert isinstance(agent.effects, FakeNode)
     agent.effects.checks = checks
     agent.facts = FACTS
     agent.handle(api.get("n1"))
     return ProxyNode.model_validate(api.obj)
 
 
-def test_preflight_with_behaviour_writes_the_before_matrix_and_clears_an_old_after():
+def test_preflight_with_behaviour_writes_the_before_matrix_and_clears_an_old_after() -> None:
     checks = FakeChecks()
     old = {"behaviour": {"after": {"operationId": "old.Probe.3", "cells": []}}}
     node = run_op({"id": "m1.Preflight.0", "type": "Preflight", "params": {"mode": "nftables",
                                                                             "behaviour": BEHAVIOUR}}, checks, old)
     assert checks.calls == ["behaviour nftables m1.Preflight.0 ['d/web']"]
+    assert node.status.behaviour is not None
+    assert node.status.behaviour.before is not None
     assert node.status.behaviour.before.cells[0].endpoints == ["198.18.3.4"]
     assert node.status.behaviour.after is None
     last = node.status.last_operation
+    assert last is not None
     assert last.state == "Succeeded" and "behaviour: 1/1 cells answered" in last.message
 
 
-def test_a_failed_preflight_records_no_matrix():
+def test_a_failed_preflight_records_no_matrix() -> None:
     from proxyshift.agent.preflight import Missing, PreflightReport, ToolVersions
 
     checks = FakeChecks()
@@ -68,16 +72,18 @@ def test_a_failed_preflight_records_no_matrix():
     agent = make_agent(api, preflight=lambda mode, scheduler, **kw: PreflightReport(
         mode=mode, scheduler=scheduler, kernel_release="6.1", modules={}, tools=ToolVersions(),
         missing=[Missing("kernel module ip_vs", "needed", "modprobe ip_vs")]))
+    assert isinstance(agent.effects, FakeNode)
     agent.effects.checks = checks
     agent.handle(api.get("n1"))
     node = ProxyNode.model_validate(api.obj)
     # The matrix is taken while the preflight runs (it only reads), and dropped when the preflight fails:
     # an untouched node has no "before" to compare with.
+    assert node.status.last_operation is not None
     assert node.status.behaviour is None and node.status.last_operation.state == "Failed"
     assert "behaviour" not in node.status.last_operation.message
 
 
-def test_probe_runs_the_conntrack_step_then_the_behaviour_probe_after_the_wait():
+def test_probe_runs_the_conntrack_step_then_the_behaviour_probe_after_the_wait() -> None:
     checks = FakeChecks(pod_error="probe server 198.18.2.5:9810: connection refused")
     before = {"behaviour": {"before": {"operationId": "m1.Preflight.0", "cells": []}}}
     node = run_op({"id": "m1.Probe.1", "type": "Probe",
@@ -85,32 +91,42 @@ def test_probe_runs_the_conntrack_step_then_the_behaviour_probe_after_the_wait()
                               "conntrack": CONNTRACK}}, checks, before)
     assert checks.calls == ["conntrack ['198.19.0.0/16']", "behaviour nftables m1.Probe.1 ['d/web']"]
     behaviour = node.status.behaviour
+    assert behaviour is not None
+    assert behaviour.before is not None
     assert behaviour.before.operation_id == "m1.Preflight.0"  # the Probe leaves "before" alone
+    assert behaviour.after is not None
+    assert behaviour.after.pod_path_error is not None
     assert behaviour.after.operation_id == "m1.Probe.1" and behaviour.after.pod_path_error.startswith("probe")
     last = node.status.last_operation
+    assert last is not None
     assert last.details["conntrack"] == {"scanned": 3, "deletedTcp": 1, "deletedUdp": 0,
                                          "entries": ["tcp 198.18.1.2:40000 -> 198.19.0.10:80"], "truncated": False}
     assert "conntrack: 1 TCP and 0 UDP" in last.message and "pod path: probe server" in last.message
 
 
-def test_a_new_after_matrix_clears_the_old_ones_pod_path_error():
+def test_a_new_after_matrix_clears_the_old_ones_pod_path_error() -> None:
     old = {"behaviour": {"after": {"operationId": "m1.Probe.1", "podPathError": "refused", "cells": []}}}
     node = run_op({"id": "m1.Probe.2", "type": "Probe", "params": {"behaviour": BEHAVIOUR}}, FakeChecks(), old)
+    assert node.status.behaviour is not None
+    assert node.status.behaviour.after is not None
     assert node.status.behaviour.after.operation_id == "m1.Probe.2"
     assert node.status.behaviour.after.pod_path_error is None
 
 
-def test_an_old_operator_sending_neither_sees_no_change():
+def test_an_old_operator_sending_neither_sees_no_change() -> None:
     checks = FakeChecks()
     node = run_op({"id": "m1.Probe.1", "type": "Probe", "params": {"services": ["198.19.0.10:443"]}}, checks)
     assert checks.calls == [] and node.status.behaviour is None
+    assert node.status.last_operation is not None
     assert node.status.last_operation.details == {"connects": {"198.19.0.10:443": True}}
     pre = run_op({"id": "m1.Preflight.0", "type": "Preflight", "params": {"mode": "nftables"}}, checks)
+    assert pre.status.last_operation is not None
     assert checks.calls == [] and pre.status.behaviour is None and "behaviour" not in pre.status.last_operation.message
 
 
-def test_bad_behaviour_params_fail_the_operation_with_a_reason():
+def test_bad_behaviour_params_fail_the_operation_with_a_reason() -> None:
     node = run_op({"id": "m1.Probe.1", "type": "Probe", "params": {"behaviour": {"targets": [{"port": 0}]}}},
                   FakeChecks())
     last = node.status.last_operation
+    assert last is not None
     assert last.state == "Failed" and "ValidationError" in last.message

@@ -7,6 +7,7 @@ import queue
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,10 @@ from prometheus_client import REGISTRY
 from test_agent_loop import Clock, FakeAPI, make_agent, node_obj
 
 from proxyshift.agent import metrics
+from proxyshift.agent.flush.base import FlushReport
 from proxyshift.agent.loop import parse_args
 from proxyshift.agent.preflight import Missing, PreflightReport, ToolVersions
-from proxyshift.api.proxynode import KubeProxyFacts
+from proxyshift.api.proxynode import KubeProxyFacts, Mode
 
 pytestmark = pytest.mark.unit
 
@@ -55,18 +57,18 @@ class Counted:
         return self._read().get(key, 0.0) - self.before.get(key, 0.0)
 
 
-def test_an_operation_is_counted_by_type_and_result_with_its_duration_and_the_flush_s():
+def test_an_operation_is_counted_by_type_and_result_with_its_duration_and_the_flush_s() -> None:
     api = FakeAPI(node_obj(CLEANUP))
     agent = make_agent(api)
     clock = agent.clock
     inner = agent.effects.flush
     assert isinstance(clock, Clock)
 
-    def slow_flush(remove, target):
+    def slow_flush(remove: list[str], target: str | None) -> FlushReport:
         clock.t += 2.0  # the flush takes two seconds of the agent's clock
         return inner(remove, target)
 
-    agent.effects.flush = slow_flush
+    agent.effects.flush = slow_flush  # type: ignore[method-assign]  # the test swaps this seam
     counted = Counted()
     flushes = sample("proxyshift_agent_flush_duration_seconds_count")
     flush_sum = sample("proxyshift_agent_flush_duration_seconds_sum")
@@ -80,8 +82,8 @@ def test_an_operation_is_counted_by_type_and_result_with_its_duration_and_the_fl
     assert sample("proxyshift_agent_flush_duration_seconds_sum") - flush_sum == pytest.approx(2.0)
 
 
-def test_a_failed_preflight_and_an_operation_that_raises_are_counted_failed():
-    def refuse(mode, scheduler, **kw):
+def test_a_failed_preflight_and_an_operation_that_raises_are_counted_failed() -> None:
+    def refuse(mode: Mode, scheduler: str | None, **kw: Any) -> PreflightReport:
         return PreflightReport(mode=mode, scheduler=scheduler, kernel_release="6.8.0", modules={},
                                tools=ToolVersions(), missing=[Missing("kernel module ip_vs", "needed", "modprobe")])
 
@@ -103,14 +105,14 @@ class FlakyAPI(FakeAPI):
         super().__init__(obj)
         self.refuse, self.calls = refuse, 0
 
-    def patch_status(self, name, status):
+    def patch_status(self, name: str, status: dict[str, Any]) -> dict[str, Any]:
         self.calls += 1
         if self.calls - 1 in self.refuse:
             raise ConnectionError("apiserver away")
         return super().patch_status(name, status)
 
 
-def test_a_result_the_api_server_refused_is_counted_once_and_its_write_error_too():
+def test_a_result_the_api_server_refused_is_counted_once_and_its_write_error_too() -> None:
     api = FlakyAPI(node_obj(CLEANUP), refuse={1})  # write 0 is Running, write 1 the result
     agent = make_agent(api)
     counted = Counted()
@@ -122,7 +124,7 @@ def test_a_result_the_api_server_refused_is_counted_once_and_its_write_error_too
     assert counted.delta("proxyshift_agent_operations_total", type="Cleanup", result="succeeded") == 1
 
 
-def test_heartbeat_age_and_last_write_follow_the_status_writes():
+def test_heartbeat_age_and_last_write_follow_the_status_writes() -> None:
     api = FakeAPI(node_obj())
     agent = make_agent(api)
     clock, health = agent.clock, agent.health
@@ -139,13 +141,18 @@ def test_heartbeat_age_and_last_write_follow_the_status_writes():
     assert sample("proxyshift_agent_heartbeat_age_seconds") == 45
 
 
-def test_every_kube_proxy_probe_is_timed_and_a_failed_one_counted():
+def test_every_kube_proxy_probe_is_timed_and_a_failed_one_counted() -> None:
     api = FakeAPI(node_obj())
     agent = make_agent(api, facts=KubeProxyFacts(error="GET http://127.0.0.1:10249/metrics: connection refused"))
     clock = agent.clock
     assert isinstance(clock, Clock)
     inner = agent.effects.probe
-    agent.effects.probe = lambda: (setattr(clock, "t", clock.t + 0.25), inner())[1]
+
+    def slow_probe() -> KubeProxyFacts:
+        clock.t += 0.25
+        return inner()
+
+    agent.effects.probe = slow_probe  # type: ignore[method-assign]  # the test swaps this seam
     counted = Counted()
     probes = sample("proxyshift_agent_kube_proxy_probe_duration_seconds_count")
     probe_sum = sample("proxyshift_agent_kube_proxy_probe_duration_seconds_sum")
@@ -156,11 +163,11 @@ def test_every_kube_proxy_probe_is_timed_and_a_failed_one_counted():
     assert counted.delta("proxyshift_agent_errors_total", where="kube_proxy_probe") == 1
 
 
-def test_the_watch_loop_marks_api_contact_and_counts_its_errors():
+def test_the_watch_loop_marks_api_contact_and_counts_its_errors() -> None:
     stop = threading.Event()
 
     class BrokenWatch(FakeAPI):
-        def watch(self, name, rv, timeout):
+        def watch(self, name: str, rv: str | None, timeout: int) -> Iterator[tuple[str, dict[str, Any]]]:
             stop.set()
             raise ConnectionError("watch cut")
 
@@ -173,7 +180,7 @@ def test_the_watch_loop_marks_api_contact_and_counts_its_errors():
     assert counted.delta("proxyshift_agent_errors_total", where="watch") == 1
 
 
-def test_every_error_place_is_exported_at_zero():
+def test_every_error_place_is_exported_at_zero() -> None:
     for where in metrics.ERROR_PLACES:
         assert REGISTRY.get_sample_value("proxyshift_agent_errors_total", {"where": where}) is not None
 
@@ -181,7 +188,7 @@ def test_every_error_place_is_exported_at_zero():
 # ---- health ----
 
 
-def test_healthz_holds_through_startup_and_readyz_waits_for_the_api_server():
+def test_healthz_holds_through_startup_and_readyz_waits_for_the_api_server() -> None:
     clock = Clock()
     health = metrics.Health(clock, stale_after=600)
     assert health.live() == (True, "ok")
@@ -191,7 +198,7 @@ def test_healthz_holds_through_startup_and_readyz_waits_for_the_api_server():
     assert health.ready() == (True, "ok")
 
 
-def test_healthz_fails_when_the_api_server_stopped_answering_or_the_loop_stalled():
+def test_healthz_fails_when_the_api_server_stopped_answering_or_the_loop_stalled() -> None:
     clock = Clock()
     health = metrics.Health(clock, stale_after=600)
     health.contact()
@@ -208,7 +215,7 @@ def test_healthz_fails_when_the_api_server_stopped_answering_or_the_loop_stalled
     assert not ok and "loop has not turned for 601s" in why
 
 
-def test_respond_serves_metrics_health_and_nothing_else():
+def test_respond_serves_metrics_health_and_nothing_else() -> None:
     clock = Clock()
     health = metrics.Health(clock, stale_after=10)
     status, content_type, body = metrics.respond("/metrics", health)
@@ -221,7 +228,7 @@ def test_respond_serves_metrics_health_and_nothing_else():
     assert metrics.respond("/", health)[0] == 404
 
 
-def test_the_server_answers_on_its_port():
+def test_the_server_answers_on_its_port() -> None:
     health = metrics.Health(stale_after=60)
     health.contact()
     server = metrics.serve("127.0.0.1:0", health)
@@ -239,7 +246,7 @@ def test_the_server_answers_on_its_port():
         server.server_close()
 
 
-def test_listen_flag_default_and_validation(capsys):
+def test_listen_flag_default_and_validation(capsys: pytest.CaptureFixture[str]) -> None:
     cfg = parse_args(["--node", "n1"])
     assert cfg.listen == "0.0.0.0:9811" and cfg.stale_seconds == 600
     assert metrics.parse_listen(cfg.listen) == ("0.0.0.0", 9811)
@@ -259,7 +266,7 @@ def _agent_daemonset() -> dict[str, Any]:
     return ds
 
 
-def test_the_daemonset_probes_the_agent_on_the_port_it_listens_on():
+def test_the_daemonset_probes_the_agent_on_the_port_it_listens_on() -> None:
     ds = _agent_daemonset()
     (agent,) = ds["spec"]["template"]["spec"]["containers"]
     ports = {p["name"]: p["containerPort"] for p in agent["ports"]}
@@ -273,7 +280,7 @@ def test_the_daemonset_probes_the_agent_on_the_port_it_listens_on():
     assert live["periodSeconds"] * live["failureThreshold"] >= 60
 
 
-def test_the_podmonitor_selects_the_agent_pods_and_port():
+def test_the_podmonitor_selects_the_agent_pods_and_port() -> None:
     monitor = yaml.safe_load((CONFIG / "prometheus" / "podmonitor.yaml").read_text())
     ds = _agent_daemonset()
     assert monitor["kind"] == "PodMonitor" and monitor["apiVersion"] == "monitoring.coreos.com/v1"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -25,7 +26,7 @@ LINES = st.lists(st.one_of(
 
 @settings(max_examples=300, deadline=None)
 @given(LINES)
-def test_iptables_save_parser(text):
+def test_iptables_save_parser(text: str) -> None:
     with contextlib.suppress(IptablesSaveError):
         dump = parse(text)
         for table in dump.tables.values():
@@ -35,7 +36,7 @@ def test_iptables_save_parser(text):
 
 @settings(max_examples=300, deadline=None)
 @given(LINES)
-def test_ipvsadm_and_ipset_parsers(text):
+def test_ipvsadm_and_ipset_parsers(text: str) -> None:
     with contextlib.suppress(IpvsadmOutputError):
         for vs in parse_ipvsadm_save(text):
             assert vs.protocol in ("tcp", "udp", "sctp", "fwmark")
@@ -47,7 +48,7 @@ def test_ipvsadm_and_ipset_parsers(text):
 @given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                                  max_size=4), max_leaves=20))
-def test_nft_json_parser(doc):
+def test_nft_json_parser(doc: Any) -> None:  # any JSON value
     import json
 
     with contextlib.suppress(NftOutputError):
@@ -55,5 +56,5 @@ def test_nft_json_parser(doc):
             assert isinstance(family, str) and isinstance(name, str)
 
 
-def test_ip_addr_json_without_addresses():
+def test_ip_addr_json_without_addresses() -> None:
     assert parse_ip_addr_json('[{"ifname":"kube-ipvs0","addr_info":[]}]') == []

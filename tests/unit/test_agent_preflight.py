@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from proxyshift.agent.inventory import Inventory
-from proxyshift.agent.preflight import ToolVersions, check, detect_tools, parse_kernel_release, parse_version
+from proxyshift.agent.preflight import (
+    PreflightReport,
+    ToolVersions,
+    check,
+    detect_tools,
+    parse_kernel_release,
+    parse_version,
+)
 from proxyshift.commands import Result, ToolMissingError
 
 pytestmark = pytest.mark.unit
@@ -17,7 +26,7 @@ GOOD_TOOLS = ToolVersions(nft="1.0.9", iptables="1.8.10", iptables_backend="nf_t
                           nft_usable=True, iptables_nat=True)
 
 
-def kernel(name: str, mode: str, scheduler: str | None = None, **kw):
+def kernel(name: str, mode: str, scheduler: str | None = None, **kw: Any) -> PreflightReport:
     kw.setdefault("tools", GOOD_TOOLS)
     # The fixture kernels with /proc/net/ip_vs hold no virtual server; never the host's ipvsadm.
     kw.setdefault("ipvs_inventory", lambda: Inventory(ipvs_available=True))
@@ -25,14 +34,14 @@ def kernel(name: str, mode: str, scheduler: str | None = None, **kw):
                  modules_root=FIX / "sys" / name / "lib-modules", **kw)
 
 
-def test_builtin_ipvs_passes_for_every_scheduler_seen_through_sys_and_modules_builtin():
+def test_builtin_ipvs_passes_for_every_scheduler_seen_through_sys_and_modules_builtin() -> None:
     for sched in ("rr", "mh", "sh"):
         report = kernel("ipvs-builtin", "ipvs", sched)
         assert report.ok, report.message()
     assert "ip_vs" in report.present_modules() and "ip_vs_mh" in report.present_modules()
 
 
-def test_kernel_without_ipvs_refuses_ipvs_listing_every_module_and_accepts_nftables():
+def test_kernel_without_ipvs_refuses_ipvs_listing_every_module_and_accepts_nftables() -> None:
     report = kernel("no-ipvs", "ipvs")
     assert not report.ok
     assert report.details()["missingModules"] == ["ip_vs", "ip_vs_rr"]
@@ -40,17 +49,17 @@ def test_kernel_without_ipvs_refuses_ipvs_listing_every_module_and_accepts_nftab
     assert kernel("no-ipvs", "nftables").ok
 
 
-def test_ip_vs_without_ip_vs_mh_says_how_to_load_it():
+def test_ip_vs_without_ip_vs_mh_says_how_to_load_it() -> None:
     assert kernel("ipvs-no-mh", "ipvs", "rr").ok
     report = kernel("ipvs-no-mh", "ipvs", "mh")
     assert [m.what for m in report.missing] == ["kernel module ip_vs_mh"]
     assert "modprobe ip_vs_mh" in report.missing[0].fix and "loadModules" in report.missing[0].fix
 
 
-def test_load_modules_modprobes_and_reports_what_it_loaded():
+def test_load_modules_modprobes_and_reports_what_it_loaded() -> None:
     calls = []
 
-    def runner(argv, **_):
+    def runner(argv: Sequence[str], **_: Any) -> Result:
         calls.append(list(argv))
         return Result(list(argv), 0, "", "")
 
@@ -61,7 +70,7 @@ def test_load_modules_modprobes_and_reports_what_it_loaded():
     assert not report.ok
 
 
-def test_old_kernel_refuses_nftables_but_not_iptables_or_ipvs():
+def test_old_kernel_refuses_nftables_but_not_iptables_or_ipvs() -> None:
     report = kernel("old-5.4", "nftables")
     assert [m.what for m in report.missing] == ["kernel >= 5.13"]
     assert "5.4.0-150-generic" in report.message()
@@ -69,7 +78,7 @@ def test_old_kernel_refuses_nftables_but_not_iptables_or_ipvs():
     assert kernel("old-5.4", "ipvs", "wrr").ok
 
 
-def test_tool_requirements():
+def test_tool_requirements() -> None:
     old_nft = ToolVersions(nft="0.9.8", iptables="1.8.7", iptables_backend="legacy", ipset="7.1",
                            nft_usable=True, iptables_nat=True)
     assert [m.what for m in kernel("no-ipvs", "nftables", tools=old_nft).missing] == ["nft >= 1.0.1"]
@@ -80,7 +89,7 @@ def test_tool_requirements():
     assert [m.what for m in kernel("no-ipvs", "iptables", tools=no_nat).missing] == ["iptables nat table"]
 
 
-def test_extra_modules_and_bad_input():
+def test_extra_modules_and_bad_input() -> None:
     report = kernel("no-ipvs", "nftables", extra_modules=["br_netfilter"])
     assert [m.what for m in report.missing] == ["kernel module br_netfilter"]
     with pytest.raises(ValueError, match="unknown kube-proxy mode"):
@@ -92,7 +101,7 @@ def test_extra_modules_and_bad_input():
             kernel("no-ipvs", "nftables", extra_modules=[bad])
 
 
-def test_version_parsing():
+def test_version_parsing() -> None:
     assert parse_version("nftables v1.0.6 (Lester Gooch #5)") == (1, 0, 6)
     assert parse_version("iptables v1.8.9 (nf_tables)") == (1, 8, 9)
     assert parse_version("ipset v7.17, protocol version: 7") == (7, 17)
@@ -102,12 +111,12 @@ def test_version_parsing():
     assert parse_kernel_release("6.1-rc1") == (6, 1, 0)
 
 
-def test_detect_tools_with_a_fake_runner_and_missing_tools(tmp_path):
+def test_detect_tools_with_a_fake_runner_and_missing_tools(tmp_path: Path) -> None:
     outputs = {"nft": "nftables v1.0.6 (Lester Gooch #5)", "iptables": "iptables v1.8.9 (legacy)",
                "ipset": "ipset v7.17, protocol version: 7"}
     asked = []
 
-    def runner(argv, **_):
+    def runner(argv: Sequence[str], **_: Any) -> Result:
         asked.append(argv[0])
         if argv[0] not in outputs:
             raise ToolMissingError(argv, "not found")
@@ -121,11 +130,11 @@ def test_detect_tools_with_a_fake_runner_and_missing_tools(tmp_path):
                                  "ipset": "7.17"}
 
 
-def test_an_error_message_is_not_a_version(tmp_path):
+def test_an_error_message_is_not_a_version(tmp_path: Path) -> None:
     (tmp_path / "net").mkdir()
     (tmp_path / "net" / "ip_vs").write_text("")
 
-    def runner(argv, **_):
+    def runner(argv: Sequence[str], **_: Any) -> Result:
         if argv[0] == "ipvsadm":
             return Result(list(argv), 2, "", "modprobe: FATAL: Module ip_vs not found in directory "
                           "/lib/modules/6.18.44-fc-v669\nCan't initialize ipvs: Protocol not available")
@@ -136,7 +145,7 @@ def test_an_error_message_is_not_a_version(tmp_path):
     tools = detect_tools(runner, proc_root=tmp_path)
     assert tools.ipvsadm is None and tools.nft is None and tools.ipset == "7.17"
 
-    def good(argv, **_):
+    def good(argv: Sequence[str], **_: Any) -> Result:
         out = "ipvsadm v1.31 2019/12/24 (compiled with popt and IPVS v1.2.1)" if argv[0] == "ipvsadm" else ""
         return Result(list(argv), 0, out, "")
 
@@ -160,13 +169,13 @@ def _autoload_kernel(tmp_path: Path, *, disabled: str = "0", modprobe: str = "/s
     return root
 
 
-def _check_at(root: Path, *args, **kw):
+def _check_at(root: Path, *args: Any, **kw: Any) -> PreflightReport:
     kw.setdefault("tools", GOOD_TOOLS)
     return check(*args, proc_root=root / "proc", sys_root=root / "sys", modules_root=root / "sys" / "lib-modules",
                  **kw)
 
 
-def test_an_installed_scheduler_is_accepted_when_the_kernel_loads_it_on_first_use(tmp_path):
+def test_an_installed_scheduler_is_accepted_when_the_kernel_loads_it_on_first_use(tmp_path: Path) -> None:
     # Observed in the QEMU guest (tests/vm): kube-proxy's dummy virtual server makes the kernel
     # load ip_vs and ip_vs_<scheduler> itself.
     report = _check_at(_autoload_kernel(tmp_path), "ipvs", "mh")
@@ -177,21 +186,22 @@ def test_an_installed_scheduler_is_accepted_when_the_kernel_loads_it_on_first_us
     assert report.modules["ip_vs_mh"] == "loadable"
 
 
-def test_without_on_demand_loading_an_installed_scheduler_is_still_refused(tmp_path):
-    for i, kw in enumerate(({"disabled": "1"}, {"modprobe": ""})):
+def test_without_on_demand_loading_an_installed_scheduler_is_still_refused(tmp_path: Path) -> None:
+    variants: tuple[dict[str, Any], ...] = ({"disabled": "1"}, {"modprobe": ""})
+    for i, kw in enumerate(variants):
         report = _check_at(_autoload_kernel(tmp_path / str(i), **kw), "ipvs", "mh")
         assert [m.what for m in report.missing] == ["kernel module ip_vs_mh"], kw
         assert "installed but not loaded" in report.missing[0].why and not report.on_demand
 
 
-def test_an_installed_nf_conntrack_is_not_accepted_on_demand(tmp_path):
+def test_an_installed_nf_conntrack_is_not_accepted_on_demand(tmp_path: Path) -> None:
     # kube-proxy writes nf_conntrack sysctls before it touches IPVS: on a fresh kernel it exits.
     report = _check_at(_autoload_kernel(tmp_path, conntrack_loaded=False), "ipvs", "rr")
     assert [m.what for m in report.missing] == ["kernel module nf_conntrack"]
     assert "modprobe nf_conntrack" in report.missing[0].fix
 
 
-def test_a_scheduler_the_kernel_lacks_is_refused_even_with_on_demand_loading(tmp_path):
+def test_a_scheduler_the_kernel_lacks_is_refused_even_with_on_demand_loading(tmp_path: Path) -> None:
     root = _autoload_kernel(tmp_path)
     dep = next((root / "sys" / "lib-modules").glob("*/modules.dep"))
     dep.write_text("".join(line + "\n" for line in dep.read_text().splitlines() if "ip_vs_twos" not in line))

@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,10 +22,10 @@ METRICS = (Path(__file__).resolve().parents[1] / "fixtures" / "metrics" / "kube-
 class Handler(BaseHTTPRequestHandler):
     routes: dict = {}
 
-    def log_message(self, *args):  # keep pytest output clean
+    def log_message(self, *args: Any) -> None:  # keep pytest output clean
         pass
 
-    def do_GET(self):
+    def do_GET(self) -> None:
         route = self.routes.get(self.path)
         if route is None:
             self.send_error(404)
@@ -40,7 +41,7 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-def _huge(handler):
+def _huge(handler: BaseHTTPRequestHandler) -> None:
     handler.send_response(200)
     handler.end_headers()
     block = b"# " + b"x" * 65534 + b"\n"
@@ -51,7 +52,7 @@ def _huge(handler):
         pass
 
 
-def _trickle(handler):
+def _trickle(handler: BaseHTTPRequestHandler) -> None:
     handler.send_response(200)
     handler.end_headers()
     try:
@@ -78,48 +79,50 @@ def server() -> Iterator[tuple[str, dict]]:
         srv.server_close()
 
 
-def test_probe_of_a_healthy_kube_proxy(server):
+def test_probe_of_a_healthy_kube_proxy(server: tuple[str, dict]) -> None:
     addr, routes = server
     routes.update({"/proxyMode": (200, "nftables"), "/metrics": (200, METRICS), "/healthz": (200, "{}")})
     facts = facts_from_probe(probe(addr, addr))
     assert facts.error is None
     assert facts.proxy_mode == "nftables" and facts.healthz_status == 200
+    assert facts.probed_at is not None
     assert facts.sync_count == 1 and facts.sync_failures is None and facts.probed_at.endswith("Z")
+    assert facts.process_start_time is not None and facts.last_sync_timestamp is not None
     assert facts.process_start_time < facts.last_sync_timestamp
 
 
-def test_unhealthy_healthz_is_a_status_not_an_error(server):
+def test_unhealthy_healthz_is_a_status_not_an_error(server: tuple[str, dict]) -> None:
     addr, routes = server
     routes.update({"/proxyMode": (200, "iptables\n"), "/metrics": (200, METRICS), "/healthz": (503, "{}")})
     facts = facts_from_probe(probe(addr, addr))
     assert facts.healthz_status == 503 and facts.error is None and facts.proxy_mode == "iptables"
 
 
-def test_nothing_listening_is_reported_as_an_error():
+def test_nothing_listening_is_reported_as_an_error() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     facts = facts_from_probe(probe(f"127.0.0.1:{port}", f"127.0.0.1:{port}", timeout=1))
     assert facts.proxy_mode is None and facts.healthz_status is None
-    assert "ConnectionRefused" in facts.error
+    assert facts.error is not None and "ConnectionRefused" in facts.error
 
 
-def test_garbage_metrics_are_an_error_in_the_facts(server):
+def test_garbage_metrics_are_an_error_in_the_facts(server: tuple[str, dict]) -> None:
     addr, routes = server
     routes.update({"/proxyMode": (200, "ipvs"), "/metrics": (200, "process_start_time_seconds{ 1"),
                    "/healthz": (200, "")})
     facts = facts_from_probe(probe(addr, addr))
-    assert facts.proxy_mode == "ipvs" and "Prometheus text format" in facts.error
+    assert facts.proxy_mode == "ipvs" and facts.error is not None and "Prometheus text format" in facts.error
 
 
-def test_a_huge_answer_is_cut_off_at_the_cap(server):
+def test_a_huge_answer_is_cut_off_at_the_cap(server: tuple[str, dict]) -> None:
     addr, routes = server
     routes["/metrics"] = (200, _huge)
     answer = http_get(addr, "/metrics", max_bytes=1024 * 1024, timeout=5)
     assert answer.error and "larger than" in answer.error and answer.body == ""
 
 
-def test_a_trickling_server_cannot_hold_the_probe(server):
+def test_a_trickling_server_cannot_hold_the_probe(server: tuple[str, dict]) -> None:
     addr, routes = server
     routes["/metrics"] = (200, _trickle)
     started = time.monotonic()
@@ -128,7 +131,7 @@ def test_a_trickling_server_cannot_hold_the_probe(server):
     assert answer.error and ("within" in answer.error or "timed out" in answer.error)
 
 
-def test_split_address():
+def test_split_address() -> None:
     assert split_address("0.0.0.0:10256") == ("127.0.0.1", 10256)
     assert split_address("[::]:10256") == ("::1", 10256)
     assert split_address("[2001:2::1]:443") == ("2001:2::1", 443)
@@ -137,12 +140,13 @@ def test_split_address():
         split_address("198.19.0.1:99999")
 
 
-def test_tcp_connect(server):
+def test_tcp_connect(server: tuple[str, dict]) -> None:
     addr, _ = server
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed = f"127.0.0.1:{s.getsockname()[1]}"
     results = tcp_connect([addr, closed, "kubernetes.default:443"], timeout=1)
     assert results[addr] is True
-    assert isinstance(results[closed], str) and "refused" in results[closed].lower()
-    assert results["kubernetes.default:443"].startswith("invalid target")
+    refused, invalid = results[closed], results["kubernetes.default:443"]
+    assert isinstance(refused, str) and "refused" in refused.lower()
+    assert isinstance(invalid, str) and invalid.startswith("invalid target")

@@ -6,6 +6,7 @@ statuses and ProxyNode records a live operator would see.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import timedelta
 
 import pytest
@@ -119,11 +120,18 @@ def test_a_policy_the_world_does_not_hold_has_no_signals() -> None:
     assert policy_signals(sim.world(), "gone", []) is None
 
 
-def proxynode(spec: dict[str, object] | None = None, status: dict[str, object] | None = None) -> ProxyNode:
+def proxynode(spec: Mapping[str, object] | None = None, status: Mapping[str, object] | None = None) -> ProxyNode:
     return ProxyNode.model_validate({"metadata": {"name": "n1"}, "spec": spec or {}, "status": status or {}})
 
 
 BEAT = {"heartbeat": "2026-11-30T12:00:00Z"}
+
+
+def beat_seconds() -> float:
+    """BEAT's heartbeat as Unix seconds."""
+    at = parse(BEAT["heartbeat"])
+    assert at is not None
+    return at.timestamp()
 
 
 @pytest.mark.parametrize(("spec", "status", "baseline", "target", "mismatch"), [
@@ -155,7 +163,7 @@ def test_node_mode_mismatch(spec: dict[str, object], status: dict[str, object], 
 
 
 def test_node_heartbeat_is_unix_seconds_or_none() -> None:
-    assert node_signals(proxynode(status=BEAT), "iptables").heartbeat == parse(BEAT["heartbeat"]).timestamp()
+    assert node_signals(proxynode(status=BEAT), "iptables").heartbeat == beat_seconds()
     assert node_signals(proxynode(status={"heartbeat": "not a time"}), "iptables").heartbeat is None
     assert node_signals(proxynode(), "iptables").heartbeat is None
 
@@ -202,7 +210,7 @@ def test_record_proxynode_sets_replaces_and_removes_the_node_series() -> None:
     name, series = "sig-node", metrics.ProxyNodeSeries()
     done = {"policy": "p", "revision": "p-1", "mode": "nftables", "migration": {"phase": "Done"}}
     series.record(name, proxynode(done, {**BEAT, "observedMode": "iptables"}), "iptables")
-    assert sample("proxyshift_proxynode_heartbeat_timestamp_seconds", node=name) == parse(BEAT["heartbeat"]).timestamp()
+    assert sample("proxyshift_proxynode_heartbeat_timestamp_seconds", node=name) == beat_seconds()
     assert sample("proxyshift_proxynode_mode_mismatch", node=name, observed_mode="iptables",
                   target_mode="nftables") == 1
     series.record(name, proxynode(done, {**BEAT, "observedMode": "nftables"}), "iptables")

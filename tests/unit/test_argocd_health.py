@@ -307,6 +307,7 @@ def test_gitops_layout_blue_before_green() -> None:
     for name in listed:
         doc = yaml.safe_load((gitops / name).read_text())
         p = ProxyPolicy.model_validate(doc)
+        assert p.spec.node_selector.match_labels is not None
         pool = p.spec.node_selector.match_labels["pool"]
         waves[pool] = int(doc["metadata"]["annotations"]["argocd.argoproj.io/sync-wave"])
     assert waves == {"blue": 0, "green": 1}

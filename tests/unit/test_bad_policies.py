@@ -217,7 +217,7 @@ def test_cel_refusals_say_what_the_model_says(case: Case, apiserver: ApiServerSi
 def _valid_manifests() -> list[tuple[str, dict[str, Any]]]:
     minimal = {"apiVersion": "proxyshift.io/v1alpha1", "kind": "ProxyPolicy", "metadata": {"name": "all"},
                "spec": {"nodeSelector": {}, "mode": "nftables"}}
-    full = copy.deepcopy(minimal)
+    full: dict[str, Any] = copy.deepcopy(minimal)
     full["spec"] = {
         "nodeSelector": {"matchLabels": {"pool": "green"},
                          "matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]},
@@ -237,7 +237,7 @@ def _valid_manifests() -> list[tuple[str, dict[str, Any]]]:
     }
     full["spec"]["gate"]["behaviour"] = {"enabled": True, "samplePerKind": 8, "budgetSeconds": 2.5,
                                          "allowChanges": ["LocalhostNodePorts", "NodePortAddresses"]}
-    localhost = copy.deepcopy(minimal)
+    localhost: dict[str, Any] = copy.deepcopy(minimal)
     localhost["spec"] |= {"nodePortAddresses": ["primary", "localhost"], "nftables": {"localhostNodePorts": True}}
     found = [("nodeSelector-empty", minimal), ("every-field", full), ("nftables-localhost", localhost)]
     found += [(p.stem, yaml.safe_load(p.read_text())) for p in sorted(SAMPLES_DIR.glob("*.yaml"))]
@@ -287,7 +287,7 @@ def test_null_means_unset_in_both(apiserver: ApiServerSim) -> None:
     assert apiserver.validate(manifest) == []
     spec = ProxyPolicy.model_validate(manifest).spec
     assert spec.ipvs is None and spec.rollout.stages is None and spec.rollout.max_unavailable == 1
-    required_null = {"spec": {"nodeSelector": {}, "mode": None}}
+    required_null: dict[str, Any] = {"spec": {"nodeSelector": {}, "mode": None}}
     assert any("spec.mode: Required value" in e for e in apiserver.validate(required_null))
     with pytest.raises(ValidationError):
         ProxyPolicy.model_validate(required_null)

@@ -45,7 +45,7 @@ def test_plan_turns_a_bad_file_into_one_line_and_exit_code_2(
     elif content == "DIR":
         path = str(tmp_path)
     else:
-        path = _write(tmp_path, "policy.yaml", content)  # type: ignore[arg-type]
+        path = _write(tmp_path, "policy.yaml", content)  # type: ignore[arg-type]  # a str or bytes case here
     code = main(["plan", "-f", path, "--kubeconfig", str(tmp_path / "no-kubeconfig")])
     err = capsys.readouterr().err
     assert code == 2, err

@@ -120,6 +120,7 @@ def test_a_revision_in_the_same_mode_can_change_things_too() -> None:
     found = by_change(compatibility("iptables", None, "iptables", config("iptables", iptables={
         "localhostNodePorts": False}, nodePortAddresses=["198.18.0.0/16"]), SERVICES, ENDPOINTS))
     assert set(found) == {"LocalhostNodePorts", "NodePortAddresses"}
+    assert found["LocalhostNodePorts"].preserving is not None
     assert found["LocalhostNodePorts"].preserving.startswith("iptables.localhostNodePorts: true")
     assert "['198.18.0.0/16']" in found["NodePortAddresses"].summary
     assert compatibility("nftables", None, "nftables", None, SERVICES, ENDPOINTS) == []

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from simulator import Sim, make_policy
 
+from proxyshift.api.common import Condition
 from proxyshift.controller.compat_report import CompatCache
 from proxyshift.planner.planner import plan
 from proxyshift.planner.services import EndpointView, ServicePortView, ServiceView
@@ -23,7 +25,7 @@ SIDE = ServiceSide(services={"web/shop": NODE_PORT},
                    endpoints=(EndpointView(service="web/shop", address="198.18.1.1", ready=True),))
 
 
-def _condition(sim: Sim, policy: str, **spec: object) -> tuple[object, list[Event]]:
+def _condition(sim: Sim, policy: str, **spec: Any) -> tuple[Condition, list[Event]]:
     edit_spec = make_policy(policy, mode="nftables", **spec)
     sim.policies[policy] = edit_spec
     world = replace(sim.world(), services=SIDE)

@@ -22,7 +22,7 @@ SIDE = ServiceSide(services={"web/shop": SHOP}, service_cidrs=("198.19.0.0/16",)
 def _probe_params(**rollout: Any) -> list[dict[str, Any]]:
     sim = Sim.build({"node-1": {"pool": "blue"}}, [make_policy("p", mode="nftables", rollout=rollout)])
     plain_world = sim.world
-    sim.world = lambda: replace(plain_world(), services=SIDE)  # type: ignore[method-assign]
+    sim.world = lambda: replace(plain_world(), services=SIDE)  # type: ignore[method-assign]  # the test swaps the world
     sim.run()
     assert sim.phase("node-1") == "Done"
     ops = [getattr(a, "operation", None) for _, _, a in sim.log]

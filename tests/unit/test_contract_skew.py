@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 import pytest
-from test_agent_loop import CLEAN, IPT_LEFT, FakeAPI, make_agent, node_obj
+from test_agent_loop import CLEAN, IPT_LEFT, FakeAPI, FakeNode, make_agent, node_obj
 from test_agent_loop_behaviour import BEHAVIOUR, CONNTRACK, FakeChecks
 from test_machine import REV, _good_facts, done, inp, mig, pod, writes
 
@@ -29,6 +29,7 @@ from proxyshift.api.proxynode import (
     HoldParams,
     Operation,
     OperationStatus,
+    OperationType,
     PreflightParams,
     PreflightResult,
     ProbeParams,
@@ -45,8 +46,8 @@ pytestmark = pytest.mark.unit
 
 V0 = json.loads((Path(__file__).parent / "fixtures" / "contract_v0.json").read_text())
 # Fixture name -> the operation type it is a params or result of.
-PARAMS_TYPES = {"Preflight": "Preflight", "PreflightFull": "Preflight", "Hold": "Hold", "Probe": "Probe",
-                "Cleanup": "Cleanup"}
+PARAMS_TYPES: dict[str, OperationType] = {"Preflight": "Preflight", "PreflightFull": "Preflight", "Hold": "Hold",
+                                          "Probe": "Probe", "Cleanup": "Cleanup"}
 
 
 def test_every_operation_type_has_params_a_result_and_an_agent_runner() -> None:
@@ -86,7 +87,7 @@ def _planned() -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     start = machine.start(inp(), Target(REV, "nftables"), from_mode="iptables", generation=3, retry_token="a")
     out["Preflight"] = first_op(start).to_k8s()["params"]
-    policy = {"gate": {**gate, "behaviour": {"allowChanges": ["ForeignIPVSFlush"]}}, "mode": "ipvs",
+    policy: dict[str, Any] = {"gate": {**gate, "behaviour": {"allowChanges": ["ForeignIPVSFlush"]}}, "mode": "ipvs",
               "extra_spec": {"preflight": {"loadModules": True, "extraModules": ["nf_nat"]},
                              "ipvs": {"scheduler": "rr"}}}
     start = machine.start(full(inp(**policy)), Target(REV, "ipvs", "rr"), from_mode="iptables", generation=3,
@@ -111,6 +112,7 @@ def test_an_agent_one_version_older_gets_the_params_it_knows() -> None:
 def _run(params: dict[str, Any], type_: str, **kw: Any) -> dict[str, Any]:
     api = FakeAPI(node_obj({"id": f"m1.{type_}.0", "type": type_, "params": copy.deepcopy(params)}))
     agent = make_agent(api, **kw)
+    assert isinstance(agent.effects, FakeNode)
     agent.effects.checks = FakeChecks()
     agent.handle(api.get("n1"))
     last = dict(api.obj["status"]["lastOperation"])
@@ -130,7 +132,7 @@ def test_an_operator_one_version_older_gets_the_results_it_knows() -> None:
 @pytest.mark.parametrize("name", sorted(V0["results"]))
 def test_the_previous_results_read_into_the_result_models(name: str) -> None:
     status = OperationStatus.model_validate(V0["results"][name])
-    result = status.result_as(RESULT_MODELS[status.type])  # type: ignore[index]
+    result = status.result_as(RESULT_MODELS[status.type])  # type: ignore[index]  # every V0 type is an OperationType
     wire = V0["results"][name].get("details", {})
     if name == "ProbeConnectsList":  # the first agents' list of connects reads as the map
         assert result.to_details() == {"connects": {"198.19.0.10:80": True, "198.19.0.11:80": "timeout"}}
@@ -142,6 +144,7 @@ def test_the_operator_judges_an_older_agents_report_as_before() -> None:
     found = OperationStatus.model_validate(V0["results"]["PreflightForeignIPVS"])
     assert machine.foreign_ipvs_accepted(found) == ["TCP 198.18.5.1:80 rr", "FWM 7 sh"]
     probe = OperationStatus.model_validate(V0["results"]["Probe"]).result_as(ProbeResult)
+    assert probe.conntrack is not None
     assert probe.connects == {"198.19.0.10:80": "connection refused"} and probe.conntrack.deleted_tcp == 1
     recovered = OperationStatus.model_validate(V0["results"]["CleanupRecovered"]).result_as(CleanupResult)
     assert recovered.recovered and recovered.remaining == {"iptables": 1} and recovered.connects is None
@@ -195,4 +198,5 @@ def test_phase_and_mode_are_one_literal_each() -> None:
     assert policy.NodePhase is proxynode.Phase and policy.ProxyMode is proxynode.Mode
     assert ownership.Mode is proxynode.Mode and get_args(proxynode.Mode) == ownership.MODES
     assert machine.IN_FLIGHT | machine.TERMINAL | {"Pending"} == set(proxynode.PHASES)
-    assert ProxyNode.model_validate({"spec": {"migration": {"phase": "Gate"}}}).spec.migration.phase == "Gate"
+    migration = ProxyNode.model_validate({"spec": {"migration": {"phase": "Gate"}}}).spec.migration
+    assert migration is not None and migration.phase == "Gate"

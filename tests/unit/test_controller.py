@@ -111,7 +111,7 @@ def test_current_revisions_renders_each_policy_and_reports_a_missing_baseline() 
 
 def test_executor_ensure_revision_patches_baseline_once_and_records_the_undo() -> None:
     api = FakeAPI()
-    executor = ex.Executor(api)  # type: ignore[arg-type]
+    executor = ex.Executor(api)  # type: ignore[arg-type]  # FakeAPI has the calls the executor makes
     p = policy()
     name = render_revision(p, api.cm, api.ds).name
     executor.perform(w.EnsureRevision(policy="blue", revision=name), {"blue": p})
@@ -133,7 +133,7 @@ class RefusingAPI(FakeAPI):
 
 def test_a_failed_apply_stops_a_new_revision_but_not_an_existing_one() -> None:
     api = RefusingAPI()
-    executor = ex.Executor(api)  # type: ignore[arg-type]
+    executor = ex.Executor(api)  # type: ignore[arg-type]  # FakeAPI has the calls the executor makes
     p = policy()
     name = render_revision(p, api.cm, api.ds).name
     with pytest.raises(ApiException):
@@ -144,14 +144,14 @@ def test_a_failed_apply_stops_a_new_revision_but_not_an_existing_one() -> None:
 
 
 def test_executor_refuses_a_revision_that_no_longer_matches_the_spec() -> None:
-    executor = ex.Executor(FakeAPI())  # type: ignore[arg-type]
+    executor = ex.Executor(FakeAPI())  # type: ignore[arg-type]  # FakeAPI has the calls the executor makes
     with pytest.raises(ex.StepBlocked, match="no longer matches"):
         executor.perform(w.EnsureRevision(policy="blue", revision="blue-stale"), {"blue": policy()})
 
 
 def test_executor_set_migration_writes_none_to_clear_and_returns_the_version_to_wait_for() -> None:
     api = FakeAPI()
-    executor = ex.Executor(api)  # type: ignore[arg-type]
+    executor = ex.Executor(api)  # type: ignore[arg-type]  # FakeAPI has the calls the executor makes
     action = w.SetMigration(node="n1", policy="blue", revision="blue-1", mode="nftables", scheduler=None,
                             migration=NodeMigration(phase="Preflight"),
                             operation=Operation(id="blue-1.1.Preflight.1", type="Preflight"))
@@ -166,7 +166,7 @@ def test_executor_set_migration_writes_none_to_clear_and_returns_the_version_to_
 
 def test_drain_blocks_until_evictions_went_through() -> None:
     api = FakeAPI()
-    executor = ex.Executor(api)  # type: ignore[arg-type]
+    executor = ex.Executor(api)  # type: ignore[arg-type]  # FakeAPI has the calls the executor makes
     api.evictions = (1, ["default/web-0: disruption budget"])
     with pytest.raises(ex.StepBlocked, match="disruption budget"):
         executor.perform(w.Drain(node="n1"), {})
@@ -183,7 +183,8 @@ def test_status_view_shows_progress_conditions_and_nodes() -> None:
                        "conditions": [{"type": "Progressing", "status": "True", "reason": "NodesMigrating",
                                        "message": "1/4"}]}}
     migration = {"phase": "Gate", "phaseSince": "2026-11-30T12:00:00Z"}
-    nodes = [{"metadata": {"name": "n1"}, "spec": {"policy": "blue", "mode": "nftables", "migration": migration},
+    nodes: list[dict[str, Any]] = [{"metadata": {"name": "n1"}, "spec": {"policy": "blue", "mode": "nftables",
+                                                                           "migration": migration},
               "status": {"observedMode": "nftables", "leftovers": ["iptables"]}},
              {"metadata": {"name": "other"}, "spec": {"policy": "green"}}]
     text = status_view.render_policy(body, nodes, datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC))
@@ -247,7 +248,7 @@ def test_metrics_count_rollbacks_and_migration_durations() -> None:
 
 def test_every_api_step_with_a_reason_leaves_an_event_on_what_it_touched() -> None:
     api = FakeAPI()
-    executor = ex.Executor(api)  # type: ignore[arg-type]
+    executor = ex.Executor(api)  # type: ignore[arg-type]  # FakeAPI has the calls the executor makes
     executor.perform(w.SetRevisionLabel(node="n1", revision="blue-1", reason="Switched", message="to blue-1"),
                      {"blue": policy()})
     events = [c for c in api.calls if c[0] == "emit_event"]
@@ -259,7 +260,7 @@ def test_every_api_step_with_a_reason_leaves_an_event_on_what_it_touched() -> No
 
 def test_a_step_the_plan_already_announces_gets_no_second_event() -> None:
     api = FakeAPI()
-    executor = ex.Executor(api)  # type: ignore[arg-type]
+    executor = ex.Executor(api)  # type: ignore[arg-type]  # FakeAPI has the calls the executor makes
     actions: list[w.Action] = [
         w.SetRevisionLabel(node="n1", revision="blue-1", reason="Switching"),
         w.Event(policy="blue", node="n1", type="Normal", reason="Switching", message="moving n1 to blue-1"),
@@ -277,7 +278,7 @@ def test_a_step_the_plan_already_announces_gets_no_second_event() -> None:
 
 def test_outcomes_setting_keeps_warnings_and_endings_on_nodes_only() -> None:
     api = FakeAPI()
-    executor = ex.Executor(api, node_events="outcomes")  # type: ignore[arg-type]
+    executor = ex.Executor(api, node_events="outcomes")  # type: ignore[arg-type]  # FakeAPI has the calls the executor makes
     for type_, reason in (("Normal", "Switching"), ("Normal", "GatePassed"), ("Warning", "GateTimeout"),
                           ("Normal", "Migrated")):
         executor.perform(w.Event(policy="blue", node="n1", type=type_, reason=reason, message=reason),
@@ -291,7 +292,7 @@ def test_outcomes_setting_keeps_warnings_and_endings_on_nodes_only() -> None:
 def test_auto_tells_every_step_for_a_small_policy_and_only_outcomes_for_a_fleet() -> None:
     def emitted(fleet: int) -> list[tuple[str, str]]:
         api = FakeAPI()
-        executor = ex.Executor(api, node_events="auto", step_events_max_nodes=100)  # type: ignore[arg-type]
+        executor = ex.Executor(api, node_events="auto", step_events_max_nodes=100)  # type: ignore[arg-type]  # FakeAPI has the calls the executor makes
         executor.fleet["blue"] = fleet
         for type_, reason in (("Normal", "Switching"), ("Warning", "GateTimeout"), ("Normal", "Migrated")):
             executor.perform(w.Event(policy="blue", node="n1", type=type_, reason=reason, message=reason),
@@ -332,7 +333,7 @@ def test_restore_applies_the_recorded_exact_inverse() -> None:
 
     api = FakeAPI()
     original = copy.deepcopy(api.ds)
-    executor = ex.Executor(api)  # type: ignore[arg-type]
+    executor = ex.Executor(api)  # type: ignore[arg-type]  # FakeAPI has the calls the executor makes
     executor.ensure_baseline_affinity(api.ds)
     forward = next(c[1][1] for c in api.calls if c[0] == "json_patch_daemonset")
     api.ds = jsonpatch.apply_patch(api.ds, forward.patch)

@@ -193,6 +193,7 @@ def test_defaults_are_the_models_defaults() -> None:
     assert spec["rollout"]["properties"]["maxUnavailable"]["default"] == model.rollout.max_unavailable
     assert spec["gate"]["properties"]["timeout"]["default"] == model.gate.timeout
     assert spec["gate"]["properties"]["minSyncs"]["default"] == model.gate.min_syncs
+    assert model.ipvs is not None
     assert spec["ipvs"]["properties"]["scheduler"]["default"] == model.ipvs.scheduler
     assert spec["deletionPolicy"]["default"] == model.deletion_policy
     status = _schema("ProxyPolicy")["properties"]["status"]

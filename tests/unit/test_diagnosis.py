@@ -26,7 +26,7 @@ NODE = "ps-node-1"
 def service(**kw: object) -> ServiceView:
     base: dict[str, object] = {"namespace": "ns", "name": "web", "cluster_ips": ("198.19.0.20",),
                                "ports": (ServicePortView(name="http", protocol="TCP", port=80),)}
-    return ServiceView(**(base | kw))  # type: ignore[arg-type]
+    return ServiceView(**(base | kw))  # type: ignore[arg-type]  # kw: ServiceView fields
 
 
 def endpoints(n: int, *, not_ready: tuple[int, ...] = (), nodes: tuple[str | None, ...] = ()) -> list[EndpointView]:
@@ -41,11 +41,11 @@ def counters(flows: list[int], *, source: str = "iptables", established: list[in
                              conntrack_established=established[i] if established else 0)
             for i, f in enumerate(flows)]
     rows += [EndpointCounters(address=a, flows=n) for a, n in (extra or {}).items()]
-    return ServiceCounters(service="ns/web", source=source, endpoints=rows, **kw)  # type: ignore[arg-type]
+    return ServiceCounters(service="ns/web", source=source, endpoints=rows, **kw)  # type: ignore[arg-type]  # kw: ServiceCounters fields
 
 
 def names(d: object) -> set[str]:
-    return {c.name for c in d.causes}  # type: ignore[attr-defined]
+    return {c.name for c in d.causes}  # type: ignore[attr-defined]  # a diagnosis of any kind
 
 
 def test_chi_square_matches_known_quantiles() -> None:

@@ -15,6 +15,7 @@ import json
 import re
 import shlex
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,7 +49,8 @@ PROGRAM = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
 
 def argv_lists(tree: ast.AST) -> list[list[str]]:
     """Literal argument lists passed to calls: [first string, ...] for each list argument of a call."""
-    found = []
+    # Any: a non-string constant after the first string is kept as it is (what the call passes).
+    found: list[list[Any]] = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
             continue

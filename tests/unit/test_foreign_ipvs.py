@@ -4,25 +4,28 @@ record of what the switch deletes, and `proxyshift plan`'s list (no host tools, 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any, NoReturn
 
 import pytest
 from test_agent_flush_plan import EXPECTED_OWNED, IPVSADM, FakeNode
 from test_agent_loop import FakeAPI, make_agent, node_obj
-from test_machine import REV, done, inp, mig, writes
+from test_machine import REV, done, inp, mig, migration_of, operation_of
 from test_plan_compat import policy, world
 
 from proxyshift.agent.flush.iptables import IptablesTool
 from proxyshift.agent.flush.ipvs import VirtualServer, parse_ipvsadm_save
 from proxyshift.agent.inventory import Inventory, foreign_ipvs, leftovers, take_inventory
-from proxyshift.agent.preflight import ToolVersions, check
+from proxyshift.agent.preflight import PreflightReport, ToolVersions, check
+from proxyshift.api.policy import ProxyPolicy
 from proxyshift.api.proxynode import ForeignIPVS, Operation, PreflightParams, ProxyNode
 from proxyshift.controller import plan_view
 from proxyshift.planner import machine
 from proxyshift.planner.machine import Target
 from proxyshift.planner.preview import foreign_ipvs_nodes, predict_preflight
-from proxyshift.planner.world import Event, SetRevisionLabel
+from proxyshift.planner.world import Event, SetRevisionLabel, World
 
 pytestmark = pytest.mark.unit
 
@@ -41,24 +44,24 @@ def ipvs_node(tmp_path: Path) -> Inventory:
     return take_inventory(runner=FakeNode(), iptables_tools=[IptablesTool("ipv4", "nft")], proc_root=tmp_path)
 
 
-def holding(*vs: VirtualServer):
+def holding(*vs: VirtualServer) -> Callable[[], Inventory]:
     return lambda: Inventory(ipvs_available=True, virtual_servers=list(vs), foreign_virtual_servers=list(vs))
 
 
-def on_ipvs_kernel(mode: str, **kw):
+def on_ipvs_kernel(mode: str, **kw: Any) -> PreflightReport:
     """Preflight on the fixture kernel 6.8 with IPVS built in (/proc/net/ip_vs exists)."""
     return check(mode, proc_root=FIX / "proc" / "ipvs-builtin", sys_root=FIX / "sys" / "ipvs-builtin",
                  modules_root=FIX / "sys" / "ipvs-builtin" / "lib-modules", tools=GOOD_TOOLS, **kw)
 
 
-def nftables_check(**kw):
+def nftables_check(**kw: Any) -> PreflightReport:
     return on_ipvs_kernel("nftables", **kw)
 
 
 # ---- the decision: the flush's select_owned, and everything it does not claim ----
 
 
-def test_the_inventory_splits_virtual_servers_by_the_flushs_own_evidence(tmp_path):
+def test_the_inventory_splits_virtual_servers_by_the_flushs_own_evidence(tmp_path: Path) -> None:
     inv = ipvs_node(tmp_path)
     assert not inv.errors
     assert {vs.key() for vs in inv.kube_virtual_servers} == EXPECTED_OWNED
@@ -72,7 +75,7 @@ def test_the_inventory_splits_virtual_servers_by_the_flushs_own_evidence(tmp_pat
     assert "ipvs" in leftovers(inv, "nftables")
 
 
-def test_the_status_list_is_bounded_and_counts_everything():
+def test_the_status_list_is_bounded_and_counts_everything() -> None:
     many = [VirtualServer("tcp", f"198.18.5.{i}", 80, None, f"-t 198.18.5.{i}:80", "rr") for i in range(40)]
     status = foreign_ipvs(Inventory(foreign_virtual_servers=many))
     assert status.count == 40 and len(status.virtual_servers) == 16
@@ -82,7 +85,7 @@ def test_the_status_list_is_bounded_and_counts_everything():
         "1 IPVS virtual server that is not kube-proxy's (FWM 7 sh)"
 
 
-def test_describe_reads_like_ipvsadm():
+def test_describe_reads_like_ipvsadm() -> None:
     parsed = parse_ipvsadm_save("-A -u 198.18.200.1:53 -s rr -p 600\n-A -t [fd00::5]:443 -s mh -b flag-1\n"
                                 "-A -f 7 -s sh\n")
     assert [vs.describe() for vs in parsed] == ["UDP 198.18.200.1:53 rr", "TCP [fd00::5]:443 mh", "FWM 7 sh"]
@@ -91,7 +94,7 @@ def test_describe_reads_like_ipvsadm():
 # ---- preflight ----
 
 
-def test_preflight_for_nftables_refuses_a_users_virtual_server_naming_it(tmp_path):
+def test_preflight_for_nftables_refuses_a_users_virtual_server_naming_it(tmp_path: Path) -> None:
     report = nftables_check(ipvs_inventory=holding(USER_VS))
     assert not report.ok
     (refusal,) = report.missing
@@ -104,7 +107,7 @@ def test_preflight_for_nftables_refuses_a_users_virtual_server_naming_it(tmp_pat
                                                "accepted": False}
 
 
-def test_with_foreign_ipvs_flush_accepted_preflight_passes_and_names_what_goes(tmp_path):
+def test_with_foreign_ipvs_flush_accepted_preflight_passes_and_names_what_goes(tmp_path: Path) -> None:
     report = nftables_check(ipvs_inventory=holding(USER_VS), allow_changes=["LocalhostNodePorts",
                                                                                       "ForeignIPVSFlush"])
     assert report.ok, report.message()
@@ -113,8 +116,8 @@ def test_with_foreign_ipvs_flush_accepted_preflight_passes_and_names_what_goes(t
     assert report.details()["foreignIPVS"]["accepted"] is True
 
 
-def test_only_a_move_to_nftables_looks_at_ipvs_and_only_when_the_kernel_has_it(tmp_path):
-    def never():
+def test_only_a_move_to_nftables_looks_at_ipvs_and_only_when_the_kernel_has_it(tmp_path: Path) -> None:
+    def never() -> NoReturn:
         raise AssertionError("IPVS read where no kube-proxy would delete anything")
 
     for mode in ("iptables", "ipvs"):
@@ -128,7 +131,7 @@ def test_only_a_move_to_nftables_looks_at_ipvs_and_only_when_the_kernel_has_it(t
     assert nftables_check(ipvs_inventory=lambda: Inventory(ipvs_available=True)).ok
 
 
-def test_an_unreadable_ipvs_table_is_refused_not_taken_for_empty(tmp_path):
+def test_an_unreadable_ipvs_table_is_refused_not_taken_for_empty(tmp_path: Path) -> None:
     unreadable = nftables_check(ipvs_inventory=lambda: Inventory(
         ipvs_available=True, errors=["ipvsadm: ipvsadm is not installed"]))
     assert not unreadable.ok
@@ -144,17 +147,18 @@ def test_an_unreadable_ipvs_table_is_refused_not_taken_for_empty(tmp_path):
 # ---- operator -> agent: the typed Preflight params ----
 
 
-def test_the_operator_passes_allow_changes_and_the_agent_hands_them_to_preflight():
+def test_the_operator_passes_allow_changes_and_the_agent_hands_them_to_preflight() -> None:
     step = machine.start(inp(gate={"behaviour": {"allowChanges": ["ForeignIPVSFlush"]}}), Target(REV, "nftables"),
                          from_mode="ipvs", generation=1, retry_token=None)
-    params = writes(step)[0].operation.params
+    params = operation_of(step).params
     assert PreflightParams.model_validate(params).allow_changes == ["ForeignIPVSFlush"]
     plain = machine.start(inp(), Target(REV, "nftables"), from_mode="ipvs", generation=1, retry_token=None)
-    assert "allowChanges" not in writes(plain)[0].operation.params
+    assert "allowChanges" not in operation_of(plain).params
 
-    seen = {}
+    seen: dict[str, Any] = {}
 
-    def preflight(mode, scheduler=None, *, allow_changes, **kw):
+    def preflight(mode: str, scheduler: str | None = None, *, allow_changes: list[str],
+                  **kw: Any) -> PreflightReport:
         seen.update(kw, allow_changes=allow_changes)
         return on_ipvs_kernel(mode, allow_changes=allow_changes, ipvs_inventory=holding(USER_VS))
 
@@ -162,11 +166,12 @@ def test_the_operator_passes_allow_changes_and_the_agent_hands_them_to_preflight
     make_agent(api, preflight=preflight).handle(api.get("n1"))
     assert seen["allow_changes"] == ["ForeignIPVSFlush"]
     status = ProxyNode.model_validate(api.obj).status
+    assert status.last_operation is not None
     assert status.last_operation.state == "Succeeded", status.last_operation.message
     assert status.foreign_ipvs == ForeignIPVS(count=1, virtual_servers=["TCP 198.18.5.1:80 rr"])
 
 
-def test_the_heartbeat_reports_foreign_virtual_servers(tmp_path):
+def test_the_heartbeat_reports_foreign_virtual_servers(tmp_path: Path) -> None:
     api = FakeAPI(node_obj())
     agent = make_agent(api, inventory=ipvs_node(tmp_path))
     agent.handle(api.get("n1"))
@@ -177,7 +182,7 @@ def test_the_heartbeat_reports_foreign_virtual_servers(tmp_path):
 # ---- the operator tells what the switch deletes ----
 
 
-def test_an_accepted_flush_is_recorded_in_the_migration_and_told_in_a_warning_event():
+def test_an_accepted_flush_is_recorded_in_the_migration_and_told_in_a_warning_event() -> None:
     m = mig("Preflight", from_mode="ipvs")
     op = Operation(id=f"{REV}.1.0.Preflight.0", type="Preflight")
     last = done(op, message="preflight for nftables passed", foreignIPVS={
@@ -185,17 +190,17 @@ def test_an_accepted_flush_is_recorded_in_the_migration_and_told_in_a_warning_ev
     step = machine.step(inp(m, op=op, last=last, rollout={"holdRules": False},
                             gate={"behaviour": {"allowChanges": ["ForeignIPVSFlush"]}}))
     assert step.phase == "Switch" and any(isinstance(a, SetRevisionLabel) for a in step.actions)
-    assert writes(step)[0].migration.foreign_ipvs_flushed == ["TCP 198.18.5.1:80 rr", "FWM 7 sh"]
+    assert migration_of(step).foreign_ipvs_flushed == ["TCP 198.18.5.1:80 rr", "FWM 7 sh"]
     (event,) = [a for a in step.actions if isinstance(a, Event) and a.reason == "ForeignIPVSFlush"]
     assert event.type == "Warning"
     assert event.message == ("the switch to nftables deletes IPVS virtual servers that are not kube-proxy's "
                              "(accepted by gate.behaviour.allowChanges): TCP 198.18.5.1:80 rr, FWM 7 sh and 1 more")
     # Cordoned first: the record goes along with the cordon step.
     cordoned = machine.step(inp(m, op=op, last=last, rollout={"cordon": True}))
-    assert writes(cordoned)[0].migration.foreign_ipvs_flushed == ["TCP 198.18.5.1:80 rr", "FWM 7 sh"]
+    assert migration_of(cordoned).foreign_ipvs_flushed == ["TCP 198.18.5.1:80 rr", "FWM 7 sh"]
 
 
-def test_a_prepared_node_tells_the_accepted_flush_once_when_it_switches():
+def test_a_prepared_node_tells_the_accepted_flush_once_when_it_switches() -> None:
     # Waiting for a slot writes nothing, so it tells nothing either (it would repeat at every plan);
     # the switch's write records the flush and its Warning goes with it.
     m = mig("Preflight", from_mode="ipvs")
@@ -205,25 +210,25 @@ def test_a_prepared_node_tells_the_accepted_flush_once_when_it_switches():
     waiting = machine.step(dataclasses.replace(inp(m, op=op, last=last, gate=allow), may_switch=False))
     assert waiting.phase == "Prepared" and waiting.actions == []
     granted = machine.step(inp(m, op=op, last=last, gate=allow, rollout={"holdRules": False}))
-    assert writes(granted)[0].migration.foreign_ipvs_flushed == ["FWM 7 sh"]
+    assert migration_of(granted).foreign_ipvs_flushed == ["FWM 7 sh"]
     assert [a.reason for a in granted.actions if isinstance(a, Event)].count("ForeignIPVSFlush") == 1
 
 
-def test_a_refused_node_fails_preflight_untouched_and_nothing_is_recorded_as_flushed():
+def test_a_refused_node_fails_preflight_untouched_and_nothing_is_recorded_as_flushed() -> None:
     m = mig("Preflight", from_mode="ipvs")
     op = Operation(id=f"{REV}.1.0.Preflight.0", type="Preflight")
     last = done(op, "Failed", "preflight for nftables failed: IPVS virtual servers that are not kube-proxy's",
                 foreignIPVS={"count": 1, "virtualServers": ["TCP 198.18.5.1:80 rr"], "accepted": False})
     step = machine.step(inp(m, op=op, last=last))
     assert step.phase == "Failed" and not any(isinstance(a, SetRevisionLabel) for a in step.actions)
-    assert writes(step)[0].migration.foreign_ipvs_flushed is None
+    assert migration_of(step).foreign_ipvs_flushed is None
     assert not any(isinstance(a, Event) and a.reason == "ForeignIPVSFlush" for a in step.actions)
 
 
 # ---- proxyshift plan -f ----
 
 
-def _with_inventory(p, foreign: dict[str, ForeignIPVS]):
+def _with_inventory(p: ProxyPolicy, foreign: dict[str, ForeignIPVS]) -> World:
     wld = world(p)
     for name in wld.nodes:
         wld.proxynodes[name] = ProxyNode.model_validate({"metadata": {"name": name}, "status": {
@@ -234,7 +239,7 @@ def _with_inventory(p, foreign: dict[str, ForeignIPVS]):
     return wld
 
 
-def test_plan_names_the_nodes_holding_foreign_virtual_servers_and_says_refused():
+def test_plan_names_the_nodes_holding_foreign_virtual_servers_and_says_refused() -> None:
     p = policy()
     wld = _with_inventory(p, {"n2": ForeignIPVS(count=1, virtual_servers=["TCP 198.18.5.1:80 rr"])})
     assert [n.node for n in foreign_ipvs_nodes(wld, "blue")] == ["n2"]
@@ -249,7 +254,7 @@ def test_plan_names_the_nodes_holding_foreign_virtual_servers_and_says_refused()
     assert "  n2                             REFUSED: 1 (TCP 198.18.5.1:80 rr)" in text.splitlines()
 
 
-def test_plan_with_the_acceptance_says_accepted_and_what_the_switch_deletes():
+def test_plan_with_the_acceptance_says_accepted_and_what_the_switch_deletes() -> None:
     p = policy(gate={"behaviour": {"allowChanges": ["ForeignIPVSFlush"]}})
     wld = _with_inventory(p, {"n1": ForeignIPVS(count=2, virtual_servers=["TCP 198.18.5.1:80 rr", "FWM 7 sh"])})
     text = plan_view.render_preview(p, wld)
@@ -261,7 +266,7 @@ def test_plan_with_the_acceptance_says_accepted_and_what_the_switch_deletes():
     assert "  n1                             ACCEPTED: 2 (TCP 198.18.5.1:80 rr, FWM 7 sh)" in text.splitlines()
 
 
-def test_plan_for_iptables_or_ipvs_does_not_list_them():
+def test_plan_for_iptables_or_ipvs_does_not_list_them() -> None:
     # Not in the nftables list; a move to ipvs names them per node (test_ipvs_prunes_foreign.py), iptables not.
     for mode in ("iptables", "ipvs"):
         p = policy(mode=mode)
@@ -272,7 +277,7 @@ def test_plan_for_iptables_or_ipvs_does_not_list_them():
         assert ("1 IPVS virtual server that is not kube-proxy's" in text) is (mode == "ipvs")
 
 
-def test_plan_json_lists_them_and_counts_a_refused_node_as_a_preflight_failure():
+def test_plan_json_lists_them_and_counts_a_refused_node_as_a_preflight_failure() -> None:
     from proxyshift.planner.preview import preview
     from proxyshift.planner.reports import plan_report
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from proxyshift.api.policy import GateSettings, ServiceRef
 from proxyshift.api.proxynode import KubeProxyFacts
-from proxyshift.planner.gate import CLOCK_SKEW_SECONDS, evaluate_gate
+from proxyshift.planner.gate import CLOCK_SKEW_SECONDS, GateVerdict, evaluate_gate
 
 pytestmark = pytest.mark.unit
 
@@ -31,7 +32,8 @@ def facts(**changes: object) -> KubeProxyFacts:
     return KubeProxyFacts.model_validate(base)
 
 
-def judge(f: KubeProxyFacts | None, gate: GateSettings | None = None, mode: str = "nftables", **kw: object):
+def judge(f: KubeProxyFacts | None, gate: GateSettings | None = None, mode: str = "nftables",
+          **kw: Any) -> GateVerdict:
     return evaluate_gate(f, gate or GateSettings(), mode, SWITCH, NOW, **kw)
 
 

@@ -14,7 +14,8 @@ import pytest
 
 from proxyshift.agent.probe import HttpAnswer, ProbeResult, facts_from_probe
 from proxyshift.api.policy import GateSettings
-from proxyshift.planner.gate import evaluate_gate
+from proxyshift.api.proxynode import KubeProxyFacts
+from proxyshift.planner.gate import GateVerdict, evaluate_gate
 
 pytestmark = pytest.mark.unit
 
@@ -53,7 +54,7 @@ def answers(metrics: HttpAnswer) -> ProbeResult:
                        metrics=metrics, healthz=HttpAnswer("http://127.0.0.1:10256/healthz", 200, "ok"))
 
 
-def verdict_for(metrics: HttpAnswer):
+def verdict_for(metrics: HttpAnswer) -> tuple[KubeProxyFacts, GateVerdict]:
     facts = facts_from_probe(answers(metrics), now=NOW)
     return facts, evaluate_gate(facts, GateSettings(min_syncs=1), "nftables", SWITCH, NOW)
 

@@ -48,7 +48,7 @@ REGISTERED = {
 
 def registered() -> set[tuple[Any, ...]]:
     registry = kopf.get_default_registry()
-    found = set()
+    found: set[tuple[Any, ...]] = set()
     for kind in ("activities", "indexing", "spawning", "changing"):
         for h in getattr(registry, f"_{kind}").get_all_handlers():
             selector = getattr(h, "selector", None)
@@ -64,7 +64,7 @@ def registered() -> set[tuple[Any, ...]]:
 def test_handler_ids_indexes_and_filters_stay_what_a_running_operator_left_behind() -> None:
     assert registered() == REGISTERED
     daemon = next(h for h in kopf.get_default_registry()._spawning.get_all_handlers() if h.id == "rollout")
-    assert daemon.cancellation_timeout == 10
+    assert daemon.cancellation_timeout == 10  # type: ignore[attr-defined]  # "rollout" is a daemon's handler
 
 
 def test_configure_sets_kopf_up_and_puts_the_runtime_in_the_memo(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -74,7 +74,8 @@ def test_configure_sets_kopf_up_and_puts_the_runtime_in_the_memo(monkeypatch: py
     settings, memo = kopf.OperatorSettings(), kopf.Memo({MEMO_KUBE_CONTEXT: "staging", MEMO_PEERING: None})
     settings.peering.clusterwide = False  # what kopf.operator(namespaces=[...]) sets before the startup
 
-    handlers.configure(settings=settings, memo=memo)
+    # kopf's decorator types the handler as an ActivityFn; the handler itself takes just these.
+    handlers.configure(settings=settings, memo=memo)  # type: ignore[call-arg]
 
     assert contexts == ["staging"]
     # Served namespace only, named exactly: no Namespace or CRD list (the operator may do neither);
@@ -119,7 +120,7 @@ def test_configure_waits_for_the_crds_it_cannot_notice_later(monkeypatch: pytest
     monkeypatch.setattr(handlers.ClusterAPI, "unserved_resources", unserved)
     memo = kopf.Memo({MEMO_KUBE_CONTEXT: None, MEMO_PEERING: "proxyshift"})
     with pytest.raises(kopf.TemporaryError, match=r"does not serve proxypolicies\.proxyshift\.io/v1alpha1"):
-        handlers.configure(settings=kopf.OperatorSettings(), memo=memo)
+        handlers.configure(settings=kopf.OperatorSettings(), memo=memo)  # type: ignore[call-arg]  # as above
     assert asked == [True]
     assert MEMO_KEY not in memo
 
@@ -144,11 +145,11 @@ def test_unserved_resources_names_each_missing_crd() -> None:
     from proxyshift.controller.kube import ClusterAPI
 
     api = ClusterAPI()
-    api.custom = FakeDiscovery({("proxyshift.io", "v1alpha1"): ["proxypolicies", "proxypolicies/status"]})  # type: ignore[assignment]
+    api.custom = FakeDiscovery({("proxyshift.io", "v1alpha1"): ["proxypolicies", "proxypolicies/status"]})  # type: ignore[assignment]  # a fake discovery API
     assert api.unserved_resources(with_peering=False) == ["proxynodes.proxyshift.io/v1alpha1"]
     assert api.unserved_resources(with_peering=True) == ["proxynodes.proxyshift.io/v1alpha1",
                                                          "clusterkopfpeerings.kopf.dev/v1"]
-    api.custom = FakeDiscovery({("proxyshift.io", "v1alpha1"): ["proxypolicies", "proxynodes"],  # type: ignore[assignment]
+    api.custom = FakeDiscovery({("proxyshift.io", "v1alpha1"): ["proxypolicies", "proxynodes"],  # type: ignore[assignment]  # a fake discovery API
                                 ("kopf.dev", "v1"): ["clusterkopfpeerings"]})
     assert api.unserved_resources(with_peering=True) == []
 
@@ -190,7 +191,8 @@ def test_the_rollout_daemon_steps_the_policy_and_survives_an_api_error(monkeypat
     async def run() -> None:
         runtime = cluster.runtime_for_test()
         monkeypatch.setattr(runtime.pacing, "pause", no_pause)
-        await handlers.rollout(name="blue", stopped=StopAfter(3), logger=logging.getLogger("test"),  # type: ignore[arg-type]
+        # kopf's decorators type the handlers as returning object; these are coroutine functions.
+        await handlers.rollout(name="blue", stopped=StopAfter(3), logger=logging.getLogger("test"),  # type: ignore[arg-type, misc]
                                memo=kopf.Memo({MEMO_KEY: runtime}), **index_kwargs(cluster))
 
     async def no_pause(*_: Any) -> None:
@@ -210,7 +212,8 @@ def test_the_delete_handler_lets_the_finalizer_go_when_nothing_is_left() -> None
 
     async def run() -> None:
         runtime = cluster.runtime_for_test()
-        await handlers.on_delete(name="blue", memo=kopf.Memo({MEMO_KEY: runtime}), **index_kwargs(cluster))
+        await handlers.on_delete(  # type: ignore[misc]  # a coroutine function, as above
+            name="blue", memo=kopf.Memo({MEMO_KEY: runtime}), **index_kwargs(cluster))
 
     asyncio.run(run())  # returned: kopf removes the finalizer
     assert cluster.calls == []

@@ -118,7 +118,7 @@ def test_pools_and_mode() -> None:
     assert cluster.networking is not None and cluster.networking.kubeProxyMode == "iptables"
     nodes = cluster.nodes or []
     assert [n.role for n in nodes].count("control-plane") == 1
-    pools = [(n.labels or {}).get("pool") for n in nodes if n.role == "worker"]
+    pools = [(n.labels or {}).get("pool") or "" for n in nodes if n.role == "worker"]
     assert sorted(pools) == ["blue", "blue", "green"]  # the e2e suite's pools (tests/conftest.py E2E_POOLS)
 
 

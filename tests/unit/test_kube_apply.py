@@ -65,7 +65,7 @@ Answer = Callable[[Request], tuple[int, Any]]
 
 
 @dataclass
-class FakeApiClient(client.ApiClient):  # type: ignore[misc]
+class FakeApiClient(client.ApiClient):
     answer: Answer = field(default=lambda r: (200, r.body))
     requests: list[Request] = field(default_factory=list)
 
@@ -74,7 +74,9 @@ class FakeApiClient(client.ApiClient):  # type: ignore[misc]
         conf.host = "https://apiserver.invalid"
         super().__init__(conf)
 
-    def call_api(self, method: str, url: str, header_params: dict[str, str] | None = None, body: Any = None,
+    # Returns the fake's Response, which has what the client reads of a RESTResponse.
+    def call_api(self, method: str, url: str,  # type: ignore[override]
+                 header_params: dict[str, str] | None = None, body: Any = None,
                  post_params: Any = None, _request_timeout: Any = None) -> Response:
         parts = urlsplit(url)
         request = Request(method, parts.path, parse_qs(parts.query), (header_params or {}).get("Content-Type"),
@@ -270,8 +272,8 @@ def test_a_missing_proxynode_is_created_without_a_spec_before_a_merge() -> None:
 
 
 def test_union_of_field_sets() -> None:
-    a = {"f:spec": {"f:policy": {}, "f:migration": {"f:phase": {}}}}
-    b = {"f:spec": {"f:migration": {"f:toRevision": {}}, "f:operation": {".": {}, "f:id": {}}}}
+    a: dict[str, Any] = {"f:spec": {"f:policy": {}, "f:migration": {"f:phase": {}}}}
+    b: dict[str, Any] = {"f:spec": {"f:migration": {"f:toRevision": {}}, "f:operation": {".": {}, "f:id": {}}}}
     assert union_fields(a, b) == {"f:spec": {"f:policy": {}, "f:migration": {"f:phase": {}, "f:toRevision": {}},
                                              "f:operation": {".": {}, "f:id": {}}}}
     assert a == {"f:spec": {"f:policy": {}, "f:migration": {"f:phase": {}}}}  # inputs untouched

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from localcluster import cli
@@ -27,6 +29,6 @@ def test_nodes_and_pools_must_agree() -> None:
         cli.pools_for(2, "blue=2,green=1")
 
 
-def test_kubeconfig_without_cluster(tmp_path, capsys) -> None:
+def test_kubeconfig_without_cluster(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--state-dir", str(tmp_path / "none"), "kubeconfig"]) == 1
     assert "no cluster" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -150,7 +151,7 @@ def test_a_python_image_runs_its_own_package_from_this_checkout() -> None:
 def test_probe_time_scale_stretches_initial_delays_and_timeouts_only() -> None:
     from localcluster.nodesim import probes
 
-    container = {"name": "agent", "image": "x",
+    container: dict[str, Any] = {"name": "agent", "image": "x",
                  "livenessProbe": {"httpGet": {"path": "/healthz", "port": 9811}, "initialDelaySeconds": 5,
                                    "periodSeconds": 20, "timeoutSeconds": 5, "failureThreshold": 3},
                  "readinessProbe": {"httpGet": {"path": "/readyz", "port": 9811}, "periodSeconds": 10}}

@@ -127,13 +127,13 @@ def _worker(host_network: bool | None, pod_netns: str = "ps-node-1-pod", *, port
         spec["hostNetwork"] = host_network
     pod = {"metadata": {"name": name, "namespace": "n", "uid": f"{name}-0123456789"}, "spec": spec}
     sim = sim or SimpleNamespace(cfg=cfg, workers={})
-    worker = sim_pod.PodWorker(sim, pod)  # type: ignore[arg-type]
-    sim.workers[worker.uid] = worker  # type: ignore[attr-defined]
+    worker = sim_pod.PodWorker(sim, pod)  # type: ignore[arg-type]  # sim: a stand-in with cfg and workers
+    sim.workers[worker.uid] = worker  # type: ignore[attr-defined]  # as above
     return worker
 
 
 def _running(worker: sim_pod.PodWorker) -> sim_pod.PodWorker:
-    worker.runs[0].proc = SimpleNamespace(poll=lambda: None)  # type: ignore[assignment]
+    worker.runs[0].proc = SimpleNamespace(poll=lambda: None)  # type: ignore[assignment]  # a process still running
     return worker
 
 

@@ -13,7 +13,7 @@ from localcluster import vm, vmkernel
 pytestmark = pytest.mark.unit
 
 
-def test_the_kernel_pin_is_read_from_pins_env():
+def test_the_kernel_pin_is_read_from_pins_env() -> None:
     pin = vmkernel.read_pin()
     assert pin.package.startswith("linux-image-") and pin.package.endswith("-amd64")
     assert pin.release == pin.package.removeprefix("linux-image-")
@@ -21,13 +21,13 @@ def test_the_kernel_pin_is_read_from_pins_env():
     assert vmkernel.cache_dir(pin).name == f"{pin.package}_{pin.version}"
 
 
-def test_a_pins_file_without_the_kernel_is_an_error_naming_the_key(tmp_path):
+def test_a_pins_file_without_the_kernel_is_an_error_naming_the_key(tmp_path: Path) -> None:
     (tmp_path / "pins.env").write_text("KUBERNETES_VERSION=v1.37.2\nVM_KERNEL_PACKAGE=linux-image-x\n")
     with pytest.raises(vmkernel.VmKernelError, match="VM_KERNEL_VERSION"):
         vmkernel.read_pin(tmp_path / "pins.env")
 
 
-def test_vmlinux_is_the_elf_inside_the_xz_payload_even_after_a_false_magic():
+def test_vmlinux_is_the_elf_inside_the_xz_payload_even_after_a_false_magic() -> None:
     elf = b"\x7fELF" + bytes(range(256)) * 64
     payload = lzma.compress(elf, format=lzma.FORMAT_XZ)
     # A stray magic before the real stream (code bytes can look like one), trailing bytes after it.
@@ -35,7 +35,7 @@ def test_vmlinux_is_the_elf_inside_the_xz_payload_even_after_a_false_magic():
     assert vmkernel.extract_vmlinux(image) == elf
 
 
-def test_a_bzimage_without_an_xz_elf_is_refused():
+def test_a_bzimage_without_an_xz_elf_is_refused() -> None:
     with pytest.raises(vmkernel.VmKernelError, match="no xz-compressed ELF"):
         vmkernel.extract_vmlinux(b"MZ" + lzma.compress(b"not an elf", format=lzma.FORMAT_XZ))
 
@@ -53,18 +53,18 @@ def _modules(tmp_path: Path) -> Path:
     return d
 
 
-def test_module_closure_puts_dependencies_first_once_and_skips_built_ins(tmp_path):
+def test_module_closure_puts_dependencies_first_once_and_skips_built_ins(tmp_path: Path) -> None:
     order = vmkernel.module_closure(_modules(tmp_path), ("9pnet_virtio", "9p", "overlay"))
     assert order == ["kernel/net/9p/9pnet.ko", "kernel/drivers/virtio/virtio.ko", "kernel/net/9p/9pnet_virtio.ko",
                      "kernel/fs/netfs/netfs.ko", "kernel/fs/9p/9p.ko"]
 
 
-def test_module_closure_names_a_module_the_kernel_lacks(tmp_path):
+def test_module_closure_names_a_module_the_kernel_lacks(tmp_path: Path) -> None:
     with pytest.raises(vmkernel.VmKernelError, match="virtio_console"):
         vmkernel.module_closure(_modules(tmp_path), ("virtio_console",))
 
 
-def test_the_initramfs_is_a_cpio_the_standard_tool_lists(tmp_path):
+def test_the_initramfs_is_a_cpio_the_standard_tool_lists(tmp_path: Path) -> None:
     d = _modules(tmp_path)
     for rel in ("kernel/fs/9p/9p.ko", "kernel/net/9p/9pnet.ko", "kernel/fs/netfs/netfs.ko",
                 "kernel/net/9p/9pnet_virtio.ko", "kernel/drivers/virtio/virtio.ko"):
@@ -85,7 +85,7 @@ def test_the_initramfs_is_a_cpio_the_standard_tool_lists(tmp_path):
     assert b"9pnet.ko\nvirtio.ko\n9pnet_virtio.ko\nnetfs.ko\n9p.ko\n" in image  # the insmod order
 
 
-def test_stage2_quotes_every_argument_and_value():
+def test_stage2_quotes_every_argument_and_value() -> None:
     script = vm.stage2_script(["python3", "-c", "print('a b'); import sys"], "/work/my dir",
                               {"PYTHONPATH": "/x y", "EVIL": "$(reboot)"})
     assert "python3 -c 'print('\"'\"'a b'\"'\"'); import sys'" in script
@@ -94,7 +94,7 @@ def test_stage2_quotes_every_argument_and_value():
     assert f"{vm.GUEST_RUN_DIR}/rc" in script and "/proc/sysrq-trigger" in script
 
 
-def test_qemu_gets_no_network_a_read_only_host_root_and_tcg(tmp_path):
+def test_qemu_gets_no_network_a_read_only_host_root_and_tcg(tmp_path: Path) -> None:
     pin = vmkernel.KernelPin("linux-image-6.1.0-test-amd64", "1", "0" * 64)
     kernel = vmkernel.GuestKernel(pin=pin, root=tmp_path, vmlinux=tmp_path / "vmlinux",
                                   initramfs=tmp_path / "i.cpio", modules_dir=tmp_path / "lib/modules")
@@ -111,7 +111,7 @@ def test_qemu_gets_no_network_a_read_only_host_root_and_tcg(tmp_path):
     assert argv[argv.index("-m") + 1] == "1024M" and argv[argv.index("-smp") + 1] == "1"
 
 
-def test_qemu_gets_one_virtio_nic_on_the_given_tap_only_when_asked(tmp_path):
+def test_qemu_gets_one_virtio_nic_on_the_given_tap_only_when_asked(tmp_path: Path) -> None:
     pin = vmkernel.KernelPin("linux-image-6.1.0-test-amd64", "1", "0" * 64)
     kernel = vmkernel.GuestKernel(pin=pin, root=tmp_path, vmlinux=tmp_path / "vmlinux",
                                   initramfs=tmp_path / "i.cpio", modules_dir=tmp_path / "lib/modules")
@@ -129,7 +129,7 @@ def test_qemu_gets_one_virtio_nic_on_the_given_tap_only_when_asked(tmp_path):
             vm.network_argv(bad)
 
 
-def test_parse_env():
+def test_parse_env() -> None:
     assert vm.parse_env(["A=1", "B=x=y", "C="]) == {"A": "1", "B": "x=y", "C": ""}
     with pytest.raises(ValueError, match="NAME=VALUE"):
         vm.parse_env(["novalue"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from hypothesis import given, settings
@@ -45,7 +45,7 @@ def pod(ds: str, ready: bool = True, deleting: bool = False, restarts: int = 0) 
 
 
 def mig(phase: str, **kw: Any) -> NodeMigration:
-    base = {"phase": phase, "phase_since": fmt(T0), "from_revision": None, "from_mode": "iptables",
+    base: dict[str, Any] = {"phase": phase, "phase_since": fmt(T0), "from_revision": None, "from_mode": "iptables",
             "to_revision": REV, "to_mode": "nftables", "attempt": 1, "switched_at": fmt(T0)}
     base.update(kw)
     return NodeMigration(**base)
@@ -65,13 +65,32 @@ def inp(
                      pods=pods if pods is not None else [pod("kube-proxy")], now=T0 + timedelta(seconds=now_plus))
 
 
-def done(op: Operation, state: str = "Succeeded", message: str = "ok", **details: Any) -> OperationStatus:
+def done(op: Operation, state: Literal["Running", "Succeeded", "Failed"] = "Succeeded", message: str = "ok",
+         **details: Any) -> OperationStatus:
     return OperationStatus(id=op.id, type=op.type, state=state, message=message, details=details,
                            finished_at=fmt(T0))
 
 
 def writes(step: machine.Step) -> list[SetMigration]:
     return [a for a in step.actions if isinstance(a, SetMigration)]
+
+
+def record_of(write: SetMigration) -> NodeMigration:
+    """The migration record a write carries (every write these tests look into has one)."""
+    assert write.migration is not None
+    return write.migration
+
+
+def migration_of(step: machine.Step) -> NodeMigration:
+    """The record of the step's first migration write."""
+    return record_of(writes(step)[0])
+
+
+def operation_of(step: machine.Step) -> Operation:
+    """The operation of the step's first migration write (the tests that call it expect one)."""
+    operation = writes(step)[0].operation
+    assert operation is not None
+    return operation
 
 
 def test_start_records_migration_and_deterministic_preflight() -> None:
@@ -88,7 +107,7 @@ def test_start_records_migration_and_deterministic_preflight() -> None:
 def test_attempts_never_repeat_an_operation_id() -> None:
     failed = mig("Failed", attempt=4)
     step = machine.start(inp(failed), Target(REV, "nftables"), from_mode="iptables", generation=1, retry_token=None)
-    assert writes(step)[0].operation.id == f"{REV}.5.20261130120001.Preflight.0"
+    assert operation_of(step).id == f"{REV}.5.20261130120001.Preflight.0"
 
 
 def test_a_new_policy_on_a_released_node_never_reuses_an_operation_id() -> None:
@@ -96,8 +115,8 @@ def test_a_new_policy_on_a_released_node_never_reuses_an_operation_id() -> None:
     first = machine.start(inp(), Target(REV, "nftables"), from_mode="iptables", generation=1, retry_token=None)
     later = machine.start(inp(now_plus=300), Target(REV, "nftables"), from_mode="iptables", generation=1,
                           retry_token=None)
-    assert writes(first)[0].migration.attempt == writes(later)[0].migration.attempt == 1
-    assert writes(first)[0].operation.id != writes(later)[0].operation.id
+    assert migration_of(first).attempt == migration_of(later).attempt == 1
+    assert operation_of(first).id != operation_of(later).id
 
 
 def test_preflight_waits_then_switches_intent_first() -> None:
@@ -144,6 +163,7 @@ def test_a_prepared_node_switches_once_granted_a_slot_in_one_write() -> None:
         assert [a.revision for a in step.actions if isinstance(a, SetRevisionLabel)] == [REV]
         assert len(writes(step)) == 1
         switching = writes(step)[0].migration
+        assert switching is not None
         assert switching.message is None and switching.touched_at == fmt(T0 + timedelta(seconds=30))
         cordoned = machine.step(inp(record, op=op, last=done(op), rollout={"cordon": True}))
         assert cordoned.phase == "Cordon" and any(isinstance(a, Cordon) for a in cordoned.actions)
@@ -157,7 +177,7 @@ def test_a_prepared_node_that_waited_past_the_gate_timeout_goes_back_to_pending(
         assert machine.step(fresh).phase == "Prepared" and machine.step(fresh).requeue_after == 1.0
         stale = dataclasses.replace(inp(record, op=op, last=done(op), now_plus=121), may_switch=False)
         step = machine.step(stale)
-        assert step.phase == "Pending" and writes(step)[0].migration.reason == "PreflightExpired"
+        assert step.phase == "Pending" and migration_of(step).reason == "PreflightExpired"
         assert writes(step)[0].operation is None and writes(step)[0].revision is None  # back where it was
         assert not any(isinstance(a, SetRevisionLabel | Cordon) for a in step.actions)
 
@@ -169,6 +189,7 @@ def test_iptables_to_nftables_holds_the_old_rules_before_the_label_moves() -> No
     # Intent and the hold request in one write; the label waits for the agent's answer.
     assert step.phase == "Switch" and [type(a) for a in step.actions] == [SetMigration]
     hold = writes(step)[0].operation
+    assert hold is not None
     assert hold.type == "Hold" and hold.id == f"{REV}.1.0.Hold.0"
     assert hold.params["fromMode"] == "iptables" and hold.params["toMode"] == "nftables"
     assert hold.params["ttlSeconds"] >= 2 * 120  # outlives the gate, bounded
@@ -210,15 +231,15 @@ def test_preflight_failure_touches_nothing() -> None:
     step = machine.step(inp(m, op=op, last=done(op, "Failed", "ip_vs_mh missing")))
     assert step.phase == "Failed"
     assert not any(isinstance(a, SetRevisionLabel | Cordon) for a in step.actions)
-    assert writes(step)[0].migration.reason == "PreflightFailed"
-    assert "ip_vs_mh missing" in writes(step)[0].migration.message
+    assert migration_of(step).reason == "PreflightFailed"
+    assert "ip_vs_mh missing" in (migration_of(step).message or "")
 
 
 def test_preflight_timeout_when_agent_silent() -> None:
     m = mig("Preflight")
     op = Operation(id=f"{REV}.1.0.Preflight.0", type="Preflight")
     step = machine.step(inp(m, op=op, now_plus=121))
-    assert step.phase == "Failed" and writes(step)[0].migration.reason == "PreflightTimeout"
+    assert step.phase == "Failed" and migration_of(step).reason == "PreflightTimeout"
 
 
 def test_cordon_only_when_schedulable_and_drain_before_switch() -> None:
@@ -226,15 +247,15 @@ def test_cordon_only_when_schedulable_and_drain_before_switch() -> None:
     op = Operation(id=f"{REV}.1.0.Preflight.0", type="Preflight")
     step = machine.step(inp(m, op=op, last=done(op), rollout={"cordon": True, "drain": True}))
     assert step.phase == "Cordon" and any(isinstance(a, Cordon) for a in step.actions)
-    assert writes(step)[0].migration.cordoned_by_us is True
+    assert migration_of(step).cordoned_by_us is True
     theirs = machine.step(inp(m, op=op, last=done(op), unschedulable=True, rollout={"cordon": True}))
     assert not any(isinstance(a, Cordon) for a in theirs.actions)
-    assert writes(theirs)[0].migration.cordoned_by_us is False
+    assert migration_of(theirs).cordoned_by_us is False
     cordoned = mig("Cordon", cordoned_by_us=True)
     step = machine.step(inp(cordoned, unschedulable=True, rollout={"cordon": True, "drain": True}))
     kinds = [type(a) for a in step.actions]
     assert kinds[0] is Drain and step.phase == "Switch"
-    assert writes(step)[0].operation is not None and writes(step)[0].operation.type == "Hold"
+    assert writes(step)[0].operation is not None and operation_of(step).type == "Hold"
 
 
 def test_switch_waits_for_old_pod_gone_and_new_pod_ready() -> None:
@@ -243,7 +264,7 @@ def test_switch_waits_for_old_pod_gone_and_new_pod_ready() -> None:
     assert machine.step(inp(m, label=REV, pods=both)).phase == "Switch"
     assert machine.step(inp(m, label=REV, pods=[pod(f"kube-proxy-{REV}", ready=False)])).phase == "Switch"
     step = machine.step(inp(m, label=REV, pods=[pod(f"kube-proxy-{REV}")]))
-    assert step.phase == "Gate" and writes(step)[0].operation.id == f"{REV}.1.0.Gate.0"
+    assert step.phase == "Gate" and operation_of(step).id == f"{REV}.1.0.Gate.0"
 
 
 def test_switch_relabels_after_crash_between_record_and_label() -> None:
@@ -253,12 +274,12 @@ def test_switch_relabels_after_crash_between_record_and_label() -> None:
 
 def test_crashlooping_new_pod_rolls_back() -> None:
     step = machine.step(inp(mig("Switch"), label=REV, pods=[pod(f"kube-proxy-{REV}", ready=False, restarts=3)]))
-    assert step.phase == "RollingBack" and writes(step)[0].migration.reason == "KubeProxyCrashLooping"
+    assert step.phase == "RollingBack" and migration_of(step).reason == "KubeProxyCrashLooping"
 
 
 def test_switch_timeout_rolls_back() -> None:
     step = machine.step(inp(mig("Switch"), label=REV, pods=[pod(f"kube-proxy-{REV}", ready=False)], now_plus=121))
-    assert step.phase == "RollingBack" and writes(step)[0].migration.reason == "SwitchTimeout"
+    assert step.phase == "RollingBack" and migration_of(step).reason == "SwitchTimeout"
 
 
 def test_a_switch_that_outlasted_an_api_server_outage_gets_its_whole_timeout_after_the_api_came_back() -> None:
@@ -271,13 +292,13 @@ def test_a_switch_that_outlasted_an_api_server_outage_gets_its_whole_timeout_aft
     assert step.phase == "Switch" and not writes(step)
     # An outage that settled (came back, plus the grace) before the node entered the step changes nothing.
     before = dataclasses.replace(waiting, api_back_at=T0 - timedelta(seconds=grace + 5))
-    assert writes(machine.step(before))[0].migration.reason == "SwitchTimeout"
+    assert migration_of(machine.step(before)).reason == "SwitchTimeout"
     # Back shortly before the node entered the step: the grace still runs into it.
     just_before = dataclasses.replace(waiting, api_back_at=T0 - timedelta(seconds=5))
     assert not writes(machine.step(just_before))
     # Once the grace and then the whole timeout have passed since the API server came back, it times out.
     long_back = dataclasses.replace(waiting, api_back_at=waiting.now - timedelta(seconds=grace + timeout + 1))
-    assert writes(machine.step(long_back))[0].migration.reason == "SwitchTimeout"
+    assert migration_of(machine.step(long_back)).reason == "SwitchTimeout"
 
 
 def test_every_step_timeout_counts_from_the_api_server_s_return() -> None:
@@ -288,9 +309,9 @@ def test_every_step_timeout_counts_from_the_api_server_s_return() -> None:
                                                         type="Preflight" if phase == "Preflight" else "Cleanup",
                                                         params={})
         late = inp(mig(phase), label=REV, pods=[pod(f"kube-proxy-{REV}")], op=op, now_plus=121)
-        assert any(w.migration.reason == reason for w in writes(machine.step(late))), phase
+        assert any(record_of(w).reason == reason for w in writes(machine.step(late))), phase
         back = dataclasses.replace(late, api_back_at=late.now - timedelta(seconds=10))
-        assert not any(w.migration.reason == reason for w in writes(machine.step(back))), phase
+        assert not any(record_of(w).reason == reason for w in writes(machine.step(back))), phase
 
 
 def test_a_held_gate_stretched_by_api_server_outages_rolls_back_while_the_hold_still_stands() -> None:
@@ -312,7 +333,7 @@ def test_a_held_gate_stretched_by_api_server_outages_rolls_back_while_the_hold_s
         late = dataclasses.replace(inp(mig("Gate"), label=REV, pods=[pod(f"kube-proxy-{REV}")], op=probe,
                                        gate={"timeout": "30s"}, now_plus=now_plus),
                                    api_back_at=T0 + timedelta(seconds=now_plus - 10))
-        found = [w.migration for w in writes(machine.step(late)) if w.migration.reason == "GateTimeout"]
+        found = [record_of(w) for w in writes(machine.step(late)) if record_of(w).reason == "GateTimeout"]
         assert bool(found) == rolls_back, now_plus
     assert "before the rule hold runs out" in (found[0].message or "")
     # Without a hold (holdRules off, or ipvs) nothing but the timeout and its grace decides.
@@ -327,8 +348,9 @@ def test_a_held_switch_that_never_ends_rolls_back_while_the_hold_still_stands() 
     late = inp(mig("Switch"), label=REV, pods=[pod(f"kube-proxy-{REV}", ready=False)], gate={"timeout": "30s"},
                now_plus=now_plus)
     step = machine.step(dataclasses.replace(late, api_back_at=late.now - timedelta(seconds=5)))
-    (w,) = [w for w in writes(step) if w.migration.reason == "SwitchTimeout"]
-    assert "before the rule hold runs out" in (w.migration.message or "")
+    (w,) = [w for w in writes(step) if record_of(w).reason == "SwitchTimeout"]
+    assert w.migration is not None
+    assert "before the rule hold runs out" in (record_of(w).message or "")
 
 
 @settings(max_examples=200, deadline=None)
@@ -346,7 +368,7 @@ def test_no_held_forward_step_outlives_its_hold_less_a_rollback(timeout: int, ph
                   now_plus=entered + after)
     if back is not None:
         step_in = dataclasses.replace(step_in, api_back_at=T0 + timedelta(seconds=back))
-    rolled_back = any(w.migration.phase == "RollingBack" for w in writes(machine.step(step_in)))
+    rolled_back = any(record_of(w).phase == "RollingBack" for w in writes(machine.step(step_in)))
     if entered + after >= (machine.hold_ttl(step_in).total_seconds() - machine.HOLD_ROLLBACK_SECONDS):
         assert rolled_back
 
@@ -364,6 +386,7 @@ def test_gate_pass_leads_to_cleanup_of_the_mode_left() -> None:
                             leftovers=["ipvs"]))
     assert step.phase == "Cleanup"
     cleanup = writes(step)[0].operation
+    assert cleanup is not None
     assert cleanup.type == "Cleanup" and cleanup.params == {"removeModes": ["iptables", "ipvs"],
                                                             "targetMode": "nftables"}
 
@@ -372,7 +395,8 @@ def test_the_cleanup_report_is_the_verification_when_it_proves_the_node() -> Non
     m = mig("Cleanup")
     op = Operation(id=f"{REV}.1.0.Cleanup.0", type="Cleanup", params={"removeModes": ["iptables"]})
     step = machine.step(inp(m, label=REV, op=op, last=done(op), facts=_good_facts()))
-    assert step.phase == "Done" and writes(step)[0].migration.phase == "Done"
+    assert step is not None
+    assert step.phase == "Done" and migration_of(step).phase == "Done"
     assert writes(step)[0].operation is None  # no Verify probe: one write, one round trip fewer
 
 
@@ -382,7 +406,7 @@ def test_a_cleanup_report_that_cannot_prove_the_node_falls_back_to_a_verify_prob
     not_synced = _good_facts().model_copy(update={"sync_count": 0})
     for facts in (not_synced, None):
         step = machine.step(inp(m, label=REV, op=op, last=done(op), facts=facts))
-        assert step.phase == "Verify" and writes(step)[0].operation.id == f"{REV}.1.0.Verify.0"
+        assert step.phase == "Verify" and operation_of(step).id == f"{REV}.1.0.Verify.0"
 
 
 def test_a_cleanup_report_that_shows_a_broken_node_rolls_back_as_a_failed_verify() -> None:
@@ -390,7 +414,7 @@ def test_a_cleanup_report_that_shows_a_broken_node_rolls_back_as_a_failed_verify
     op = Operation(id=f"{REV}.1.0.Cleanup.0", type="Cleanup", params={"removeModes": ["iptables"]})
     wrong = _good_facts().model_copy(update={"proxy_mode": "iptables"})
     step = machine.step(inp(m, label=REV, op=op, last=done(op), facts=wrong))
-    assert step.phase == "RollingBack" and writes(step)[0].migration.reason == "VerifyWrongMode"
+    assert step.phase == "RollingBack" and migration_of(step).reason == "VerifyWrongMode"
 
 
 def test_the_cleanup_carries_the_gate_services_and_its_connects_decide() -> None:
@@ -402,6 +426,7 @@ def test_the_cleanup_carries_the_gate_services_and_its_connects_decide() -> None
                facts=_good_facts(), gate=gate)
     step = machine.step(NodeInput(**{**base.__dict__, "service_ips": ips}))
     cleanup = writes(step)[0].operation
+    assert cleanup is not None
     assert step.phase == "Cleanup" and cleanup.params["services"] == ["198.19.0.10:80"]
 
     def after(last: OperationStatus) -> machine.Step:
@@ -425,10 +450,10 @@ def test_gate_wait_probes_again_with_next_id() -> None:
     op = Operation(id=f"{REV}.1.0.Gate.0", type="Probe")
     syncing = _good_facts().model_copy(update={"sync_count": 0})
     step = machine.step(inp(m, label=REV, op=op, last=done(op), facts=syncing, now_plus=5))
-    assert step.phase == "Gate" and writes(step)[0].operation.id == f"{REV}.1.0.Gate.1"
+    assert step.phase == "Gate" and operation_of(step).id == f"{REV}.1.0.Gate.1"
     assert "rule syncs" in step.message
     timed_out = machine.step(inp(m, label=REV, op=op, last=done(op), facts=syncing, now_plus=121))
-    assert timed_out.phase == "RollingBack" and writes(timed_out)[0].migration.reason == "GateTimeout"
+    assert timed_out.phase == "RollingBack" and migration_of(timed_out).reason == "GateTimeout"
 
 
 def test_gate_fail_rolls_back_with_reason() -> None:
@@ -436,7 +461,7 @@ def test_gate_fail_rolls_back_with_reason() -> None:
     op = Operation(id=f"{REV}.1.0.Gate.0", type="Probe")
     wrong = _good_facts().model_copy(update={"proxy_mode": "iptables"})
     step = machine.step(inp(m, label=REV, op=op, last=done(op), facts=wrong))
-    assert step.phase == "RollingBack" and writes(step)[0].migration.reason == "WrongMode"
+    assert step.phase == "RollingBack" and migration_of(step).reason == "WrongMode"
     assert writes(step)[0].revision is None  # the spec now points back at where the node came from
 
 
@@ -457,8 +482,8 @@ def test_rollback_to_a_previous_revision_and_uncordon_only_ours() -> None:
     old_ds = "kube-proxy-blue-old"
     assert machine.step(inp(m, label="blue-old", pods=[pod(old_ds, ready=False)])).phase == "RollingBack"
     step = machine.step(inp(m, label="blue-old", pods=[pod(old_ds)]))
-    assert writes(step)[0].operation.type == "Cleanup"
-    assert writes(step)[0].operation.params == {"removeModes": ["nftables"], "targetMode": "iptables"}
+    assert operation_of(step).type == "Cleanup"
+    assert operation_of(step).params == {"removeModes": ["nftables"], "targetMode": "iptables"}
     gate = mig("RollingBack", rollback_step="Gate", from_revision="blue-old", cordoned_by_us=True,
                reverted_at=fmt(T0))
     op = Operation(id=f"{REV}.1.0.RollbackGate.0", type="Probe")
@@ -482,18 +507,19 @@ def test_probe_services_resolved_to_cluster_ips() -> None:
     gate = {"probeServices": [{"namespace": "default", "name": "web", "port": 80}]}
     base = inp(m, label=REV, gate=gate)
     unresolved = machine.step(base)
-    assert writes(unresolved)[0].operation.params["services"] == []
+    assert operation_of(unresolved).params["services"] == []
     resolved = NodeInput(**{**base.__dict__, "service_ips": {"default/web": "198.19.0.10"}})
-    assert writes(machine.step(resolved))[0].operation.params["services"] == ["198.19.0.10:80"]
+    assert operation_of(machine.step(resolved)).params["services"] == ["198.19.0.10:80"]
 
 
 def test_probes_ask_the_agent_to_wait_for_the_mode_they_gate() -> None:
     forward = writes(machine.step(inp(mig("Gate"), label=REV, gate={"minSyncs": 2})))[0].operation
+    assert forward is not None
     assert forward.params | {"services": []} == {"services": [], "awaitMode": "nftables", "awaitSyncs": 2,
                                                  "awaitSeconds": machine.AGENT_AWAIT_SECONDS}
     back = mig("RollingBack", rollback_step="Pod", from_mode="iptables")
     step = machine.step(inp(back, label=None, pods=[pod("kube-proxy")], extra_spec={"cleanup": {"staleRules": False}}))
-    assert writes(step)[0].operation.params["awaitMode"] == "iptables"
+    assert operation_of(step).params["awaitMode"] == "iptables"
 
 
 def test_rollback_does_not_wait_for_a_read_only_probe_or_a_dead_agent() -> None:
@@ -523,12 +549,13 @@ def test_a_drain_blocked_past_its_timeout_gives_the_node_back_and_fails_it_untou
     assert late.phase == "Uncordon" and [type(a) for a in late.actions] == [SetMigration, Uncordon]
     assert not any(isinstance(a, Drain | SetRevisionLabel) for a in late.actions)
     giving_back = writes(late)[0].migration
+    assert giving_back is not None
     assert giving_back.reason == "DrainTimeout" and "30s" in (giving_back.message or "")
     # Still cordoned (the uncordon has not landed): uncordon again, then fail.
     assert [type(a) for a in machine.step(inp(giving_back, unschedulable=True, rollout=rollout)).actions] == \
         [Uncordon]
     failed = machine.step(inp(giving_back, unschedulable=False, rollout=rollout))
-    assert failed.phase == "Failed" and writes(failed)[0].migration.reason == "DrainTimeout"
+    assert failed.phase == "Failed" and migration_of(failed).reason == "DrainTimeout"
     assert writes(failed)[0].mode == "iptables" and writes(failed)[0].revision is None  # where it was
 
 
@@ -551,7 +578,8 @@ def test_an_agent_clock_ahead_does_not_hold_back_the_next_gate_probe() -> None:
     step = machine.step(inp(m, label=REV, op=op, last=ahead, facts=syncing, now_plus=1))
     assert step.phase == "Gate"
     issued = [w.operation.id for w in writes(step) if w.operation is not None]
-    assert issued == [f"{REV}.1.0.Gate.1"] or step.requeue_after <= machine.PROBE_INTERVAL_SECONDS, step
+    assert issued == [f"{REV}.1.0.Gate.1"] or (step.requeue_after is not None
+                                               and step.requeue_after <= machine.PROBE_INTERVAL_SECONDS), step
     # However far ahead the agent is, the operator never sits longer than one probe interval on a result.
     later = machine.step(inp(m, label=REV, op=op, last=ahead, facts=syncing,
                              now_plus=1 + machine.PROBE_INTERVAL_SECONDS))

@@ -8,15 +8,17 @@ from typing import Any
 
 import pytest
 from simulator import T0
-from test_machine import REV, _good_facts, done, inp, mig, pod, writes
+from test_machine import REV, _good_facts, done, inp, mig, operation_of, pod, record_of, writes
 
 from proxyshift.api.behaviour import (
+    AddressRole,
     BehaviourCell,
     BehaviourMatrix,
     BehaviourParams,
     BehaviourTarget,
     ConntrackParams,
     NodeBehaviour,
+    Outcome,
 )
 from proxyshift.api.diagnostics import DiagnoseRequest, DiagnoseService
 from proxyshift.api.proxynode import Operation
@@ -33,7 +35,7 @@ CONNTRACK = ConntrackParams(service_cidrs=["198.19.0.0/16"])
 PREFLIGHT_ID = f"{REV}.1.0.Preflight.0"
 
 
-def cell(address: str, role: str, outcome: str = "answered") -> BehaviourCell:
+def cell(address: str, role: AddressRole, outcome: Outcome = "answered") -> BehaviourCell:
     return BehaviourCell(service="web/np", kind="NodePort", protocol="TCP", port=30080, address=address,
                          address_role=role, path="node", outcome=outcome,
                          endpoints=["198.18.1.1"] if outcome == "answered" else [])
@@ -43,7 +45,7 @@ BEFORE = BehaviourMatrix(operation_id=PREFLIGHT_ID, mode="iptables",
                          cells=[cell("198.18.0.11", "nodeIP"), cell("127.0.0.1", "localhost")])
 
 
-def after(op_id: str, localhost: str = "answered") -> BehaviourMatrix:
+def after(op_id: str, localhost: Outcome = "answered") -> BehaviourMatrix:
     return BehaviourMatrix(operation_id=op_id, mode="nftables",
                            cells=[cell("198.18.0.11", "nodeIP"), cell("127.0.0.1", "localhost", localhost)])
 
@@ -68,10 +70,10 @@ def gate_step(n: int, later: BehaviourMatrix | None, before: BehaviourMatrix | N
 def test_the_preflight_asks_for_the_matrix_and_only_when_there_is_a_sample() -> None:
     start = machine.start(replace(inp(), behaviour=SAMPLE), Target(REV, "nftables"), from_mode="iptables",
                           generation=1, retry_token=None)
-    params = writes(start)[0].operation.params
+    params = operation_of(start).params
     assert BehaviourParams.model_validate(params["behaviour"]) == SAMPLE
     plain = machine.start(inp(), Target(REV, "nftables"), from_mode="iptables", generation=1, retry_token=None)
-    assert "behaviour" not in writes(plain)[0].operation.params
+    assert "behaviour" not in operation_of(plain).params
 
 
 def test_the_gate_probe_carries_the_sample_and_the_conntrack_step_the_rollback_probe_only_conntrack() -> None:
@@ -97,14 +99,16 @@ def test_a_difference_is_confirmed_for_a_while_then_rolls_the_node_back_naming_t
     first = gate_step(0, after(f"{REV}.1.0.Gate.0", localhost="refused"), gate={"timeout": "2m"})
     assert first.phase == "Gate" and "LocalhostNodePorts" in first.message and "confirming for 30s" in first.message
     seen = writes(first)  # the next probe goes out with the moment the difference was first seen
-    assert seen and seen[-1].migration.behaviour_differs_since == fmt(T0 + timedelta(seconds=30))
+    assert seen and record_of(seen[-1]).behaviour_differs_since == fmt(T0 + timedelta(seconds=30))
     # Still there 10 s later: not yet confirmed (a Service down for a reason of its own recovers).
     early = gate_step(1, after(f"{REV}.1.0.Gate.1", localhost="refused"), differs_since=20)
     assert early.phase == "Gate"
     second = gate_step(1, after(f"{REV}.1.0.Gate.1", localhost="refused"), differs_since=0)
     assert second.phase == "RollingBack"
     m = writes(second)[0].migration
+    assert m is not None
     assert m.reason == "BehaviourChanged"
+    assert m.message is not None
     assert "127.0.0.1" in m.message and "refused" in m.message and "LocalhostNodePorts" in m.message
 
 
@@ -122,7 +126,9 @@ def test_an_agent_without_the_matrix_is_not_held_to_it() -> None:
     assert stale.phase in ("Cleanup", "Done", "Uncordon") and "no Service behaviour after" in said(stale)
 
 
-DISTRIBUTION = DiagnoseRequest(id="", services=[DiagnoseService(namespace="web", name="shop",
+# populate_by_name: pydantic takes the field's name; mypy knows only its alias, clusterIPs.
+DISTRIBUTION = DiagnoseRequest(id="", services=[DiagnoseService(  # type: ignore[call-arg]
+                                                                namespace="web", name="shop",
                                                                 cluster_ips=["198.19.0.10"], endpoints=["198.18.1.1",
                                                                                                         "198.18.1.2"])])
 

@@ -27,7 +27,8 @@ FIX = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
 BOUNDS = [0.001 * 2**i for i in range(15)]
 
 
-def hist_text(counts_by_family: dict[str, list[int]], *, name="kubeproxy_sync_proxy_rules_duration_seconds"):
+def hist_text(counts_by_family: dict[str, list[int]], *,
+              name: str = "kubeproxy_sync_proxy_rules_duration_seconds") -> str:
     lines = [f"# TYPE {name} histogram"]
     for fam, cum in counts_by_family.items():
         for bound, c in zip([*BOUNDS, math.inf], cum, strict=True):
@@ -43,7 +44,7 @@ def base(extra: str = "") -> str:
 
 
 @pytest.mark.parametrize("fixture", sorted(p.name for p in FIX.glob("*.txt")))
-def test_recorded_metrics_parse(fixture):
+def test_recorded_metrics_parse(fixture: str) -> None:
     """Real captures of kube-proxy v1.37.2 (tests/dataplane/capture_kube_proxy.py): dual-stack, first sync."""
     facts = parse_kube_proxy_metrics((FIX / fixture).read_text())
     assert facts.process_start_time and facts.process_start_time > 1.6e9
@@ -54,7 +55,7 @@ def test_recorded_metrics_parse(fixture):
     assert facts.sync_duration_p99_seconds is not None and 0 < facts.sync_duration_p99_seconds < 16.384
 
 
-def test_dual_stack_takes_the_facts_that_hold_for_both_families():
+def test_dual_stack_takes_the_facts_that_hold_for_both_families() -> None:
     cum4 = [0] * 5 + [4] * 10 + [4]
     cum6 = [0] * 5 + [2] * 10 + [2]
     text = base(hist_text({"IPv4": cum4, "IPv6": cum6}) + (
@@ -69,10 +70,11 @@ def test_dual_stack_takes_the_facts_that_hold_for_both_families():
     assert facts.sync_count == 2
     assert facts.last_sync_timestamp == 1.70000001e9
     assert facts.sync_failures == 3
+    assert facts.sync_duration_p99_seconds is not None
     assert 0.016 < facts.sync_duration_p99_seconds <= 0.032
 
 
-def test_unlabelled_metrics_of_older_kube_proxy_and_nftables_failures():
+def test_unlabelled_metrics_of_older_kube_proxy_and_nftables_failures() -> None:
     text = base(
         "# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram\n"
         'kubeproxy_sync_proxy_rules_duration_seconds_bucket{le="0.5"} 3\n'
@@ -87,13 +89,14 @@ def test_unlabelled_metrics_of_older_kube_proxy_and_nftables_failures():
     assert facts.last_sync_timestamp is None
 
 
-def test_p99_above_the_largest_bucket_is_infinite():
+def test_p99_above_the_largest_bucket_is_infinite() -> None:
     cum = [0] * 15 + [5]
     facts = parse_kube_proxy_metrics(base(hist_text({"IPv4": cum})))
+    assert facts.sync_duration_p99_seconds is not None
     assert math.isinf(facts.sync_duration_p99_seconds)
 
 
-def test_no_syncs_yet_means_no_p99_and_zero_count():
+def test_no_syncs_yet_means_no_p99_and_zero_count() -> None:
     facts = parse_kube_proxy_metrics(base(hist_text({"IPv4": [0] * 16})))
     assert facts.sync_count == 0 and facts.sync_duration_p99_seconds is None
 
@@ -113,18 +116,18 @@ def test_no_syncs_yet_means_no_p99_and_zero_count():
     ("# TYPE go_goroutines gauge\ngo_goroutines 12\n", "no kube-proxy metrics"),
     (base(hist_text({"IPv4": [0] * 5 + [4] * 5 + [3] * 5 + [4]})), "not cumulative"),
 ])
-def test_malformed_or_impossible_input_is_a_clear_error(text, message):
+def test_malformed_or_impossible_input_is_a_clear_error(text: str, message: str) -> None:
     with pytest.raises(MetricsError, match=message):
         parse_kube_proxy_metrics(text)
 
 
-def test_count_that_disagrees_with_the_inf_bucket_is_refused():
+def test_count_that_disagrees_with_the_inf_bucket_is_refused() -> None:
     text = base(hist_text({"IPv4": [1] * 16}).replace('_count{ip_family="IPv4"} 1', '_count{ip_family="IPv4"} 9'))
     with pytest.raises(MetricsError, match="differs from _count"):
         parse_kube_proxy_metrics(text)
 
 
-def test_huge_text_is_refused_before_parsing():
+def test_huge_text_is_refused_before_parsing() -> None:
     with pytest.raises(MetricsError, match="limit"):
         parse_kube_proxy_metrics("x" * 100, max_bytes=10)
 
@@ -132,7 +135,7 @@ def test_huge_text_is_refused_before_parsing():
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(min_value=0, max_value=1000), min_size=15, max_size=15),
        st.integers(min_value=0, max_value=1000), st.floats(min_value=0.01, max_value=0.999))
-def test_quantile_lies_inside_the_bucket_holding_the_rank(increments, inf_extra, q):
+def test_quantile_lies_inside_the_bucket_holding_the_rank(increments: list[int], inf_extra: int, q: float) -> None:
     cum, total = [], 0
     for inc in increments:
         total += inc
@@ -145,6 +148,7 @@ def test_quantile_lies_inside_the_bucket_holding_the_rank(increments, inf_extra,
         return
     rank = q * grand
     holding = next(b for b, c in points if c >= rank)
+    assert value is not None
     if math.isinf(holding):
         assert math.isinf(value)
     else:
@@ -155,7 +159,7 @@ def test_quantile_lies_inside_the_bucket_holding_the_rank(increments, inf_extra,
 
 @settings(max_examples=300, deadline=None)
 @given(st.text(max_size=400))
-def test_arbitrary_text_never_crashes_with_anything_but_metrics_error(text):
+def test_arbitrary_text_never_crashes_with_anything_but_metrics_error(text: str) -> None:
     with contextlib.suppress(MetricsError):
         parse_kube_proxy_metrics(text)
 

@@ -44,7 +44,7 @@ def _fake_api(script: list[str]) -> Mirror:
             if step == "done":
                 mirror.stop()
             elif step == "list-refused":
-                raise urllib3.exceptions.MaxRetryError(None, "/things", "Connection refused")  # type: ignore[arg-type]
+                raise urllib3.exceptions.MaxRetryError(None, "/things", "Connection refused")  # type: ignore[arg-type]  # no pool: the code reads only the reason
             elif step == "watch-broken":
                 raise urllib3.exceptions.ProtocolError("Response ended prematurely")
             assert step.startswith("watch") == bool(kwargs.get("watch")) or step == "done", (step, kwargs)

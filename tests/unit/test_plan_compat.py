@@ -14,7 +14,7 @@ from proxyshift.api.policy import ProxyPolicy
 from proxyshift.controller import plan_view, snapshot
 from proxyshift.planner import world as w
 from proxyshift.planner.preview import BASELINE_SOURCE, compat_preview
-from proxyshift.planner.services import endpoints_from_slice, service_view_from_k8s
+from proxyshift.planner.services import ServiceView, endpoints_from_slice, service_view_from_k8s
 from proxyshift.render.kubeproxyconfig import baseline_config
 
 pytestmark = pytest.mark.unit
@@ -23,7 +23,16 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubeadm"
 CM = yaml.safe_load((FIXTURES / "kube-proxy-configmap.yaml").read_text())
 DS = yaml.safe_load((FIXTURES / "kube-proxy-daemonset.yaml").read_text())
 
-SERVICES = [service_view_from_k8s(b) for b in [
+
+
+def _view(body: dict[str, Any]) -> ServiceView:
+    """The Service's view; every Service below has one (a ClusterIP)."""
+    view = service_view_from_k8s(body)
+    assert view is not None
+    return view
+
+
+SERVICES = [_view(b) for b in [
     {"metadata": {"namespace": "default", "name": "web"},
      "spec": {"type": "NodePort", "clusterIP": "198.19.0.20", "ports": [{"port": 80, "nodePort": 30080}]}},
     {"metadata": {"namespace": "default", "name": "dns"},

@@ -44,7 +44,7 @@ stage_lists = st.one_of(
 def policies(draw: st.DrawFn, count: int) -> list[ProxyPolicy]:
     result = []
     for i in range(count):
-        rollout = {"maxUnavailable": draw(max_unavailable), "cordon": draw(st.booleans())}
+        rollout: dict[str, Any] = {"maxUnavailable": draw(max_unavailable), "cordon": draw(st.booleans())}
         stages = draw(stage_lists)
         if stages:
             rollout["stages"] = stages
@@ -147,10 +147,11 @@ def crash_while_performing(sim: Sim, name: str, world: World, actions: list[Acti
 def test_safety_under_random_faults_and_user_actions(data: st.DataObject) -> None:
     nodes = data.draw(fleets())
     pols = data.draw(policies(data.draw(st.integers(1, 3))))
-    sim = Sim.build(nodes, pols, faults=faults_for(data.draw, sorted(nodes)))
+    # DataObject.draw is a DrawFn (its label defaults to None); hypothesis types it as a plain method.
+    sim = Sim.build(nodes, pols, faults=faults_for(data.draw, sorted(nodes)))  # type: ignore[arg-type]
     for i in range(160):
         if i % 20 == 10:
-            user_action(sim, data.draw)
+            user_action(sim, data.draw)  # type: ignore[arg-type]  # a DrawFn, as above
         crash = data.draw(st.integers(0, 9)) == 0
         if crash:  # the operator dies part-way through performing a plan
             name = data.draw(st.sampled_from(sorted(sim.policies)))

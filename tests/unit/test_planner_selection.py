@@ -63,7 +63,7 @@ def test_control_plane_nodes_are_skipped_by_default(selector: dict[str, object])
     assert (status, reason) == ("True", "ControlPlaneNodesSkipped")
     assert "cp-1" in message and "legacy-master" in message and "controlPlaneNodes: Include" in message
     # A person is told once, as a Warning Event.
-    warnings = [a for _, _, a in sim.log if getattr(a, "reason", "") == "ControlPlaneNodesSkipped"]
+    warnings = sim.events("ControlPlaneNodesSkipped")
     assert len(warnings) == 1 and warnings[0].type == "Warning"
 
 

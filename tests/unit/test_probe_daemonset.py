@@ -15,7 +15,7 @@ pytestmark = pytest.mark.unit
 CONFIG = Path(__file__).resolve().parents[2] / "config" / "agent"
 
 
-def test_the_probe_daemonset_is_an_unprivileged_pod_on_the_pod_network():
+def test_the_probe_daemonset_is_an_unprivileged_pod_on_the_pod_network() -> None:
     ds = yaml.safe_load((CONFIG / "probe-daemonset.yaml").read_text())
     assert (ds["kind"], ds["metadata"]["name"], ds["metadata"]["namespace"]) == (
         "DaemonSet", "proxyshift-probe", "proxyshift-system")

@@ -158,7 +158,8 @@ def test_alerts_fire_on_their_series_and_on_no_others(promtool: str, tmp_path: P
 
 
 def test_every_alert_is_tested_firing_and_quiet() -> None:
-    fired, quiet = set(), set()
+    fired: set[str] = set()
+    quiet: set[str] = set()
     for case in yaml.safe_load(RULE_TESTS.read_text())["tests"]:
         for check in case.get("alert_rule_test", []):
             (fired if check.get("exp_alerts") else quiet).add(check["alertname"])

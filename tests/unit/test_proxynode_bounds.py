@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 import yaml
@@ -71,7 +72,7 @@ def test_the_operator_keeps_only_the_metadata_it_reads_of_a_proxynode() -> None:
     meta = {"name": "n1", "uid": "u-1", "resourceVersion": "42", "generation": 3, "managedFields": managed,
             "labels": {"app.kubernetes.io/managed-by": "proxyshift"}, "annotations": {"note": "x" * 1000},
             "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": "n1", "uid": "node-uid"}]}
-    body = {"apiVersion": "proxyshift.io/v1alpha1", "kind": "ProxyNode", "metadata": meta,
+    body: dict[str, Any] = {"apiVersion": "proxyshift.io/v1alpha1", "kind": "ProxyNode", "metadata": meta,
             "spec": {"policy": "blue", "mode": "nftables"}, "status": {"observedMode": "iptables"}}
     found = proxynode_item(body)
     assert found is not None

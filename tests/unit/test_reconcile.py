@@ -140,7 +140,7 @@ def test_a_failed_node_write_keeps_the_policy_status_from_describing_it() -> Non
         await steps(cluster, 1)
         cluster.calls.clear()
         with pytest.raises(ApiException):
-            await step(cluster.runtime, "blue", cluster.indexes())  # type: ignore[arg-type]
+            await step(cluster.runtime, "blue", cluster.indexes())  # type: ignore[arg-type]  # the fake cluster's indexes
         return list(cluster.calls)
 
     calls = asyncio.run(run())

@@ -44,7 +44,7 @@ PREFERRED = {"preferredDuringSchedulingIgnoredDuringExecution": [
     {"weight": 1, "preference": {"matchExpressions": [ZONE]}}]}
 
 # Baseline shapes: (id, affinity value or ... for "no affinity key").
-SHAPES = [
+SHAPES: list[tuple[str, Any]] = [
     ("none", ...),
     ("null", None),
     ("empty", {}),
@@ -89,7 +89,7 @@ def test_forward_adds_the_expression_to_every_real_term(shape: str, affinity: An
 @pytest.mark.parametrize(("shape", "affinity"), SHAPES, ids=[s for s, _ in SHAPES])
 def test_patch_is_idempotent(shape: str, affinity: Any) -> None:
     ds = daemonset(affinity)
-    patched = baseline_affinity_patch(ds).apply(ds)  # type: ignore[union-attr]
+    patched = baseline_affinity_patch(ds).apply(ds)  # type: ignore[union-attr]  # every shape needs the patch
     assert baseline_affinity_patch(patched) is None
     assert affinity_patch_pair(patched) is None
 
@@ -106,7 +106,7 @@ def test_recorded_inverse_restores_exactly(shape: str, affinity: Any) -> None:
 @pytest.mark.parametrize(("shape", "affinity"), SHAPES, ids=[s for s, _ in SHAPES])
 def test_stateless_undo_restores_the_same_scheduling(shape: str, affinity: Any) -> None:
     ds = daemonset(affinity)
-    patched = baseline_affinity_patch(ds).apply(ds)  # type: ignore[union-attr]
+    patched = baseline_affinity_patch(ds).apply(ds)  # type: ignore[union-attr]  # every shape needs the patch
     undo = undo_baseline_affinity_patch(patched)
     assert undo is not None
     restored = undo.apply(patched)
@@ -122,7 +122,7 @@ def test_stateless_undo_restores_the_same_scheduling(shape: str, affinity: Any) 
 
 def test_inverse_refuses_a_daemonset_that_changed_underneath() -> None:
     ds = daemonset(required({"matchExpressions": [ZONE]}))
-    forward, inverse = affinity_patch_pair(ds)  # type: ignore[misc]
+    forward, inverse = affinity_patch_pair(ds)  # type: ignore[misc]  # this DaemonSet has a pair
     live = forward.apply(ds)
     # Someone else appended an expression after ours: index-based removal would hit theirs.
     terms_of(live)[0]["matchExpressions"].insert(0, HOST)
@@ -134,7 +134,7 @@ def test_inverse_refuses_a_daemonset_that_changed_underneath() -> None:
 
 
 def test_patches_are_plain_json_for_the_api_server() -> None:
-    forward, inverse = affinity_patch_pair(daemonset())  # type: ignore[misc]
+    forward, inverse = affinity_patch_pair(daemonset())  # type: ignore[misc]  # this DaemonSet has a pair
     for patch in (forward, inverse):
         assert all(op["path"].startswith("/spec/template/spec/affinity") for op in patch.patch)
         assert jsonpatch.JsonPatch.from_string(patch.to_string()) == patch

@@ -134,7 +134,7 @@ FIELD_CHANGES = st.one_of(
 def test_any_change_to_a_modelled_field_changes_the_hash(change: tuple[str, str, list[Any]],
                                                           spec: dict[str, Any]) -> None:
     mode, field, (one, other) = change
-    base = dict(spec) if spec["mode"] == mode else {"mode": mode}
+    base: dict[str, Any] = dict(spec) if spec["mode"] == mode else {"mode": mode}
     settings_ = dict(base.get(mode, {}))
     first = {**base, mode: {**settings_, field: one}}
     second = {**base, mode: {**settings_, field: other}}

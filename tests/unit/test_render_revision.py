@@ -196,7 +196,7 @@ def test_live_baseline_with_our_affinity_renders_without_it(baseline: tuple[dict
         "nodeSelectorTerms": [user_term]}
     plain = copy.deepcopy(ds)
     del plain["spec"]["template"]["spec"]["affinity"]
-    live_plain = affinity_patch_pair(plain)[0].apply(plain)  # type: ignore[index]
+    live_plain = affinity_patch_pair(plain)[0].apply(plain)  # type: ignore[index]  # plain has a pair
     assert "affinity" not in render_revision(policy(), cm, live_plain).daemonset["spec"]["template"]["spec"]
 
 

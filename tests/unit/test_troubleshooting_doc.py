@@ -59,7 +59,8 @@ def reasons_in(tree: ast.AST) -> set[str]:
 
 
 def gate_fail_reasons(tree: ast.AST) -> set[str]:
-    return {node.args[1].value for node in ast.walk(tree)
+    # The reason is the second argument of every GateVerdict("fail", ...): a string constant.
+    return {node.args[1].value for node in ast.walk(tree)  # type: ignore[misc]
             if isinstance(node, ast.Call) and _name(node) == "GateVerdict" and len(node.args) > 1
             and isinstance(node.args[0], ast.Constant) and node.args[0].value == "fail"
             and isinstance(node.args[1], ast.Constant)}

@@ -36,9 +36,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.hook.pytest_deselected(items=guest_items)
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    lines = [config.stash.get(key, None) for key in (VM_SUMMARY_KEY, VM_E2E_SUMMARY_KEY, VM_USER_IPVS_SUMMARY_KEY)]
-    lines = [line for line in lines if line]
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
+    stashed = [config.stash.get(key, None) for key in (VM_SUMMARY_KEY, VM_E2E_SUMMARY_KEY, VM_USER_IPVS_SUMMARY_KEY)]
+    lines = [line for line in stashed if line]
     if lines:
         terminalreporter.write_sep("-", "vm layer")
         for line in lines:

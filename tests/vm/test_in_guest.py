@@ -108,6 +108,6 @@ def test_in_guest(guest_run: GuestRun, guest_test: str) -> None:
         pytest.fail("\n\n".join(f"{name}: {outcome} in the guest\n{text[-6000:]}" for name, outcome, text in bad))
 
 
-def test_every_guest_test_is_reported():
+def test_every_guest_test_is_reported() -> None:
     """The host's list of guest tests and the files agree (a guest test file with no test is a mistake)."""
     assert guest_tests(), "tests/vm/guest has no tests"

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from localcluster.vmnodes import VmNodes
+from proxyshift.api.proxynode import Mode
 from proxyshift.modes import MODE_FACTS
 from tests.support.operator_harness import Harness
 
@@ -57,7 +58,7 @@ def links(guest: VmNodes, node: str) -> set[str]:
     return {line.split(":", 2)[1].strip().split("@", 1)[0] for line in out.splitlines() if ":" in line}
 
 
-def left(guest: VmNodes, node: str, mode: str, *, users: Collection[str] = ()) -> dict[str, Any]:
+def left(guest: VmNodes, node: str, mode: Mode, *, users: Collection[str] = ()) -> dict[str, Any]:
     """What of kube-proxy's objects for modes other than `mode` is still on the node (empty: nothing).
 
     `users`: a user's own IPVS virtual servers (`-A` lines of `ipvsadm -Sn`), not kube-proxy's."""

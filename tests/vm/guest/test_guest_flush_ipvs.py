@@ -19,6 +19,7 @@ from proxyshift.agent.flush.iptables import IptablesTool
 from proxyshift.agent.flush.ipvs import parse_ipvsadm_save
 from tests.support.kp_rules import kubelet_rules
 from tests.support.kube_proxy_runner import KubeProxy
+from tests.support.ps_netns import Netns
 
 pytestmark = pytest.mark.vm_guest
 
@@ -54,7 +55,7 @@ COMMIT
 SHARED_CHAINS = ("*nat :KUBE-SERVICES", "*nat :KUBE-POSTROUTING", "*nat :KUBE-MARK-MASQ", "*filter :KUBE-FORWARD")
 
 
-def add_user_objects(ns) -> None:
+def add_user_objects(ns: Netns) -> None:
     ns.run(["ip", "link", "add", "user0", "type", "dummy"])
     ns.run(["ip", "addr", "add", "198.18.200.1/32", "dev", "user0"])
     ns.run(["ip", "addr", "add", "198.18.201.1/24", "dev", "user0"])
@@ -109,12 +110,12 @@ def user_part_of_ipsets(saved: str) -> str:
                    if len(line.split()) > 1 and line.split()[1] in {"KUBE-ALLOWED", "user-nets"})
 
 
-def user_view(ns) -> dict[str, str]:
+def user_view(ns: Netns) -> dict[str, str]:
     return {"ipvs": ns.run(["ipvsadm", "-Sn"]).stdout, "ipsets": ns.run(["ipset", "save"]).stdout,
             "user0": ns.run(["ip", "addr", "show", "dev", "user0"]).stdout}
 
 
-def run_kube_proxy(ns, workdir: Path, mode: str, services: int = 6) -> None:
+def run_kube_proxy(ns: Netns, workdir: Path, mode: str, services: int = 6) -> None:
     kp = KubeProxy(ns, workdir, mode, services=services, conntrack_sysctls=False)
     try:
         assert kp.wait_synced(1, timeout=240)["facts"]["proxyMode"] == mode
@@ -123,7 +124,8 @@ def run_kube_proxy(ns, workdir: Path, mode: str, services: int = 6) -> None:
 
 
 @pytest.mark.parametrize("target", ["nftables", "iptables"])
-def test_flush_of_a_real_ipvs_node_removes_exactly_kube_proxys_objects(netns, tmp_path, target):
+def test_flush_of_a_real_ipvs_node_removes_exactly_kube_proxys_objects(
+        netns: Netns, tmp_path: Path, target: str) -> None:
     netns.restore(kubelet_rules())
     kubelet_only = netns.save()
     run_kube_proxy(netns, tmp_path / "kp", "ipvs")
@@ -176,7 +178,7 @@ def test_flush_of_a_real_ipvs_node_removes_exactly_kube_proxys_objects(netns, tm
     assert user_view(netns) == after and body(netns.save()) == body(save)
 
 
-def test_flush_for_ipvs_from_iptables_keeps_the_chains_both_modes_share(netns, tmp_path):
+def test_flush_for_ipvs_from_iptables_keeps_the_chains_both_modes_share(netns: Netns, tmp_path: Path) -> None:
     # An iptables kube-proxy ran, then the ipvs one on the same node (iptables <-> ipvs cleans nothing).
     run_kube_proxy(netns, tmp_path / "kp-iptables", "iptables")
     run_kube_proxy(netns, tmp_path / "kp-ipvs", "ipvs")

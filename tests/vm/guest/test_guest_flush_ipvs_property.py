@@ -38,7 +38,7 @@ SET_NAME = st.from_regex(r"(user|KUBE-MY|KUBE-ALLOWED|KUBE-CLUSTER-IP|KUBE-NODE-
 
 
 @st.composite
-def virtual_server(draw) -> list[str]:
+def virtual_server(draw: st.DrawFn) -> list[str]:
     kind = draw(st.sampled_from(["-t", "-u", "-f", "node"]))
     if kind == "-f":
         service = f"-f {draw(st.integers(1, 10000))}"
@@ -57,7 +57,7 @@ def virtual_server(draw) -> list[str]:
 
 
 @st.composite
-def user_objects(draw) -> tuple[list[list[str]], list[str], list[str]]:
+def user_objects(draw: st.DrawFn) -> tuple[list[list[str]], list[str], list[str]]:
     services = draw(st.lists(virtual_server(), max_size=5, unique_by=lambda vs: vs[0].split(" -s ")[0]))
     sets: list[str] = []
     for name in draw(st.lists(SET_NAME, max_size=3, unique=True)):
@@ -101,7 +101,8 @@ def view(ns: Netns) -> dict[str, str]:
 @settings(max_examples=8, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(user_objects())
-def test_random_user_ipvs_objects_survive_the_flush_byte_for_byte(objects):
+def test_random_user_ipvs_objects_survive_the_flush_byte_for_byte(
+        objects: tuple[list[list[str]], list[str], list[str]]) -> None:
     services, sets, addrs = objects
     ns = Netns()
     try:

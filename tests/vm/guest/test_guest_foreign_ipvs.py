@@ -20,6 +20,7 @@ from proxyshift.agent.inventory import foreign_ipvs, take_inventory
 from proxyshift.agent.preflight import check
 from proxyshift.api.proxynode import ForeignIPVS
 from tests.support.kube_proxy_runner import KubeProxy
+from tests.support.ps_netns import Netns
 
 pytestmark = pytest.mark.vm_guest
 
@@ -29,13 +30,14 @@ SERVICES = 4  # fake_apiserver: ClusterIPs 198.19.0.10..13, service 0 a NodePort
 USER_VS = "-t 198.18.5.1:80"
 
 
-def node_state(ns) -> dict[str, str]:
+def node_state(ns: Netns) -> dict[str, str]:
     return {"ipvs": ns.run(["ipvsadm", "-Sn"]).stdout, "ipsets": ns.run(["ipset", "save"]).stdout,
             "kube-ipvs0": ns.run(["ip", "addr", "show", "dev", "kube-ipvs0"]).stdout,
             "iptables": "\n".join(line for line in ns.save().splitlines() if not line.startswith("#"))}
 
 
-def test_a_users_virtual_server_is_foreign_refused_for_nftables_and_accepted_by_name(netns, tmp_path):
+def test_a_users_virtual_server_is_foreign_refused_for_nftables_and_accepted_by_name(
+        netns: Netns, tmp_path: Path) -> None:
     kp = KubeProxy(netns, tmp_path / "kp-ipvs", "ipvs", services=SERVICES, conntrack_sysctls=False)
     try:
         assert kp.wait_synced(1, timeout=240)["facts"]["proxyMode"] == "ipvs"
@@ -78,7 +80,7 @@ def test_a_users_virtual_server_is_foreign_refused_for_nftables_and_accepted_by_
     assert parse_ipvsadm_save(netns.run(["ipvsadm", "-Sn"]).stdout) == []
 
 
-def test_a_move_to_ipvs_refuses_a_users_virtual_server_outside_exclude_cidrs(netns, tmp_path):
+def test_a_move_to_ipvs_refuses_a_users_virtual_server_outside_exclude_cidrs(netns: Netns, tmp_path: Path) -> None:
     # An iptables-mode node (no kube-proxy virtual server) with a hand-made LVS: an ipvs kube-proxy deletes it at
     # its first sync unless ipvs.excludeCIDRs holds its address (v1.37.2 cleanLegacyService).
     # No real server: a fresh namespace has no route to one, and the virtual server alone is what is deleted.

@@ -16,6 +16,7 @@ from proxyshift.agent.flush.iptables import IptablesTool
 from proxyshift.agent.flush.ipvs import parse_ipset_save, parse_ipvsadm_save
 from proxyshift.agent.inventory import leftovers, take_inventory
 from tests.support.kube_proxy_runner import KubeProxy
+from tests.support.ps_netns import Netns
 
 pytestmark = pytest.mark.vm_guest
 
@@ -27,7 +28,8 @@ NODE_PORTS = {30000 + i for i in range(SERVICES) if i % 4 == 0}
 
 
 @pytest.mark.parametrize("scheduler", ["rr", "wrr", "lc", "sh", "mh"])
-def test_real_kube_proxy_programs_ipvs_and_the_inventory_reports_it(netns, tmp_path, scheduler):
+def test_real_kube_proxy_programs_ipvs_and_the_inventory_reports_it(
+        netns: Netns, tmp_path: Path, scheduler: str) -> None:
     kp = KubeProxy(netns, tmp_path / "kp", "ipvs", services=SERVICES, scheduler=scheduler, conntrack_sysctls=False)
     try:
         answer = kp.wait_synced(1, timeout=240)

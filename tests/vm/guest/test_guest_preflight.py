@@ -16,6 +16,7 @@ from guest_helpers import loaded_modules, unload_ipvs
 from proxyshift.agent.preflight import check
 from proxyshift.commands import run
 from tests.support.kube_proxy_runner import KubeProxy
+from tests.support.ps_netns import Netns
 
 pytestmark = pytest.mark.vm_guest
 
@@ -29,7 +30,7 @@ def _conntrack_loaded() -> None:
     run(["modprobe", "nf_conntrack"])
 
 
-def test_installed_ipvs_modules_pass_and_the_real_kube_proxy_gets_them_loaded(netns, tmp_path):
+def test_installed_ipvs_modules_pass_and_the_real_kube_proxy_gets_them_loaded(netns: Netns, tmp_path: Path) -> None:
     unload_ipvs()
     _conntrack_loaded()
     assert not {"ip_vs", "ip_vs_sh"} & loaded_modules()
@@ -51,7 +52,7 @@ def test_installed_ipvs_modules_pass_and_the_real_kube_proxy_gets_them_loaded(ne
     assert after.ok and after.on_demand == [] and after.modules["ip_vs_sh"] == "present"
 
 
-def test_a_scheduler_this_kernel_lacks_is_refused_and_kube_proxy_exits_on_it(netns, tmp_path):
+def test_a_scheduler_this_kernel_lacks_is_refused_and_kube_proxy_exits_on_it(netns: Netns, tmp_path: Path) -> None:
     # twos came with Linux 6.2: the guest's 6.1 has no ip_vs_twos at all.
     assert not list(MODULES.rglob("ip_vs_twos.ko*"))
     report = check("ipvs", "twos")
@@ -72,7 +73,7 @@ def test_a_scheduler_this_kernel_lacks_is_refused_and_kube_proxy_exits_on_it(net
     assert "can't use the IPVS proxier" in log
 
 
-def test_a_scheduler_missing_from_the_modules_tree_is_refused(tmp_path):
+def test_a_scheduler_missing_from_the_modules_tree_is_refused(tmp_path: Path) -> None:
     # A modules tree the test controls: this kernel's, minus ip_vs_mh.
     unload_ipvs()
     tree = tmp_path / "modules" / RELEASE
@@ -86,7 +87,7 @@ def test_a_scheduler_missing_from_the_modules_tree_is_refused(tmp_path):
     assert check("ipvs", "mh").ok  # the real tree has it
 
 
-def test_load_modules_runs_modprobe_and_says_so():
+def test_load_modules_runs_modprobe_and_says_so() -> None:
     unload_ipvs()
     _conntrack_loaded()
     report = check("ipvs", "lc", load_modules=True)
