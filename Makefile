@@ -47,7 +47,7 @@ crds-check: $(PY) ## fail when the committed CRDs differ from the models
 binaries: go-tools ## build the pinned upstream Kubernetes and etcd binaries and the tests' Go tools (cached)
 	$(PYTHON) -m localcluster.build
 
-go-tools: $(PY) ## build only the tests' small pinned Go tools (argocd-health-runner, helm; cached: seconds, helm minutes the first time)
+go-tools: $(PY) ## build only the tests' pinned Go tools (argocd-health-runner, helm, cilium-agent; cached: seconds, minutes the first time)
 	$(PYTHON) -m localcluster.gotools
 
 cluster-up: binaries ## start the local cluster (3 nodes: pools blue=2, green=1)
@@ -67,7 +67,7 @@ vm-test: $(PY) ## boot the QEMU guest and run VM_CMD in it (fetches the pinned k
 test-unit: setup go-tools ## pure tests (fast, no root once setup has run)
 	$(PYTEST) -m unit
 
-test-dataplane: $(PY) ## root + network namespaces with real iptables/nft
+test-dataplane: go-tools ## root + network namespaces with real iptables/nft (and the confined Cilium agent)
 	$(PYTEST) -m dataplane
 
 test-vm: binaries ## one QEMU guest with IPVS runs the vm_guest tests (kube-proxy ipvs, preflight, flush)
