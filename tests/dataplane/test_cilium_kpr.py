@@ -17,6 +17,7 @@ clang-19 in about 1.4 s of that); it prints the agent's start-to-healthy time an
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -55,7 +56,7 @@ def agent_binary() -> Path:
     binary = gotools.built(cilium.AGENT_TOOL)
     if binary is None:
         pytest.fail(gotools.build_hint(cilium.AGENT_TOOL))
-    if run(["which", "bpftool"], check=False).returncode != 0:
+    if shutil.which("bpftool") is None:
         pytest.fail("bpftool is missing: run hack/install-deps.sh (make setup)")
     return binary
 
@@ -183,3 +184,13 @@ def test_kpr_serves_the_node_and_touches_nothing_of_the_host(agent_binary: Path,
         time.sleep(0.5)
     assert not leftover, f"programs of the agent still loaded: {sorted(leftover)}"
     print(f"test wall time {time.monotonic() - test_start:.1f}s")
+
+
+def test_launcher_refuses_to_start_the_agent_at_the_hosts_root_cgroup(netns: Netns) -> None:
+    # The guard the confinement rests on: given the machine's root cgroup for the node's, the launcher
+    # must not exec (the command here would only have printed).
+    result = run([sys.executable, "-m", "localcluster.cilium", "confine", "--cgroup", str(cilium.cgroup2_mount()),
+                  "--netns", netns.name, "--", "/bin/echo", "started"], check=False, timeout=30)
+    assert result.returncode == 1, result
+    assert "started" not in result.stdout
+    assert "is the host's root cgroup" in result.stderr
