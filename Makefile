@@ -48,8 +48,11 @@ crds-check: $(PY) ## fail when the committed CRDs differ from the models
 binaries: go-tools ## build the pinned upstream Kubernetes and etcd binaries and the tests' Go tools (cached)
 	$(PYTHON) -m localcluster.build
 
-go-tools: $(PY) ## build only the tests' small pinned Go tools (argocd-health-runner, helm; cached: seconds, helm minutes the first time)
-	$(PYTHON) -m localcluster.gotools
+# The tools the unit layer runs: not the Cilium agent, whose first build takes minutes.
+UNIT_GO_TOOLS := argocd-health-runner helm
+
+go-tools: $(PY) ## build the tests' pinned Go tools (GO_TOOLS="..." for some: argocd-health-runner, helm, cilium-agent; cached)
+	$(PYTHON) -m localcluster.gotools $(GO_TOOLS)
 
 cluster-up: binaries ## start the local cluster (3 nodes: pools blue=2, green=1)
 	$(PYTHON) -m localcluster.cli up --pools blue=2,green=1
@@ -65,10 +68,11 @@ VM_CMD ?= sh -c 'uname -r && modprobe ip_vs && ip link add kube-ipvs0 type dummy
 vm-test: $(PY) ## boot the QEMU guest and run VM_CMD in it (fetches the pinned kernel the first time)
 	$(PYTHON) -m localcluster.cli vm -- $(VM_CMD)
 
-test-unit: setup go-tools ## pure tests (fast, no root once setup has run)
+test-unit: setup ## pure tests (fast, no root once setup has run)
+	$(PYTHON) -m localcluster.gotools $(UNIT_GO_TOOLS)
 	$(PYTEST) -m unit
 
-test-dataplane: $(PY) ## root + network namespaces with real iptables/nft
+test-dataplane: go-tools ## root + network namespaces with real iptables/nft (and the confined Cilium agent)
 	$(PYTEST) -m dataplane
 
 test-vm: binaries ## one QEMU guest with IPVS runs the vm_guest tests (kube-proxy ipvs, preflight, flush)

@@ -47,6 +47,8 @@ class GoTool:
     package: str = "."
     # -X settings the upstream release build links in (appended to -s -w; part of the source hash).
     ldflags: tuple[str, ...] = ()
+    # Build tags the upstream release build sets (part of the source hash).
+    tags: tuple[str, ...] = ()
 
 
 TOOLS = {
@@ -59,6 +61,11 @@ TOOLS = {
                # As helm's own Makefile links them: without the Kubernetes version of its client-go
                # (v0.37 -> 1.37), helm would take every cluster for 1.20 and refuse kubeVersion >=1.30.
                ldflags=HELM_VERSION_LDFLAGS),
+        GoTool("cilium-agent", "tests/tools/cilium-agent",
+               "Cilium's agent (kube-proxy replacement), run confined to one simulated node",
+               package="github.com/cilium/cilium/daemon",
+               # As Cilium's own static build: the pure-Go user lookup instead of libc's (CGO is off).
+               tags=("osusergo",)),
     )
 }
 
@@ -78,7 +85,7 @@ def module_dir(name: str) -> Path:
     return paths.repo_root() / _tool(name).module
 
 
-def source_hash(module: Path, ldflags: tuple[str, ...] = ()) -> str:
+def source_hash(module: Path, ldflags: tuple[str, ...] = (), tags: tuple[str, ...] = ()) -> str:
     """sha256 over every file of the module (names and contents) and the build flags."""
     files = sorted(p for p in module.rglob("*") if p.is_file())
     if not any(p.name == "go.mod" for p in files):
@@ -90,12 +97,15 @@ def source_hash(module: Path, ldflags: tuple[str, ...] = ()) -> str:
     digest.update(f"{GOFLAGS}\0{' '.join(BUILD_ARGS)}".encode())
     if ldflags:  # only then: the hashes (and caches) of tools without their own flags stay as they were
         digest.update(f"\0{' '.join(ldflags)}".encode())
+    if tags:
+        digest.update(f"\0tags {','.join(tags)}".encode())
     return digest.hexdigest()[:16]
 
 
 def binary_path(name: str) -> Path:
     """Where the binary for the current sources is (or will be) built."""
-    return paths.tools_cache_root() / name / source_hash(module_dir(name), _tool(name).ldflags) / name
+    tool = _tool(name)
+    return paths.tools_cache_root() / name / source_hash(module_dir(name), tool.ldflags, tool.tags) / name
 
 
 def built(name: str) -> Path | None:
@@ -110,7 +120,8 @@ def build_hint(name: str) -> str:
 
 
 def _build_args(tool: GoTool) -> list[str]:
-    return ["build", "-trimpath", "-ldflags", " ".join((LDFLAGS, *tool.ldflags))]
+    tags = ["-tags", ",".join(tool.tags)] if tool.tags else []
+    return ["build", "-trimpath", "-ldflags", " ".join((LDFLAGS, *tool.ldflags)), *tags]
 
 
 def _go_env() -> dict[str, str]:

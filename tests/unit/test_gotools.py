@@ -101,3 +101,25 @@ def test_own_ldflags_change_the_hash_and_none_keep_it(tmp_path: Path) -> None:
     plain = gotools.source_hash(module)
     assert gotools.source_hash(module, ()) == plain
     assert gotools.source_hash(module, ("-X main.version=1",)) != plain
+
+
+def test_tags_change_the_hash_and_reach_go_build(tmp_path: Path) -> None:
+    module = _module(tmp_path)
+    plain = gotools.source_hash(module)
+    assert gotools.source_hash(module, (), ()) == plain
+    assert gotools.source_hash(module, (), ("osusergo",)) != plain
+    tool = gotools.GoTool("t", "tool", "test", tags=("osusergo", "netgo"))
+    args = gotools._build_args(tool)
+    assert args[args.index("-tags") + 1] == "osusergo,netgo"
+    assert "-tags" not in gotools._build_args(gotools.GoTool("t", "tool", "test"))
+
+
+def test_cilium_agent_is_the_pinned_release_with_the_gobgp_the_proxy_serves() -> None:
+    agent = gotools.TOOLS["cilium-agent"]
+    go_mod = (ROOT / agent.module / "go.mod").read_text()
+    assert re.search(r"^tool github\.com/cilium/cilium/daemon$", go_mod, re.M)
+    assert re.search(r"^require github\.com/cilium/cilium v1\.20\.2\b", go_mod, re.M)
+    # Cilium's own go.mod pins a gobgp pseudo-version the module proxy refuses.
+    assert re.search(r"^require github\.com/osrg/gobgp/v4 v4\.7\.0\b", go_mod, re.M)
+    assert agent.package == "github.com/cilium/cilium/daemon"
+    assert agent.tags == ("osusergo",)

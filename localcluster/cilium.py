@@ -1,0 +1,425 @@
+"""Cilium's agent (kube-proxy replacement) confined to one simulated node.
+
+A node of the test bed is a network namespace, but Cilium's socket-LB does not follow the network
+namespace: it is a set of cgroup BPF programs (connect4, sendmsg4, getpeername4, ...) attached to
+the cgroup v2 directory the agent takes for the cgroup root, and they translate the connects of
+every process in that cgroup and below, whatever its network namespace. An agent that mounts
+cgroup2 itself sees the host's hierarchy and attaches at the host's root cgroup, i.e. to every
+process of the machine. So an agent runs here:
+
+- in a cgroup v2 subtree of its own node (`<cgroup2 mount>/proxyshift-cilium-<node>`), joined before
+  anything else, then in a cgroup namespace rooted there (`unshare(CLONE_NEWCGROUP)`), with a fresh
+  cgroup2 mount at its --cgroup-root: that mount's root is the node's subtree, so the root the agent
+  attaches socket-LB to is the node's cgroup. The launcher refuses to exec the agent when the mount
+  is the host's root cgroup (it has no `cgroup.events`, which every non-root cgroup has);
+- in the node's network namespace (its tc/tcx programs, routes, cilium_host/cilium_net and CILIUM_*
+  iptables chains are that namespace's, and go away with it);
+- in a private mount namespace with a tmpfs over /run (the agent writes /var/run/cilium whatever its
+  flags say), its own bpffs instance at --bpf-root (the pinned maps die with the namespace), /sys
+  remounted for the node, and /proc/sys/kernel/{unprivileged_bpf_disabled,timer_migration} bound
+  read-only: the agent writes both, and they are the machine's, not the namespace's.
+
+The processes that should see the node's Services (the tests' clients) join the same cgroup and
+network namespace (`dial`). Services come from `--lb-state-file` (Kubernetes Services and
+EndpointSlices as JSON, Cilium's pkg/loadbalancer/reflectors/file.go); there is no API server.
+
+    python -m localcluster.cilium confine --cgroup DIR --netns NS -- AGENT FLAGS...   (the launcher)
+    python -m localcluster.cilium dial --cgroup DIR --netns NS ADDRESS PORT           (one TCP dial)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from localcluster import container, gotools
+from proxyshift.commands import CommandError, run, stop_child
+
+AGENT_TOOL = "cilium-agent"
+CILIUM_MODULE = "github.com/cilium/cilium"
+# Cilium's own image compiles with clang 19; Debian 12's default clang-14 leaves programs this
+# kernel's verifier rejects. The agent runs `clang` from PATH.
+LLVM_BIN = Path("/usr/lib/llvm-19/bin")
+CGROUP_PREFIX = "proxyshift-cilium-"
+CLONE_NEWCGROUP = 0x02000000
+# Where the launcher mounts things inside the agent's private mount namespace (a tmpfs over /run).
+PRIVATE_RUN = Path("/run/cilium")
+PRIVATE_BPFFS = PRIVATE_RUN / "bpffs"
+PRIVATE_CGROUP = PRIVATE_RUN / "cgroupv2"
+# Machine-wide sysctls the agent's loader sets (pkg/datapath/loader/base.go, errors ignored).
+HOST_SYSCTLS = ("/proc/sys/kernel/unprivileged_bpf_disabled", "/proc/sys/kernel/timer_migration")
+# Healthy in about 5 s here (bpf_host compiled by clang in 1.4 s on 2 cores); generous for a loaded CI machine.
+HEALTH_TIMEOUT_SECONDS = 180.0
+STOP_GRACE_SECONDS = 20.0
+GO_TIMEOUT_SECONDS = 60.0
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class CiliumError(RuntimeError):
+    """The agent is not built, could not be confined, did not become healthy, or left something behind."""
+
+
+# ---------------------------------------------------------------- the host side
+
+
+def cgroup2_mount() -> Path:
+    """Where this machine mounts cgroup v2 (/sys/fs/cgroup, or /sys/fs/cgroup/unified on a hybrid one)."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        before, _, after = line.partition(" - ")
+        if after.split(" ", 1)[0] == "cgroup2":
+            return Path(before.split()[4])
+    raise CiliumError("no cgroup2 mount on this machine: Cilium's socket-LB needs cgroup v2")
+
+
+def bpf_sources() -> Path:
+    """The pinned Cilium module's bpf/ folder (the agent compiles its datapath from it at start)."""
+    module = gotools.module_dir(AGENT_TOOL)
+    env = {**os.environ, "GOFLAGS": gotools.GOFLAGS, "GOWORK": "off"}
+    try:
+        result = run(["go", "-C", str(module), "list", "-m", "-f", "{{.Dir}}", CILIUM_MODULE],
+                     timeout=GO_TIMEOUT_SECONDS, env=env)
+    except CommandError as exc:
+        raise CiliumError(f"cannot find the Cilium module's sources: {exc}") from exc
+    directory = Path(result.stdout.strip()) / "bpf"
+    if not (directory / "bpf_host.c").is_file():
+        raise CiliumError(f"no Cilium BPF sources at {directory}: {gotools.build_hint(AGENT_TOOL)}")
+    return directory
+
+
+@dataclass(frozen=True)
+class Service:
+    """One TCP Service of the lb state file: a ClusterIP, optionally a NodePort, one backend per address."""
+
+    name: str
+    cluster_ip: str
+    port: int
+    target_port: int
+    backends: tuple[str, ...]
+    node_port: int | None = None
+    namespace: str = "default"
+
+
+def lb_state(services: Sequence[Service]) -> dict[str, Any]:
+    """The --lb-state-file document: Kubernetes Services and EndpointSlices, as Cilium reads them."""
+    items: list[dict[str, Any]] = []
+    slices: list[dict[str, Any]] = []
+    for svc in services:
+        port: dict[str, Any] = {"name": "tcp", "port": svc.port, "protocol": "TCP", "targetPort": svc.target_port}
+        if svc.node_port is not None:
+            port["nodePort"] = svc.node_port
+        items.append({
+            "metadata": {"name": svc.name, "namespace": svc.namespace},
+            "spec": {"type": "NodePort" if svc.node_port is not None else "ClusterIP",
+                     "clusterIP": svc.cluster_ip, "clusterIPs": [svc.cluster_ip], "ports": [port]},
+        })
+        slices.append({
+            "metadata": {"name": f"{svc.name}-1", "namespace": svc.namespace,
+                         "labels": {"kubernetes.io/service-name": svc.name}},
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": [address], "conditions": {"ready": True, "serving": True,
+                                                                  "terminating": False}}
+                          for address in svc.backends],
+            "ports": [{"name": "tcp", "port": svc.target_port, "protocol": "TCP"}],
+        })
+    return {"services": items, "endpoints": slices}
+
+
+def agent_flags(devices: Sequence[str], *, lib_dir: Path, socket_path: Path, lb_state_file: Path,
+                native_cidr: str) -> list[str]:
+    """Native-routing KPR for one node, without an API server, health checks, Hubble or the L7 proxy."""
+    return [
+        "--kube-proxy-replacement=true", "--routing-mode=native", f"--ipv4-native-routing-cidr={native_cidr}",
+        "--enable-ipv4=true", "--enable-ipv6=false", f"--devices={','.join(devices)}",
+        # The first device is the node's link to the network (the NodePorts' address); with more than
+        # one, the agent will not guess it.
+        f"--direct-routing-device={devices[0]}",
+        "--enable-l7-proxy=false", "--enable-health-checking=false", "--enable-endpoint-health-checking=false",
+        "--enable-hubble=false", "--cni-exclusive=false",
+        "--enable-k8s=false",  # no API server: Services come from the lb state file
+        f"--lb-state-file={lb_state_file}", f"--lib-dir={lib_dir}", f"--socket-path={socket_path}",
+        # Inside the launcher's private mount namespace (see the module's docstring).
+        f"--state-dir={PRIVATE_RUN}", f"--bpf-root={PRIVATE_BPFFS}", f"--cgroup-root={PRIVATE_CGROUP}",
+    ]
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: Path, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.unix_path = str(path)
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self.unix_path)
+        self.sock = sock
+
+
+def api_get(socket_path: Path, path: str, *, timeout: float = 5.0) -> Any:
+    """GET the agent's REST API on its unix socket (what `cilium-dbg` does) and decode the JSON."""
+    conn = _UnixHTTPConnection(socket_path, timeout)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        body = response.read()
+    finally:
+        conn.close()
+    if response.status != 200:
+        raise CiliumError(f"GET {path}: {response.status} {body[:200]!r}")
+    return json.loads(body)
+
+
+def kpr_enabled(health: dict[str, Any]) -> bool:
+    """Whether /v1/healthz says the kube-proxy replacement is on (the field `cilium-dbg status` shows)."""
+    return str(health.get("kube-proxy-replacement", {}).get("mode", "")).lower() == "true"
+
+
+@dataclass
+class ConfinedAgent:
+    """One agent confined to one node: its cgroup, state folder and process."""
+
+    node: str
+    netns: str
+    cgroup: Path
+    workdir: Path
+    proc: subprocess.Popen[bytes]
+    started: float
+    log_path: Path
+    healthy_after: float | None = None
+    health: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def socket_path(self) -> Path:
+        return self.workdir / "cilium.sock"
+
+    def rss_bytes(self) -> int:
+        """The agent's resident memory (VmRSS of its process)."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def log_tail(self, lines: int = 40) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def host_endpoint_ready(self) -> bool:
+        """Whether the node's host endpoint is regenerated: its datapath compiled and loaded.
+
+        /v1/healthz says Ok before the first BPF compile has finished; the host endpoint turns
+        ready once bpf_host is attached to the node's devices (and socket-LB to its cgroup).
+        """
+        try:
+            endpoints = api_get(self.socket_path, "/v1/endpoint")
+        except (OSError, CiliumError, ValueError):
+            return False
+        return any("reserved:host" in (e.get("status", {}).get("identity", {}).get("labels") or [])
+                   and e.get("status", {}).get("state") == "ready" for e in endpoints)
+
+    def wait_healthy(self, timeout: float = HEALTH_TIMEOUT_SECONDS) -> dict[str, Any]:
+        """Poll /v1/healthz until the agent reports Ok with the kube-proxy replacement on."""
+        deadline = time.monotonic() + timeout
+        last = "no answer yet"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise CiliumError(f"cilium-agent exited {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                health = api_get(self.socket_path, "/v1/healthz")
+            except (OSError, CiliumError, ValueError) as exc:
+                last = str(exc)
+            else:
+                state = health.get("cilium", {}).get("state")
+                if state == "Ok" and kpr_enabled(health) and self.host_endpoint_ready():
+                    self.healthy_after = time.monotonic() - self.started
+                    self.health = health
+                    return health
+                last = (f"cilium {state}, kube-proxy-replacement {health.get('kube-proxy-replacement')}, "
+                        f"host endpoint not ready")
+            time.sleep(0.25)
+        raise CiliumError(f"cilium-agent not healthy after {timeout:g}s ({last}):\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        """Stop the agent by its pid, then remove its cgroup and state folder (its netns is the caller's)."""
+        stop_child(self.proc, grace=STOP_GRACE_SECONDS)
+        remove_cgroup(self.cgroup)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def make_cgroup(node: str) -> Path:
+    """The node's cgroup v2 subtree (empty; fails if a stale one of that name exists)."""
+    path = cgroup2_mount() / f"{CGROUP_PREFIX}{node}"
+    path.mkdir()
+    return path
+
+
+def remove_cgroup(path: Path, *, timeout: float = 10.0) -> None:
+    """Kill what is left in the node's cgroup (by pid, its own processes only), then remove it.
+
+    rmdir of a cgroup detaches the BPF programs attached to it: the node's socket-LB goes with it.
+    """
+    if not path.exists():
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = [int(p) for p in (path / "cgroup.procs").read_text().split()]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        try:
+            path.rmdir()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def start(node: str, netns: str, devices: Sequence[str], services: Sequence[Service], *, native_cidr: str,
+          agent: Path | None = None) -> ConfinedAgent:
+    """Start the agent confined to `node` (a network namespace that exists) serving `services`."""
+    binary = agent or gotools.built(AGENT_TOOL)
+    if binary is None:
+        raise CiliumError(gotools.build_hint(AGENT_TOOL))
+    if not (LLVM_BIN / "clang").is_file():
+        raise CiliumError(f"no clang at {LLVM_BIN}: install clang-19 (hack/install-deps.sh does)")
+    sources = bpf_sources()
+    workdir = Path(tempfile.mkdtemp(prefix=f"proxyshift-cilium-{node}-"))
+    cgroup: Path | None = None
+    try:
+        lib = workdir / "lib"
+        lib.mkdir()
+        (lib / "bpf").symlink_to(sources)  # read only: the agent writes its objects under --state-dir
+        state_file = workdir / "lb-state.json"
+        state_file.write_text(json.dumps(lb_state(services), indent=1))
+        cgroup = make_cgroup(node)
+        log_path = workdir / "agent.log"
+        argv = [sys.executable, "-m", "localcluster.cilium", "confine", "--cgroup", str(cgroup),
+                "--netns", netns, "--", str(binary),
+                *agent_flags(devices, lib_dir=lib, socket_path=workdir / "cilium.sock",
+                             lb_state_file=state_file, native_cidr=native_cidr)]
+        env = {**os.environ, "PATH": f"{LLVM_BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+               "K8S_NODE_NAME": node}
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,  # noqa: S603
+                                    start_new_session=True)
+        return ConfinedAgent(node, netns, cgroup, workdir, proc, time.monotonic(), log_path)
+    except BaseException:
+        if cgroup is not None:
+            remove_cgroup(cgroup)
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+
+
+# ---------------------------------------------------------------- inside the node
+
+
+def _unshare(flags: int, what: str) -> None:
+    if _libc.unshare(flags) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"unshare({what}): {os.strerror(err)}")
+
+
+def join_node(cgroup: Path, netns: str) -> None:
+    """Move this (single-threaded) process into the node's cgroup and network namespace."""
+    (cgroup / "cgroup.procs").write_text(f"{os.getpid()}\n")
+    container.setns(netns)
+
+
+def _bind_read_only(path: str) -> None:
+    container._mount(path, path, None, container.MS_BIND)
+    container._mount(None, path, None, container.MS_BIND | container.MS_REMOUNT | container.MS_RDONLY)
+
+
+def confine(cgroup: Path, netns: str) -> None:
+    """Everything but the exec: the node's cgroup and netns, then private cgroup and mount namespaces."""
+    join_node(cgroup, netns)
+    # The cgroup namespace is rooted at the cgroup the caller is in: joined above, so the node's.
+    _unshare(container.CLONE_NEWNS | CLONE_NEWCGROUP, "CLONE_NEWNS|CLONE_NEWCGROUP")
+    container._mount(None, "/", None, container.MS_REC | container.MS_PRIVATE)
+    container._remount_sys(netns)
+    container._mount("tmpfs", "/run", "tmpfs", container.MS_NOSUID | container.MS_NODEV, "mode=0755")
+    for path in (PRIVATE_BPFFS, PRIVATE_CGROUP):
+        path.mkdir(parents=True)
+    container._mount("bpffs", str(PRIVATE_BPFFS), "bpf", 0, "mode=0700")
+    container._mount("cgroup2", str(PRIVATE_CGROUP), "cgroup2", 0)
+    # The guard the whole confinement rests on: the cgroup root the agent will attach socket-LB to
+    # must be the node's subtree holding this process, never the machine's root cgroup.
+    if not (PRIVATE_CGROUP / "cgroup.events").exists():
+        raise CiliumError(f"{PRIVATE_CGROUP} is the host's root cgroup, not the node's subtree")
+    if str(os.getpid()) not in (PRIVATE_CGROUP / "cgroup.procs").read_text().split():
+        raise CiliumError(f"{PRIVATE_CGROUP} is not the node's cgroup {cgroup}")
+    for sysctl in HOST_SYSCTLS:
+        if Path(sysctl).exists():
+            _bind_read_only(sysctl)
+
+
+@dataclass(frozen=True)
+class Dial:
+    outcome: str
+    payload: str | None
+    detail: str
+
+
+def dial(cgroup: Path, netns: str, address: str, port: int, *, timeout: float = 5.0) -> Dial:
+    """One TCP connect from a process of the node (its cgroup and netns), as a pod there would dial."""
+    argv = [sys.executable, "-m", "localcluster.cilium", "dial", "--cgroup", str(cgroup), "--netns", netns,
+            "--timeout", str(timeout), address, str(port)]
+    result = run(argv, timeout=timeout + 15.0)
+    return Dial(**json.loads(result.stdout))
+
+
+def _dial_here(address: str, port: int, timeout: float) -> Dial:
+    from proxyshift.agent.behaviour import dial_tcp  # the agent's own probe: outcome and first line
+
+    attempt = dial_tcp(address, port, timeout)
+    return Dial(attempt.outcome, attempt.payload, attempt.detail)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="localcluster.cilium", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="what", required=True)
+    launch = sub.add_parser("confine", help="confine this process to the node and exec the command")
+    probe = sub.add_parser("dial", help="one TCP dial from the node's cgroup and netns; prints JSON")
+    for p in (launch, probe):
+        p.add_argument("--cgroup", type=Path, required=True, help="the node's cgroup v2 directory")
+        p.add_argument("--netns", required=True, help="the node's network namespace (under /run/netns)")
+    probe.add_argument("--timeout", type=float, default=5.0)
+    probe.add_argument("address")
+    probe.add_argument("port", type=int)
+    launch.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if args.what == "dial":
+        join_node(args.cgroup, args.netns)
+        print(json.dumps(asdict(_dial_here(args.address, args.port, args.timeout))))
+        return 0
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command after --")
+    try:
+        confine(args.cgroup, args.netns)
+    except (OSError, CiliumError) as exc:
+        print(f"localcluster.cilium: not starting {command[0]}: {exc}", file=sys.stderr)
+        return 1
+    os.execv(command[0], command)
+    return 127  # not reached: execv replaces the process or raises
+
+
+if __name__ == "__main__":
+    sys.exit(main())
