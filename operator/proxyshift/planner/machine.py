@@ -560,16 +560,16 @@ def _hold_op(inp: NodeInput, m: NodeMigration) -> Operation:
 
 
 def _forward_left(inp: NodeInput, m: NodeMigration) -> tuple[float, str]:
-    """Seconds left for a forward Switch or Gate, and the limit in words: gate.timeout from the step's start
-    (_time_left), but never so late that a rollback would not find the rule hold in place. Only a run of API
-    server outages stretches the steps that far; a hold gone before the old kube-proxy is back leaves the node
-    with no Service rules at all."""
+    """Seconds left for a forward step, and the limit in words: gate.timeout from the step's start
+    (_time_left), but a held Switch or Gate never so late that a rollback would not find the rule hold in
+    place. Only a run of API server outages stretches the steps that far; a hold gone before the old
+    kube-proxy is back leaves the node with no Service rules at all."""
     left, limit = _time_left(inp, m), f"within {inp.spec.gate.timeout}"
-    if holds_rules(inp, m) and m.switched_at is not None:
-        before_rollback = hold_ttl(inp) - timedelta(seconds=HOLD_ROLLBACK_SECONDS)
-        held = remaining(m.switched_at, before_rollback, inp.now)
+    if m.phase in ("Switch", "Gate") and holds_rules(inp, m) and m.switched_at is not None:
+        ttl = hold_ttl(inp)
+        held = remaining(m.switched_at, ttl - timedelta(seconds=HOLD_ROLLBACK_SECONDS), inp.now)
         if held < left:
-            left, limit = held, f"before the rule hold runs out ({int(hold_ttl(inp).total_seconds())}s)"
+            left, limit = held, f"before the rule hold runs out ({int(ttl.total_seconds())}s)"
     return left, limit
 
 
@@ -769,7 +769,7 @@ def _gate(inp: NodeInput, m: NodeMigration) -> Step:
                                f"{phase.lower()}: {verdict.message}")
     if verdict is not None and verdict.passed:
         return _after_gate(inp, m, verdict)
-    left, limit = _forward_left(inp, m) if phase == "Gate" else (_time_left(inp, m), f"within {inp.spec.gate.timeout}")
+    left, limit = _forward_left(inp, m)
     waiting = verdict.message if verdict else "waiting for the agent's probe"
     if left <= 0:
         reason = "GateTimeout" if phase == "Gate" else "VerifyTimeout"
