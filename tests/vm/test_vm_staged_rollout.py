@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 from vm_layer import VM_E2E_SUMMARY_KEY
-from vm_node_checks import Stages, agent_leftovers, ipvs_services, left, observed_mode, proxy_mode
+from vm_node_checks import Stages, agent_leftovers, guest_cluster, ipvs_services, left, observed_mode, proxy_mode
 
-from localcluster import controlplane, network, workloads
+from localcluster import network, workloads
 from localcluster.vmnodes import VmNodes, VmNodesError
 from tests.support.operator_harness import Harness, policy
 
@@ -45,10 +45,7 @@ def test_staged_iptables_ipvs_wrr_nftables_with_nodes_in_the_guest(
         cluster: Any, harness: Harness, test_service: Any, wait_for: Callable[..., Any],
         request: pytest.FixtureRequest) -> None:
     h = harness
-    state_dir = cluster.require_local("nodes in the QEMU guest")
-    info = controlplane.load_info(state_dir)
-    assert info is not None
-    first = max(network.node_indices()) + 1
+    info, first = guest_cluster(cluster)
     plan = [(first + i, VM_POOL) for i in range(GUEST_NODES)]
     nodes = [network.node_name(i) for i, _ in plan]
     other = cluster.nodes[-1]  # green, on the host

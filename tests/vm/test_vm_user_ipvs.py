@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 from vm_layer import VM_USER_IPVS_SUMMARY_KEY
-from vm_node_checks import Stages, agent_leftovers, ipvs_services, left, links, observed_mode, proxy_mode
+from vm_node_checks import Stages, agent_leftovers, guest_cluster, ipvs_services, left, links, observed_mode, proxy_mode
 
-from localcluster import controlplane, network
+from localcluster import network
 from localcluster.vmnodes import VmNodes
 from tests.support.operator_harness import Harness, policy
 
@@ -44,10 +44,7 @@ def test_users_ipvs_virtual_server_survives_iptables_ipvs_iptables_in_the_guest(
         cluster: Any, harness: Harness, test_service: Any, wait_for: Callable[..., Any],
         request: pytest.FixtureRequest) -> None:
     h = harness
-    state_dir = cluster.require_local("nodes in the QEMU guest")
-    info = controlplane.load_info(state_dir)
-    assert info is not None
-    index = max(network.node_indices()) + 1
+    info, index = guest_cluster(cluster)
     node = network.node_name(index)
     ip, port = test_service.cluster_ip, test_service.port
     run = Stages(h, POLICY, STAGE_TIMEOUT, "vm user ipvs", request)

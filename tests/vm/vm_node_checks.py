@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from localcluster import controlplane, network
+from localcluster.controlplane import ClusterInfo
 from localcluster.vmnodes import VmNodes
 from proxyshift.api.proxynode import Mode
 from proxyshift.modes import MODE_FACTS
@@ -145,3 +147,11 @@ class Stages:
     def summary(self) -> str:
         """Each timing, in the order taken."""
         return ", ".join(f"{k} {v:.0f} s" for k, v in self.timings.items())
+
+
+def guest_cluster(cluster: Any) -> tuple[ClusterInfo, int]:
+    """The local control plane a guest's nodes join, and the first node index free for them (after the
+    host's nodes)."""
+    info = controlplane.load_info(cluster.require_local("nodes in the QEMU guest"))
+    assert info is not None
+    return info, max(network.node_indices()) + 1
