@@ -42,8 +42,10 @@ CONTROL_PLANE = "node-role.kubernetes.io/control-plane"
 BLUE = ("ps-node-1", "ps-node-2")
 
 
-def _revision_objects(cluster: Any) -> set[str]:
-    out = cluster.kubectl("-n", "kube-system", "get", "daemonsets,configmaps", "-l", "proxyshift.io/managed-by",
+def _revision_objects(cluster: Any, policy: str | None = None) -> set[str]:
+    """proxyshift's DaemonSets and ConfigMaps in kube-system: every policy's, or only `policy`'s."""
+    selector = "proxyshift.io/managed-by" + (f",proxyshift.io/policy={policy}" if policy else "")
+    out = cluster.kubectl("-n", "kube-system", "get", "daemonsets,configmaps", "-l", selector,
                           "-o", "name").stdout
     return set(out.split())
 
@@ -242,9 +244,16 @@ def test_a_policy_edited_every_second_during_a_rollout(cluster: Any, harness: An
         assert facts[node] == (final, False), (node, facts[node])
         assert harness.proxy_mode(node) == "nftables" and harness.kube_proxy_running(node)
     assert status["failed"] == [] and status["nodes"]["failed"] == 0, status
-    harness.wait_for(lambda: _revision_objects(cluster) == {f"daemonset.apps/kube-proxy-{final}",
-                                                           f"configmap/kube-proxy-{final}"}, 60,
-                     "only the final revision's objects")
+    # Only this policy's objects: a revision an earlier test's policy has not yet had deleted is not this
+    # test's finding (the test that made it checks its own end state).
+    final_objects = {f"daemonset.apps/kube-proxy-{final}", f"configmap/kube-proxy-{final}"}
+    try:
+        harness.wait_for(lambda: _revision_objects(cluster, name) == final_objects, 60,
+                         "only the final revision's objects")
+    except pytest.fail.Exception:
+        pytest.fail(f"{name}'s revision objects after 60 s: {sorted(_revision_objects(cluster, name))} "
+                    f"(all of proxyshift's: {sorted(_revision_objects(cluster))}); policy status "
+                    f"{harness.get(name).get('status')}")
 
     # Nodes do not chase edits: once the spec changes, no node starts until it has been unchanged for
     # 10 s (planner.SETTLE_SECONDS); a node already past its switch finishes. So each node switches at most
