@@ -16,7 +16,7 @@ from proxyshift import render
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.controller import metrics
 from proxyshift.controller.kube import ClusterAPI, describe_api_error
-from proxyshift.controller.settings import BASELINE_PATCH_ANNOTATION, CONFIG
+from proxyshift.controller.settings import BASELINE_PATCH_ANNOTATION, CONFIG, OperatorConfig
 from proxyshift.planner import world as w
 
 log = logging.getLogger(__name__)
@@ -71,11 +71,13 @@ def by_node(actions: list[w.Action]) -> tuple[list[list[w.Action]], list[w.Actio
 class Executor:
     api: ClusterAPI
     node_uids: Mapping[str, str] = field(default_factory=dict)
+    config: OperatorConfig = CONFIG
     # "steps": an Event per step on the node and its policy (issue 5). "outcomes": only Warnings and how
     # each node's migration ended; at thousands of nodes Events are otherwise most of the operator's
     # writes (issue 7: at most 8 per node). "auto": steps up to step_events_max_nodes selected nodes.
-    node_events: str = field(default_factory=lambda: CONFIG.node_events)
-    step_events_max_nodes: int = field(default_factory=lambda: CONFIG.step_events_max_nodes)
+    # None: the config's setting.
+    node_events: str | None = None
+    step_events_max_nodes: int | None = None
     fleet: dict[str, int] = field(default_factory=dict)  # policy -> nodes it moves (or reverts), at its last plan
     _drain_said: dict[str, str] = field(default_factory=dict)  # node -> the blocked drain last told
 
@@ -100,9 +102,12 @@ class Executor:
 
     def events_for(self, policy: str | None) -> str:
         """`steps` or `outcomes` for this policy's nodes, resolving `auto` by the policy's size."""
-        if self.node_events != "auto":
-            return self.node_events
-        return "steps" if self.fleet.get(policy or "", 0) <= self.step_events_max_nodes else "outcomes"
+        setting = self.node_events if self.node_events is not None else self.config.node_events
+        if setting != "auto":
+            return setting
+        most = self.step_events_max_nodes if self.step_events_max_nodes is not None \
+            else self.config.step_events_max_nodes
+        return "steps" if self.fleet.get(policy or "", 0) <= most else "outcomes"
 
     def _emit(self, node: str | None, policy: str | None, reason: str, message: str, type_: str,
               policies: dict[str, ProxyPolicy]) -> None:
@@ -127,11 +132,11 @@ class Executor:
     # ---- revisions ----
 
     def _baseline(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        cm = self.api.read_configmap(CONFIG.baseline_configmap)
-        ds = self.api.read_daemonset(CONFIG.baseline_daemonset)
+        cm = self.api.read_configmap(self.config.baseline_configmap)
+        ds = self.api.read_daemonset(self.config.baseline_daemonset)
         if cm is None or ds is None:
-            missing = CONFIG.baseline_configmap if cm is None else CONFIG.baseline_daemonset
-            raise StepBlocked(f"baseline kube-proxy object {CONFIG.kube_proxy_namespace}/{missing} not found")
+            missing = self.config.baseline_configmap if cm is None else self.config.baseline_daemonset
+            raise StepBlocked(f"baseline kube-proxy object {self.config.kube_proxy_namespace}/{missing} not found")
         return cm, ds
 
     def _do_EnsureRevision(self, action: w.EnsureRevision, policies: dict[str, ProxyPolicy]) -> None:
@@ -162,11 +167,11 @@ class Executor:
             ops.append({"op": "add", "path": "/metadata/annotations", "value": {}})
         ops.append({"op": "add", "path": _annotation_path(BASELINE_PATCH_ANNOTATION),
                     "value": json.dumps(undo.patch, sort_keys=True)})
-        self.api.json_patch_daemonset(CONFIG.baseline_daemonset, jsonpatch.JsonPatch(ops))
+        self.api.json_patch_daemonset(self.config.baseline_daemonset, jsonpatch.JsonPatch(ops))
 
     def undo_baseline_affinity(self) -> None:
         """Return the baseline DaemonSet to exactly what it was before proxyshift touched it."""
-        ds = self.api.read_daemonset(CONFIG.baseline_daemonset)
+        ds = self.api.read_daemonset(self.config.baseline_daemonset)
         if ds is None:
             return
         recorded = ((ds.get("metadata") or {}).get("annotations") or {}).get(BASELINE_PATCH_ANNOTATION)
@@ -180,12 +185,12 @@ class Executor:
             except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException):
                 pass
             else:
-                self.api.json_patch_daemonset(CONFIG.baseline_daemonset, exact)
+                self.api.json_patch_daemonset(self.config.baseline_daemonset, exact)
                 return
         undo = render.undo_baseline_affinity_patch(ds)
         ops = [*(undo.patch if undo is not None else []), *forget]
         if ops:
-            self.api.json_patch_daemonset(CONFIG.baseline_daemonset, jsonpatch.JsonPatch(ops))
+            self.api.json_patch_daemonset(self.config.baseline_daemonset, jsonpatch.JsonPatch(ops))
 
     def _do_DeleteRevision(self, action: w.DeleteRevision, _: dict[str, ProxyPolicy]) -> None:
         cm_name, ds_name = render.revision_object_names(action.revision)

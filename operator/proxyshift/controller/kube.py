@@ -67,11 +67,12 @@ class ClusterAPI:
     CustomObjectsApi, built-in kinds as JSON through controller/rest.py (not the typed CoreV1Api and
     AppsV1Api, whose import alone costs ~87 MB of memory)."""
 
-    def __init__(self, api_client: client.ApiClient | None = None) -> None:
+    def __init__(self, api_client: client.ApiClient | None = None, namespace: str = CONFIG.kube_proxy_namespace
+                 ) -> None:
         self.api_client = api_client or client.ApiClient()
         self.rest = Rest(self.api_client)
         self.custom = client.CustomObjectsApi(self.api_client)
-        self.namespace = CONFIG.kube_proxy_namespace
+        self.namespace = namespace  # kube-proxy's: its baseline and the revision objects live there
 
     def _configmap_path(self, name: str) -> str:
         return f"/api/v1/namespaces/{self.namespace}/configmaps/{name}"

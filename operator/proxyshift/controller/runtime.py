@@ -67,7 +67,7 @@ class OperatorRuntime:
         fleet = Fleet(wakers)
         inventory = Inventory(fleet, api, tasks.spawn)
         fleet.on_node = inventory.ensure
-        executor = executor if executor is not None else Executor(api)
+        executor = executor if executor is not None else Executor(api, config=config)
         executor.node_uids = fleet.node_uids
         return cls(
             config=config, api=api, executor=executor, wakers=wakers, pacing=Pacing(config.min_requeue_seconds),
