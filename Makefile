@@ -85,7 +85,7 @@ test-reliability: binaries
 	$(PYTEST) -m reliability
 
 test: setup lint crds-check binaries ## everything CI runs: every layer, in one pytest session
-	$(PYTEST)
+	$(PYTEST) --durations=40
 
 bench: setup binaries ## benchmarks (print tables); setup: the system tools they run (iptables, nft, QEMU)
 	$(PYTHON) bench/run_all.py

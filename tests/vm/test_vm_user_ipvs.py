@@ -1,4 +1,5 @@
-"""A user's own IPVS virtual server on a node in the QEMU guest survives iptables -> ipvs and ipvs -> iptables.
+"""A user's own IPVS virtual server on a node in the QEMU guest survives iptables -> ipvs and ipvs -> iptables,
+then stops the move to nftables until the policy accepts its deletion.
 
 An ipvs kube-proxy deletes, at every sync, each IPVS virtual server of its address family that it
 did not create, unless the address is in its `ipvs.excludeCIDRs` (v1.37 pkg/proxy/ipvs/proxier.go
@@ -7,11 +8,18 @@ ran ipvs). So the policy excludes the user's address, as a user must. An iptable
 nothing of IPVS at its start (only an nftables one does: docs/migration-guide.md, ForeignIPVSFlush),
 so after the move back to iptables the agent's own ipvs flush is what removes kube-proxy's virtual
 servers, kube-ipvs0 and KUBE-* ipsets, and it must leave the user's virtual server and its real server
-exactly as `ipvsadm -Sn` showed them. Same layout as test_vm_staged_rollout.py (localcluster.vmnodes).
+exactly as `ipvsadm -Sn` showed them.
+
+Every start of an nftables kube-proxy deletes every IPVS virtual server (v1.37 platformCleanup), so the
+move to nftables is refused at preflight with the node untouched while the user's server is there; with
+`gate.behaviour.allowChanges: [ForeignIPVSFlush]` and a retry it goes through, and the user is told in a
+Warning Event and the node's migration record what was deleted. Same layout as test_vm_staged_rollout.py
+(localcluster.vmnodes), in one guest boot.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +29,8 @@ from vm_node_checks import Stages, agent_leftovers, guest_cluster, ipvs_services
 
 from localcluster import network
 from localcluster.vmnodes import VmNodes
-from tests.support.operator_harness import Harness, policy
+from proxyshift.planner.world import RETRY_ANNOTATION
+from tests.support.operator_harness import REVISION_LABEL, Harness, migration, policy
 
 pytestmark = pytest.mark.vm
 
@@ -40,7 +49,7 @@ def _user_lines(guest: VmNodes, node: str) -> list[str]:
 
 
 @pytest.mark.timeout(1800)
-def test_users_ipvs_virtual_server_survives_iptables_ipvs_iptables_in_the_guest(
+def test_users_ipvs_virtual_server_through_iptables_ipvs_iptables_and_to_nftables_in_the_guest(
         cluster: Any, harness: Harness, test_service: Any, wait_for: Callable[..., Any],
         request: pytest.FixtureRequest) -> None:
     h = harness
@@ -81,8 +90,41 @@ def test_users_ipvs_virtual_server_survives_iptables_ipvs_iptables_in_the_guest(
         assert ipvs_services(guest, node) == [USER_LINES[0]]
         assert "kube-ipvs0" not in links(guest, node)
         assert agent_leftovers(h, node) == []
+        iptables_revision = h.node_labels(node).get(REVISION_LABEL)
+
+        # To nftables: refused at preflight, naming the user's server; nothing on the node changes.
+        started = time.monotonic()
+        h.patch(POLICY, {"spec": {"mode": "nftables"}})
+        h.wait_condition(POLICY, "Degraded", STAGE_TIMEOUT)
+        refused = migration(h.proxynodes()[node])
+        assert (refused.get("phase"), refused.get("reason")) == ("Failed", "PreflightFailed"), refused
+        assert USER_VS[0] in (refused.get("message") or ""), refused
+        assert proxy_mode(guest, node) == "iptables" and _user_lines(guest, node) == USER_LINES
+        assert h.node_labels(node).get(REVISION_LABEL) == iptables_revision, "the node was switched"
+        run.timings["iptables -> nftables refused"] = time.monotonic() - started
+        run.say(f"to nftables refused at preflight: {refused.get('message')}")
+
+        # Accepted by name, retried: switched, the user's server deleted by kube-proxy, the user told.
+        started = time.monotonic()
+        h.patch(POLICY, {"metadata": {"annotations": {RETRY_ANNOTATION: "foreign-ipvs"}},
+                         "spec": {"gate": {"behaviour": {"allowChanges": ["ForeignIPVSFlush"]}}}})
+        h.wait_condition(POLICY, "Ready", STAGE_TIMEOUT)
+        run.timings["iptables -> nftables accepted"] = time.monotonic() - started
+        run.say(f"to nftables with ForeignIPVSFlush accepted: Ready after "
+                f"{run.timings['iptables -> nftables accepted']:.0f}s")
+        assert proxy_mode(guest, node) == "nftables"
+        assert _user_lines(guest, node) == [] and ipvs_services(guest, node) == []
+        done = migration(h.proxynodes()[node])
+        assert any(USER_VS[0] in v for v in done.get("foreignIPVSFlushed") or []), done
+        told = [e for e in h.core.list_event_for_all_namespaces(
+                    field_selector="reason=ForeignIPVSFlush").items
+                if e.involved_object.name == node and e.type == "Warning"]
+        assert any(USER_VS[0] in (e.message or "") for e in told), [e.message for e in told]
+        assert left(guest, node, "nftables") == {}, "iptables or ipvs mode's objects left"
+        assert agent_leftovers(h, node) == []
     total = run.elapsed()
-    summary = (f"a user's IPVS virtual server through iptables -> ipvs -> iptables on {node} in the guest: "
+    summary = (f"a user's IPVS virtual server through iptables -> ipvs -> iptables -> nftables (refused, then "
+               f"accepted) on {node} in the guest: "
                f"{total:.0f} s (" + run.summary() + ")")
     request.config.stash[VM_USER_IPVS_SUMMARY_KEY] = summary
     run.say(summary)
