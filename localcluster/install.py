@@ -4,21 +4,31 @@ Used by `make demo` and by the e2e suite. The CRDs, RBAC, admission policies
 and the agent DaemonSet come from `crds/` and `config/` exactly as a user
 applies them; the agent pods are run by the node simulator. The operator runs
 as a process on the host (so tests can kill -9 it and start another), logging
-to the cluster's state directory.
+to the cluster's state directory, confined as its Deployment
+(config/manager/deployment.yaml) confines it: the same launcher and
+securityContext rules the node simulator applies to containers.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from localcluster import paths
+from localcluster.nodesim.podspec import image_paths
+from localcluster.security_context import Confinement, confinement
 from proxyshift.commands import run, stop_child
 
 AGENT_NAMESPACE = "proxyshift-system"
@@ -83,29 +93,93 @@ def install(bin_dir: Path | None, kubeconfig: Path, *, agents: bool = True) -> N
                 f"daemonset/{AGENT_DAEMONSET}", "--timeout=180s", timeout=200)
 
 
+OPERATOR_DEPLOYMENT = "config/manager/deployment.yaml"
+OPERATOR_CONTAINER = "operator"
+# kubeconfig fields whose embedded data the kubernetes client writes to a temporary file at login: with a
+# read-only root that write fails, so the operator's copy names files instead (as a pod's mounts are).
+_EMBEDDED = {"clusters": ("cluster", ("certificate-authority",)),
+             "users": ("user", ("client-certificate", "client-key"))}
+
+
+def operator_confinement() -> Confinement:
+    """What the operator container's securityContext (pod and container) grants, read from its Deployment."""
+    with (paths.repo_root() / OPERATOR_DEPLOYMENT).open() as fh:
+        deployment = next(d for d in yaml.safe_load_all(fh) if d and d.get("kind") == "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    container = next(c for c in pod["containers"] if c["name"] == OPERATOR_CONTAINER)
+    return confinement(pod, container, "proxyshift")
+
+
+def credentials_for(kubeconfig: Path, uid: int, gid: int) -> Path:
+    """A folder the operator's user can read holding `kubeconfig` with its embedded certificates as files.
+
+    The original may sit in a folder only root can enter (a test's scratch folder); the copy is the only
+    thing the confined operator reads besides its image, as a pod reads only its mounts."""
+    folder = Path(tempfile.mkdtemp(prefix="ps-operator-credentials-"))
+    config: dict[str, Any] = yaml.safe_load(kubeconfig.read_text()) or {}
+    for section, (inner, fields) in _EMBEDDED.items():
+        for index, entry in enumerate(config.get(section) or []):
+            body = entry.get(inner) or {}
+            for name in fields:
+                data = body.pop(f"{name}-data", None)
+                if data is not None:
+                    path = folder / f"{section}-{index}-{name}.pem"
+                    path.write_bytes(base64.b64decode(data))
+                    body[name] = str(path)
+    copy = folder / "kubeconfig"
+    copy.write_text(yaml.safe_dump(config))
+    for path in folder.iterdir():
+        os.chown(path, uid, gid)
+        path.chmod(0o400)
+    os.chown(folder, uid, gid)
+    folder.chmod(0o500)
+    return copy
+
+
 @dataclass
 class OperatorProcess:
-    """`proxyshift operator` as a child process; kill it (-9 included) and start another at will."""
+    """`proxyshift operator` as a child process; kill it (-9 included) and start another at will.
+
+    Confined (the default) as config/manager/deployment.yaml confines the container: its user, no
+    capabilities, no privilege escalation, a read-only root, through localcluster.container, which execs,
+    so `proc.pid` is the operator's own pid. Its kubeconfig is copied to a folder that user can read."""
 
     kubeconfig: Path
     log_path: Path
     metrics_port: int = 18080
     health_port: int = 18081
     extra_env: dict[str, str] = field(default_factory=dict)
+    confined: bool = True
     proc: subprocess.Popen[bytes] | None = None
+    _credentials: Path | None = None
 
     def start(self) -> OperatorProcess:
         if self.running:
             return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "proxyshift.cli", "operator", "--standalone",
-                "--kubeconfig", str(self.kubeconfig), "--metrics-port", str(self.metrics_port),
+        kubeconfig, launcher = self.kubeconfig, []
+        if self.confined:
+            limits = operator_confinement()
+            self._forget_credentials()
+            kubeconfig = credentials_for(self.kubeconfig, limits.uid, limits.gid)
+            self._credentials = kubeconfig.parent
+            launcher = [sys.executable, "-m", "localcluster.container", *limits.launcher_args()]
+            for path in image_paths():
+                launcher += ["--expose", path]
+            launcher.append("--")
+        argv = [*launcher, sys.executable, "-m", "proxyshift.cli", "operator", "--standalone",
+                "--kubeconfig", str(kubeconfig), "--metrics-port", str(self.metrics_port),
                 "--liveness", f"http://127.0.0.1:{self.health_port}/healthz"]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,  # noqa: S603
                                          start_new_session=True)
         return self
+
+    def _forget_credentials(self) -> None:
+        if self._credentials is not None:
+            shutil.rmtree(self._credentials, ignore_errors=True)
+            self._credentials = None
 
     @property
     def running(self) -> bool:
@@ -119,6 +193,7 @@ class OperatorProcess:
 
     def stop(self) -> None:
         self.kill(signal.SIGTERM)
+        self._forget_credentials()
 
     def wait_healthy(self, timeout: float = 60) -> None:
         import urllib.request

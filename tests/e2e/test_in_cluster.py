@@ -9,7 +9,7 @@ import pytest
 
 from localcluster import paths
 from tests.support.operator_harness import REVISION_LABEL, policy
-from tests.support.processes import mount_options, status
+from tests.support.processes import assert_confined_as_operator
 
 pytestmark = pytest.mark.e2e
 
@@ -25,11 +25,7 @@ def assert_operator_confined(state_dir: Path) -> None:
             pids.append(pid)
     assert len(pids) == 2, f"two operator replicas expected running, found {pids}"
     for pid in pids:
-        s = status(int(pid))
-        assert s["Uid"].split()[0] == "65532", s["Uid"]
-        assert int(s["CapEff"], 16) == 0 and int(s["CapBnd"], 16) == 0
-        assert s["NoNewPrivs"] == "1"
-        assert "ro" in mount_options(int(pid))["/"], mount_options(int(pid))["/"]
+        assert_confined_as_operator(int(pid))
 
 
 def test_in_cluster_operator_with_peering_migrates_a_pool(cluster: Any, harness: Any) -> None:

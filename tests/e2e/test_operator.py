@@ -20,6 +20,7 @@ from tests.support.operator_harness import (
     policy,
     timestamp,
 )
+from tests.support.processes import assert_confined_as_operator
 
 pytestmark = pytest.mark.e2e
 
@@ -51,6 +52,14 @@ def _service_answers_everywhere(h: Harness, tcp_probe: Any, service: Any) -> Non
     for node in BLUE + GREEN:
         h.wait_for(lambda n=node: tcp_probe(n, service.cluster_ip, service.port, 3).failed == 0, 60,
                    f"{service.name} to answer from {node}")
+
+
+def test_the_operator_every_suite_drives_is_confined_as_its_deployment(harness: Harness) -> None:
+    """The e2e, fault and soak suites run the operator as a host process (so a fault can kill -9 it), but with
+    what its Deployment grants: a permission its container lacks fails those suites, not only test_in_cluster."""
+    proc = harness.operator.proc
+    assert proc is not None and harness.operator.running
+    assert_confined_as_operator(proc.pid)
 
 
 def test_blue_iptables_to_nftables_and_back(harness: Harness, test_service: Any, tcp_probe: Any,

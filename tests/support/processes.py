@@ -31,3 +31,14 @@ def mount_options(pid: int) -> dict[str, set[str]]:
         fields = line.split()
         out[fields[4]] = set(fields[5].split(","))
     return out
+
+
+def assert_confined_as_operator(pid: int) -> None:
+    """The process runs as config/manager/deployment.yaml says: uid 65532, no capability, no privilege
+    escalation, a read-only root (issue 15)."""
+    s = status(pid)
+    assert s["Uid"].split()[0] == "65532", s["Uid"]
+    assert int(s["CapEff"], 16) == 0 and int(s["CapBnd"], 16) == 0, (s["CapEff"], s["CapBnd"])
+    assert s["NoNewPrivs"] == "1"
+    root = mount_options(pid)["/"]
+    assert "ro" in root, root
