@@ -9,7 +9,9 @@ refusing KVM, the timeout) means TCG.
 
 The verdict and its reason are cached under the VM cache folder, in a file named by a hash of what
 decides it (the kernel pin, the host's kernel release, /dev/kvm's presence, the CPU's vmx/svm
-flags): a machine pays for the probe once, and a new kernel pin or host kernel probes again.
+flags): a machine pays for the probe once, and a new kernel pin or host kernel probes again
+(deleting the file does too). No `main`: `localcluster vm -- true` prints the verdict, and this
+module never imports vm (vm imports it).
 
 PROXYSHIFT_VM_ACCEL=tcg skips all of it; PROXYSHIFT_VM_ACCEL=kvm insists on KVM and is an error,
 with the probe's reason, when KVM does not work here (a hang would only show as a timeout minutes
@@ -18,12 +20,10 @@ later).
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import hashlib
 import json
 import os
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -184,7 +184,7 @@ def probe_kvm(kernel: vmkernel.GuestKernel, runner: ProbeRunner, *,
 
 def choose_accel(kernel: vmkernel.GuestKernel, runner: ProbeRunner, *, env: Mapping[str, str] | None = None,
                  kvm_device: Path = Path("/dev/kvm"), cpuinfo: Path = Path("/proc/cpuinfo"),
-                 host_release: str | None = None, cache_root: Path | None = None, reprobe: bool = False,
+                 host_release: str | None = None, cache_root: Path | None = None,
                  timeout: float = PROBE_TIMEOUT_SECONDS, log: Callable[[str], None] = vmkernel.say) -> AccelChoice:
     """TCG or KVM for this machine, and why (see the module's docstring)."""
     env = os.environ if env is None else env
@@ -205,7 +205,7 @@ def choose_accel(kernel: vmkernel.GuestKernel, runner: ProbeRunner, *, env: Mapp
     # a second KVM guest beside it (and both timing out on a loaded machine).
     with open(path.with_name(".accel.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        cached = None if reprobe else _read_cache(path, facts)
+        cached = _read_cache(path, facts)
         if cached is not None:
             accel, reason = cached
             choice = AccelChoice(accel, reason, "cache", path)
@@ -221,19 +221,3 @@ def choose_accel(kernel: vmkernel.GuestKernel, runner: ProbeRunner, *, env: Mapp
     if wanted == "kvm":
         return AccelChoice("kvm", f"{ACCEL_ENV}=kvm; {choice.reason}", "env", path)
     return choice
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Print this machine's verdict (probing when nothing is cached); --reprobe ignores the cache."""
-    from localcluster import vm
-
-    parser = argparse.ArgumentParser(prog="python -m localcluster.vmaccel", description=main.__doc__)
-    parser.add_argument("--reprobe", action="store_true", help="probe again even when a verdict is cached")
-    args = parser.parse_args(argv)
-    choice = choose_accel(vmkernel.prepare(), vm.probe_runner, reprobe=args.reprobe)
-    print(choice.describe())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
