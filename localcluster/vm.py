@@ -22,9 +22,11 @@ The guest:
   exit code into a third, per-run share (`GUEST_RUN_DIR` inside), where the
   caller may also leave or pick up files (e.g. a junit XML).
 
-QEMU runs under TCG (full emulation): this machine's /dev/kvm is a PVM host on
-which a stock kernel never boots under -enable-kvm. Set PROXYSHIFT_VM_ACCEL=kvm
-where KVM works. A run that exceeds its timeout kills QEMU by its pid.
+QEMU runs under KVM only when a bounded probe shows that a stock kernel boots under it
+(localcluster.vmaccel; cached once per machine), else under TCG (full emulation): this
+machine's /dev/kvm is a PVM host on which a stock kernel never boots under -enable-kvm.
+PROXYSHIFT_VM_ACCEL=tcg|kvm overrides the probe. A run that exceeds its timeout kills QEMU by
+its pid.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from localcluster import vmkernel
+from localcluster import vmaccel, vmkernel
 from proxyshift.commands import stop_child
 
 GUEST_RUN_DIR = "/run/proxyshift-vm"
@@ -81,6 +83,7 @@ class VmResult:
     seconds: float
     console: str            # the kernel's and /init's messages (ttyS0)
     qemu_rss_mib: float | None  # QEMU's peak RSS, from the kernel's accounting of the reaped child
+    accel: vmaccel.Accel = "tcg"
 
     @property
     def ok(self) -> bool:
@@ -130,7 +133,7 @@ def network_argv(tap: str | None, mac: str = GUEST_MAC) -> list[str]:
 
 
 def qemu_argv(kernel: vmkernel.GuestKernel, run_share: Path, output: Path, console: Path, *,
-              memory_mib: int, cpus: int, accel: str, tap: str | None = None) -> list[str]:
+              memory_mib: int, cpus: int, accel: vmaccel.Accel, tap: str | None = None) -> list[str]:
     accel_arg = "tcg,thread=multi,tb-size=256" if accel == "tcg" else accel
 
     def share(tag: str, path: Path, *, readonly: bool, remap: bool = False) -> list[str]:
@@ -163,13 +166,14 @@ def run_in_vm(argv: Sequence[str], *, cwd: str | Path = "/", env: Mapping[str, s
               timeout: float = DEFAULT_TIMEOUT_SECONDS, memory_mib: int | None = None, cpus: int | None = None,
               run_dir: Path | None = None, stream: OutputStream | None = None,
               kernel: vmkernel.GuestKernel | None = None, tap: str | None = None,
-              stop: threading.Event | None = None) -> VmResult:
+              stop: threading.Event | None = None, accel: vmaccel.Accel | None = None) -> VmResult:
     """Boot the guest, run `argv` as root in `cwd` with exactly `env` (plus PATH/HOME defaults).
 
     `run_dir` (a host folder) is the guest's GUEST_RUN_DIR; without it a temporary
     one is made and removed. `stream` gets the output while it runs. `tap`: the guest's one NIC
     is on this existing tap device (default: no network device). `stop` set by another thread
-    stops QEMU like a timeout does (the result then has timed_out set).
+    stops QEMU like a timeout does (the result then has timed_out set). `accel`: tcg or kvm; by
+    default vmaccel.choose_accel decides (PROXYSHIFT_VM_ACCEL, else the cached probe verdict).
     """
     if not argv:
         raise ValueError("run_in_vm needs a command")
@@ -179,7 +183,10 @@ def run_in_vm(argv: Sequence[str], *, cwd: str | Path = "/", env: Mapping[str, s
     guest_env = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8", **(env or {})}
     memory_mib = memory_mib or default_memory_mib()
     cpus = cpus or default_cpus()
-    accel = os.environ.get("PROXYSHIFT_VM_ACCEL", "tcg")
+    if accel is None:
+        choice = vmaccel.choose_accel(kernel, probe_runner)
+        _say(choice.describe())
+        accel = choice.accel
     work = Path(tempfile.mkdtemp(prefix="proxyshift-vm-"))
     share = run_dir or work / "share"
     share.mkdir(parents=True, exist_ok=True)
@@ -227,9 +234,17 @@ def run_in_vm(argv: Sequence[str], *, cwd: str | Path = "/", env: Mapping[str, s
                           f"output: {''.join(chunks)[-2000:]}")
         _say(f"guest exited {returncode if not timed_out else 'timeout'} after {seconds:.1f}s")
         return VmResult(returncode=returncode, output="".join(chunks), timed_out=timed_out, seconds=seconds,
-                        console=console_text, qemu_rss_mib=rss)
+                        console=console_text, qemu_rss_mib=rss, accel=accel)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def probe_runner(kernel: vmkernel.GuestKernel, *, accel: vmaccel.Accel, timeout: float) -> vmaccel.ProbeRun:
+    """vmaccel's probe boot: `true` in a small guest, through the same QEMU start, timeout and kill
+    by pid as every run (a KVM guest that hangs is stopped like any other)."""
+    result = run_in_vm(["true"], timeout=timeout, memory_mib=vmaccel.PROBE_MEMORY_MIB, cpus=vmaccel.PROBE_CPUS,
+                       kernel=kernel, accel=accel)
+    return vmaccel.ProbeRun(returncode=result.returncode, timed_out=result.timed_out, seconds=result.seconds)
 
 
 def _drain(reader: BinaryIO, chunks: list[str], stream: OutputStream | None) -> None:
@@ -281,6 +296,9 @@ def main_from_args(args: argparse.Namespace) -> int:
     try:
         result = run_in_vm(argv, cwd=args.cwd or os.getcwd(), env=env, timeout=args.timeout,
                            memory_mib=args.memory, cpus=args.cpus, stream=sys.stdout)
+    except vmaccel.VmAccelError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         # run_in_vm has already stopped and reaped qemu in its finally.
         _say("interrupted; qemu stopped")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,15 @@ from typing import Any
 import pytest
 
 from proxyshift.agent.flush.iptables import IptablesTool
-from proxyshift.agent.inventory import leftover_objects, leftovers, mode_objects, take_inventory
+from proxyshift.agent.inventory import (
+    MAX_DUMMY_ADDRESSES,
+    MAX_IP_JSON_BYTES,
+    leftover_objects,
+    leftovers,
+    mode_objects,
+    parse_addresses,
+    take_inventory,
+)
 from proxyshift.commands import CommandError, Result
 
 pytestmark = pytest.mark.unit
@@ -72,3 +81,50 @@ COMMIT
     assert leftover_objects(inv, "ipvs") == 1  # KUBE-SVC-*; KUBE-SERVICES is ipvs mode's own too
     assert leftover_objects(inv, "iptables") == 2  # KUBE-NODE-PORT and the ipset; not the shared KUBE-SERVICES
     assert leftover_objects(inv, None) == 0
+
+
+# ---- kube-ipvs0's addresses ----
+
+KUBE_IPVS0 = (FIX / "ip" / "kube-ipvs0-addr.json").read_text()  # recorded in the QEMU guest: fixtures/ip/README.md
+KUBE_IPVS0_ADDRESSES = ["198.19.0.10", "198.19.0.11", "203.0.113.7", "fd00:10:96::a"]
+
+
+def test_the_addresses_are_parsed_from_the_recorded_ip_json() -> None:
+    assert parse_addresses(KUBE_IPVS0) == KUBE_IPVS0_ADDRESSES
+    assert parse_addresses("") == [] and parse_addresses('[{"ifname":"kube-ipvs0","addr_info":[]}]') == []
+    # Entries that are not addresses are left out; a newer ip may print more kinds.
+    assert parse_addresses('[{"addr_info":[{"local":"not-an-ip"},{"local":7},"x",{"family":"inet"}]}, 3]') == []
+    for bad, words in (('{"ifname":"kube-ipvs0"}', "not print a list"), ("[{", "Expecting"),
+                       (" " * (MAX_IP_JSON_BYTES + 1), "more than")):
+        with pytest.raises(ValueError, match=words):
+            parse_addresses(bad)
+
+
+def test_the_inventory_lists_and_counts_kube_ipvs0s_addresses(tmp_path: Path) -> None:
+    runner = fake({"ip -j addr show dev": KUBE_IPVS0,
+                   "ipset save": "create KUBE-CLUSTER-IP hash:ip,port family inet\n"})
+    inv = take_inventory(runner=runner, iptables_tools=[], proc_root=tmp_path)
+    assert not inv.errors and inv.dummy_interface
+    assert inv.dummy_addresses == KUBE_IPVS0_ADDRESSES and inv.dummy_address_count == 4
+    (ipvs,) = mode_objects(inv, "nftables")
+    # The interface, its four addresses and the ipset: what the status's objects and leftovers count.
+    assert (ipvs.mode, ipvs.count) == ("ipvs", 1 + 4 + 1)
+    assert ipvs.summary == "kube-ipvs0 with 4 addresses; 1 ipsets"
+    assert leftover_objects(inv, "nftables") == 6
+
+
+def test_the_address_list_is_bounded_and_the_count_is_not(tmp_path: Path) -> None:
+    n = MAX_DUMMY_ADDRESSES + 100
+    addrs = ",".join(f'{{"family":"inet","local":"{ipaddress.IPv4Address("198.19.0.0") + i}","prefixlen":32}}'
+                     for i in reversed(range(n)))
+    runner = fake({"ip -j addr show dev": f'[{{"ifname":"kube-ipvs0","addr_info":[{addrs}]}}]'})
+    inv = take_inventory(runner=runner, iptables_tools=[], proc_root=tmp_path)
+    assert inv.dummy_address_count == n and len(inv.dummy_addresses) == MAX_DUMMY_ADDRESSES
+    assert inv.dummy_addresses[:2] == ["198.19.0.0", "198.19.0.1"]  # sorted, whatever order ip printed
+    assert inv.count("ipvs") == 1 + n
+
+
+def test_unreadable_addresses_are_an_inventory_error_not_a_crash(tmp_path: Path) -> None:
+    inv = take_inventory(runner=fake({"ip -j addr show dev": "[{not json"}), iptables_tools=[], proc_root=tmp_path)
+    assert inv.dummy_interface and inv.dummy_address_count == 0
+    assert len(inv.errors) == 1 and inv.errors[0].startswith("ip: kube-ipvs0: ")

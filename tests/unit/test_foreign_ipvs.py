@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import pytest
-from test_agent_flush_plan import EXPECTED_OWNED, IPVSADM, FakeNode
+from test_agent_flush_plan import EVIDENCE_DUMMY, EXPECTED_OWNED, IPVSADM, FakeNode
 from test_agent_loop import FakeAPI, make_agent, node_obj
 from test_machine import REV, done, inp, mig, migration_of, operation_of
 from test_plan_compat import policy, world
@@ -71,7 +71,9 @@ def test_the_inventory_splits_virtual_servers_by_the_flushs_own_evidence(tmp_pat
     status = foreign_ipvs(inv)
     assert status.count == 4 and status.virtual_servers == FOREIGN
     # A user's virtual servers are never kube-proxy's leftovers.
-    assert inv.count("ipvs") == len(EXPECTED_OWNED) + 1 + 3  # + kube-ipvs0 + the three KUBE-* sets
+    # + kube-ipvs0, the addresses on it and the three KUBE-* sets
+    assert inv.count("ipvs") == len(EXPECTED_OWNED) + 1 + len(EVIDENCE_DUMMY) + 3
+    assert inv.dummy_address_count == len(EVIDENCE_DUMMY)
     assert "ipvs" in leftovers(inv, "nftables")
 
 

@@ -9,7 +9,6 @@ with the guest's own text; a guest that cannot boot fails them all.
 from __future__ import annotations
 
 import ast
-import os
 import sys
 import time
 import xml.etree.ElementTree as ET
@@ -89,7 +88,7 @@ def guest_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     request.config.stash[VM_SUMMARY_KEY] = (
         f"guest: {count} tests, exit {result.returncode if not result.timed_out else 'timeout'}, "
         f"{seconds:.0f} s including boot; qemu peak RSS {result.qemu_rss_mib or 0:.0f} MiB "
-        f"({vm.default_cpus()} vCPU, {vm.default_memory_mib()} MiB, {os.environ.get('PROXYSHIFT_VM_ACCEL', 'tcg')})")
+        f"({vm.default_cpus()} vCPU, {vm.default_memory_mib()} MiB, {result.accel})")
     return run
 
 

@@ -2,6 +2,9 @@
 
 Read-only: iptables-save per family/backend, `nft -j list tables`, `ipvsadm -Sn`
 (only when the kernel has IPVS), `ip -j addr show dev kube-ipvs0`, `ipset save`.
+kube-ipvs0's addresses (every ClusterIP, external and load-balancer address an ipvs
+kube-proxy bound) are parsed with json from at most MAX_IP_JSON_BYTES and kept
+sorted, the first MAX_DUMMY_ADDRESSES of them, with their true count.
 IPVS virtual servers are split into kube-proxy's and foreign ones (a user's,
 keepalived's) by the flush's own decision (flush/ipvs.py select_owned): the
 foreign ones are never kube-proxy's objects, but an nftables kube-proxy deletes
@@ -17,6 +20,8 @@ ModeFacts.objects name it; this module has one probe, count and summary per kind
 
 from __future__ import annotations
 
+import ipaddress
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +31,6 @@ from proxyshift.agent.flush.iptables import IptablesTool, available_tools
 from proxyshift.agent.flush.ipvs import (
     IpsetState,
     VirtualServer,
-    parse_ip_addr_json,
     parse_ipset_save,
     parse_ipvsadm_save,
     select_foreign,
@@ -38,6 +42,36 @@ from proxyshift.agent.ownership import IPVS_DUMMY_INTERFACE, MODES, NFT_TABLES, 
 from proxyshift.api.proxynode import MAX_FOREIGN_VIRTUAL_SERVERS, ForeignIPVS, ModeObjects
 from proxyshift.commands import CommandError, ToolMissingError, run
 from proxyshift.modes import DEFAULT_MODE, MODE_FACTS, ObjectKind
+
+# `ip -j addr` prints about 140 bytes per address: 4 MiB is some 30,000 Services' addresses, and
+# json.loads of it stays far below the agent's memory limit. More is an inventory error, not a crash.
+MAX_IP_JSON_BYTES = 4 * 1024 * 1024
+# The addresses kept in the inventory (the count is always the true one).
+MAX_DUMMY_ADDRESSES = 1024
+
+
+def parse_addresses(text: str, *, max_bytes: int = MAX_IP_JSON_BYTES) -> list[str]:
+    """Every address in `ip -j addr show [dev X]` output, both families, once each, sorted.
+
+    ValueError when the output is over max_bytes or is not ip's JSON list; an entry that is not an
+    address is left out (a newer ip may print more kinds of entry)."""
+    if len(text) > max_bytes:
+        raise ValueError(f"ip -j addr printed more than {max_bytes} bytes")
+    data = json.loads(text) if text.strip() else []
+    if not isinstance(data, list):
+        raise ValueError("ip -j addr did not print a list")
+    found: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
+    for link in data:
+        if not isinstance(link, dict):
+            continue
+        for info in link.get("addr_info") or []:
+            if not isinstance(info, dict) or not isinstance(info.get("local"), str):
+                continue
+            try:
+                found.add(ipaddress.ip_address(info["local"]))
+            except ValueError:
+                continue
+    return [str(a) for a in sorted(found, key=lambda a: (a.version, a))]
 
 
 @dataclass
@@ -57,6 +91,8 @@ class Inventory:
     kube_virtual_servers: list[VirtualServer] = field(default_factory=list)
     foreign_virtual_servers: list[VirtualServer] = field(default_factory=list)
     dummy_interface: bool = False
+    dummy_addresses: list[str] = field(default_factory=list)  # kube-ipvs0's, the first MAX_DUMMY_ADDRESSES
+    dummy_address_count: int = 0  # all of them
     ipsets: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -109,7 +145,8 @@ def _ipvs_summary(inv: Inventory) -> list[str]:
     if inv.kube_virtual_servers:
         parts.append(f"{len(inv.kube_virtual_servers)} virtual servers")
     if inv.dummy_interface:
-        parts.append(IPVS_DUMMY_INTERFACE)
+        n = inv.dummy_address_count
+        parts.append(f"{IPVS_DUMMY_INTERFACE} with {n} address{'' if n == 1 else 'es'}")
     if inv.ipsets:
         parts.append(f"{len(inv.ipsets)} ipsets")
     return parts
@@ -124,8 +161,9 @@ class _Kind:
 
 
 KIND_COUNTS: dict[ObjectKind, _Kind] = {
-    "ipvs-objects": _Kind(lambda inv: len(inv.kube_virtual_servers) + int(inv.dummy_interface) + len(inv.ipsets),
-                  _ipvs_summary),
+    # kube-ipvs0 counts once as an interface and once per address bound on it (kube-proxy's too).
+    "ipvs-objects": _Kind(lambda inv: len(inv.kube_virtual_servers) + int(inv.dummy_interface)
+                          + inv.dummy_address_count + len(inv.ipsets), _ipvs_summary),
     "nft-tables": _Kind(lambda inv: len(inv.nft_tables),
                         lambda inv: ["tables " + ", ".join(f"{f} {n}" for f, n in inv.nft_tables)]
                         if inv.nft_tables else []),
@@ -164,10 +202,15 @@ def _ipvs(inv: Inventory, runner: Runner, proc_root: Path) -> None:
     try:
         out = runner(["ip", "-j", "addr", "show", "dev", IPVS_DUMMY_INTERFACE], timeout=10)
         inv.dummy_interface = True
-        dummy_addrs = set(parse_ip_addr_json(out.stdout))
+        found = parse_addresses(out.stdout)
+        dummy_addrs = set(found)
+        inv.dummy_addresses, inv.dummy_address_count = found[:MAX_DUMMY_ADDRESSES], len(found)
     except CommandError as exc:
         if "does not exist" not in (exc.stderr or str(exc)):
             inv.errors.append(f"ip: {exc}")
+    except ValueError as exc:
+        # The interface is there; its addresses are unknown (ownership then rests on the ipsets).
+        inv.errors.append(f"ip: {IPVS_DUMMY_INTERFACE}: {exc}")
     ipsets = IpsetState()
     try:
         ipsets = parse_ipset_save(runner(["ipset", "save"], timeout=60).stdout)
@@ -181,7 +224,7 @@ def _ipvs(inv: Inventory, runner: Runner, proc_root: Path) -> None:
     if inv.ipvs_available:
         try:
             inv.virtual_servers = parse_ipvsadm_save(runner(["ipvsadm", "-Sn"], timeout=60).stdout)
-            local = set(parse_ip_addr_json(runner(["ip", "-j", "addr", "show"], timeout=10).stdout))
+            local = set(parse_addresses(runner(["ip", "-j", "addr", "show"], timeout=10).stdout))
             node_addrs = local - dummy_addrs
             inv.kube_virtual_servers = select_owned(inv.virtual_servers, dummy_addrs, ipsets, node_addrs)
             inv.foreign_virtual_servers = select_foreign(inv.virtual_servers, dummy_addrs, ipsets, node_addrs)

@@ -515,7 +515,8 @@ class ProxyNodeStatus(KubeModel):
     leftover_objects: int | None = Field(
         default=None, ge=0,
         description="How many kube-proxy objects of those modes are still here (chains, tables, virtual servers, "
-        "ipsets, the kube-ipvs0 interface); kubectl get proxynodes shows it. Absent until the agent's first inventory.",
+        "ipsets, the kube-ipvs0 interface and each address on it); kubectl get proxynodes shows it. Absent until "
+        "the agent's first inventory.",
     )
     foreign_ipvs: ForeignIPVS | None = Field(
         default=None, alias="foreignIPVS",

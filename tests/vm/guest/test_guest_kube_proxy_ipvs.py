@@ -1,4 +1,5 @@
-"""The real kube-proxy v1.37.2 in ipvs mode, per scheduler, on the guest's kernel; the agent's inventory of it.
+"""The real kube-proxy v1.37.2 in ipvs mode, per scheduler, on the guest's kernel; the agent's inventory of it
+(virtual servers, kube-ipvs0's addresses, KUBE-* ipsets).
 
 The host cannot run this (no IPVS there: test_agent_real_kube_proxy.py shows
 kube-proxy refusing ipvs exactly when preflight does); here it runs.
@@ -60,4 +61,9 @@ def test_real_kube_proxy_programs_ipvs_and_the_inventory_reports_it(
     assert {vs.key() for vs in inv.kube_virtual_servers} == {vs.key() for vs in services}
     assert inv.foreign_virtual_servers == []  # every one of them is kube-proxy's: nothing to refuse for nftables
     assert set(sets.names) <= set(inv.ipsets)
+    # kube-ipvs0's addresses as the inventory reads them: exactly what ip shows, every ClusterIP among them,
+    # and counted with the ipvs objects the status reports.
+    assert inv.dummy_addresses == sorted(bound, key=ipaddress.ip_address) and inv.dummy_address_count == len(bound)
+    assert set(inv.dummy_addresses) >= CLUSTER_IPS
+    assert f"kube-ipvs0 with {len(bound)} addresses" in inv.summary("ipvs")
     assert "ipvs" in leftovers(inv, "nftables") and "ipvs" not in leftovers(inv, "ipvs")
