@@ -12,13 +12,12 @@ import pytest
 from proxyshift.agent.flush.iptables import IptablesTool
 from proxyshift.agent.inventory import (
     MAX_DUMMY_ADDRESSES,
-    MAX_IP_JSON_BYTES,
     leftover_objects,
     leftovers,
     mode_objects,
-    parse_addresses,
     take_inventory,
 )
+from proxyshift.agent.ip_addr import MAX_IP_JSON_BYTES, addresses
 from proxyshift.commands import CommandError, Result
 
 pytestmark = pytest.mark.unit
@@ -90,14 +89,14 @@ KUBE_IPVS0_ADDRESSES = ["198.19.0.10", "198.19.0.11", "203.0.113.7", "fd00:10:96
 
 
 def test_the_addresses_are_parsed_from_the_recorded_ip_json() -> None:
-    assert parse_addresses(KUBE_IPVS0) == KUBE_IPVS0_ADDRESSES
-    assert parse_addresses("") == [] and parse_addresses('[{"ifname":"kube-ipvs0","addr_info":[]}]') == []
+    assert addresses(KUBE_IPVS0) == KUBE_IPVS0_ADDRESSES
+    assert addresses("") == [] and addresses('[{"ifname":"kube-ipvs0","addr_info":[]}]') == []
     # Entries that are not addresses are left out; a newer ip may print more kinds.
-    assert parse_addresses('[{"addr_info":[{"local":"not-an-ip"},{"local":7},"x",{"family":"inet"}]}, 3]') == []
+    assert addresses('[{"addr_info":[{"local":"not-an-ip"},{"local":7},"x",{"family":"inet"}]}, 3]') == []
     for bad, words in (('{"ifname":"kube-ipvs0"}', "not print a list"), ("[{", "Expecting"),
                        (" " * (MAX_IP_JSON_BYTES + 1), "more than")):
         with pytest.raises(ValueError, match=words):
-            parse_addresses(bad)
+            addresses(bad)
 
 
 def test_the_inventory_lists_and_counts_kube_ipvs0s_addresses(tmp_path: Path) -> None:

@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxyshift.agent.flush.ipvs import IpvsadmOutputError, parse_ip_addr_json, parse_ipset_save, parse_ipvsadm_save
+from proxyshift.agent.flush.ipvs import IpvsadmOutputError, parse_ipset_save, parse_ipvsadm_save
 from proxyshift.agent.flush.nftables import NftOutputError, parse_tables
+from proxyshift.agent.ip_addr import addresses
 from proxyshift.agent.iptables_save import IptablesSaveError, parse
 
 pytestmark = pytest.mark.unit
@@ -57,4 +58,4 @@ def test_nft_json_parser(doc: Any) -> None:  # any JSON value
 
 
 def test_ip_addr_json_without_addresses() -> None:
-    assert parse_ip_addr_json('[{"ifname":"kube-ipvs0","addr_info":[]}]') == []
+    assert addresses('[{"ifname":"kube-ipvs0","addr_info":[]}]') == []

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from proxyshift.agent import conntrack as conntrack_mod
+from proxyshift.agent.ip_addr import parse_ip_addr_json
 from proxyshift.api.behaviour import (
     IDENTITY_MAX_LENGTH,
     MAX_CELLS,
@@ -252,27 +253,10 @@ def run_jobs(jobs: Sequence[DialJob], *, attempt_timeout: float, deadline: float
 
 def parse_ip_addr(text: str, *, max_bytes: int = MAX_IP_JSON_BYTES) -> list[tuple[str, str]]:
     """`ip -j -4 addr show` -> [(address, interface)], IPv4 only, no loopback, no link-local."""
-    if len(text) > max_bytes:
-        raise ValueError(f"ip -j addr printed more than {max_bytes} bytes")
-    data = json.loads(text or "[]")
-    if not isinstance(data, list):
-        raise ValueError("ip -j addr did not print a list")
-    out: list[tuple[str, str]] = []
-    for link in data:
-        if not isinstance(link, dict):
-            continue
-        ifname = str(link.get("ifname") or "")[:32]
-        for info in link.get("addr_info") or []:
-            if not isinstance(info, dict) or info.get("family") != "inet":
-                continue
-            try:
-                ip = ipaddress.IPv4Address(str(info.get("local")))
-            except ValueError:
-                continue
-            if ip.is_loopback or ip.is_link_local or ip.is_unspecified or ip.is_multicast:
-                continue
-            out.append((str(ip), ifname))
-    return out
+    return [(str(a.address), a.interface) for a in parse_ip_addr_json(text, max_bytes=max_bytes)
+            if isinstance(a.address, ipaddress.IPv4Address) and not (
+                a.address.is_loopback or a.address.is_link_local or a.address.is_unspecified
+                or a.address.is_multicast)]
 
 
 def node_addresses(node_ips: Sequence[str], *, runner: Runner = run) -> list[str]:

@@ -3,7 +3,7 @@
 Read-only: iptables-save per family/backend, `nft -j list tables`, `ipvsadm -Sn`
 (only when the kernel has IPVS), `ip -j addr show dev kube-ipvs0`, `ipset save`.
 kube-ipvs0's addresses (every ClusterIP, external and load-balancer address an ipvs
-kube-proxy bound) are parsed with json from at most MAX_IP_JSON_BYTES and kept
+kube-proxy bound) are parsed by agent/ip_addr.py (bounded) and kept
 sorted, the first MAX_DUMMY_ADDRESSES of them, with their true count.
 IPVS virtual servers are split into kube-proxy's and foreign ones (a user's,
 keepalived's) by the flush's own decision (flush/ipvs.py select_owned): the
@@ -20,8 +20,6 @@ ModeFacts.objects name it; this module has one probe, count and summary per kind
 
 from __future__ import annotations
 
-import ipaddress
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,41 +35,15 @@ from proxyshift.agent.flush.ipvs import (
     select_owned,
 )
 from proxyshift.agent.flush.nftables import parse_tables
+from proxyshift.agent.ip_addr import addresses
 from proxyshift.agent.iptables_save import parse
 from proxyshift.agent.ownership import IPVS_DUMMY_INTERFACE, MODES, NFT_TABLES, Mode, iptables_chain_modes
 from proxyshift.api.proxynode import MAX_FOREIGN_VIRTUAL_SERVERS, ForeignIPVS, ModeObjects
 from proxyshift.commands import CommandError, ToolMissingError, run
 from proxyshift.modes import DEFAULT_MODE, MODE_FACTS, ObjectKind
 
-# `ip -j addr` prints about 140 bytes per address: 4 MiB is some 30,000 Services' addresses, and
-# json.loads of it stays far below the agent's memory limit. More is an inventory error, not a crash.
-MAX_IP_JSON_BYTES = 4 * 1024 * 1024
 # The addresses kept in the inventory (the count is always the true one).
 MAX_DUMMY_ADDRESSES = 1024
-
-
-def parse_addresses(text: str, *, max_bytes: int = MAX_IP_JSON_BYTES) -> list[str]:
-    """Every address in `ip -j addr show [dev X]` output, both families, once each, sorted.
-
-    ValueError when the output is over max_bytes or is not ip's JSON list; an entry that is not an
-    address is left out (a newer ip may print more kinds of entry)."""
-    if len(text) > max_bytes:
-        raise ValueError(f"ip -j addr printed more than {max_bytes} bytes")
-    data = json.loads(text) if text.strip() else []
-    if not isinstance(data, list):
-        raise ValueError("ip -j addr did not print a list")
-    found: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
-    for link in data:
-        if not isinstance(link, dict):
-            continue
-        for info in link.get("addr_info") or []:
-            if not isinstance(info, dict) or not isinstance(info.get("local"), str):
-                continue
-            try:
-                found.add(ipaddress.ip_address(info["local"]))
-            except ValueError:
-                continue
-    return [str(a) for a in sorted(found, key=lambda a: (a.version, a))]
 
 
 @dataclass
@@ -202,7 +174,7 @@ def _ipvs(inv: Inventory, runner: Runner, proc_root: Path) -> None:
     try:
         out = runner(["ip", "-j", "addr", "show", "dev", IPVS_DUMMY_INTERFACE], timeout=10)
         inv.dummy_interface = True
-        found = parse_addresses(out.stdout)
+        found = addresses(out.stdout)
         dummy_addrs = set(found)
         inv.dummy_addresses, inv.dummy_address_count = found[:MAX_DUMMY_ADDRESSES], len(found)
     except CommandError as exc:
@@ -224,7 +196,7 @@ def _ipvs(inv: Inventory, runner: Runner, proc_root: Path) -> None:
     if inv.ipvs_available:
         try:
             inv.virtual_servers = parse_ipvsadm_save(runner(["ipvsadm", "-Sn"], timeout=60).stdout)
-            local = set(parse_addresses(runner(["ip", "-j", "addr", "show"], timeout=10).stdout))
+            local = set(addresses(runner(["ip", "-j", "addr", "show"], timeout=10).stdout))
             node_addrs = local - dummy_addrs
             inv.kube_virtual_servers = select_owned(inv.virtual_servers, dummy_addrs, ipsets, node_addrs)
             inv.foreign_virtual_servers = select_foreign(inv.virtual_servers, dummy_addrs, ipsets, node_addrs)

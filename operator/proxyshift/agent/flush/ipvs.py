@@ -14,11 +14,11 @@ still removes a kube-ipvs0 dummy or KUBE-* sets if an old kube-proxy left them.
 from __future__ import annotations
 
 import ipaddress
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from proxyshift.agent.flush.base import FlushStep, Runner
+from proxyshift.agent.ip_addr import addresses
 from proxyshift.agent.ownership import (
     IPVS_ADDRESS_SETS,
     IPVS_DUMMY_INTERFACE,
@@ -124,18 +124,6 @@ def parse_ipset_save(text: str) -> IpsetState:
     return state
 
 
-def parse_ip_addr_json(text: str) -> list[str]:
-    """Addresses in `ip -j addr show` output (all interfaces given)."""
-    if not text.strip():
-        return []
-    addrs = []
-    for link in json.loads(text):
-        for info in link.get("addr_info", []):
-            if "local" in info:
-                addrs.append(str(ipaddress.ip_address(info["local"])))
-    return addrs
-
-
 def select_owned(services: list[VirtualServer], dummy_addresses: set[str], ipsets: IpsetState,
                  node_addresses: set[str]) -> list[VirtualServer]:
     """Pure: the virtual servers kube-proxy created, by the evidence it left behind."""
@@ -175,7 +163,7 @@ class IpvsFlusher:
             if "does not exist" in (exc.stderr or str(exc)):
                 return False, set()
             raise
-        return True, set(parse_ip_addr_json(out.stdout))
+        return True, set(addresses(out.stdout))
 
     def _ipsets(self, step: FlushStep) -> IpsetState:
         try:
@@ -193,7 +181,7 @@ class IpvsFlusher:
             ipsets = self._ipsets(step)
             if self.kernel_has_ipvs():
                 services = parse_ipvsadm_save(self.run(["ipvsadm", "-Sn"], timeout=60).stdout)
-                all_addrs = set(parse_ip_addr_json(self.run(["ip", "-j", "addr", "show"], timeout=10).stdout))
+                all_addrs = set(addresses(self.run(["ip", "-j", "addr", "show"], timeout=10).stdout))
                 owned = select_owned(services, dummy_addrs, ipsets, all_addrs - dummy_addrs)
                 if owned and not self.dry_run:
                     script = "".join(f"-D {vs.service_arg}\n" for vs in owned)
