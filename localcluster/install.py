@@ -95,10 +95,11 @@ def install(bin_dir: Path | None, kubeconfig: Path, *, agents: bool = True) -> N
 
 OPERATOR_DEPLOYMENT = "config/manager/deployment.yaml"
 OPERATOR_CONTAINER = "operator"
-# kubeconfig fields whose embedded data the kubernetes client writes to a temporary file at login: with a
-# read-only root that write fails, so the operator's copy names files instead (as a pod's mounts are).
-_EMBEDDED = {"clusters": ("cluster", ("certificate-authority",)),
-             "users": ("user", ("client-certificate", "client-key"))}
+# kubeconfig fields that name a credential file, or embed it as `<field>-data`, which the kubernetes client
+# writes to a temporary file at login: with a read-only root that write fails. The operator's copy holds
+# every one as a file of its own folder (as a pod's mounts are), embedded or named.
+_CREDENTIALS = {"clusters": ("cluster", ("certificate-authority",)),
+                "users": ("user", ("client-certificate", "client-key", "tokenFile"))}
 
 
 def operator_confinement() -> Confinement:
@@ -111,21 +112,27 @@ def operator_confinement() -> Confinement:
 
 
 def credentials_for(kubeconfig: Path, uid: int, gid: int) -> Path:
-    """A folder the operator's user can read holding `kubeconfig` with its embedded certificates as files.
+    """A folder the operator's user can read holding `kubeconfig` and every credential it names or embeds.
 
-    The original may sit in a folder only root can enter (a test's scratch folder); the copy is the only
-    thing the confined operator reads besides its image, as a pod reads only its mounts."""
+    The original and its files may sit in folders only root can enter (a test's scratch folder, the
+    cluster's PKI); the copy is the only thing the confined operator reads besides its image, as a pod
+    reads only its mounts."""
     folder = Path(tempfile.mkdtemp(prefix="ps-operator-credentials-"))
     config: dict[str, Any] = yaml.safe_load(kubeconfig.read_text()) or {}
-    for section, (inner, fields) in _EMBEDDED.items():
+    for section, (inner, fields) in _CREDENTIALS.items():
         for index, entry in enumerate(config.get(section) or []):
             body = entry.get(inner) or {}
             for name in fields:
-                data = body.pop(f"{name}-data", None)
+                data, named = body.pop(f"{name}-data", None), body.get(name)
+                if data is None and named is None:
+                    continue
+                path = folder / f"{section}-{index}-{name}"
                 if data is not None:
-                    path = folder / f"{section}-{index}-{name}.pem"
                     path.write_bytes(base64.b64decode(data))
-                    body[name] = str(path)
+                else:
+                    # A relative path is relative to the kubeconfig's folder, as kubectl reads it.
+                    path.write_bytes((kubeconfig.parent / str(named)).read_bytes())
+                body[name] = str(path)
     copy = folder / "kubeconfig"
     copy.write_text(yaml.safe_dump(config))
     for path in folder.iterdir():

@@ -23,27 +23,36 @@ def test_the_confinement_is_the_deployments_securitycontext() -> None:
                                       "--no-new-privs"]
 
 
-def test_the_operators_kubeconfig_names_files_for_every_embedded_certificate(tmp_path: Path) -> None:
+def test_the_operators_kubeconfig_copies_every_credential_it_names_or_embeds(tmp_path: Path) -> None:
     ca, cert, key = b"-----CA-----\n", b"-----CERT-----\n", b"-----KEY-----\n"
+    (tmp_path / "pki").mkdir(mode=0o700)
+    (tmp_path / "pki" / "ca.crt").write_bytes(ca)
     original = {
         "apiVersion": "v1", "kind": "Config", "current-context": "c",
         "clusters": [{"name": "local", "cluster": {"server": "https://198.18.0.1:6443",
-                                                    "certificate-authority-data": base64.b64encode(ca).decode()}}],
+                                                    "certificate-authority-data": base64.b64encode(ca).decode()}},
+                     {"name": "named", "cluster": {"server": "https://198.18.0.1:6443",
+                                                    "certificate-authority": str(tmp_path / "pki" / "ca.crt")}}],
         "users": [{"name": "sa", "user": {"token": "secret-token"}},
+                  {"name": "file-token", "user": {"tokenFile": "token"}},
                   {"name": "admin", "user": {"client-certificate-data": base64.b64encode(cert).decode(),
                                              "client-key-data": base64.b64encode(key).decode()}}],
         "contexts": [{"name": "c", "context": {"cluster": "local", "user": "sa"}}],
     }
     source = tmp_path / "private" / "operator.kubeconfig"
     source.parent.mkdir(mode=0o700)
+    (source.parent / "token").write_text("file-token")
     source.write_text(yaml.safe_dump(original))
     copy = install.credentials_for(source, os.getuid(), os.getgid())
     try:
         config = yaml.safe_load(copy.read_text())
         cluster = config["clusters"][0]["cluster"]
         assert "certificate-authority-data" not in cluster and Path(cluster["certificate-authority"]).read_bytes() == ca
+        named = config["clusters"][1]["cluster"]["certificate-authority"]
+        assert Path(named).parent == copy.parent and Path(named).read_bytes() == ca
         assert config["users"][0]["user"] == {"token": "secret-token"}
-        admin = config["users"][1]["user"]
+        assert Path(config["users"][1]["user"]["tokenFile"]).read_text() == "file-token"
+        admin = config["users"][2]["user"]
         assert set(admin) == {"client-certificate", "client-key"}
         assert Path(admin["client-certificate"]).read_bytes() == cert and Path(admin["client-key"]).read_bytes() == key
         # Outside the original's private folder, readable only by the operator's user.
