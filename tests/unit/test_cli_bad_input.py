@@ -98,7 +98,10 @@ def test_every_command_turns_a_bad_kubeconfig_into_one_line_and_exit_code_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
     command: list[str], content: object, words: str,
 ) -> None:
-    monkeypatch.delenv("KUBECONFIG", raising=False)
+    # Set, then deleted: monkeypatch restores only what it changed, and `operator` sets $KUBECONFIG to the
+    # file it is given (kopf's login reads it from there), which must not outlive this test.
+    monkeypatch.setenv("KUBECONFIG", "")
+    monkeypatch.delenv("KUBECONFIG")
     if content is None:
         path = str(tmp_path / "absent-kubeconfig")
     elif content == "DIR":
