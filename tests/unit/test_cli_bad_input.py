@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,20 @@ def test_a_bad_kubeconfig_from_the_environment_is_one_line_too(
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("proxyshift status: cannot load the cluster's kubeconfig"), err
     assert err.count("\n") == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(("make", "words"), [
+    (lambda tmp: tmp / "absent", "no such directory"),
+    (lambda tmp: Path(_write(tmp, "a-file", "x")), "not a directory"),
+], ids=["missing", "a-file"])
+@pytest.mark.parametrize("check", [[], ["--check"]], ids=["write", "check"])
+def test_crds_turns_a_bad_root_into_one_line_and_exit_code_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], make: Callable[[Path], Path], words: str,
+    check: list[str],
+) -> None:
+    root = make(tmp_path)
+    code = main(["crds", "--root", str(root), *check])
+    captured = capsys.readouterr()
+    assert code == 2, captured.err
+    assert captured.err == f"proxyshift crds: --root {root}: {words}\n" and captured.out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({"a-file"} & {root.name})  # nothing written
