@@ -34,6 +34,8 @@ BENCHES: list[tuple[str, list[str], list[str], bool]] = [
     ("bench_controller_scale.py", ["--nodes", "500"], ["--nodes", "1000,5000", "--timeout", "2400"], False),
     # Its own control plane on its own ports; both back-offs side by side. Quick: 500 agents, about 3 min.
     ("bench_reconnect_storm.py", ["--agents", "500"], ["--agents", "5000"], False),
+    # Pure Python, seconds: the /metrics parse on a real capture and the 8 MiB worst cases.
+    ("bench_metrics_parse.py", ["--runs", "3"], ["--runs", "5"], False),
 ]
 
 

@@ -1,4 +1,5 @@
-"""Reading a person's manifest file for the CLI: every way a file can be wrong is one line and exit code 2.
+"""Reading a person's files for the CLI (a manifest, a kubeconfig): every way one can be wrong is one line
+and exit code 2.
 
 `proxyshift plan -f` is the first thing a platform engineer runs on a policy they just wrote; a
 traceback for a typo in the path or a tab in the YAML tells them nothing. UsageError carries the one
@@ -26,28 +27,30 @@ def _one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
-def read_text(path: str) -> str:
+def read_text(path: str, *, what: str = "a YAML manifest", flag: str = "-f FILE, or - for stdin",
+              max_bytes: int = MAX_MANIFEST_BYTES) -> str:
+    """The file's text, or a UsageError saying in one line why it is not `what` (`flag`: how to give it)."""
     if path == "-":
-        data = sys.stdin.buffer.read(MAX_MANIFEST_BYTES + 1)
+        data = sys.stdin.buffer.read(max_bytes + 1)
     else:
         file = Path(path)
         if file.is_dir():
-            raise UsageError(f"{path}: is a directory; give the manifest file (-f FILE, or - for stdin)")
+            raise UsageError(f"{path}: is a directory; give {what} file ({flag})")
         try:
             with file.open("rb") as handle:
-                data = handle.read(MAX_MANIFEST_BYTES + 1)
+                data = handle.read(max_bytes + 1)
         except FileNotFoundError:
             raise UsageError(f"{path}: no such file") from None
         except OSError as exc:
             raise UsageError(f"{path}: cannot read it: {os.strerror(exc.errno or 0) or exc}") from None
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise UsageError(f"{path}: larger than {MAX_MANIFEST_BYTES // 1024} KiB; not a policy manifest")
+    if len(data) > max_bytes:
+        raise UsageError(f"{path}: larger than {max_bytes // 1024} KiB; not {what}")
     if b"\0" in data:
-        raise UsageError(f"{path}: a binary file, not a YAML manifest")
+        raise UsageError(f"{path}: a binary file, not {what}")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise UsageError(f"{path}: not UTF-8 text (byte {exc.start}); not a YAML manifest") from None
+        raise UsageError(f"{path}: not UTF-8 text (byte {exc.start}); not {what}") from None
 
 
 def read_manifest(path: str, kind: str) -> dict[str, Any]:

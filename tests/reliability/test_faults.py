@@ -60,7 +60,9 @@ GATE_TIMEOUT = 60
 CRASHLOOP_GATE_TIMEOUT = 30
 END_TIMEOUT = 600
 CLOCK_SKEW_SECONDS = 30
-# Why a node may roll back when its Node object was deleted mid-migration.
+# Why a node may roll back when its Node object was deleted mid-migration: its re-registered Node is migrated
+# from scratch, and a step times out waiting for the pods the new Node is still starting. Which step depends on
+# their start-up time, so the set, not one reason (docs/reliability.md, "Node deleted").
 NODE_DELETE_REASONS = frozenset({"SwitchTimeout", "KubeProxyCrashLooping", "GateTimeout", "CleanupTimeout"})
 MAX_ROUNDS = 5  # migrations per fault at most, to hit every step (see test_fault_at_every_step)
 MAX_VERIFY_TRIES = 3  # migrations at most to make a node enter Verify (test_a_fault_in_verify)

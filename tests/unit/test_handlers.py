@@ -101,12 +101,16 @@ def test_main_hands_the_context_and_the_peering_to_the_handlers_in_the_memo(
         started.update(kwargs)
 
     monkeypatch.setattr(operator_main.kopf, "operator", operator)
+    # main loads the client configuration before kopf starts (a bad kubeconfig is one line, exit 2): no
+    # cluster here, and the context's handling is what this test is about.
+    loaded: list[str | None] = []
+    monkeypatch.setattr(operator_main.login, "load_client_config", loaded.append)
     before = dict(os.environ)
     assert operator_main.main(["--context", "staging", "--metrics-port", "0", *argv]) == 0
     memo = started["memo"]
     assert kube_context_of(memo) == "staging" and peering_of(memo) == peering
     assert started["standalone"] is (peering is None)
-    assert dict(os.environ) == before
+    assert dict(os.environ) == before and loaded == ["staging"]
 
 
 def test_configure_waits_for_the_crds_it_cannot_notice_later(monkeypatch: pytest.MonkeyPatch) -> None:

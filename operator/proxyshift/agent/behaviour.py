@@ -387,7 +387,9 @@ def build_cell(cell: PlannedCell, attempts: Sequence[Attempt], known: dict[FlowK
     answered = [a for a in attempts if a.outcome == "answered"]
     failed = [a for a in attempts if a.outcome != "answered"]
     ident = _identify(cell, attempts, known)
-    names = [i for i in ident.identities if i]
+    # A conntrack reply address is at most 45 characters and a payload is clipped where it is read; clipped
+    # here as well, so nothing the kernel's tools print can make the status write refused.
+    names = [i[:IDENTITY_MAX_LENGTH] for i in ident.identities if i]
     sticky = local = None
     if not attempts:
         outcome: Outcome = "timeout"

@@ -14,7 +14,7 @@ change across a restart (affinity state does not survive one).
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 from pydantic import Field
 
@@ -111,7 +111,7 @@ class BehaviourCell(KubeModel):
     address_role: AddressRole = Field(description="clusterIP, nodeIP, otherAddress or localhost.")
     path: ProbePath = Field(description="node or pod.")
     outcome: Outcome = Field(description="answered, refused, timeout, unreachable or error.")
-    endpoints: list[str] = Field(
+    endpoints: list[Annotated[str, Field(max_length=IDENTITY_MAX_LENGTH)]] = Field(
         default_factory=list, max_length=MAX_IDENTITIES,
         description="Endpoint identities that answered: the endpoint address the kernel NATed to, or the first "
         "line the endpoint sent.",

@@ -50,12 +50,21 @@ MAX_STATUS_LEFTOVERS = 8
 OBJECT_SUMMARY_LIMIT = 1024
 MAX_FOREIGN_VIRTUAL_SERVERS = 16
 VIRTUAL_SERVER_TEXT_LIMIT = 64  # "TCP [fd00:1234::1]:65535 lblcr" and then some
+# An operation id is "<revision>.<attempt>.<start time digits>.<step>.<n>" (planner/machine.py op_id), the
+# revision a label value (at most 63): about 110 at most. 253, a DNS subdomain, as BehaviourMatrix.operationId.
+OPERATION_ID_LIMIT = 253
+OPERATION_TYPE_LIMIT = 64  # Preflight, Hold, Cleanup, Probe; a newer agent's type is a word too
+# Keys of status.lastOperation.details: a PreflightResult has 10, the most of the four result models. Its
+# values have no schema (x-kubernetes-preserve-unknown-fields, so a newer agent's keys are kept): the key
+# count is what the CRD can bound, the API server's request size bounds the rest.
+MAX_DETAILS_PROPERTIES = 32
 
 
 class Operation(KubeModel):
     """A request from the operator to the agent, executed at most once per id."""
 
-    id: str = Field(description="Unique id; the agent runs each id once and reports it in status.lastOperation.")
+    id: str = Field(max_length=OPERATION_ID_LIMIT,
+                    description="Unique id; the agent runs each id once and reports it in status.lastOperation.")
     type: OperationType = Field(description="Preflight, Hold, Cleanup or Probe.")
     params: dict[str, Any] = Field(
         default_factory=dict,
@@ -274,7 +283,8 @@ class KubeProxyFacts(KubeModel):
 
     model_config = KubeModel.model_config | {"extra": "ignore"}
 
-    proxy_mode: str | None = Field(default=None, description="Answer of /proxyMode on the metrics port.")
+    proxy_mode: str | None = Field(default=None, max_length=STATUS_TEXT_LIMIT,
+                                   description="Answer of /proxyMode on the metrics port.")
     healthz_status: int | None = Field(default=None, description="HTTP status of /healthz on the health port.")
     process_start_time: float | None = Field(
         default=None, description="process_start_time_seconds (Unix time) of kube-proxy."
@@ -297,7 +307,8 @@ class KubeProxyFacts(KubeModel):
         description="Why kube-proxy's /metrics answer was refused (malformed, oversized, NaN, negative or "
         "impossible values), if it was. The gate fails on it: a kube-proxy reporting nonsense is not proven.",
     )
-    probed_at: str | None = Field(default=None, description="When the probe ran (RFC 3339).")
+    probed_at: str | None = Field(default=None, max_length=STATUS_TEXT_LIMIT,
+                                  description="When the probe ran (RFC 3339).")
 
 
 class ModeObjects(KubeModel):
@@ -334,16 +345,16 @@ class OperationStatus(KubeModel):
 
     model_config = KubeModel.model_config | {"extra": "ignore"}
 
-    id: str = Field(description="Id of the operation (spec.operation.id).")
+    id: str = Field(max_length=OPERATION_ID_LIMIT, description="Id of the operation (spec.operation.id).")
     # A string, not OperationType: an agent newer than the operator may report a type this one does not know.
-    type: str = Field(description="Preflight, Hold, Cleanup or Probe.")
+    type: str = Field(max_length=OPERATION_TYPE_LIMIT, description="Preflight, Hold, Cleanup or Probe.")
     state: Literal["Running", "Succeeded", "Failed"] = Field(description="Running, Succeeded or Failed.")
     message: str = Field(default="", max_length=STATUS_MESSAGE_LIMIT,
                          description="Result for a person: what passed, what is missing.")
-    started_at: str | None = Field(default=None, description="RFC 3339.")
-    finished_at: str | None = Field(default=None, description="RFC 3339.")
+    started_at: str | None = Field(default=None, max_length=STATUS_TEXT_LIMIT, description="RFC 3339.")
+    finished_at: str | None = Field(default=None, max_length=STATUS_TEXT_LIMIT, description="RFC 3339.")
     details: dict[str, Any] = Field(
-        default_factory=dict,
+        default_factory=dict, max_length=MAX_DETAILS_PROPERTIES,
         description="Structured result, one model per type: a PreflightResult (missing modules, tools, foreign "
         "IPVS), HoldResult (empty), CleanupResult (objects removed, connect results) or ProbeResult (connect "
         "results, the conntrack step).",
@@ -579,8 +590,18 @@ def clip_status(status: dict[str, Any]) -> dict[str, Any]:
     if isinstance(foreign, dict) and isinstance(foreign.get("virtualServers"), list):
         out["foreignIPVS"] = dict(foreign, virtualServers=[
             _clip(v, VIRTUAL_SERVER_TEXT_LIMIT) for v in foreign["virtualServers"][:MAX_FOREIGN_VIRTUAL_SERVERS]])
-    for key, field in (("kubeProxy", "error"), ("kubeProxy", "metricsInvalid"), ("lastOperation", "message")):
+    for key, field, limit in (("kubeProxy", "error", STATUS_MESSAGE_LIMIT),
+                              ("kubeProxy", "metricsInvalid", STATUS_MESSAGE_LIMIT),
+                              ("kubeProxy", "proxyMode", STATUS_TEXT_LIMIT),
+                              ("kubeProxy", "probedAt", STATUS_TEXT_LIMIT),
+                              ("lastOperation", "message", STATUS_MESSAGE_LIMIT),
+                              # The id is the spec's, which the CRD bounds the same: a cut never happens to a
+                              # good operator's id, and keeps a bad one from stopping every status write.
+                              ("lastOperation", "id", OPERATION_ID_LIMIT),
+                              ("lastOperation", "type", OPERATION_TYPE_LIMIT),
+                              ("lastOperation", "startedAt", STATUS_TEXT_LIMIT),
+                              ("lastOperation", "finishedAt", STATUS_TEXT_LIMIT)):
         part = out.get(key)
         if isinstance(part, dict) and field in part:
-            out[key] = dict(part, **{field: _clip(part[field], STATUS_MESSAGE_LIMIT)})
+            out[key] = dict(part, **{field: _clip(part[field], limit)})
     return out

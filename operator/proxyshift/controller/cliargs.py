@@ -17,6 +17,7 @@ import kubernetes
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
+from proxyshift.kubeconfig import LOAD_ERRORS, check_kubeconfig, refused
 from proxyshift.manifest import UsageError
 from proxyshift.planner.reports import OUTPUT_FORMATS
 
@@ -35,16 +36,16 @@ def add_output_flag(parser: argparse.ArgumentParser) -> None:
 def load_api(kubeconfig: str | None, context: str | None = None) -> kubernetes.client.CustomObjectsApi:
     """Configure the kubernetes client for the cluster named by the flags (or the environment)."""
     use_file = kubeconfig or context or os.environ.get("KUBECONFIG") or not os.environ.get("KUBERNETES_SERVICE_HOST")
+    if kubeconfig:
+        check_kubeconfig(kubeconfig)  # a bad file named on the command line: say what is wrong with it
     try:
         if use_file:
             kubernetes.config.load_kube_config(config_file=kubeconfig, context=context)
         else:
             kubernetes.config.load_incluster_config()
-    except (kubernetes.config.ConfigException, OSError, ValueError) as exc:
-        where = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
-        which = f", context {context!r}" if context else ""
-        raise UsageError(f"cannot load the cluster's kubeconfig ({where}{which}): {' '.join(str(exc).split())}") \
-            from None
+    except LOAD_ERRORS as exc:
+        raise refused(exc, kubeconfig, context,
+                      where_default=os.environ.get("KUBECONFIG") or "~/.kube/config") from None
     return kubernetes.client.CustomObjectsApi()
 
 

@@ -35,12 +35,25 @@ FAILURE_COUNTERS = (
 )
 
 MAX_TEXT_BYTES = 8 * 1024 * 1024
-# kube-proxy's longest line is under 600 bytes (a handful of labels): a longer one is not kube-proxy's.
-# The bound and the line selection below keep the parse linear: prometheus_client's parser is quadratic
-# in a line's labels (2.6 s for one 200 KB line here, hours for 8 MiB) and reads 8 MiB of ordinary text
-# in over a second, so only the short lines of the metrics the gate reads reach it.
+# Every bound below exists so that the parse of the 8 MiB the agent may read stays linear and small
+# whatever answers on the metrics port. prometheus_client's parser is quadratic in a line's labels
+# (2.6 s for one 200 KB line here, hours for 8 MiB) and reads 8 MiB of ordinary text in over a second,
+# and even a Python loop over 8 million empty lines costs seconds, so:
+#
+# - the text's lines are counted (str.count, C speed) before any per-line Python work: kube-proxy
+#   v1.37.2 exports about 1,100 lines (tests/fixtures/metrics), none of them per Service or Endpoint,
+#   so 50,000 is 45 times that and still a loop of milliseconds;
+# - a line is at most MAX_LINE_BYTES: kube-proxy's longest is under 600 bytes (a handful of labels);
+# - only the lines of the metrics the gate reads (with their TYPE/HELP) reach the parser, at most
+#   MAX_SELECTED_LINES of them (kube-proxy: 41 samples and 12 comments, dual-stack), each with at most
+#   MAX_LABELS labels (kube-proxy's carry two: ip_family and le).
+#
+# The result for text past any bound is a MetricsError naming the bound, which the gate turns into
+# InvalidMetrics. bench/bench_metrics_parse.py times the worst cases (docs/benchmarks.md).
+MAX_LINES = 50_000
 MAX_LINE_BYTES = 2048
-MAX_SAMPLES = 512  # both families' histograms with room to spare: kube-proxy exports about 40 of ours
+MAX_SELECTED_LINES = 512
+MAX_LABELS = 8
 MAX_COUNTER = float(2**53)           # beyond this a float no longer counts exactly
 MAX_TIMESTAMP = 7258118400.0         # 2200-01-01: later is not a clock, it is garbage
 
@@ -65,26 +78,34 @@ def _metric_name(line: str) -> str:
 
 def select_lines(text: str) -> tuple[str, bool]:
     """The lines of the metrics proxyshift reads (with their TYPE/HELP), and whether any kube-proxy metric
-    appeared at all. Linear in the text; everything else kube-proxy exports is never parsed."""
+    appeared at all. Linear in the text, at most MAX_LINES loop turns; everything else kube-proxy exports
+    is never parsed. MetricsError when the text is past one of the bounds above."""
+    lines = text.count("\n") + (not text.endswith("\n"))
+    if lines > MAX_LINES:
+        raise MetricsError(f"{lines} lines is not kube-proxy's metrics (limit {MAX_LINES} lines; "
+                           "kube-proxy exports about 1,100)")
     kept: list[str] = []
     seen_kube_proxy = False
-    samples = 0
     for line in text.split("\n"):
         if len(line) > MAX_LINE_BYTES:
             raise MetricsError(f"a {len(line)}-byte line ({line[:60]!r}...) is not kube-proxy's "
                                f"(limit {MAX_LINE_BYTES} bytes a line)")
         if line.startswith("#"):
             parts = line.split(None, 3)
-            if len(parts) >= 3 and parts[1] in ("TYPE", "HELP") and parts[2] in WANTED_FAMILIES:
-                kept.append(line)
-            continue
-        name = _metric_name(line)
-        seen_kube_proxy = seen_kube_proxy or name.startswith("kubeproxy_")
-        if name not in WANTED:
-            continue
-        samples += 1
-        if samples > MAX_SAMPLES:
-            raise MetricsError(f"more than {MAX_SAMPLES} samples of the metrics the gate reads")
+            if not (len(parts) >= 3 and parts[1] in ("TYPE", "HELP") and parts[2] in WANTED_FAMILIES):
+                continue
+        else:
+            name = _metric_name(line)
+            seen_kube_proxy = seen_kube_proxy or name.startswith("kubeproxy_")
+            if name not in WANTED:
+                continue
+            # Each label is name="value": a count of '=' bounds the labels (a '=' inside a value only
+            # makes the count larger, so nothing over the bound slips through).
+            if line.count("=") > MAX_LABELS:
+                raise MetricsError(f"{name} has more than {MAX_LABELS} labels on a line "
+                                   "(kube-proxy's carry two)")
+        if len(kept) == MAX_SELECTED_LINES:
+            raise MetricsError(f"more than {MAX_SELECTED_LINES} lines of the metrics the gate reads")
         kept.append(line)
     return "\n".join(kept) + "\n", seen_kube_proxy
 
