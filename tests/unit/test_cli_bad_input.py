@@ -37,16 +37,20 @@ CASES: dict[str, tuple[object, str]] = {
 }
 
 
+def _case_path(tmp_path: Path, name: str, content: object) -> str:
+    """The file a case names: None absent, "DIR" a directory, else `name` holding the content."""
+    if content is None:
+        return str(tmp_path / f"absent-{name}")
+    if content == "DIR":
+        return str(tmp_path)
+    return _write(tmp_path, name, content)  # type: ignore[arg-type]  # a str or bytes case here
+
+
 @pytest.mark.parametrize(("content", "words"), CASES.values(), ids=CASES.keys())
 def test_plan_turns_a_bad_file_into_one_line_and_exit_code_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], content: object, words: str,
 ) -> None:
-    if content is None:
-        path = str(tmp_path / "absent.yaml")
-    elif content == "DIR":
-        path = str(tmp_path)
-    else:
-        path = _write(tmp_path, "policy.yaml", content)  # type: ignore[arg-type]  # a str or bytes case here
+    path = _case_path(tmp_path, "policy.yaml", content)
     code = main(["plan", "-f", path, "--kubeconfig", str(tmp_path / "no-kubeconfig")])
     err = capsys.readouterr().err
     assert code == 2, err
@@ -103,12 +107,7 @@ def test_every_command_turns_a_bad_kubeconfig_into_one_line_and_exit_code_2(
     # file it is given (kopf's login reads it from there), which must not outlive this test.
     monkeypatch.setenv("KUBECONFIG", "")
     monkeypatch.delenv("KUBECONFIG")
-    if content is None:
-        path = str(tmp_path / "absent-kubeconfig")
-    elif content == "DIR":
-        path = str(tmp_path)
-    else:
-        path = _write(tmp_path, "kubeconfig", content)  # type: ignore[arg-type]  # a str or bytes case here
+    path = _case_path(tmp_path, "kubeconfig", content)
     policy = _write(tmp_path, "policy.yaml", GOOD)
     argv = [arg.replace("{policy}", policy) for arg in command] + ["--kubeconfig", path]
     code = main(argv)
