@@ -151,14 +151,16 @@ class Cell:
 
 def table(cells: list[Cell]) -> list[str]:
     """Markdown rows; a cell with any non-zero exit shows its exit, its time only as "after", its ratio bracketed."""
-    rows = ["| services | method | exit codes | median seconds (emulated) | vs agent | kube-proxy's objects left "
-            "| user's virtual servers + set kept |", "|---:|---|---|---:|---:|---|---|"]
+    rows = ["| services | method | exit codes | median seconds (emulated) | runs' range | vs agent "
+            "| kube-proxy's objects left | user's virtual servers + set kept |",
+            "|---:|---|---|---:|---:|---:|---|---|"]
     for cell in cells:
         agent = next(c for c in cells if c.size == cell.size and c.method == "agent")
         ratio = f"{cell.median / agent.median:.1f}x"
         worst = max(cell.exits, key=abs)
         seconds = f"exit {worst} after {cell.median:.2f}" if cell.failed else f"{cell.median:.2f}"
-        rows.append(f"| {cell.size} | {cell.method} | {','.join(map(str, cell.exits))} | {seconds} | "
+        spread = f"{min(cell.seconds):.2f}-{max(cell.seconds):.2f}"
+        rows.append(f"| {cell.size} | {cell.method} | {','.join(map(str, cell.exits))} | {seconds} | {spread} | "
                     f"{f'({ratio})' if cell.failed or agent.failed else ratio} | {', '.join(cell.left) or 'none'} | "
                     f"{'yes' if cell.kept else 'NO'} |")
     return rows
@@ -182,6 +184,7 @@ def inside(sizes: list[int], runs: int, kube_proxy: Path) -> int:
                     code, error = method(ns, kube_proxy)
                     cell.seconds.append(time.perf_counter() - start)
                     cell.exits.append(code)
+                    print(f"  {name}: {cell.seconds[-1]:.2f}s, exit {code}", file=sys.stderr, flush=True)
                     if code:
                         cell.error = cell.error or error
                         print(f"  {name} exited {code}: {error}", file=sys.stderr, flush=True)

@@ -13,8 +13,8 @@ def test_clean_runs_show_time_and_ratio() -> None:
     agent = Cell(1000, "agent", [10.0, 12.0, 11.0], [0, 0, 0])
     kube_proxy = Cell(1000, "kube-proxy", [22.0, 23.0, 21.0], [0, 0, 0], kept=False)
     assert rows(agent, kube_proxy) == [
-        ["1000", "agent", "0,0,0", "11.00", "1.0x", "none", "yes"],
-        ["1000", "kube-proxy", "0,0,0", "22.00", "2.0x", "none", "NO"],
+        ["1000", "agent", "0,0,0", "11.00", "10.00-12.00", "1.0x", "none", "yes"],
+        ["1000", "kube-proxy", "0,0,0", "22.00", "21.00-23.00", "2.0x", "none", "NO"],
     ]
 
 
@@ -23,10 +23,10 @@ def test_a_failed_run_marks_the_cell_and_brackets_its_ratio() -> None:
     agent = Cell(5000, "agent", [30.0], [0])
     kube_proxy = Cell(5000, "kube-proxy", [15.0, 16.0, 17.0], [0, 1, 0], ["3 chains"])
     row = rows(agent, kube_proxy)[1]
-    assert row[2:6] == ["0,1,0", "exit 1 after 16.00", "(0.5x)", "3 chains"]
+    assert row[2:7] == ["0,1,0", "exit 1 after 16.00", "15.00-17.00", "(0.5x)", "3 chains"]
 
 
 def test_a_failed_agent_brackets_every_ratio_of_its_size() -> None:
     agent = Cell(1000, "agent", [10.0], [1])
     kube_proxy = Cell(1000, "kube-proxy", [20.0], [0])
-    assert [row[4] for row in rows(agent, kube_proxy)] == ["(1.0x)", "(2.0x)"]
+    assert [row[5] for row in rows(agent, kube_proxy)] == ["(1.0x)", "(2.0x)"]
