@@ -1,6 +1,9 @@
 """Time to flush kube-proxy's ipvs-mode objects for 1k/5k Services, inside the QEMU guest.
 
-    sudo python -m bench.bench_flush_ipvs [--sizes 1000,5000] [--runs 1] [--kube-proxy PATH]
+    flock /var/lock/proxyshift-localcluster.lock .venv/bin/python -m bench.bench_flush_ipvs [--sizes 1000,5000]
+        [--runs 1] [--kube-proxy PATH]
+
+(as root, under the lock every QEMU or local-cluster run on a shared machine takes)
 
 This machine's kernel has no IPVS, so on the host the script boots the QEMU
 guest (localcluster.vm) and runs itself there (`--inside`). Each run
