@@ -1,6 +1,9 @@
 """Time to flush kube-proxy's ipvs-mode objects for 1k/5k Services, inside the QEMU guest.
 
-    sudo python -m bench.bench_flush_ipvs [--sizes 1000,5000] [--runs 1] [--kube-proxy PATH]
+    flock /var/lock/proxyshift-localcluster.lock .venv/bin/python -m bench.bench_flush_ipvs [--sizes 1000,5000]
+        [--runs 1] [--kube-proxy PATH]
+
+(as root, under the lock every QEMU or local-cluster run on a shared machine takes)
 
 This machine's kernel has no IPVS, so on the host the script boots the QEMU
 guest (localcluster.vm) and runs itself there (`--inside`). Each run
@@ -13,7 +16,13 @@ a set called KUBE-ALLOWED; then it times one of:
   agent       proxyshift's flush(["iptables", "ipvs"], "nftables")
   kube-proxy  `kube-proxy --cleanup` (the real binary)
 
-and checks whether the user's virtual servers and set survived. The guest is
+and checks, after each run, which of kube-proxy's objects are left and whether
+the user's virtual servers and set survived. kube-proxy's exit code is recorded
+per run: v1.37.2's `--cleanup` exits 1 on every ipvs-mode node (its iptables-mode
+step deletes KUBE-MARK-MASQ in one nat transaction while the ipvs-mode chains
+still jump to it; its ipvs-mode step then removes those chains one by one), so
+a cell where it failed is printed as "exit N after S", never as a plain time,
+and the "left" column says whether the removal was complete anyway. The guest is
 emulated (TCG, 15-30x slower than the host for most programs), so only the
 ratio between the two columns means anything.
 """
@@ -28,6 +37,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from localcluster.build import build
@@ -76,36 +86,96 @@ def load(ns: Netns, services: int) -> None:
     ns.restore(ipvs_mode_rules())
 
 
+USER_SET_NAMES = {"KUBE-ALLOWED"}
+
+
 def user_objects(ns: Netns) -> tuple[list[str], bool]:
     services = [line for line in ns.run(["ipvsadm", "-Sn"], timeout=300).stdout.splitlines()
                 if line.startswith("-A") and ("198.18.200.1" in line or "-f 7" in line or ":31999" in line)]
     return services, "KUBE-ALLOWED" in ns.run(["ipset", "list", "-n"]).stdout.split()
 
 
-def by_agent(ns: Netns, _: Path) -> None:
+def leftovers(ns: Netns, user_services: int) -> list[str]:
+    """What of kube-proxy's ipvs-mode state is still there; empty when the removal was complete.
+
+    Checked for both methods, because an exit code alone says neither that a
+    cleanup which exited 0 removed everything nor that one which exited 1 did not.
+    """
+    left = []
+    virtual = sum(line.startswith("-A") for line in ns.run(["ipvsadm", "-Sn"], timeout=300).stdout.splitlines())
+    if virtual > user_services:
+        left.append(f"{virtual - user_services} virtual servers")
+    if ns.run(["ip", "link", "show", "kube-ipvs0"], check=False).returncode == 0:
+        left.append("kube-ipvs0")
+    sets = [name for name in ns.run(["ipset", "list", "-n"]).stdout.split()
+            if name.startswith("KUBE-") and name not in USER_SET_NAMES]
+    if sets:
+        left.append(f"{len(sets)} sets")
+    chains = [line for line in ns.save().splitlines() if line.startswith(":KUBE-")]
+    if chains:
+        left.append(f"{len(chains)} chains")
+    return left
+
+
+def by_agent(ns: Netns, _: Path) -> tuple[int, str]:
     report = flush(["iptables", "ipvs"], "nftables", runner=ns.run, iptables_tools=[IptablesTool("ipv4", "nft")])
-    if not report.ok:
-        raise RuntimeError(report.message())
+    return (0, "") if report.ok else (1, report.message())
 
 
-def by_kube_proxy(ns: Netns, kube_proxy: Path) -> None:
-    # Its exit code is reported, not fatal: the point is what it removed and how long it took.
+def by_kube_proxy(ns: Netns, kube_proxy: Path) -> tuple[int, str]:
+    # Its exit code is recorded, not fatal: the table marks the cell, and `leftovers` says what it removed.
     done = subprocess.run(["ip", "netns", "exec", ns.name, str(kube_proxy), "--cleanup"], capture_output=True,
                           text=True, timeout=900, check=False)
-    if done.returncode:
-        errors = [line[:240] for line in done.stderr.splitlines() if line.startswith("E")]
-        print(f"  kube-proxy --cleanup exited {done.returncode}: {errors[-3:]}", file=sys.stderr, flush=True)
+    errors = [line[:300] for line in done.stderr.splitlines() if line.startswith(("E", "\t"))]
+    return done.returncode, " | ".join(errors)
 
 
-METHODS: dict[str, Callable[[Netns, Path], None]] = {"agent": by_agent, "kube-proxy": by_kube_proxy}
+METHODS: dict[str, Callable[[Netns, Path], tuple[int, str]]] = {"agent": by_agent, "kube-proxy": by_kube_proxy}
+
+
+@dataclass
+class Cell:
+    size: int
+    method: str
+    seconds: list[float] = field(default_factory=list)
+    exits: list[int] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)  # the union over the runs
+    kept: bool = True
+    error: str = ""  # the first failed run's error lines
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def failed(self) -> bool:
+        return any(self.exits)
+
+
+def table(cells: list[Cell]) -> list[str]:
+    """Markdown rows; a cell with any non-zero exit shows its exit, its time only as "after", its ratio bracketed."""
+    rows = ["| services | method | exit codes | median seconds (emulated) | runs' range | vs agent "
+            "| kube-proxy's objects left | user's virtual servers + set kept |",
+            "|---:|---|---|---:|---:|---:|---|---|"]
+    for cell in cells:
+        agent = next(c for c in cells if c.size == cell.size and c.method == "agent")
+        ratio = f"{cell.median / agent.median:.1f}x"
+        worst = max(cell.exits, key=abs)
+        seconds = f"exit {worst} after {cell.median:.2f}" if cell.failed else f"{cell.median:.2f}"
+        spread = f"{min(cell.seconds):.2f}-{max(cell.seconds):.2f}"
+        rows.append(f"| {cell.size} | {cell.method} | {','.join(map(str, cell.exits))} | {seconds} | {spread} | "
+                    f"{f'({ratio})' if cell.failed or agent.failed else ratio} | {', '.join(cell.left) or 'none'} | "
+                    f"{'yes' if cell.kept else 'NO'} |")
+    return rows
 
 
 def inside(sizes: list[int], runs: int, kube_proxy: Path) -> int:
     subprocess.run(["modprobe", "ip_vs"], check=True, timeout=60)
-    rows = []
+    user_services = USER_IPVS.count("-A ")
+    cells = []
     for size in sizes:
         for name, method in METHODS.items():
-            times, kept = [], True
+            cell = Cell(size, name)
             for _ in range(runs):
                 ns = Netns()
                 try:
@@ -114,21 +184,27 @@ def inside(sizes: list[int], runs: int, kube_proxy: Path) -> int:
                     print(f"  {size} services loaded in {time.perf_counter() - started:.1f}s", file=sys.stderr,
                           flush=True)
                     start = time.perf_counter()
-                    method(ns, kube_proxy)
-                    times.append(time.perf_counter() - start)
+                    code, error = method(ns, kube_proxy)
+                    cell.seconds.append(time.perf_counter() - start)
+                    cell.exits.append(code)
+                    print(f"  {name}: {cell.seconds[-1]:.2f}s, exit {code}", file=sys.stderr, flush=True)
+                    if code:
+                        cell.error = cell.error or error
+                        print(f"  {name} exited {code}: {error}", file=sys.stderr, flush=True)
                     services, user_set = user_objects(ns)
-                    kept = kept and len(services) == 4 and user_set
+                    cell.kept = cell.kept and len(services) == user_services and user_set
+                    cell.left += [item for item in leftovers(ns, len(services)) if item not in cell.left]
                 finally:
                     ns.delete()
-            rows.append((size, name, statistics.median(times), "yes" if kept else "NO"))
-            print(f"  {size} services, {name}: {statistics.median(times):.2f}s", file=sys.stderr, flush=True)
+            cells.append(cell)
+            print(f"  {size} services, {name}: {cell.median:.2f}s, exits {cell.exits}, left {cell.left or 'none'}",
+                  file=sys.stderr, flush=True)
     release = Path("/proc/sys/kernel/osrelease").read_text().strip()
     print(f"\nin the QEMU guest (TCG), kernel {release}; median of {runs} run(s); ratios only\n")
-    print("| services | method | median seconds (emulated) | vs agent | user's virtual servers + set kept |")
-    print("|---:|---|---:|---:|---|")
-    for size, name, median, verdict in rows:
-        agent = next(m for s, n, m, _ in rows if s == size and n == "agent")
-        print(f"| {size} | {name} | {median:.2f} | {median / agent:.1f}x | {verdict} |")
+    print("\n".join(table(cells)))
+    for cell in cells:
+        if cell.failed:
+            print(f"\n{cell.size} {cell.method}, first failure: {cell.error}")
     return 0
 
 
@@ -152,11 +228,28 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from localcluster import vm
 
+    # What docs/benchmarks.md quotes with the table: when, which code, which kube-proxy, how busy the host was.
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {commit()}, {version(kube_proxy)}, "
+          f"host load average {os.getloadavg()[0]:.1f} at the start", flush=True)
     result = vm.run_in_vm([sys.executable, "-m", "bench.bench_flush_ipvs", "--inside", "--sizes", args.sizes,
                            "--runs", str(args.runs), "--kube-proxy", str(kube_proxy)],
                           cwd=ROOT, env={"PYTHONPATH": str(ROOT / "operator"), "PYTHONUNBUFFERED": "1"},
                           timeout=3600, stream=sys.stdout)
+    print(f"host load average {os.getloadavg()[0]:.1f} at the end, guest ran {result.seconds:.0f}s", flush=True)
     return result.returncode if result.returncode is not None else 1
+
+
+def commit() -> str:
+    """The checkout's short commit, "+changes" when tracked files differ from it (untracked ones don't count)."""
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          timeout=30, check=False).stdout.strip() or "unknown"
+    dirty = subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", "HEAD"], timeout=30, check=False).returncode
+    return head + ("+changes" if dirty else "")
+
+
+def version(kube_proxy: Path) -> str:
+    done = subprocess.run([str(kube_proxy), "--version"], capture_output=True, text=True, timeout=60, check=False)
+    return done.stdout.strip() or f"{kube_proxy} (no --version output)"
 
 
 if __name__ == "__main__":

@@ -136,6 +136,9 @@ def ipvs_mode_rules(*, v6: bool = False) -> str:
         '-A OUTPUT -m comment --comment "kubernetes service portals" -j KUBE-SERVICES',
         '-A POSTROUTING -m comment --comment "kubernetes postrouting rules" -j KUBE-POSTROUTING',
         f"-A KUBE-MARK-MASQ -j MARK --set-xmark {MASQ_MARK}",
+        # Written on every sync, Services or not: it is why kube-proxy's own iptables-mode cleanup cannot
+        # delete KUBE-MARK-MASQ on an ipvs node (docs/benchmarks.md, the ipvs flush section).
+        "-A KUBE-LOAD-BALANCER -j KUBE-MARK-MASQ",
         f'-A KUBE-POSTROUTING -m comment --comment "Kubernetes endpoints dst ip:port, source ip for solving '
         f'hairpin purpose" -m set --match-set {p}LOOP-BACK dst,dst,src -j MASQUERADE',
         f"-A KUBE-POSTROUTING -m mark ! --mark {MASQ_MARK} -j RETURN",
