@@ -118,6 +118,22 @@ def test_a_revision_daemonset_must_run_the_baseline_s_pod(cluster: Any, rendered
         _refused(_as_operator(cluster, "create", body=changed(edit)), "must run the baseline's containers")
     _refused(_as_operator(cluster, "create", body=changed(host_root)), "only the baseline's volumes")
 
+    # The rest of the pod: what a stolen token would reach for beyond containers and volumes.
+    rest_of_pod: dict[str, Callable[[dict[str, Any]], None]] = {
+        "priority": lambda pod: pod.update(priorityClassName="system-node-critical"),
+        "runtime class": lambda pod: pod.update(runtimeClassName="unconfined"),
+        "host user namespace": lambda pod: pod.update(hostUsers=False),
+        "every taint tolerated": lambda pod: pod.update(tolerations=[*pod.get("tolerations", []),
+                                                                     {"operator": "Exists"}]),
+        "host aliases": lambda pod: pod.update(hostAliases=[{"ip": "198.18.0.1",
+                                                              "hostnames": ["registry.k8s.io"]}]),
+        "shared process namespace": lambda pod: pod.update(shareProcessNamespace=True),
+    }
+    for what, rest_edit in rest_of_pod.items():
+        code, out = _as_operator(cluster, "create", body=changed(rest_edit))
+        assert code != 0 and REFUSED in out and "Forbidden" in out, (what, out)
+        assert "must be the baseline's but for its node selection" in out, (what, out)
+
 
 def test_on_the_baseline_only_the_affinity_may_change(cluster: Any) -> None:
     baseline = _clean(_live(cluster, "daemonset", "kube-proxy"))
@@ -132,6 +148,9 @@ def test_on_the_baseline_only_the_affinity_may_change(cluster: Any) -> None:
              "only the pod's affinity")
     volume = {"spec": {"template": {"spec": {"volumes": [{"name": "root", "hostPath": {"path": "/"}}]}}}}
     _refused(_as_operator(cluster, "patch", "daemonset", "kube-proxy", "-p", json.dumps(volume)),
+             "only the pod's affinity")
+    priority = {"spec": {"template": {"spec": {"priorityClassName": "system-node-critical"}}}}
+    _refused(_as_operator(cluster, "patch", "daemonset", "kube-proxy", "--type=merge", "-p", json.dumps(priority)),
              "only the pod's affinity")
 
 
