@@ -199,7 +199,17 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "runs first, before the session's cluster exists")
 
 
+# Every test belongs to one layer, so that `-m <layer>` runs it: an unmarked test would run only in a
+# whole `make test` and be left out of every layer's own run.
+LAYERS = ("unit", "dataplane", "e2e", "reliability", "vm", "vm_guest")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: an unmarked test is refused in every run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unmarked = sorted(item.nodeid for item in items if not any(item.get_closest_marker(m) for m in LAYERS))
+    if unmarked:
+        raise pytest.UsageError(f"{len(unmarked)} test(s) without a layer marker ({', '.join(LAYERS)}): "
+                                + ", ".join(unmarked[:10]))
     # The `down` test must see every other test finish first, whatever the file order.
     last = [item for item in items if item.get_closest_marker("localcluster_down")]
     # Tests that need the control-plane ports run before the session cluster takes them (in CI the

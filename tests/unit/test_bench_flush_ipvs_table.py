@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench.bench_flush_ipvs import Cell, table
+
+pytestmark = pytest.mark.unit
 
 
 def rows(*cells: Cell) -> list[list[str]]:
