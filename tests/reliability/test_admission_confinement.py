@@ -120,9 +120,9 @@ def test_a_revision_daemonset_must_run_the_baseline_s_pod(cluster: Any, rendered
 
     # The rest of the pod: what a stolen token would reach for beyond containers and volumes.
     rest_of_pod: dict[str, Callable[[dict[str, Any]], None]] = {
-        "priority": lambda pod: pod.update(priorityClassName="system-node-critical"),
+        "priority": lambda pod: pod.update(priorityClassName="system-cluster-critical"),
         "runtime class": lambda pod: pod.update(runtimeClassName="unconfined"),
-        "host user namespace": lambda pod: pod.update(hostUsers=False),
+        "own scheduler": lambda pod: pod.update(schedulerName="my-scheduler"),
         "every taint tolerated": lambda pod: pod.update(tolerations=[*pod.get("tolerations", []),
                                                                      {"operator": "Exists"}]),
         "host aliases": lambda pod: pod.update(hostAliases=[{"ip": "198.18.0.1",
@@ -149,7 +149,7 @@ def test_on_the_baseline_only_the_affinity_may_change(cluster: Any) -> None:
     volume = {"spec": {"template": {"spec": {"volumes": [{"name": "root", "hostPath": {"path": "/"}}]}}}}
     _refused(_as_operator(cluster, "patch", "daemonset", "kube-proxy", "-p", json.dumps(volume)),
              "only the pod's affinity")
-    priority = {"spec": {"template": {"spec": {"priorityClassName": "system-node-critical"}}}}
+    priority = {"spec": {"template": {"spec": {"priorityClassName": "system-cluster-critical"}}}}
     _refused(_as_operator(cluster, "patch", "daemonset", "kube-proxy", "--type=merge", "-p", json.dumps(priority)),
              "only the pod's affinity")
 
