@@ -3,12 +3,15 @@
 The kubernetes client's loader answers a YAML error, binary content or YAML of another shape with a
 traceback (yaml's errors, UnicodeDecodeError, TypeError, KeyError), and a missing file with "No
 configuration found". Every command that takes --kubeconfig (status, plan, diagnose, restore-baseline,
-the operator, the agent) checks the file it names first (check_kubeconfig) and turns whatever the
-loader still raises (an unknown context, a bad file through $KUBECONFIG, which the client may merge
-from several) into the same kind of line (refused).
+the operator, the agent) loads the client's configuration inside `loading`, which checks the file it
+names first (check_kubeconfig) and turns whatever the loader still raises (an unknown context, a bad
+file through $KUBECONFIG, which the client may merge from several) into the same kind of line.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import yaml
 from kubernetes.config.config_exception import ConfigException
@@ -61,3 +64,15 @@ def refused(exc: Exception, kubeconfig: str | None, context: str | None, *, wher
     """The one line for an error of LOAD_ERRORS, naming the file (or where the client looked) and the context."""
     which = f", context {context!r}" if context else ""
     return UsageError(f"{PREFIX} ({kubeconfig or where_default}{which}): {_one_line(exc)[:300]}")
+
+
+@contextmanager
+def loading(kubeconfig: str | None, context: str | None, *, where_default: str) -> Iterator[None]:
+    """Around loading the client's configuration: the file --kubeconfig names is checked first, and an error of
+    LOAD_ERRORS raised in the block becomes one line (`where_default`: where the client looks without it)."""
+    if kubeconfig:
+        check_kubeconfig(kubeconfig)
+    try:
+        yield
+    except LOAD_ERRORS as exc:
+        raise refused(exc, kubeconfig, context, where_default=where_default) from None

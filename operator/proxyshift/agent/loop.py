@@ -59,7 +59,7 @@ from proxyshift.api.proxynode import (
     ProxyNodeSpec,
     clip_status,
 )
-from proxyshift.kubeconfig import LOAD_ERRORS, check_kubeconfig, refused
+from proxyshift.kubeconfig import loading
 from proxyshift.modes import DEFAULT_MODE
 
 log = logging.getLogger("proxyshift.agent")
@@ -760,13 +760,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return oneshot.main(args)
     cfg = parse_args(args)
     # The client's loader would end the agent with a traceback; proxyshift.cli prints these as one line.
-    if cfg.kubeconfig:
-        check_kubeconfig(cfg.kubeconfig)
-    try:
+    with loading(cfg.kubeconfig, cfg.context,
+                 where_default=os.environ.get("KUBECONFIG") or "in-cluster or ~/.kube/config"):
         node_api = KubeProxyNodeAPI(kubeconfig=cfg.kubeconfig, context=cfg.context)
-    except LOAD_ERRORS as exc:
-        raise refused(exc, cfg.kubeconfig, cfg.context,
-                      where_default=os.environ.get("KUBECONFIG") or "in-cluster or ~/.kube/config") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     agent = Agent(cfg, node_api, kernel_effects(cfg))
     stop = threading.Event()

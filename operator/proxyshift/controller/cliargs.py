@@ -17,7 +17,7 @@ import kubernetes
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
-from proxyshift.kubeconfig import LOAD_ERRORS, check_kubeconfig, refused
+from proxyshift.kubeconfig import loading
 from proxyshift.manifest import UsageError
 from proxyshift.planner.reports import OUTPUT_FORMATS
 
@@ -36,16 +36,11 @@ def add_output_flag(parser: argparse.ArgumentParser) -> None:
 def load_api(kubeconfig: str | None, context: str | None = None) -> kubernetes.client.CustomObjectsApi:
     """Configure the kubernetes client for the cluster named by the flags (or the environment)."""
     use_file = kubeconfig or context or os.environ.get("KUBECONFIG") or not os.environ.get("KUBERNETES_SERVICE_HOST")
-    if kubeconfig:
-        check_kubeconfig(kubeconfig)  # a bad file named on the command line: say what is wrong with it
-    try:
+    with loading(kubeconfig, context, where_default=os.environ.get("KUBECONFIG") or "~/.kube/config"):
         if use_file:
             kubernetes.config.load_kube_config(config_file=kubeconfig, context=context)
         else:
             kubernetes.config.load_incluster_config()
-    except LOAD_ERRORS as exc:
-        raise refused(exc, kubeconfig, context,
-                      where_default=os.environ.get("KUBECONFIG") or "~/.kube/config") from None
     return kubernetes.client.CustomObjectsApi()
 
 

@@ -17,7 +17,7 @@ from prometheus_client import start_http_server
 
 from proxyshift.controller import login
 from proxyshift.controller.settings import CONFIG
-from proxyshift.kubeconfig import LOAD_ERRORS, check_kubeconfig, refused
+from proxyshift.kubeconfig import loading
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -53,17 +53,14 @@ def peering_identity() -> str | None:
 
 def main(argv: Sequence[str]) -> int:
     args = parse_args(argv)
-    if args.kubeconfig:
-        check_kubeconfig(args.kubeconfig)
-        os.environ["KUBECONFIG"] = args.kubeconfig
     # kopf loads the configuration inside its login handler, where an unusable kubeconfig or context is a
     # logged traceback, retried; loaded once here (the login handler loads it again), it is one line and
     # exit code 2 before anything starts.
-    try:
+    with loading(args.kubeconfig, args.context,
+                 where_default=os.environ.get("KUBECONFIG") or "~/.kube/config or in-cluster"):
+        if args.kubeconfig:
+            os.environ["KUBECONFIG"] = args.kubeconfig
         login.load_client_config(args.context)
-    except LOAD_ERRORS as exc:
-        raise refused(exc, args.kubeconfig, args.context,
-                      where_default=os.environ.get("KUBECONFIG") or "~/.kube/config or in-cluster") from None
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.metrics_port:
