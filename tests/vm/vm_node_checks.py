@@ -137,12 +137,18 @@ class Stages:
         with capture.global_and_fixture_disabled():
             print(f"[{self.tag}] {self.elapsed():6.1f}s {message}", file=sys.stderr, flush=True)
 
-    def stage(self, what: str, change: Callable[[], Any]) -> None:
+    def stage(self, what: str, change: Callable[[], Any], *, until: str = "Ready",
+              wait: Callable[[], Any] | None = None) -> None:
+        """Make `change` and time it to the policy's `until`: by default wait_ready (Ready for the current
+        generation, failing at once when it turns Degraded); `wait` waits for any other end."""
         stage_start = time.monotonic()
         change()
-        wait_ready(self.h, self.policy, self.timeout)
+        if wait is None:
+            wait_ready(self.h, self.policy, self.timeout)
+        else:
+            wait()
         self.timings[what] = time.monotonic() - stage_start
-        self.say(f"{what}: {self.policy} Ready after {self.timings[what]:.0f}s")
+        self.say(f"{what}: {self.policy} {until} after {self.timings[what]:.0f}s")
 
     def summary(self) -> str:
         """Each timing, in the order taken."""
