@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import UTC, datetime
 from pathlib import Path
@@ -15,6 +16,7 @@ from proxyshift.api.policy import ProxyPolicy
 from proxyshift.api.proxynode import NodeMigration, Operation
 from proxyshift.controller import executor as ex
 from proxyshift.controller import plan_view, snapshot, status_view
+from proxyshift.controller.settings import CONFIG
 from proxyshift.manifest import UsageError
 from proxyshift.planner import world as w
 from proxyshift.render import ANNOTATION_MODE, ANNOTATION_POLICY, render_revision
@@ -278,7 +280,7 @@ def test_a_step_the_plan_already_announces_gets_no_second_event() -> None:
 
 def test_outcomes_setting_keeps_warnings_and_endings_on_nodes_only() -> None:
     api = FakeAPI()
-    executor = ex.Executor(api, node_events="outcomes")  # type: ignore[arg-type]  # FakeAPI has the calls the executor makes
+    executor = ex.Executor(api, config=dataclasses.replace(CONFIG, node_events="outcomes"))  # type: ignore[arg-type]  # FakeAPI has the calls the executor makes
     for type_, reason in (("Normal", "Switching"), ("Normal", "GatePassed"), ("Warning", "GateTimeout"),
                           ("Normal", "Migrated")):
         executor.perform(w.Event(policy="blue", node="n1", type=type_, reason=reason, message=reason),
@@ -292,7 +294,8 @@ def test_outcomes_setting_keeps_warnings_and_endings_on_nodes_only() -> None:
 def test_auto_tells_every_step_for_a_small_policy_and_only_outcomes_for_a_fleet() -> None:
     def emitted(fleet: int) -> list[tuple[str, str]]:
         api = FakeAPI()
-        executor = ex.Executor(api, node_events="auto", step_events_max_nodes=100)  # type: ignore[arg-type]  # FakeAPI has the calls the executor makes
+        auto = dataclasses.replace(CONFIG, node_events="auto", step_events_max_nodes=100)
+        executor = ex.Executor(api, config=auto)  # type: ignore[arg-type]  # FakeAPI has the calls the executor makes
         executor.fleet["blue"] = fleet
         for type_, reason in (("Normal", "Switching"), ("Warning", "GateTimeout"), ("Normal", "Migrated")):
             executor.perform(w.Event(policy="blue", node="n1", type=type_, reason=reason, message=reason),

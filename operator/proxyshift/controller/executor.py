@@ -71,13 +71,10 @@ def by_node(actions: list[w.Action]) -> tuple[list[list[w.Action]], list[w.Actio
 class Executor:
     api: ClusterAPI
     node_uids: Mapping[str, str] = field(default_factory=dict)
+    # Its node_events: "steps", an Event per step on the node and its policy (issue 5); "outcomes", only
+    # Warnings and how each node's migration ended (at thousands of nodes Events are otherwise most of the
+    # operator's writes, issue 7: at most 8 per node); "auto", steps up to step_events_max_nodes selected nodes.
     config: OperatorConfig = CONFIG
-    # "steps": an Event per step on the node and its policy (issue 5). "outcomes": only Warnings and how
-    # each node's migration ended; at thousands of nodes Events are otherwise most of the operator's
-    # writes (issue 7: at most 8 per node). "auto": steps up to step_events_max_nodes selected nodes.
-    # None: the config's setting.
-    node_events: str | None = None
-    step_events_max_nodes: int | None = None
     fleet: dict[str, int] = field(default_factory=dict)  # policy -> nodes it moves (or reverts), at its last plan
     _drain_said: dict[str, str] = field(default_factory=dict)  # node -> the blocked drain last told
 
@@ -102,12 +99,9 @@ class Executor:
 
     def events_for(self, policy: str | None) -> str:
         """`steps` or `outcomes` for this policy's nodes, resolving `auto` by the policy's size."""
-        setting = self.node_events if self.node_events is not None else self.config.node_events
-        if setting != "auto":
-            return setting
-        most = self.step_events_max_nodes if self.step_events_max_nodes is not None \
-            else self.config.step_events_max_nodes
-        return "steps" if self.fleet.get(policy or "", 0) <= most else "outcomes"
+        if self.config.node_events != "auto":
+            return self.config.node_events
+        return "steps" if self.fleet.get(policy or "", 0) <= self.config.step_events_max_nodes else "outcomes"
 
     def _emit(self, node: str | None, policy: str | None, reason: str, message: str, type_: str,
               policies: dict[str, ProxyPolicy]) -> None:
