@@ -16,6 +16,7 @@ from proxyshift.api.policy import ProxyPolicy
 from proxyshift.api.proxynode import NodeMigration, Operation
 from proxyshift.controller import executor as ex
 from proxyshift.controller import plan_view, snapshot, status_view
+from proxyshift.controller.revision_keeper import RevisionKeeper
 from proxyshift.controller.settings import CONFIG
 from proxyshift.manifest import UsageError
 from proxyshift.planner import world as w
@@ -346,3 +347,61 @@ def test_restore_applies_the_recorded_exact_inverse() -> None:
     restored = jsonpatch.apply_patch(api.ds, undo.patch)
     assert restored["spec"] == original["spec"]
     assert not restored["metadata"].get("annotations"), "the record is removed (an empty map may remain)"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_existing_revision_is_applied_again_only_when_an_input_moved_or_the_interval_passed() -> None:
+    api = FakeAPI()
+    executor = ex.Executor(api)  # type: ignore[arg-type]  # FakeAPI has the calls the executor makes
+    clock = Clock()
+    executor.kept = RevisionKeeper(30.0, clock=clock)
+    p = policy()
+    name = render_revision(p, api.cm, api.ds).name
+
+    def applies() -> int:
+        return [c[0] for c in api.calls].count("apply_daemonset")
+
+    executor.perform(w.EnsureRevision(policy="blue", revision=name), {"blue": p})
+    assert applies() == 1
+    keep = w.EnsureRevision(policy="blue", revision=name, existing=True)
+    executor.perform(keep, {"blue": p})
+    assert applies() == 1, "nothing moved since the apply: no second one"
+    # Someone edits the revision DaemonSet: its generation moves, the next plan applies it back.
+    executor.kept.saw("daemonset", 1, name)
+    executor.kept.saw("daemonset", 2, name)
+    executor.perform(keep, {"blue": p})
+    assert applies() == 2
+    # Its pods' status changes do not move the generation: no apply.
+    executor.kept.saw("daemonset", 2, name)
+    executor.perform(keep, {"blue": p})
+    assert applies() == 2
+    # The baseline's spec moves (a new image): every revision is due.
+    executor.kept.saw("daemonset", 7)
+    executor.kept.saw("daemonset", 8)
+    executor.perform(keep, {"blue": p})
+    assert applies() == 3
+    # Nothing watched moved, but the interval passed (the revision ConfigMap is not watched).
+    clock.now += 29.0
+    executor.perform(keep, {"blue": p})
+    assert applies() == 3
+    clock.now += 1.0
+    executor.perform(keep, {"blue": p})
+    assert applies() == 4
+
+
+def test_a_failed_apply_of_an_existing_revision_is_tried_again_at_the_next_plan() -> None:
+    api = RefusingAPI()
+    executor = ex.Executor(api)  # type: ignore[arg-type]  # FakeAPI has the calls the executor makes
+    p = policy()
+    name = render_revision(p, api.cm, api.ds).name
+    keep = w.EnsureRevision(policy="blue", revision=name, existing=True)
+    executor.perform(keep, {"blue": p})
+    executor.perform(keep, {"blue": p})
+    assert [c[0] for c in api.calls].count("apply_daemonset") == 2

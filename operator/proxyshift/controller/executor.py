@@ -16,6 +16,7 @@ from proxyshift import render
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.controller import metrics
 from proxyshift.controller.kube import ClusterAPI, describe_api_error
+from proxyshift.controller.revision_keeper import RevisionKeeper
 from proxyshift.controller.settings import BASELINE_PATCH_ANNOTATION, CONFIG, OperatorConfig
 from proxyshift.planner import world as w
 
@@ -77,6 +78,11 @@ class Executor:
     config: OperatorConfig = CONFIG
     fleet: dict[str, int] = field(default_factory=dict)  # policy -> nodes it moves (or reverts), at its last plan
     _drain_said: dict[str, str] = field(default_factory=dict)  # node -> the blocked drain last told
+    # Which existing revisions need applying again (revision_keeper.py); made from the config.
+    kept: RevisionKeeper = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.kept = RevisionKeeper(self.config.revision_reapply_seconds)
 
     def perform(self, action: w.Action, policies: dict[str, ProxyPolicy], *, announce: bool = True) -> Written | None:
         kind = type(action).__name__
@@ -134,6 +140,8 @@ class Executor:
         return cm, ds
 
     def _do_EnsureRevision(self, action: w.EnsureRevision, policies: dict[str, ProxyPolicy]) -> None:
+        if action.existing and not self.kept.due(action.revision):
+            return
         cm, ds = self._baseline()
         rendered = render.render_revision(policies[action.policy], cm, ds)
         if rendered.name != action.revision:
@@ -142,6 +150,7 @@ class Executor:
         try:
             self.api.apply_configmap(rendered.configmap)
             self.api.apply_daemonset(rendered.daemonset)
+            self.kept.applied(action.revision)
         except ApiException as exc:
             if not action.existing:
                 raise

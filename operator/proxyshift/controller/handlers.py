@@ -11,6 +11,7 @@ would strand what an operator upgraded in place left behind. tests/unit/test_han
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 from typing import Any
@@ -98,9 +99,13 @@ async def stop_mirrors(memo: kopf.Memo, **_: Any) -> None:
 
 
 @kopf.index("apps", "v1", "daemonsets", labels={LABEL_MANAGED_BY: MANAGED_BY})
-async def revision_index(body: kopf.Body, **_: Any) -> dict[str, w.RevisionView]:
+async def revision_index(body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[str, w.RevisionView]:
     view = revision_view(body)
-    return {view.name: view} if view else {}
+    if view is None:
+        return {}
+    # Someone else's edit moves the generation; the pods' status does not.
+    runtime_of(memo).executor.kept.saw("daemonset", body.get("metadata", {}).get("generation"), view.name)
+    return {view.name: view}
 
 
 @kopf.index(GROUP, VERSION, "proxypolicies")
@@ -128,13 +133,16 @@ async def baseline_configmap_index(name: str, body: kopf.Body, memo: kopf.Memo,
     runtime.wakers.wake()
     configmap = {"metadata": {"name": name, "namespace": CONFIG.kube_proxy_namespace},
                  "data": dict(body.get("data") or {})}
+    runtime.executor.kept.saw("configmap", json.dumps(configmap["data"], sort_keys=True))
     runtime.fleet.baseline_changed(baseline_mode(configmap))
     return {"body": configmap}
 
 
 @kopf.index("apps", "v1", "daemonsets", when=_is_baseline)
 async def baseline_daemonset_index(body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[str, dict[str, Any]]:
-    runtime_of(memo).wakers.wake()
+    runtime = runtime_of(memo)
+    runtime.wakers.wake()
+    runtime.executor.kept.saw("daemonset", body.get("metadata", {}).get("generation"))
     return {"body": {k: body.get(k) for k in ("apiVersion", "kind", "metadata", "spec")}}
 
 

@@ -60,6 +60,11 @@ class OperatorConfig:
     )
     # The shortest pause between two plans (to batch watch echoes); a plan that took longer pauses longer.
     min_requeue_seconds: float = field(default_factory=lambda: _float("PROXYSHIFT_MIN_REQUEUE_SECONDS", "0.02", 0, 60))
+    # How often an existing revision is applied again while none of its watched inputs moved
+    # (controller/revision_keeper.py): bounds how long an edit to its unwatched ConfigMap stays; 0: every plan.
+    revision_reapply_seconds: float = field(
+        default_factory=lambda: _float("PROXYSHIFT_REVISION_REAPPLY_SECONDS", "30", 0, 3600)
+    )
     # Which Normal Events a node's migration posts: "steps" (one per step, on the node and its policy),
     # "outcomes" (how it ended, on the node) or "auto": steps while the policy selects at most
     # step_events_max_nodes nodes, outcomes above (Events would be most of the operator's writes).
