@@ -118,6 +118,7 @@ class Sim:
     _pod_seq: int = 0
     _starts: dict[str, int] = field(default_factory=dict)  # per policy, since the last world()
     _touches: dict[str, int] = field(default_factory=dict)  # likewise: nodes moved past Prepared
+    _finishes: dict[str, int] = field(default_factory=dict)  # likewise: touched nodes written out of flight
 
     @classmethod
     def build(cls, node_labels: dict[str, dict[str, str]], policies: Iterable[ProxyPolicy], **kw: Any) -> Sim:
@@ -162,6 +163,7 @@ class Sim:
         """A fresh snapshot; every plan gets its own, so start counting for the capacity check anew."""
         self._starts.clear()
         self._touches.clear()
+        self._finishes.clear()
         live = {n: p.model_copy(deep=True) for n, p in self.policies.items() if n not in self.finalized}
         return World(
             now=self.now,
@@ -254,6 +256,10 @@ class Sim:
                 self.violations.append(f"{policy} started {node} while paused")
             if starting:
                 self._check_capacity(policy, node, world)
+        if isinstance(action, SetMigration) and action.migration is not None and not is_in_flight(action.migration):
+            before = pn.spec.migration if pn is not None else None
+            if before is not None and is_in_flight(before) and before.phase not in UNTOUCHED:
+                self._finishes[policy] = self._finishes.get(policy, 0) + 1
         if isinstance(action, SetMigration) and action.migration is not None \
                 and action.migration.phase not in UNTOUCHED | {"Pending", "Failed"}:
             before = pn.spec.migration if pn is not None else None
@@ -307,10 +313,11 @@ class Sim:
 
     def _check_touch(self, policy: str, node: str, world: World) -> None:
         """The standing promise of maxUnavailable: a node leaves Preflight/Prepared for a step that touches it
-        only while fewer than maxUnavailable nodes are touched (those switched in this plan included)."""
+        only while fewer than maxUnavailable nodes are touched (those switched in this plan included, those
+        whose finish this plan wrote before it not)."""
         self._touches[policy] = self._touches.get(policy, 0) + 1
         limit, phases = self._owned_phases(policy, world)
-        touched = sum(ph not in UNTOUCHED for ph in phases)
+        touched = sum(ph not in UNTOUCHED for ph in phases) - self._finishes.get(policy, 0)
         if touched + self._touches[policy] > limit:
             self.violations.append(f"{self.now}: {policy} switched {node} with {touched} nodes touched "
                                    f"and {self._touches[policy] - 1} switched, maxUnavailable {limit}")

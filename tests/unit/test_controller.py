@@ -320,6 +320,18 @@ def test_a_plan_runs_node_by_node_in_order_and_the_policy_own_steps_last() -> No
     assert rest == [stage]
 
 
+
+def test_a_late_granted_node_runs_in_the_second_wave() -> None:
+    done = w.Uncordon(node="n1", reason="Uncordoned")
+    switch = w.SetRevisionLabel(node="n2", revision="blue-1", reason="Switching")
+    other = w.Cordon(node="n3", reason="Cordoned")
+    status = w.Event(policy="blue", node=None, type="Normal", reason="StageCompleted", message="stage 1")
+    waves, rest = ex.in_waves([switch, done, status, other], frozenset({"n2"}))
+    assert waves == [[[done], [other]], [[switch]]]
+    assert rest == [status]
+    assert ex.in_waves([switch, done], frozenset())[0] == [[[switch], [done]], []]
+
+
 def test_plan_view_does_not_predict_a_failure_without_inventory() -> None:
     cm, ds = baseline()
     p = policy("blue", "nftables")

@@ -127,6 +127,27 @@ def test_the_next_node_s_preflight_runs_during_this_node_s_gate_and_it_switches_
     assert labels == ["node-1", "node-2", "node-3"] and sim.violations == []
 
 
+
+def test_the_plan_that_finishes_a_node_switches_the_prepared_one_after_it() -> None:
+    """The slot a node's Done frees goes to the Prepared node in the same plan, whose steps come after
+    every other node's (Plan.after_others): one plan cycle per node sooner, never two nodes touched."""
+    sim = Sim.build(blue(3), [make_policy("p")])
+    sim.run(max_steps=200, until=lambda: sim.phase("node-1") == "Cleanup" and sim.phase("node-2") == "Prepared")
+    assert (sim.phase("node-1"), sim.phase("node-2")) == ("Cleanup", "Prepared")
+    for _ in range(10):  # until the agent has answered the cleanup
+        sim.tick()
+        result = sim.step()["p"]
+        if sim.phase("node-1") != "Cleanup":
+            break
+    assert result.after_others == frozenset({"node-2"})
+    assert (sim.phase("node-1"), sim.phase("node-2")) == ("Done", "Switch")
+    touched = [i for i, a in enumerate(result.actions) if isinstance(a, SetMigration) and a.node == "node-2"]
+    finished = [i for i, a in enumerate(result.actions) if isinstance(a, SetMigration) and a.node == "node-1"]
+    assert finished and touched and max(finished) < min(touched)
+    sim.run()
+    assert sim.violations == [] and sim.phase("node-3") == "Done"
+
+
 def test_without_preflight_ahead_every_node_in_flight_counts() -> None:
     sim = Sim.build(blue(8), [make_policy("p", rollout={"maxUnavailable": "50%", "preflightAhead": False})])
     peak = max(len(phases) for phases in _in_flight_phases_per_step(sim))

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from simulator import Faults, Sim, edit, make_policy
 
 from proxyshift.api.policy import ProxyPolicy
-from proxyshift.controller.executor import by_node
+from proxyshift.controller.executor import in_waves
 from proxyshift.planner.planner import plan
 from proxyshift.planner.world import Action, World
 
@@ -126,17 +126,22 @@ def user_action(sim: Sim, draw: st.DrawFn) -> None:
         sim.policies[target] = p.model_copy(update={"metadata": meta})
 
 
-def crash_while_performing(sim: Sim, name: str, world: World, actions: list[Action], draw: Any) -> None:
+def crash_while_performing(sim: Sim, name: str, world: World, actions: list[Action], after_others: frozenset[str],
+                           draw: Any) -> None:
     """What a crash leaves, as the executor performs a plan: each node's steps in order but the nodes side
-    by side, so any subset of the nodes got any prefix of their steps; the policy's own steps (revisions,
+    by side, so any subset of the nodes got any prefix of their steps (the nodes granted a slot another
+    node's Done frees in the same plan only once every other node's steps succeeded); the policy's own steps (revisions,
     status, finalizer) run only after every node's steps succeeded, and a crash may cut those short too."""
-    node_groups, policy_steps = by_node(actions)
+    waves, policy_steps = in_waves(actions, after_others)
     every_node_done = True
-    for group in node_groups:
-        done = draw(st.integers(0, len(group)))
-        for action in group[:done]:
-            sim.apply(name, action, world)
-        every_node_done = every_node_done and done == len(group)
+    for wave in waves:
+        if not every_node_done:
+            break  # a late grant's steps run only after every other node's succeeded
+        for group in wave:
+            done = draw(st.integers(0, len(group)))
+            for action in group[:done]:
+                sim.apply(name, action, world)
+            every_node_done = every_node_done and done == len(group)
     if every_node_done:
         for action in policy_steps[: draw(st.integers(0, len(policy_steps)))]:
             sim.apply(name, action, world)
@@ -157,7 +162,8 @@ def test_safety_under_random_faults_and_user_actions(data: st.DataObject) -> Non
             name = data.draw(st.sampled_from(sorted(sim.policies)))
             if name not in sim.finalized:
                 world = sim.world()
-                crash_while_performing(sim, name, world, plan(world, name).actions, data.draw)
+                planned = plan(world, name)
+                crash_while_performing(sim, name, world, planned.actions, planned.after_others, data.draw)
                 sim.check_invariants()
         else:
             sim.step()

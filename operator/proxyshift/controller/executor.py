@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -67,6 +67,14 @@ def by_node(actions: list[w.Action]) -> tuple[list[list[w.Action]], list[w.Actio
             rest.append(action)
     return list(nodes.values()), rest
 
+
+
+def in_waves(actions: list[w.Action], after_others: Set[str]) -> tuple[list[list[list[w.Action]]], list[w.Action]]:
+    """by_node in two waves: the nodes of `after_others` (Plan.after_others) only after every other node's
+    steps succeeded. Each wave's node groups may run side by side; the policy's own actions come last."""
+    groups, rest = by_node(actions)
+    late = [g for g in groups if getattr(g[0], "node", None) in after_others]
+    return [[g for g in groups if getattr(g[0], "node", None) not in after_others], late], rest
 
 @dataclass
 class Executor:

@@ -20,7 +20,7 @@ from kubernetes.client.exceptions import ApiException
 
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.controller import metrics
-from proxyshift.controller.executor import StepBlocked, Written, announced_elsewhere, by_node
+from proxyshift.controller.executor import StepBlocked, Written, announced_elsewhere, in_waves
 from proxyshift.controller.fleet import Fleet
 from proxyshift.controller.kube import describe_api_error
 from proxyshift.controller.runtime import OperatorRuntime
@@ -103,15 +103,18 @@ async def step(runtime: OperatorRuntime, name: str, indexes: Indexes) -> w.Plan:
             if result is not None:
                 written.append(result)
 
-    node_groups, policy_actions = by_node(plan.actions)
+    waves, policy_actions = in_waves(plan.actions, plan.after_others)
     loop = asyncio.get_running_loop()
     try:
-        # The pool's size bounds how many nodes' steps run at once; each group is one task in it.
-        outcomes = await asyncio.gather(*(loop.run_in_executor(runtime.node_pool, perform, g) for g in node_groups),
-                                        return_exceptions=True)
-        failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
-        if failed is not None:
-            raise failed  # the policy's status must not describe steps that did not happen
+        for wave in waves:
+            # The pool's size bounds how many nodes' steps run at once; each group is one task in it.
+            outcomes = await asyncio.gather(*(loop.run_in_executor(runtime.node_pool, perform, g) for g in wave),
+                                            return_exceptions=True)
+            failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
+            if failed is not None:
+                # A slot granted late was freed by a step of the first wave; the policy's status must not
+                # describe steps that did not happen.
+                raise failed
         await asyncio.to_thread(perform, policy_actions)
     finally:
         # The planner must never act on a world that lacks its own last writes (a stale view would

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Set
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -158,15 +159,35 @@ def _moved_on(e: _Node) -> bool:
                               or (isinstance(e.target, Target) and e.target.revision != m.to_revision))
 
 
-def _switch_grants(nodes: list[_Node], limit: int, halted: bool) -> set[str]:
+def _step_inflight(ctx: _Ctx, e: _Node, *, may_switch: bool, halting: bool, paused: bool) -> machine.Step:
+    """One in-flight node's transition (abandon an untouched preflight whose target moved on, or that waits
+    for a slot a failed node or a pause now holds shut)."""
+    assert e.proxynode is not None
+    inp = _node_input(ctx, e.name, e.proxynode, may_switch=may_switch)
+    m = e.proxynode.spec.migration
+    assert m is not None
+    prepared = _prepared(e)
+    if m.phase in machine.UNTOUCHED and _moved_on(e):
+        return machine.abandon(inp, "Superseded", "the target changed before the switch; starting over")
+    if prepared and halting:
+        return machine.abandon(inp, "Halted", "a failed node halts the rollout; this node was not switched "
+                               "and goes back to Pending (its preflight is taken again on a retry)")
+    if prepared and paused:
+        return machine.abandon(inp, "Paused", "the rollout is paused; this node was not switched and goes "
+                               "back to Pending (its preflight is taken again when it resumes)")
+    return machine.step(inp)
+
+
+def _switch_grants(nodes: list[_Node], limit: int, halted: bool, freed: Set[str] = frozenset()) -> set[str]:
     """The untouched in-flight nodes that may go on to touch their node this pass: as many as maxUnavailable
     has free slots, those whose preflight already passed (Prepared) first, each group in node order.
 
     Counting only touched nodes against maxUnavailable is what lets the next node's preflight run during
-    this node's gate (rollout.preflightAhead) without ever switching more nodes at once than allowed."""
+    this node's gate (rollout.preflightAhead) without ever switching more nodes at once than allowed.
+    `freed`: touched nodes whose step in this plan finishes them; their slots count as free."""
     if halted:
         return set()
-    touched = sum(e.kind == "inflight" and not _untouched(e) for e in nodes)
+    touched = sum(e.kind == "inflight" and not _untouched(e) and e.name not in freed for e in nodes)
     waiting = [e for e in nodes if _untouched(e) and not _moved_on(e)]
     waiting.sort(key=lambda e: not _prepared(e))  # stable: node order within each group
     return {e.name for e in waiting[:max(0, limit - touched)]}
@@ -349,33 +370,36 @@ def plan(world: World, policy_name: str) -> Plan:
     # A pause holds back every node not switched yet, a started preflight included: "no new node" is read
     # as "no node touched", which is what a person pausing a rollout means.
     paused = policy.spec.rollout.paused and not deleting
-    grants = _switch_grants(nodes, limit, halted or paused)
-
-    # 1. in-flight nodes: one transition each (abandon an untouched preflight whose target moved on, or that
-    # waits for a slot a failed node now holds shut).
+    # 1. in-flight nodes: one transition each, the touched ones first. A node whose step this plan ends
+    # (Done) frees its maxUnavailable slot for a waiting node in the same plan instead of the next one (a
+    # plan cycle per node sooner, issue 13). Such a late grant's steps run only after every other node's
+    # succeeded (Plan.after_others), so the records never show more touched nodes than allowed.
+    inflight = [e for e in nodes if e.kind == "inflight" and e.proxynode is not None]
+    results: dict[str, machine.Step] = {}
+    for e in inflight:
+        if not _untouched(e):
+            results[e.name] = _step_inflight(ctx, e, may_switch=False, halting=bool(halting), paused=paused)
+    finishing = {name for name, result in results.items() if result.phase == "Done"}
+    grants = _switch_grants(nodes, limit, halted or paused, freed=finishing)
+    late = grants - _switch_grants(nodes, limit, halted or paused)
+    for e in inflight:
+        if _untouched(e):
+            results[e.name] = _step_inflight(ctx, e, may_switch=e.name in grants, halting=bool(halting),
+                                             paused=paused)
     progress: list[NodeProgress] = []
-    for e in nodes:
-        if e.kind != "inflight" or e.proxynode is None:
-            continue
-        inp = _node_input(ctx, e.name, e.proxynode, may_switch=e.name in grants)
-        m = e.proxynode.spec.migration
+    for e in inflight:
+        result = results[e.name]
+        m = _migration(e)
         assert m is not None
-        prepared = _prepared(e)
-        if m.phase in machine.UNTOUCHED and _moved_on(e):
-            result = machine.abandon(inp, "Superseded", "the target changed before the switch; starting over")
-        elif prepared and halting:
-            result = machine.abandon(inp, "Halted", "a failed node halts the rollout; this node was not switched "
-                                     "and goes back to Pending (its preflight is taken again on a retry)")
-        elif prepared and paused:
-            result = machine.abandon(inp, "Paused", "the rollout is paused; this node was not switched and goes "
-                                     "back to Pending (its preflight is taken again when it resumes)")
-        else:
-            result = machine.step(inp)
-        ctx.actions += result.actions
+        if e.name not in late:
+            ctx.actions += result.actions
         ctx.wake(result.requeue_after)
-        progress.append(NodeProgress(name=e.name, phase="Prepared" if prepared else m.phase,
+        progress.append(NodeProgress(name=e.name, phase="Prepared" if _prepared(e) else m.phase,
                                      since=m.phase_since or fmt(ctx.now),
                                      revision=m.to_revision, message=result.message))
+    for e in inflight:
+        if e.name in late:
+            ctx.actions += results[e.name].actions
 
     # 2. the revision of the current spec must exist before any node can move to it. An existing one is
     # applied again on every plan, without an Event: server-side apply writes nothing while it matches its
@@ -545,6 +569,7 @@ def plan(world: World, policy_name: str) -> Plan:
         requeue_after_seconds=requeue,
         details={"started": started, "blocked": blocked, "phase": status.phase, "capacity": capacity,
                  "stage": stage, "nodes": base},
+        after_others=frozenset(late),
     )
 
 

@@ -235,3 +235,7 @@ class Plan:
     actions: list[Action]
     requeue_after_seconds: float | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    # Nodes whose steps may run only once every other node's steps of this plan succeeded: a slot another
+    # node's step frees in this plan (its Done) was granted to them, and the record of that Done must come
+    # first, or a failed write would leave more nodes touched than maxUnavailable allows.
+    after_others: frozenset[str] = frozenset()
