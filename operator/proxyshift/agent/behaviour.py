@@ -468,6 +468,7 @@ def run_behaviour(params: BehaviourParams, *, mode: str | None, operation_id: st
         except (CommandError, ValueError) as exc:
             # Only 127.0.0.1 is dialled then: the missing cells fail the comparison, as they should.
             log.warning("the node's addresses could not be read, NodePorts only on %s: %s", LOCALHOST, exc)
+    addressed = clock()
     planned, truncated = plan_cells(params, local, pod_path=bool(params.pod_probe))
     node_cells = [c for c in planned if c.path == "node"]
     pod_cells = [c for c in planned if c.path == "pod"]
@@ -488,6 +489,7 @@ def run_behaviour(params: BehaviourParams, *, mode: str | None, operation_id: st
         pod_thread.start()
     node_results, cut = run_jobs([c.job for c in node_cells], attempt_timeout=params.attempt_timeout_seconds,
                                  deadline=deadline, dialer=dialer, clock=clock)
+    dialled = clock()
     pod_error: str | None = None
     pod_results: list[list[Attempt]] = []
     if pod_thread is not None:
@@ -505,8 +507,13 @@ def run_behaviour(params: BehaviourParams, *, mode: str | None, operation_id: st
         for a in attempts:
             if a.outcome == "answered" and a.source:
                 keys.add((cell.target.protocol, a.source[0], a.source[1], cell.address, cell.target.port))
+    joined = clock()
     known = conntrack_identities(keys, runner=runner, deadline=start + params.budget_seconds * LOOKUP_SHARE,
                                  clock=clock)
+    # Where a matrix's time goes, for the rollout's own time per node (docs/benchmarks.md).
+    log.info("behaviour %s: %d cells in %.3f s (addresses %.3f, node dials %.3f, pod path +%.3f, "
+             "endpoint names %.3f)", operation_id, len(planned), clock() - start, addressed - start,
+             dialled - addressed, joined - dialled, clock() - joined)
     by_cell = {id(cell): attempts for cell, attempts in taken}
     cells = [build_cell(c, by_cell[id(c)], known) for c in planned if id(c) in by_cell]
     return BehaviourMatrix(operation_id=operation_id[:253], mode=mode, taken_at=taken_at,

@@ -504,11 +504,17 @@ class Agent:
                 self.sleep(PROBE_AWAIT_POLL_SECONDS)
                 extra = self.observe(inventory=False)
         services = p.services
+        synced = self.clock()
         connects = self.effects.connect(services) if services else {}
+        connected = self.clock()
         behaviour = p.behaviour
         # The conntrack step first: a flow left un-NATed from the switch's gap would fail the probe.
         cleaned = self.effects.conntrack(p.conntrack) if p.conntrack is not None else None
+        conntracked = self.clock()
         matrix = self._take_behaviour(op, behaviour) if behaviour is not None else None
+        # Where the time after kube-proxy's sync goes: the gate's own part of a node's switch.
+        log.info("probe %s after the sync: connects %.3f s, conntrack %.3f s, behaviour %.3f s", op.id,
+                 connected - synced, conntracked - connected, self.clock() - conntracked)
         facts = self.facts or KubeProxyFacts()
         parts = [f"kube-proxy mode {facts.proxy_mode or 'unknown'}", f"healthz {facts.healthz_status}"]
         if facts.error:
