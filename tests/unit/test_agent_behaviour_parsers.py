@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.request
@@ -240,6 +241,32 @@ def test_cells_judge_stickiness_and_locality_on_conntrack_addresses() -> None:
     assert mixed.sticky is False and mixed.local is False and mixed.endpoints == ["198.18.3.3", "198.18.4.4"]
     by_name = cell_for(t, [answered(1), answered(2), answered(3)])
     assert by_name.endpoints == ["ep-a"] and by_name.sticky is True and by_name.local is None
+
+
+def test_an_answer_that_named_no_endpoint_leaves_stickiness_unjudged() -> None:
+    t = T("a/aff", "198.19.0.10", attempts=3)
+    cell = cell_for(t, [answered(1), answered(2, payload=""), answered(3)])
+    assert cell.outcome == "answered" and cell.sticky is None and "1 of 3 answers named no endpoint" in cell.detail
+
+
+def test_a_tcp_dial_waits_for_the_first_line_only_briefly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An endpoint that waits for the client to speak (TLS, HTTP) answers the connect; the dial does not
+    then wait out the whole attempt timeout for a line that never comes."""
+    waits: list[tuple[bool, float]] = []
+
+    def record(sock: socket.socket, *, write: bool, timeout: float) -> bool:
+        waits.append((write, timeout))
+        return write  # connected; no first line
+
+    monkeypatch.setattr(bh, "_wait", record)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        attempt = bh.dial_tcp("127.0.0.1", server.getsockname()[1], 5.0)
+    assert attempt.outcome == "answered" and attempt.payload is None
+    (connect_write, connect_wait), (line_write, line_wait) = waits
+    assert connect_write and connect_wait > 4.0
+    assert not line_write and line_wait <= bh.FIRST_LINE_WAIT_SECONDS
 
 
 def test_cells_report_the_first_failure_and_partial_answers() -> None:
