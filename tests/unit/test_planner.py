@@ -148,6 +148,19 @@ def test_the_plan_that_finishes_a_node_switches_the_prepared_one_after_it() -> N
     assert sim.violations == [] and sim.phase("node-3") == "Done"
 
 
+
+def test_the_plan_that_finishes_the_last_node_records_the_policy_ready() -> None:
+    sim = Sim.build(blue(2), [make_policy("p")])
+    for _ in range(200):
+        sim.step()
+        if sim.phase("node-2") == "Done":
+            break
+        sim.tick()
+    status = sim.policies["p"].status
+    assert sim.phase("node-2") == "Done" and status.phase == "Ready" and status.progress == "2/2"
+    assert not status.in_flight and sim.violations == []
+
+
 def test_without_preflight_ahead_every_node_in_flight_counts() -> None:
     sim = Sim.build(blue(8), [make_policy("p", rollout={"maxUnavailable": "50%", "preflightAhead": False})])
     peak = max(len(phases) for phases in _in_flight_phases_per_step(sim))

@@ -47,7 +47,9 @@ def test_the_first_revision_starts_at_once() -> None:
 
 
 def test_an_edit_holds_new_starts_for_the_settle_time_then_the_rollout_goes_on() -> None:
-    sim = Sim.build(nodes(3), [make_policy("p", "ipvs")])
+    # Without the lookahead nothing else is in flight when node-1 is done (with it, the plan that finishes
+    # node-1 switches node-2 at once, and the loop then polls that node, not the settle time).
+    sim = Sim.build(nodes(3), [make_policy("p", "ipvs", rollout={"preflightAhead": False})])
     sim.run(until=lambda: sim.nodes["node-1"].revision is not None and sim.phase("node-1") == "Done")
     edit(sim, "p", ipvs={"scheduler": "wrr"})
     edited_at = sim.now

@@ -400,6 +400,10 @@ def plan(world: World, policy_name: str) -> Plan:
     for e in inflight:
         if e.name in late:
             ctx.actions += results[e.name].actions
+    # The status describes the nodes as this plan leaves them (its status write comes after every node's
+    # steps succeeded): a node finishing now is updated, not in flight, and the last one's Done and the
+    # policy's Ready are one plan, not two.
+    finished_forward = sum(e.name in finishing and e.forward for e in inflight)
 
     # 2. the revision of the current spec must exist before any node can move to it. An existing one is
     # applied again on every plan, without an Event: server-side apply writes nothing while it matches its
@@ -531,9 +535,9 @@ def plan(world: World, policy_name: str) -> Plan:
         deleting=deleting,
         paused=policy.spec.rollout.paused,
         selected=selected,
-        updated=updated,
+        updated=updated + finished_forward,
         pending=max(0, selected - updated - inflight_forward - sum(e.kind in ("halting", "failed") for e in forward)),
-        in_flight=sorted(progress, key=lambda p: (node_key(p.name), p.name)),
+        in_flight=sorted((p for p in progress if p.name not in finishing), key=lambda p: (node_key(p.name), p.name)),
         failures=failures,
         halting=[f for f in failures if f.name in halting_names],
         rolling_back=rolling_back,
