@@ -9,8 +9,8 @@ refusing KVM, the timeout) means TCG.
 
 The verdict and its reason are cached under the VM cache folder, in a file named by a hash of what
 decides it (the kernel pin, the host's kernel release, /dev/kvm's presence, the CPU's vmx/svm
-flags): a machine pays for the probe once, and a new kernel pin or host kernel probes again
-(deleting the file does too). No `main`: `localcluster vm -- true` prints the verdict, and this
+flags, QEMU's version): a machine pays for the probe once, and a new kernel pin, host kernel or QEMU
+probes again (deleting the file does too). No `main`: `localcluster vm -- true` prints the verdict, and this
 module never imports vm (vm imports it).
 
 PROXYSHIFT_VM_ACCEL=tcg skips all of it; PROXYSHIFT_VM_ACCEL=kvm insists on KVM and is an error,
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from localcluster import paths, vmkernel
+from proxyshift.commands import CommandError, run
 
 ACCEL_ENV = "PROXYSHIFT_VM_ACCEL"
 # Well above TCG's 4-8 s (9-11 s at load 4) to the first guest command: a working KVM is faster
@@ -40,6 +41,8 @@ PROBE_TIMEOUT_SECONDS = 25.0
 PROBE_MEMORY_MIB = 512
 PROBE_CPUS = 1
 CACHE_VERSION = 1
+QEMU_VERSION_TIMEOUT_SECONDS = 10.0
+QEMU_VERSION_MAX_CHARS = 4096
 # Reading /proc/cpuinfo: the flags line comes early; 1 MiB is far more than one CPU's block.
 CPUINFO_MAX_BYTES = 1024 * 1024
 
@@ -89,15 +92,17 @@ class HostFacts:
     host_release: str    # uname -r
     kvm_device: bool     # /dev/kvm exists
     cpu_flags: tuple[str, ...]  # which of vmx, svm the CPU shows (a PVM host shows neither)
+    qemu_version: str = ""  # the first line of `qemu-system-x86_64 --version`: its KVM support can change
 
     def key(self) -> str:
         text = json.dumps({"v": CACHE_VERSION, "pin": self.kernel_pin, "host": self.host_release,
-                           "kvm": self.kvm_device, "flags": list(self.cpu_flags)}, sort_keys=True)
+                           "kvm": self.kvm_device, "flags": list(self.cpu_flags), "qemu": self.qemu_version},
+                          sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def to_json(self) -> dict[str, object]:
         return {"kernelPin": self.kernel_pin, "hostRelease": self.host_release, "kvmDevice": self.kvm_device,
-                "cpuFlags": list(self.cpu_flags)}
+                "cpuFlags": list(self.cpu_flags), "qemuVersion": self.qemu_version}
 
 
 def virtualisation_flags(cpuinfo: str) -> tuple[str, ...]:
@@ -118,10 +123,21 @@ def _read_cpuinfo(path: Path) -> str:
         return ""
 
 
+def installed_qemu_version() -> str:
+    """The first line of `qemu-system-x86_64 --version` (empty when it cannot be read: the boot says why)."""
+    try:
+        out = run(["qemu-system-x86_64", "--version"], timeout=QEMU_VERSION_TIMEOUT_SECONDS).stdout
+    except CommandError:
+        return ""
+    return out[:QEMU_VERSION_MAX_CHARS].splitlines()[0].strip() if out.strip() else ""
+
+
 def host_facts(pin: vmkernel.KernelPin, *, kvm_device: Path = Path("/dev/kvm"),
-               cpuinfo: Path = Path("/proc/cpuinfo"), host_release: str | None = None) -> HostFacts:
+               cpuinfo: Path = Path("/proc/cpuinfo"), host_release: str | None = None,
+               qemu_version: str = "") -> HostFacts:
     return HostFacts(kernel_pin=pin.key, host_release=host_release or os.uname().release,
-                     kvm_device=kvm_device.exists(), cpu_flags=virtualisation_flags(_read_cpuinfo(cpuinfo)))
+                     kvm_device=kvm_device.exists(), cpu_flags=virtualisation_flags(_read_cpuinfo(cpuinfo)),
+                     qemu_version=qemu_version)
 
 
 def kvm_unusable(kvm_device: Path) -> str | None:
@@ -185,7 +201,8 @@ def probe_kvm(kernel: vmkernel.GuestKernel, runner: ProbeRunner, *,
 def choose_accel(kernel: vmkernel.GuestKernel, runner: ProbeRunner, *, env: Mapping[str, str] | None = None,
                  kvm_device: Path = Path("/dev/kvm"), cpuinfo: Path = Path("/proc/cpuinfo"),
                  host_release: str | None = None, cache_root: Path | None = None,
-                 timeout: float = PROBE_TIMEOUT_SECONDS, log: Callable[[str], None] = vmkernel.say) -> AccelChoice:
+                 timeout: float = PROBE_TIMEOUT_SECONDS, log: Callable[[str], None] = vmkernel.say,
+                 qemu_version: Callable[[], str] = installed_qemu_version) -> AccelChoice:
     """TCG or KVM for this machine, and why (see the module's docstring)."""
     env = os.environ if env is None else env
     wanted = env.get(ACCEL_ENV, "").strip()
@@ -198,7 +215,8 @@ def choose_accel(kernel: vmkernel.GuestKernel, runner: ProbeRunner, *, env: Mapp
         if wanted == "kvm":
             raise VmAccelError(f"{ACCEL_ENV}=kvm but {unusable}")
         return AccelChoice("tcg", unusable, "host")
-    facts = host_facts(kernel.pin, kvm_device=kvm_device, cpuinfo=cpuinfo, host_release=host_release)
+    facts = host_facts(kernel.pin, kvm_device=kvm_device, cpuinfo=cpuinfo, host_release=host_release,
+                       qemu_version=qemu_version())
     path = cache_file(facts, cache_root)
     path.parent.mkdir(parents=True, exist_ok=True)
     # One prober at a time: a second session waits for the first one's verdict instead of booting

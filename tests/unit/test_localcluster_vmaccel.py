@@ -48,9 +48,10 @@ def host(tmp_path: Path) -> dict[str, Path]:
 
 
 def choose(kernel: vmkernel.GuestKernel, runner: FakeRunner, host: dict[str, Path], env: dict[str, str] | None = None,
-           release: str = "6.8.0-host") -> vmaccel.AccelChoice:
+           release: str = "6.8.0-host", qemu: str = "QEMU emulator version 7.2.22") -> vmaccel.AccelChoice:
     return vmaccel.choose_accel(kernel, runner, env=env or {}, host_release=release, log=lambda _: None,
-                                kvm_device=host["kvm_device"], cpuinfo=host["cpuinfo"], cache_root=host["cache_root"])
+                                kvm_device=host["kvm_device"], cpuinfo=host["cpuinfo"], cache_root=host["cache_root"],
+                                qemu_version=lambda: qemu)
 
 
 def test_a_probe_that_times_out_means_tcg_with_the_reason_and_is_paid_once(
@@ -62,7 +63,8 @@ def test_a_probe_that_times_out_means_tcg_with_the_reason_and_is_paid_once(
     assert first.cache_file is not None and first.cache_file.parent == host["cache_root"]
     saved = json.loads(first.cache_file.read_text())
     assert saved["accel"] == "tcg" and saved["reason"] == first.reason
-    assert saved["facts"] == {"kernelPin": PIN.key, "hostRelease": "6.8.0-host", "kvmDevice": True, "cpuFlags": []}
+    assert saved["facts"] == {"kernelPin": PIN.key, "hostRelease": "6.8.0-host", "kvmDevice": True, "cpuFlags": [],
+                              "qemuVersion": "QEMU emulator version 7.2.22"}
     # The second run reads the verdict: no second boot.
     second = choose(kernel, runner, host)
     assert (second.accel, second.reason, second.source) == ("tcg", first.reason, "cache")
@@ -105,8 +107,10 @@ def test_a_change_in_what_decides_probes_again(kernel: vmkernel.GuestKernel, hos
     choose(kernel, runner, host, release="6.9.0-newer")   # the host kernel was upgraded
     host["cpuinfo"].write_text(CPUINFO_VMX)                # another CPU (or nested virtualisation turned on)
     choose(kernel, runner, host, release="6.9.0-newer")
-    assert len(runner.calls) == 3
-    assert len(list(host["cache_root"].glob("accel-*.json"))) == 3
+    choose(kernel, runner, host, release="6.9.0-newer", qemu="QEMU emulator version 8.2.2")  # QEMU upgraded
+    choose(kernel, runner, host, release="6.9.0-newer", qemu="QEMU emulator version 8.2.2")
+    assert len(runner.calls) == 4
+    assert len(list(host["cache_root"].glob("accel-*.json"))) == 4
 
 
 def test_a_damaged_cache_file_is_probed_over(kernel: vmkernel.GuestKernel, host: dict[str, Path]) -> None:
