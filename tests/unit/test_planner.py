@@ -161,6 +161,26 @@ def test_the_plan_that_finishes_the_last_node_records_the_policy_ready() -> None
     assert not status.in_flight and sim.violations == []
 
 
+
+@pytest.mark.parametrize(("faults", "phase"), [
+    (Faults(preflight_fail={"node-1"}), "Failed"),
+    (Faults(sync_failures={("node-1", "nftables")}), "RollingBack"),
+])
+def test_the_plan_in_which_a_node_fails_records_the_policy_degraded(faults: Faults, phase: str) -> None:
+    """The status describes the nodes as the plan leaves them: no plan passes with the node failed (or
+    rolling back) and the policy not yet Degraded."""
+    sim = Sim.build(blue(2), [make_policy("p")], faults=faults)
+    for _ in range(200):
+        sim.step()
+        if sim.phase("node-1") == phase:
+            break
+        sim.tick()
+    status = sim.policies["p"].status
+    degraded = next(c for c in status.conditions if c.type == "Degraded")
+    assert sim.phase("node-1") == phase and status.phase == "Degraded" and degraded.status == "True"
+    assert "node-1" in degraded.message or "rolling back" in degraded.message
+
+
 def test_without_preflight_ahead_every_node_in_flight_counts() -> None:
     sim = Sim.build(blue(8), [make_policy("p", rollout={"maxUnavailable": "50%", "preflightAhead": False})])
     peak = max(len(phases) for phases in _in_flight_phases_per_step(sim))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Set
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -176,6 +176,27 @@ def _step_inflight(ctx: _Ctx, e: _Node, *, may_switch: bool, halting: bool, paus
         return machine.abandon(inp, "Paused", "the rollout is paused; this node was not switched and goes "
                                "back to Pending (its preflight is taken again when it resumes)")
     return machine.step(inp)
+
+
+def _written(result: machine.Step, node: str) -> NodeMigration | None:
+    """The record a node's step writes last (None: it writes none)."""
+    writes = [a.migration for a in result.actions if isinstance(a, SetMigration) and a.node == node]
+    return writes[-1] if writes else None
+
+
+def _failing_now(inflight: list[_Node], results: Mapping[str, machine.Step], generation: object, token: str | None,
+                 now: str) -> list[tuple[NodeFailure, bool]]:
+    """The in-flight nodes whose step in this plan writes Failed or RolledBack, each with whether it halts the
+    rollout (a failure of the current spec and retry token, as _classify reads it from the record)."""
+    out: list[tuple[NodeFailure, bool]] = []
+    for e in inflight:
+        m = _written(results[e.name], e.name)
+        if m is None or m.phase not in FAILED:
+            continue
+        failure = NodeFailure(name=e.name, phase=m.phase, reason=m.reason or m.phase, message=m.message or "",
+                              at=m.finished_at or m.phase_since or now)
+        out.append((failure, m.generation == generation and m.retry_token == token))
+    return out
 
 
 def _switch_grants(nodes: list[_Node], limit: int, halted: bool, freed: Set[str] = frozenset()) -> set[str]:
@@ -404,6 +425,10 @@ def plan(world: World, policy_name: str) -> Plan:
     # steps succeeded): a node finishing now is updated, not in flight, and the last one's Done and the
     # policy's Ready are one plan, not two.
     finished_forward = sum(e.name in finishing and e.forward for e in inflight)
+    failing_now = _failing_now(inflight, results, gen, token, fmt(ctx.now))
+    started_rollback = sum(_phase(e) != "RollingBack" and (w := _written(results[e.name], e.name)) is not None
+                           and w.phase == "RollingBack" for e in inflight)
+    leaving = finishing | {f.name for f, _ in failing_now}
 
     # 2. the revision of the current spec must exist before any node can move to it. An existing one is
     # applied again on every plan, without an Event: server-side apply writes nothing while it matches its
@@ -522,7 +547,10 @@ def plan(world: World, policy_name: str) -> Plan:
         for e in nodes if e.kind in ("halting", "failed") and e.proxynode is not None
         and (m := e.proxynode.spec.migration) is not None
     ]
-    halting_names = {e.name for e in halting}
+    # Like a finishing node, one that fails in this plan is told in this plan's status.
+    failures += [f for f, _ in failing_now]
+    failures.sort(key=lambda f: (node_key(f.name), f.name))
+    halting_names = {e.name for e in halting} | {f.name for f, halts in failing_now if halts}
     conflicting = [name for name, own in ctx.ownership.items()
                    if not deleting and policy_name in own.selected_by and own.owner not in (None, policy_name)]
     conflicting.sort(key=lambda n: (node_key(n), n))
@@ -537,10 +565,10 @@ def plan(world: World, policy_name: str) -> Plan:
         selected=selected,
         updated=updated + finished_forward,
         pending=max(0, selected - updated - inflight_forward - sum(e.kind in ("halting", "failed") for e in forward)),
-        in_flight=sorted((p for p in progress if p.name not in finishing), key=lambda p: (node_key(p.name), p.name)),
+        in_flight=sorted((p for p in progress if p.name not in leaving), key=lambda p: (node_key(p.name), p.name)),
         failures=failures,
         halting=[f for f in failures if f.name in halting_names],
-        rolling_back=rolling_back,
+        rolling_back=rolling_back + started_rollback,
         conflicting=conflicting,
         conflict_owners={n: ctx.ownership[n].owner or "" for n in conflicting[:20]},
         skipped_control_plane=skipped,
