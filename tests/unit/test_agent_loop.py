@@ -329,6 +329,19 @@ def test_cli_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
         parse_args([])
 
 
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--proc-root", "/nonexistent"], "--proc-root /nonexistent: not a proc filesystem"),
+    (["--sys-root", "/etc"], "--sys-root /etc: not a sys filesystem"),
+    (["--probe-interval", "0"], "--probe-interval must be a positive number"),
+    (["--watch-timeout", "-5"], "--watch-timeout must be a positive number"),
+])
+def test_bad_agent_flags_are_one_line_and_exit_2(argv: list[str], said: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(["--node", "n1", *argv])
+    assert stopped.value.code == 2 and said in capsys.readouterr().err
+
+
 def test_the_real_client_sends_a_merge_patch_to_the_status_subresource_and_a_field_selector() -> None:
     import json
     import threading

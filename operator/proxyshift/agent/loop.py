@@ -748,6 +748,16 @@ def parse_args(argv: Sequence[str]) -> AgentConfig:
             metrics_mod.parse_listen(args.listen)
         except ValueError as exc:
             p.error(str(exc))
+    for flag, seconds in (("--probe-interval", args.probe_interval), ("--status-interval", args.status_interval),
+                          ("--inventory-interval", args.inventory_interval), ("--watch-timeout", args.watch_timeout),
+                          ("--stale-seconds", args.stale_seconds)):
+        if not seconds > 0:
+            p.error(f"{flag} must be a positive number of seconds, not {seconds}")
+    # Every check and flush reads these: a wrong mount would otherwise show only as odd preflight verdicts.
+    for flag, root, marker in (("--proc-root", args.proc_root, "self"), ("--sys-root", args.sys_root, "class")):
+        if not (Path(root) / marker).exists():
+            p.error(f"{flag} {root}: not a {flag[2:-5]} filesystem (no {marker} in it); mount the host's "
+                    f"/{flag[2:-5]} there")
     return AgentConfig(node=args.node, metrics_address=args.metrics_address, health_address=args.health_address,
                        probe_interval=args.probe_interval, status_interval=args.status_interval,
                        inventory_interval=args.inventory_interval, watch_timeout=args.watch_timeout,
