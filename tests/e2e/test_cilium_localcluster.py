@@ -1,0 +1,244 @@
+"""Cilium in the local cluster (issue 19): the real agent as DaemonSet kube-system/cilium, against the API server.
+
+Cilium is installed (CRDs, RBAC, ConfigMap, DaemonSet) but runs on no node until one is labelled
+`proxyshift.io/kube-proxy-replacement=cilium`. Then the node simulator runs the pinned agent confined
+to that node (its cgroup subtree, netns and mount namespace, localcluster.cilium), and:
+
+- its pod turns Ready, `/v1/healthz` on /var/run/cilium/cilium.sock (the node's hostPath folder) says
+  KubeProxyReplacement True, and a ClusterIP and a NodePort Service made through the API server, with
+  the test bed's listeners as endpoints, answer a connect from the node's cgroup and netns, translated
+  at connect() by socket-LB (no conntrack entry to the Service address, where kube-proxy's DNAT makes one);
+- nothing of it is attached at the host's root cgroup, at any cgroup outside the node's subtree, or in
+  the host's network namespace;
+- label removed: the pod goes, the node's cgroup (and with it socket-LB) goes, and what Cilium leaves in
+  the node's namespace is recorded (the operator's cleanup flushes it); kube-proxy still serves the node.
+
+The three tests share one Cilium start (module fixture) and run in this file's order; the last one
+removes the label. Wall time about a minute on 2 cores, most of it the agent's first datapath compile.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from localcluster import cilium, cilium_install, gotools, network, workloads
+from localcluster.container import run_in_netns
+from localcluster.kubeapi import Kube, KubeError
+from proxyshift.agent.behaviour import dial_tcp
+from proxyshift.commands import run
+from tests.support import bpf_attach
+from tests.support.polling import wait_until
+
+pytestmark = pytest.mark.e2e
+
+NAMESPACE = "ps-cilium-e2e"
+CLUSTER_IP_SERVICE, NODE_PORT_SERVICE = "kpr-clusterip", "kpr-nodeport"
+SERVICE_PORT = 80
+READY_SECONDS = 300.0  # the agent's first datapath compile on a loaded 2-core machine
+SERVICE_SYNC_SECONDS = 60.0
+GONE_SECONDS = 120.0
+
+
+@dataclass
+class CiliumNode:
+    name: str
+    ip: str
+    pod: dict[str, Any]
+    socket: Path
+    cgroup: Path
+    before: dict[str, object]  # bpf_attach.host_snapshot before Cilium started
+    endpoints: list[workloads.Endpoint]
+    cluster_ip: str
+    node_port: int
+
+
+def _label(kube: Kube, node: str, value: str | None) -> None:
+    kube.merge_patch(f"/api/v1/nodes/{node}", {"metadata": {"labels": {cilium_install.NODE_LABEL: value}}})
+
+
+def _cilium_pods(kube: Kube, node: str) -> list[dict[str, Any]]:
+    return list(kube.get(f"/api/v1/namespaces/{cilium_install.NAMESPACE}/pods", labelSelector="k8s-app=cilium",
+                         fieldSelector=f"spec.nodeName={node}")["items"])
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def _service(kube: Kube, name: str, kind: str, endpoints: list[workloads.Endpoint]) -> dict[str, Any]:
+    body = workloads.service_manifest(name, NAMESPACE, SERVICE_PORT, workloads.DEFAULT_TARGET_PORT)
+    body["spec"]["type"] = kind
+    try:
+        svc = kube.post(f"/api/v1/namespaces/{NAMESPACE}/services", body)
+    except KubeError as exc:
+        if exc.status != 409:
+            raise
+        svc = kube.get(f"/api/v1/namespaces/{NAMESPACE}/services/{name}")
+    slice_body = workloads.slice_manifest(name, NAMESPACE, endpoints, workloads.DEFAULT_TARGET_PORT)
+    try:
+        kube.post(f"/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices", slice_body)
+    except KubeError as exc:
+        if exc.status != 409:
+            raise
+    return dict(svc)
+
+
+def _conntrack_to(node: str, address: str, port: int) -> list[str]:
+    """The node's conntrack entries whose original destination is address:port (kube-proxy's DNAT)."""
+    out = run(["conntrack", "-L", "-p", "tcp", "--orig-dst", address, "--dport", str(port)], netns=node,
+              timeout=30, check=False).stdout
+    return [line for line in out.splitlines() if line.strip()]
+
+
+def _outside_node(attached: dict[str, Any], cgroup_root: Path) -> dict[str, Any]:
+    # Cgroups of other confined agents (a dataplane test of another session) are theirs, not the host's.
+    return {path: progs for path, progs in attached.items()
+            if not path.startswith(str(cgroup_root / cilium.CGROUP_PREFIX))}
+
+
+@pytest.fixture(scope="module")
+def cilium_installed(cluster: Any) -> Iterator[None]:
+    cluster.require_local("Cilium's agent")
+    if gotools.built(cilium.AGENT_TOOL) is None:
+        pytest.fail(gotools.build_hint(cilium.AGENT_TOOL))
+    kubectl = cluster.bin_dir / "kubectl"
+    cilium_install.install(cluster.kubeconfig, kubectl, build=False)
+    yield
+    cilium_install.uninstall(cluster.kubeconfig, kubectl)
+
+
+@pytest.fixture(scope="module")
+def cilium_node(cluster: Any, kube: Kube, cilium_installed: None) -> Iterator[CiliumNode]:
+    """The last node labelled for Cilium, its pod Ready, two Services with the test bed's listeners."""
+    state_dir = cluster.require_local("Cilium's agent")
+    node = cluster.nodes[-1]
+    # Installed, but on no node until one is labelled: the DaemonSet is disabled by default.
+    assert not any(_cilium_pods(kube, name) for name in cluster.nodes)
+    endpoints = workloads.create_endpoints(state_dir, 2)
+    workloads.ensure_namespace(kube, NAMESPACE)
+    cluster_ip = _service(kube, CLUSTER_IP_SERVICE, "ClusterIP", endpoints)["spec"]["clusterIP"]
+    node_port = int(_service(kube, NODE_PORT_SERVICE, "NodePort", endpoints)["spec"]["ports"][0]["nodePort"])
+    before = bpf_attach.host_snapshot(cilium.cgroup2_mount())
+    started = time.monotonic()
+    _label(kube, node, cilium_install.NODE_LABEL_VALUE)
+    try:
+        pods = wait_until(lambda: [p for p in _cilium_pods(kube, node) if _ready(p)], READY_SECONDS,
+                          f"the cilium pod Ready on {node}", interval=1.0)
+        ready_after = time.monotonic() - started
+        socket = cilium_install.node_socket(state_dir, node)
+        # Ready (/healthz Ok) comes before the first datapath compile has finished; the host endpoint
+        # is ready once bpf_host is on the node's devices.
+        wait_until(lambda: cilium.host_endpoint_ready(socket), READY_SECONDS, f"Cilium's host endpoint on {node}")
+        print(f"\ncilium pod Ready on {node} {ready_after:.1f}s after the label, its datapath loaded after "
+              f"{time.monotonic() - started:.1f}s")
+        yield CiliumNode(node, network.node_ip(network.node_index(node)), pods[0], socket, cilium.node_cgroup(node),
+                         before, endpoints, cluster_ip, node_port)
+    finally:
+        for log in (network.node_dir(state_dir, node) / "logs").glob("cilium-*.log"):
+            # What the agent complained about (RBAC refusals among it), for the run's record.
+            complaints = [line[:300] for line in log.read_text(errors="replace").splitlines()
+                          if "level=error" in line.lower() or "forbidden" in line.lower()]
+            print(f"{log.name}: {len(complaints)} error/forbidden lines", *complaints[:15], sep="\n  ")
+        _label(kube, node, None)
+        wait_until(lambda: not _cilium_pods(kube, node), GONE_SECONDS, f"the cilium pod gone from {node}")
+        kube.delete(f"/api/v1/namespaces/{NAMESPACE}")
+
+
+def test_labelled_node_runs_cilium_kpr_from_the_api_server(cilium_node: CiliumNode, kube: Kube) -> None:
+    node = cilium_node
+    health = cilium.api_get(node.socket, "/v1/healthz")
+    assert health.get("cilium", {}).get("state") == "Ok", health.get("cilium")
+    assert cilium.kpr_enabled(health), health.get("kube-proxy-replacement")
+    # Against the API server: its CiliumNode took the Node's spec.podCIDR (--ipam=kubernetes).
+    pod_cidr = kube.get(f"/api/v1/nodes/{node.name}")["spec"]["podCIDR"]
+    cilium_node_obj = kube.get(f"/apis/cilium.io/v2/ciliumnodes/{node.name}")
+    assert cilium_node_obj["spec"]["ipam"].get("podCIDRs") == [pod_cidr], cilium_node_obj["spec"]["ipam"]
+    backends = {e.ip for e in node.endpoints}
+
+    def frontends() -> dict[str, set[str]]:
+        table: dict[str, set[str]] = {}
+        for entry in cilium.api_get(node.socket, "/v1/service"):
+            front = entry["spec"]["frontend-address"]
+            table[f"{front['ip']}:{front['port']}"] = {b["ip"] for b in entry["spec"].get("backend-addresses") or []}
+        return table
+
+    # Cilium lists a NodePort once, on 0.0.0.0 (its maps expand it to the node's addresses).
+    wanted = {f"{node.cluster_ip}:{SERVICE_PORT}", f"0.0.0.0:{node.node_port}"}
+
+    def synced() -> dict[str, set[str]] | None:
+        table = frontends()
+        return table if all(table.get(front) == backends for front in wanted) else None
+
+    table = wait_until(synced, SERVICE_SYNC_SECONDS, f"Cilium's Service table to list {wanted} with {backends}")
+    print(f"Cilium's Services on {node.name}: {sorted(table)}")
+
+    names = {e.name for e in node.endpoints}
+    for address, port in ((node.cluster_ip, SERVICE_PORT), (node.ip, node.node_port)):
+        answer = cilium.dial(node.cgroup, node.name, address, port)
+        assert (answer.outcome, answer.payload in names) == ("answered", True), (address, port, answer)
+        # Translated at connect() by the node's socket-LB: the packet left for the backend itself, so
+        # no conntrack entry to the Service's address, which kube-proxy's DNAT would have made.
+        assert _conntrack_to(node.name, address, port) == [], (address, port)
+    # The same check sees a connection that kube-proxy (still on the node) did DNAT: a client of the
+    # node's netns outside its cgroup is not Cilium's.
+    bare = run_in_netns(node.name, dial_tcp, node.cluster_ip, SERVICE_PORT, 5.0)
+    assert bare.outcome == "answered", bare
+    assert _conntrack_to(node.name, node.cluster_ip, SERVICE_PORT), "kube-proxy's connection left no entry"
+
+
+def test_nothing_of_cilium_is_attached_to_the_host(cilium_node: CiliumNode) -> None:
+    node = cilium_node
+    cgroup_root = cilium.cgroup2_mount()
+    during = bpf_attach.host_snapshot(cgroup_root)
+    attached = during["cgroups"]
+    assert isinstance(attached, dict)
+    # Socket-LB is at the node's cgroup: the agent's cgroup root is the node's subtree.
+    assert str(node.cgroup) in attached, f"no socket-LB at the node's cgroup {node.cgroup}: {attached}"
+    assert "cgroup_inet4_connect" in {p["attach_type"] for p in attached[str(node.cgroup)]}
+    before = node.before["cgroups"]
+    assert isinstance(before, dict)
+    assert _outside_node(attached, cgroup_root) == _outside_node(before, cgroup_root), \
+        "BPF programs attached at a cgroup outside the node's subtree"
+    assert during["root_cgroup"] == node.before["root_cgroup"], during["root_cgroup"]
+    assert during["net"] == node.before["net"], f"BPF in the host's network namespace: {during['net']}"
+    assert during["tcx"] == node.before["tcx"], f"tcx programs in the host's network namespace: {during['tcx']}"
+    # Its tc programs, devices and chains are the node's.
+    node_tcx = run_in_netns(node.name, bpf_attach.host_tcx)
+    node_tc = run(["bpftool", "-j", "net", "show"], netns=node.name, timeout=60).stdout
+    assert any(key.startswith("eth0/") for key in node_tcx) or "cil_from_netdev" in node_tc, (node_tcx, node_tc)
+    assert "cilium_" not in run(["ip", "-o", "link", "show"]).stdout
+    assert "cilium_host" in run(["ip", "-o", "link", "show"], netns=node.name).stdout
+    assert "CILIUM" not in run(["iptables-save"], timeout=120).stdout
+
+
+def test_unlabelled_node_loses_cilium_and_keeps_kube_proxy(cilium_node: CiliumNode, kube: Kube) -> None:
+    node = cilium_node
+    pid = cilium.agent_pid(node.cgroup)
+    assert pid is not None, f"no cilium-agent in {node.cgroup}"
+    _label(kube, node.name, None)
+    wait_until(lambda: not _cilium_pods(kube, node.name), GONE_SECONDS, f"the cilium pod gone from {node.name}")
+    assert not Path(f"/proc/{pid}").exists(), "the agent outlived its pod"
+    # The node's cgroup went with the pod, and socket-LB with it.
+    assert not node.cgroup.exists()
+    # What Cilium leaves in the node's namespace, recorded for the cleanup that flushes it.
+    links = [line.split(":")[1].strip().split("@")[0]
+             for line in run(["ip", "-o", "link", "show"], netns=node.name).stdout.splitlines()]
+    routes = [line for line in run(["ip", "route", "show", "table", "all"], netns=node.name).stdout.splitlines()
+              if "cilium" in line]
+    chains = sorted({line.split()[0].lstrip(":") for line in run(["iptables-save"], netns=node.name,
+                                                                 timeout=120).stdout.splitlines()
+                     if line.startswith(":CILIUM")})
+    print(f"\nleft on {node.name} after Cilium: links {[x for x in links if x.startswith('cilium')]}, "
+          f"routes {routes}, iptables chains {chains}")
+    assert {"cilium_host", "cilium_net"} <= set(links), links
+    assert chains, "no CILIUM_* chains left: Cilium cleans up after itself now; update the cleanup's list"
+    # kube-proxy never left this node: it serves the ClusterIP as before.
+    answer = run_in_netns(node.name, dial_tcp, node.cluster_ip, SERVICE_PORT, 5.0)
+    assert answer.outcome == "answered", answer
