@@ -389,7 +389,8 @@ def _launchers() -> list[int]:
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             cmd = _cmdline(int(proc.name))
-            if "localcluster.container" in cmd and f"--netns {NODE_PREFIX}" in cmd and \
+            if ("localcluster.container" in cmd or "localcluster.cilium confine" in cmd) and \
+                    f"--netns {NODE_PREFIX}" in cmd and \
                     _state_of(int(proc.name)) not in "ZX":
                 found.append(int(proc.name))
     return found

@@ -46,6 +46,7 @@ BACKOFF_RESET_SECONDS = 600.0
 TICK_SECONDS = 0.5
 RETRY_SECONDS = 2.0
 OWN_CONDITIONS = ("PodReadyToStartContainers", "Initialized", "ContainersReady", "Ready")
+_warned: set[str] = set()  # nodes whose containers run outside a node cgroup (logged once)
 
 
 class PodHost(Protocol):
@@ -420,6 +421,9 @@ class PodWorker(threading.Thread):
             launcher = [sys.executable, "-m", "localcluster.container", "--netns", self.netns,
                         "--created-log", str(self.cfg.created_paths_file),
                         "--workdir", container.get("workingDir") or "/", *confinement.launcher_args()]
+            cgroup = self._node_cgroup()
+            if cgroup is not None:
+                launcher += ["--cgroup", str(cgroup)]
         for bind in self._binds(container, confinement.read_only_root):
             launcher += ["--bind", bind]
         if confinement.uid != 0 and image_kind(container.get("image", "")) in (*PYTHON_IMAGE_KINDS, "pause"):
@@ -451,6 +455,21 @@ class PodWorker(threading.Thread):
         pid_file.parent.mkdir(parents=True, exist_ok=True)
         pid_file.write_text(f"{run.proc.pid}\n")
         log.info("pod %s/%s container %s started pid %d", self.namespace, self.pod_name, run.name, run.proc.pid)
+
+    def _node_cgroup(self) -> Path | None:
+        """The node's cgroup v2 subtree, where every container of the node runs (None: no cgroup v2 here).
+
+        A node's Cilium agent takes it for its cgroup root: its socket-LB translates the connects of
+        every process below, as on a real node where everything is below the root cgroup it attaches
+        to. So the node's kube-proxy, proxyshift agent and pods are in it, whether Cilium runs or not.
+        """
+        try:
+            return cilium.make_cgroup(self.cfg.node, exist_ok=True)
+        except (OSError, cilium.CiliumError) as exc:
+            if not _warned:  # once per simulator process (one node each)
+                log.warning("containers of %s run outside a node cgroup: %s", self.cfg.node, exc)
+                _warned.add(self.cfg.node)
+            return None
 
     def _cilium_launcher(self, confinement: security_context.Confinement) -> list[str]:
         """localcluster.cilium's launcher: the node's cgroup subtree and netns, a private mount ns with
@@ -537,13 +556,6 @@ class PodWorker(threading.Thread):
             grace = pod["spec"].get("terminationGracePeriodSeconds", 30)
         log.info("pod %s/%s: terminating (grace %ss)", self.namespace, self.pod_name, grace)
         self._stop_all(float(grace))
-        if any(image_kind(r.spec.get("image", "")) == "cilium" for r in self.runs):
-            # The node's Cilium is gone: its cgroup goes too, which detaches the socket-LB programs
-            # attached there (before the pod object goes, so a successor pod cannot be in it yet).
-            try:
-                cilium.remove_cgroup(cilium.node_cgroup(self.cfg.node))
-            except (OSError, cilium.CiliumError) as exc:
-                log.warning("pod %s/%s: the node's Cilium cgroup stays: %s", self.namespace, self.pod_name, exc)
         while not self.gone:
             try:
                 self.sim.kube.delete(self.path, {"apiVersion": "v1", "kind": "DeleteOptions",

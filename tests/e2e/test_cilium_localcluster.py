@@ -10,8 +10,9 @@ to that node (its cgroup subtree, netns and mount namespace, localcluster.cilium
   at connect() by socket-LB (no conntrack entry to the Service address, where kube-proxy's DNAT makes one);
 - nothing of it is attached at the host's root cgroup, at any cgroup outside the node's subtree, or in
   the host's network namespace;
-- label removed: the pod goes, the node's cgroup (and with it socket-LB) goes, and what Cilium leaves in
-  the node's namespace is recorded (the operator's cleanup flushes it); kube-proxy still serves the node.
+- label removed: the pod goes, socket-LB is detached from the node's cgroup (where the node's other
+  containers stay), what Cilium leaves in the node's namespace is recorded (the operator's cleanup
+  flushes it), and kube-proxy still serves the node.
 
 The tests share one Cilium start (module fixture) and run in this file's order; the last one
 removes the label. One installs proxyshift (the session's fixture) to prove that its agent's pod on the
@@ -47,6 +48,7 @@ SERVICE_PORT = 80
 READY_SECONDS = 300.0  # the agent's first datapath compile on a loaded 2-core machine
 SERVICE_SYNC_SECONDS = 60.0
 GONE_SECONDS = 120.0
+DETACH_SECONDS = 30.0
 AGENT_NAMESPACE = "proxyshift-system"
 
 
@@ -102,10 +104,20 @@ def _conntrack_to(node: str, address: str, port: int) -> list[str]:
     return [line for line in out.splitlines() if line.strip()]
 
 
-def _outside_node(attached: dict[str, Any], cgroup_root: Path) -> dict[str, Any]:
-    # Cgroups of other confined agents (a dataplane test of another session) are theirs, not the host's.
+def node_cgroup_name(node: CiliumNode) -> str:
+    return str(node.cgroup.relative_to(cilium.cgroup2_mount()))
+
+
+def _outside_node(attached: dict[str, Any], cgroup_root: Path, node: str) -> dict[str, Any]:
+    """Attachments at cgroups other than the node's subtree. The cgroups of confined agents that are not
+    the cluster's (a dataplane test of another session) are theirs, not the host's; the cluster's other
+    nodes' cgroups count."""
+    ours = str(cilium.node_cgroup(node))
+    foreign = str(cgroup_root / cilium.CGROUP_PREFIX)
+    cluster = str(cgroup_root / f"{cilium.CGROUP_PREFIX}{network.NODE_PREFIX}")
     return {path: progs for path, progs in attached.items()
-            if not path.startswith(str(cgroup_root / cilium.CGROUP_PREFIX))}
+            if not (path == ours or path.startswith(f"{ours}/"))
+            and (path.startswith(cluster) or not path.startswith(foreign))}
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +221,7 @@ def test_nothing_of_cilium_is_attached_to_the_host(cilium_node: CiliumNode) -> N
     assert "cgroup_inet4_connect" in {p["attach_type"] for p in attached[str(node.cgroup)]}
     before = node.before["cgroups"]
     assert isinstance(before, dict)
-    assert _outside_node(attached, cgroup_root) == _outside_node(before, cgroup_root), \
+    assert _outside_node(attached, cgroup_root, node.name) == _outside_node(before, cgroup_root, node.name), \
         "BPF programs attached at a cgroup outside the node's subtree"
     assert during["root_cgroup"] == node.before["root_cgroup"], during["root_cgroup"]
     assert during["net"] == node.before["net"], f"BPF in the host's network namespace: {during['net']}"
@@ -245,6 +257,9 @@ def test_proxyshift_agent_reaches_the_cilium_socket(cilium_node: CiliumNode, clu
     name = pod["metadata"]["name"]
     pid = network.container_pid(state_dir, cilium_node.name, AGENT_NAMESPACE, name, "agent")
     assert pid is not None, name
+    # Every container of the node is in the node's cgroup: Cilium's socket-LB translates its connects.
+    unified = [line for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines() if line.startswith("0::")]
+    assert unified == [f"0::/{node_cgroup_name(cilium_node)}"], unified
     argv = ["nsenter", f"--target={pid}", "--mount", "--",
             *setpriv_argv(0, 0, "NET_ADMIN,NET_RAW", True), sys.executable, "-c", HEALTHZ_OVER_SOCKET]
     # Text mode: the HTTP answer's CRLFs arrive as newlines.
@@ -261,8 +276,10 @@ def test_unlabelled_node_loses_cilium_and_keeps_kube_proxy(cilium_node: CiliumNo
     _label(kube, node.name, None)
     wait_until(lambda: not _cilium_pods(kube, node.name), GONE_SECONDS, f"the cilium pod gone from {node.name}")
     assert not Path(f"/proc/{pid}").exists(), "the agent outlived its pod"
-    # The node's cgroup went with the pod, and socket-LB with it.
-    assert not node.cgroup.exists()
+    # The node's cgroup stays (the node's other containers are in it); socket-LB went with the agent,
+    # its links pinned in the agent's own bpffs, which died with its mount namespace.
+    wait_until(lambda: not bpf_attach.cgroup_direct(node.cgroup), DETACH_SECONDS,
+               f"socket-LB detached from {node.cgroup}")
     # What Cilium leaves in the node's namespace, recorded for the cleanup that flushes it.
     links = [line.split(":")[1].strip().split("@")[0]
              for line in run(["ip", "-o", "link", "show"], netns=node.name).stdout.splitlines()]
@@ -275,6 +292,8 @@ def test_unlabelled_node_loses_cilium_and_keeps_kube_proxy(cilium_node: CiliumNo
           f"routes {routes}, iptables chains {chains}")
     assert {"cilium_host", "cilium_net"} <= set(links), links
     assert chains, "no CILIUM_* chains left: Cilium cleans up after itself now; update the cleanup's list"
-    # kube-proxy never left this node: it serves the ClusterIP as before.
-    answer = run_in_netns(node.name, dial_tcp, node.cluster_ip, SERVICE_PORT, 5.0)
+    # kube-proxy never left this node: it serves the ClusterIP as before, to a client of the node's
+    # cgroup too, now by DNAT.
+    answer = cilium.dial(node.cgroup, node.name, node.cluster_ip, SERVICE_PORT)
     assert answer.outcome == "answered", answer
+    assert _conntrack_to(node.name, node.cluster_ip, SERVICE_PORT), "no DNAT entry: who served it?"
