@@ -226,6 +226,49 @@ def node_socket(state_dir: Path, node: str) -> Path:
     return path
 
 
+CILIUM_CHAIN_PREFIX = "CILIUM_"
+HOST_LINK = "cilium_host"  # with its veth peer cilium_net
+
+
+def leftover_rules(iptables_save: str) -> dict[str, list[str]]:
+    """The iptables-restore --noflush lines, by table, that remove Cilium's chains from an iptables-save
+    dump: each jump into a CILIUM_* chain from another chain deleted, then every CILIUM_* chain flushed,
+    then deleted (flushed first: they jump to each other)."""
+    table = ""
+    jumps: dict[str, list[str]] = {}
+    chains: dict[str, list[str]] = {}
+    for line in iptables_save.splitlines():
+        if line.startswith("*"):
+            table = line[1:].strip()
+        elif line.startswith(f":{CILIUM_CHAIN_PREFIX}"):
+            chains.setdefault(table, []).append(line[1:].split()[0])
+        elif line.startswith("-A "):
+            words = line.split()
+            target = words[words.index("-j") + 1] if "-j" in words[:-1] else ""
+            if not words[1].startswith(CILIUM_CHAIN_PREFIX) and target.startswith(CILIUM_CHAIN_PREFIX):
+                jumps.setdefault(table, []).append("-D" + line[2:])
+    return {t: [*jumps.get(t, []), *(f"-F {c}" for c in chains.get(t, [])), *(f"-X {c}" for c in chains.get(t, []))]
+            for t in sorted(set(jumps) | set(chains))}
+
+
+def remove_node_leftovers(netns: str) -> None:
+    """Test-bed hygiene after Cilium left a node: its cilium_host/cilium_net pair (their routes go with
+    them) and its CILIUM_* iptables chains, so the session's next tests meet the node as `up` made it.
+
+    Only Cilium's own objects, one iptables-restore per table. The operator's cleanup of a node moving
+    back to kube-proxy is the product's (issue 19); this is for tests that did not run it.
+    """
+    links = run(["ip", "-o", "link", "show"], netns=netns, timeout=KUBECTL_TIMEOUT).stdout
+    if f" {HOST_LINK}@" in links or f" {HOST_LINK}:" in links:
+        run(["ip", "link", "del", HOST_LINK], netns=netns, timeout=KUBECTL_TIMEOUT)
+    for save, restore in (("iptables-save", "iptables-restore"), ("ip6tables-save", "ip6tables-restore")):
+        dump = run([save], netns=netns, timeout=KUBECTL_TIMEOUT, check=False).stdout
+        for table, lines in leftover_rules(dump).items():
+            if lines:
+                run([restore, "--noflush"], netns=netns, timeout=KUBECTL_TIMEOUT,
+                    input=f"*{table}\n" + "\n".join(lines) + "\nCOMMIT\n")
+
+
 def module_dir() -> Path:
     """The pinned Cilium module in the Go module cache (its bpf/ folder's parent)."""
     return cilium.bpf_sources().parent

@@ -166,6 +166,10 @@ def cilium_node(cluster: Any, kube: Kube, cilium_installed: None) -> Iterator[Ci
         _label(kube, node, None)
         wait_until(lambda: not _cilium_pods(kube, node), GONE_SECONDS, f"the cilium pod gone from {node}")
         kube.delete(f"/api/v1/namespaces/{NAMESPACE}")
+        # The session's next tests meet the node as `up` made it: no cilium_host, no CILIUM_* chains.
+        cilium_install.remove_node_leftovers(node)
+        assert "cilium_" not in run(["ip", "-o", "link", "show"], netns=node).stdout
+        assert "CILIUM" not in run(["iptables-save"], netns=node, timeout=120).stdout
 
 
 def test_labelled_node_runs_cilium_kpr_from_the_api_server(cilium_node: CiliumNode, kube: Kube) -> None:
