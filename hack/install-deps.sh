@@ -9,10 +9,11 @@ cd "$(dirname "$0")/.."
 # tests/reliability (never in the image)
 # qemu-system-x86, busybox-static: the vm test layer's guest (localcluster.vm); its
 # kernel package is fetched and cached by the runner itself (pinned in localcluster/pins.env)
-# clang-19: the Cilium agent (tests/dataplane/test_cilium_kpr.py) compiles its BPF datapath at start with
-# `clang` (localcluster/cilium.py puts /usr/lib/llvm-19/bin first on its PATH); clang-14, Debian 12's
-# default, leaves programs this kernel's verifier rejects. bpftool: that test's proof that no BPF
-# program is attached outside the simulated node (`bpftool cgroup tree`, `bpftool net show`)
+# clang-19: the Cilium agent (tests/dataplane/test_cilium_kpr.py, tests/e2e/test_cilium_localcluster.py)
+# compiles its BPF datapath at start with `clang` (localcluster/cilium.py puts /usr/lib/llvm-19/bin first
+# on its PATH); clang-14, Debian 12's default, leaves programs this kernel's verifier rejects. bpftool:
+# those tests' proof that no BPF program is attached outside the simulated node (`bpftool cgroup tree`,
+# `bpftool net show`)
 # prometheus: for its promtool, which the unit layer runs on config/prometheus (the alert rules and
 # the dashboard's expressions); its service is not wanted (stopped below where systemd started it)
 DEBIAN_PACKAGES=(iptables nftables ipset conntrack iproute2 ipvsadm kmod procps openssl gcc libc6-dev

@@ -58,9 +58,12 @@ LLVM_BIN = Path("/usr/lib/llvm-19/bin")
 CGROUP_PREFIX = "proxyshift-cilium-"
 CLONE_NEWCGROUP = 0x02000000
 # Where the launcher mounts things inside the agent's private mount namespace (a tmpfs over /run).
+# /run/cilium is the agent's state dir (and /var/run/cilium its socket's folder): a pod's hostPath
+# /var/run/cilium is bound there, so its own mounts live beside it, never inside that node folder.
 PRIVATE_RUN = Path("/run/cilium")
-PRIVATE_BPFFS = PRIVATE_RUN / "bpffs"
-PRIVATE_CGROUP = PRIVATE_RUN / "cgroupv2"
+LAUNCHER_RUN = Path("/run/proxyshift-cilium")
+PRIVATE_BPFFS = LAUNCHER_RUN / "bpffs"
+PRIVATE_CGROUP = LAUNCHER_RUN / "cgroupv2"
 # Machine-wide sysctls the agent's loader sets (pkg/datapath/loader/base.go, errors ignored).
 HOST_SYSCTLS = ("/proc/sys/kernel/unprivileged_bpf_disabled", "/proc/sys/kernel/timer_migration")
 # Healthy in about 5 s here (bpf_host compiled by clang in 1.4 s on 2 cores); generous for a loaded CI machine.
@@ -85,6 +88,29 @@ def cgroup2_mount() -> Path:
         if after.split(" ", 1)[0] == "cgroup2":
             return Path(before.split()[4])
     raise CiliumError("no cgroup2 mount on this machine: Cilium's socket-LB needs cgroup v2")
+
+
+def node_cgroup(node: str) -> Path:
+    """The node's cgroup v2 subtree: the agent's cgroup root, and where the node's clients must be."""
+    return cgroup2_mount() / f"{CGROUP_PREFIX}{node}"
+
+
+def image_flags(lib_dir: Path) -> list[str]:
+    """What the agent's image and the launcher provide, as flags: the datapath sources (`lib_dir/bpf`),
+    the bpffs and cgroup2 mounts the launcher made in the agent's mount namespace."""
+    return [f"--lib-dir={lib_dir}", f"--bpf-root={PRIVATE_BPFFS}", f"--cgroup-root={PRIVATE_CGROUP}"]
+
+
+def prepare_lib_dir(lib_dir: Path) -> Path:
+    """`lib_dir/bpf` -> the pinned module's bpf/ (read only: the agent writes under --state-dir)."""
+    lib_dir.mkdir(parents=True, exist_ok=True)
+    link = lib_dir / "bpf"
+    sources = bpf_sources()
+    if link.is_symlink() and link.resolve() == sources.resolve():
+        return lib_dir
+    link.unlink(missing_ok=True)
+    link.symlink_to(sources)
+    return lib_dir
 
 
 def bpf_sources() -> Path:
@@ -152,9 +178,9 @@ def agent_flags(devices: Sequence[str], *, lib_dir: Path, socket_path: Path, lb_
         "--enable-l7-proxy=false", "--enable-health-checking=false", "--enable-endpoint-health-checking=false",
         "--enable-hubble=false", "--cni-exclusive=false",
         "--enable-k8s=false",  # no API server: Services come from the lb state file
-        f"--lb-state-file={lb_state_file}", f"--lib-dir={lib_dir}", f"--socket-path={socket_path}",
+        f"--lb-state-file={lb_state_file}", f"--socket-path={socket_path}",
         # Inside the launcher's private mount namespace (see the module's docstring).
-        f"--state-dir={PRIVATE_RUN}", f"--bpf-root={PRIVATE_BPFFS}", f"--cgroup-root={PRIVATE_CGROUP}",
+        f"--state-dir={PRIVATE_RUN}", *image_flags(lib_dir),
     ]
 
 
@@ -189,6 +215,20 @@ def kpr_enabled(health: dict[str, Any]) -> bool:
     return str(health.get("kube-proxy-replacement", {}).get("mode", "")).lower() == "true"
 
 
+def host_endpoint_ready(socket_path: Path) -> bool:
+    """Whether the node's host endpoint is regenerated: its datapath compiled and loaded.
+
+    /v1/healthz says Ok before the first BPF compile has finished; the host endpoint turns
+    ready once bpf_host is attached to the node's devices (and socket-LB to its cgroup).
+    """
+    try:
+        endpoints = api_get(socket_path, "/v1/endpoint")
+    except (OSError, CiliumError, ValueError):
+        return False
+    return any("reserved:host" in (e.get("status", {}).get("identity", {}).get("labels") or [])
+               and e.get("status", {}).get("state") == "ready" for e in endpoints)
+
+
 @dataclass
 class ConfinedAgent:
     """One agent confined to one node: its cgroup, state folder and process."""
@@ -220,17 +260,7 @@ class ConfinedAgent:
         return ""
 
     def host_endpoint_ready(self) -> bool:
-        """Whether the node's host endpoint is regenerated: its datapath compiled and loaded.
-
-        /v1/healthz says Ok before the first BPF compile has finished; the host endpoint turns
-        ready once bpf_host is attached to the node's devices (and socket-LB to its cgroup).
-        """
-        try:
-            endpoints = api_get(self.socket_path, "/v1/endpoint")
-        except (OSError, CiliumError, ValueError):
-            return False
-        return any("reserved:host" in (e.get("status", {}).get("identity", {}).get("labels") or [])
-                   and e.get("status", {}).get("state") == "ready" for e in endpoints)
+        return host_endpoint_ready(self.socket_path)
 
     def wait_healthy(self, timeout: float = HEALTH_TIMEOUT_SECONDS) -> dict[str, Any]:
         """Poll /v1/healthz until the agent reports Ok with the kube-proxy replacement on."""
@@ -261,10 +291,20 @@ class ConfinedAgent:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def make_cgroup(node: str) -> Path:
-    """The node's cgroup v2 subtree (empty; fails if a stale one of that name exists)."""
-    path = cgroup2_mount() / f"{CGROUP_PREFIX}{node}"
-    path.mkdir()
+def agent_pid(cgroup: Path) -> int | None:
+    """The pid of the cilium-agent process in a node's cgroup, if one runs there."""
+    with contextlib.suppress(OSError):
+        for text in (cgroup / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{text}/comm").read_text().strip() == "cilium-agent":
+                    return int(text)
+    return None
+
+
+def make_cgroup(node: str, *, exist_ok: bool = False) -> Path:
+    """The node's cgroup v2 subtree (empty; unless exist_ok, fails if a stale one of that name exists)."""
+    path = node_cgroup(node)
+    path.mkdir(exist_ok=exist_ok)
     return path
 
 
@@ -346,8 +386,13 @@ def _bind_read_only(path: str) -> None:
     container._mount(None, path, None, container.MS_BIND | container.MS_REMOUNT | container.MS_RDONLY)
 
 
-def confine(cgroup: Path, netns: str) -> None:
-    """Everything but the exec: the node's cgroup and netns, then private cgroup and mount namespaces."""
+def confine(cgroup: Path, netns: str, binds: Sequence[tuple[str, str, bool]] = (),
+            created: list[Path] | None = None) -> None:
+    """Everything but the exec: the node's cgroup and netns, then private cgroup and mount namespaces.
+
+    `binds` (src, dst, read_only) are a pod's volumes, bound last: a hostPath /var/run/cilium lands on
+    the tmpfs's /run/cilium, so the agent's socket is in the node's folder the other pods see.
+    """
     join_node(cgroup, netns)
     # The cgroup namespace is rooted at the cgroup the caller is in: joined above, so the node's.
     _unshare(container.CLONE_NEWNS | CLONE_NEWCGROUP, "CLONE_NEWNS|CLONE_NEWCGROUP")
@@ -367,6 +412,7 @@ def confine(cgroup: Path, netns: str) -> None:
     for sysctl in HOST_SYSCTLS:
         if Path(sysctl).exists():
             _bind_read_only(sysctl)
+    container.apply_binds(list(binds), created if created is not None else [])
 
 
 @dataclass(frozen=True)
@@ -403,6 +449,15 @@ def main(argv: list[str] | None = None) -> int:
     probe.add_argument("--timeout", type=float, default=5.0)
     probe.add_argument("address")
     probe.add_argument("port", type=int)
+    # The node simulator's part: a pod's volumes and its container's securityContext (as
+    # localcluster.container applies them), for the `cilium` image.
+    launch.add_argument("--bind", action="append", default=[], metavar="SRC:DST[:ro]")
+    launch.add_argument("--created-log", type=Path,
+                        help="append every host path created as a mount point to this file")
+    launch.add_argument("--uid", type=int)
+    launch.add_argument("--gid", type=int)
+    launch.add_argument("--caps", help="exactly these capabilities, comma-separated; default: every one")
+    launch.add_argument("--no-new-privs", action="store_true")
     launch.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.what == "dial":
@@ -412,11 +467,21 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no command after --")
+    created: list[Path] = []
     try:
-        confine(args.cgroup, args.netns)
-    except (OSError, CiliumError) as exc:
+        confine(args.cgroup, args.netns, [container.parse_bind(spec) for spec in args.bind], created)
+    except (OSError, ValueError, CiliumError) as exc:
         print(f"localcluster.cilium: not starting {command[0]}: {exc}", file=sys.stderr)
         return 1
+    finally:
+        # Mount points made outside the tmpfs over /run are the host's: `down` removes them.
+        host_made = [path for path in created if not Path(os.path.realpath(path)).is_relative_to("/run")]
+        if args.created_log is not None and host_made:
+            with contextlib.suppress(OSError), args.created_log.open("a") as record:
+                record.writelines(f"{path}\n" for path in host_made)
+    if args.uid is not None or args.gid is not None or args.caps is not None or args.no_new_privs:
+        command = [*container.setpriv_argv(args.uid, args.gid, args.caps, args.no_new_privs), *command]
+        os.execvp(command[0], command)
     os.execv(command[0], command)
     return 127  # not reached: execv replaces the process or raises
 

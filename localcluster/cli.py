@@ -13,7 +13,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from localcluster import baseline, build, controlplane, network, paths, state, vm, vmkernel
+from localcluster import (
+    baseline,
+    build,
+    cilium,
+    cilium_install,
+    controlplane,
+    gotools,
+    network,
+    paths,
+    state,
+    vm,
+    vmkernel,
+)
 from proxyshift.commands import CommandError
 
 
@@ -51,9 +63,11 @@ def create_nodes(state_dir: Path, info: controlplane.ClusterInfo, pools: dict[st
     return list(network.create_nodes(state_dir, info, pools))
 
 
-def up(state_dir: Path, pools: dict[str, int]) -> dict[str, Any]:
+def up(state_dir: Path, pools: dict[str, int], *, with_cilium: bool = False) -> dict[str, Any]:
     started = time.monotonic()
     bin_dir = build.build()  # outside the machine lock: a cold build must not hold up a `down`
+    if with_cilium:
+        gotools.build(cilium.AGENT_TOOL)  # outside the lock too: minutes from a cold Go cache
     with state.machine_lock():
         existing = controlplane.load_info(state_dir)
         was_running = existing is not None and controlplane.is_ready(existing)
@@ -63,6 +77,8 @@ def up(state_dir: Path, pools: dict[str, int]) -> dict[str, Any]:
             # undo what a test or the operator changed in the baseline since.
             baseline.install(info.kubeconfig, info.bin_dir / "kubectl", env=controlplane.daemon_env())
         nodes = create_nodes(state_dir, info, pools)
+        if with_cilium:
+            cilium_install.install(info.kubeconfig, info.bin_dir / "kubectl")
     return {"kubeconfig": str(info.kubeconfig), "api_url": info.api_url, "nodes": nodes,
             "seconds": round(time.monotonic() - started, 1)}
 
@@ -90,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     up_parser = sub.add_parser("up", help="build if needed, start the control plane, baseline and nodes")
     up_parser.add_argument("--nodes", type=int, default=None, help="number of nodes (default 3)")
     up_parser.add_argument("--pools", default=None, help="node pools, e.g. blue=2,green=1")
+    up_parser.add_argument("--with-cilium", action="store_true",
+                           help="also install Cilium (CRDs, RBAC, DaemonSet kube-system/cilium); its agent runs "
+                                "only on Nodes labelled proxyshift.io/kube-proxy-replacement=cilium")
     sub.add_parser("down", help="remove every process, namespace, interface and file the cluster made")
     status_parser = sub.add_parser("status", help="show what runs")
     status_parser.add_argument("--json", action="store_true")
@@ -138,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "build":
             print(build.build(force=args.force))
         elif args.command == "up":
-            result = up(state_dir, pools_for(args.nodes, args.pools))
+            result = up(state_dir, pools_for(args.nodes, args.pools), with_cilium=args.with_cilium)
             print(f"cluster up in {result['seconds']}s; nodes: {', '.join(result['nodes']) or 'none'}",
                   file=sys.stderr)
             print(f"export KUBECONFIG={result['kubeconfig']}")
@@ -165,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
 
             identity_server.serve(args.listen)
     except (UsageError, build.BuildError, controlplane.ControlPlaneError, CommandError, TimeoutError,
-            vm.VmError, vmkernel.VmKernelError) as exc:
+            vm.VmError, vmkernel.VmKernelError, cilium.CiliumError, cilium_install.CiliumInstallError,
+            gotools.GoToolError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         if args.command == "up" and state_dir.exists():
             print(f"(state kept for inspection: logs in {state_dir}/logs; `localcluster down` removes it)",

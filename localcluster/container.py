@@ -5,7 +5,8 @@ Run as::
     python -m localcluster.container --netns ps-node-1 \\
         --bind /state/.../volumes/kube-proxy:/var/lib/kube-proxy:ro -- kube-proxy --config=...
 
-It joins the node's network namespace, enters a private mount namespace,
+It joins the node's cgroup v2 subtree (`--cgroup`: a node's Cilium agent attaches socket-LB
+there, localcluster.cilium) and network namespace, enters a private mount namespace,
 bind-mounts each volume at its mountPath there (so two nodes' kube-proxies can
 both read /var/lib/kube-proxy/config.conf without touching the host's view), and
 execs the command, so the pid the simulator recorded is the container's pid.
@@ -266,6 +267,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="localcluster.container", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--netns", help="network namespace to join (a name under /run/netns)")
+    parser.add_argument("--cgroup", type=Path, help="cgroup v2 directory to join first (the node's: a Cilium "
+                                                    "agent's socket-LB there translates the container's connects)")
     parser.add_argument("--bind", action="append", default=[], metavar="SRC:DST[:ro]")
     parser.add_argument("--workdir", default="/")
     parser.add_argument("--created-log", type=Path,
@@ -285,6 +288,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("no command after --")
     binds = [parse_bind(spec) for spec in args.bind]
 
+    if args.cgroup:
+        (args.cgroup / "cgroup.procs").write_text(f"{os.getpid()}\n")
     if args.netns:
         setns(args.netns)
     unshare_mounts()

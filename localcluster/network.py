@@ -263,7 +263,8 @@ def start_nodes(state_dir: Path, access: ClusterAccess, plan: list[tuple[int, st
         name = node_name(index)
         names.append(name)
         create_node_netns(index)
-        sim_node.ensure_node(api, sim_node.node_manifest(name, node_ip(index), pool, kubelet_version))
+        sim_node.ensure_node(api, sim_node.node_manifest(name, node_ip(index), pool, kubelet_version,
+                                                         str(podnet.node_pod_cidr(index))))
         sim_node.renew_lease(api, name)
         ready_file = node_dir(state_dir, name) / sim_node.READY_FILE
         ready_file.unlink(missing_ok=True)
@@ -388,7 +389,8 @@ def _launchers() -> list[int]:
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             cmd = _cmdline(int(proc.name))
-            if "localcluster.container" in cmd and f"--netns {NODE_PREFIX}" in cmd and \
+            if ("localcluster.container" in cmd or "localcluster.cilium confine" in cmd) and \
+                    f"--netns {NODE_PREFIX}" in cmd and \
                     _state_of(int(proc.name)) not in "ZX":
                 found.append(int(proc.name))
     return found
@@ -444,6 +446,23 @@ def _remove_created_host_paths(state_dir: Path) -> None:
                 path.unlink()
 
 
+def _remove_cilium_cgroups() -> None:
+    """The nodes' Cilium cgroups (localcluster.cilium), left by a simulator stopped before its pods.
+
+    Removing one detaches the socket-LB programs attached there; only ps-node-* ones are the cluster's
+    (the dataplane tests' agents have cgroups named after their own namespaces).
+    """
+    from localcluster import cilium
+
+    try:
+        root = cilium.cgroup2_mount()
+    except cilium.CiliumError:
+        return  # no cgroup v2 here: no Cilium ever ran
+    for path in root.glob(f"{cilium.CGROUP_PREFIX}{NODE_PREFIX}*"):
+        with contextlib.suppress(OSError):
+            cilium.remove_cgroup(path)
+
+
 def remove_all(state_dir: Path) -> None:
     """Remove everything the node half made (idempotent, and safe on a half-made cluster).
 
@@ -465,6 +484,7 @@ def remove_all(state_dir: Path) -> None:
         if not pids:
             break
         _kill_all(pids, grace=5.0 if attempt == 0 else 1.0)
+    _remove_cilium_cgroups()
     for netns in namespaces:
         run(["ip", "netns", "del", netns], check=False)
     for link in _links():

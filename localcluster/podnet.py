@@ -49,6 +49,11 @@ POD_NETNS_SUFFIX = "-pod"
 POD_NODE_LINK = "pspod0"
 POD_LINK = "eth0"
 SECOND_ADDRESS_NETWORK = ipaddress.IPv4Network("198.18.2.0/24")
+# The Nodes' spec.podCIDR (`node_pod_cidr`): what a CNI's IPAM hands out on the node (Cilium's
+# `--ipam=kubernetes` takes its cilium_host router address from it). A /27 per node in 198.18.64.0/19,
+# in kube-proxy's clusterCIDR (198.18.0.0/16) like the pod ranges above but apart from them: an
+# address Cilium allocates there never meets a pod namespace's gateway or address.
+NODE_POD_CIDR_RANGE = ipaddress.IPv4Network("198.18.64.0/19")
 SECOND_ADDRESS_OFFSET = 10  # node i: 198.18.2.<10+i>, the same last octet as its node IP 198.18.0.<10+i>
 MAX_POD_NODES = POD_RANGE.num_addresses // 2 ** (32 - POD_PREFIX)  # 256 ranges, more than network.MAX_NODES
 IP_TIMEOUT = 10.0
@@ -73,6 +78,13 @@ def pod_cidr(index: int) -> ipaddress.IPv4Network:
     _check_index(index)
     size = 2 ** (32 - POD_PREFIX)
     return ipaddress.IPv4Network((int(POD_RANGE.network_address) + size * (index - 1), POD_PREFIX))
+
+
+def node_pod_cidr(index: int) -> ipaddress.IPv4Network:
+    """Node `index`'s spec.podCIDR (a /27 of NODE_POD_CIDR_RANGE): for a CNI's IPAM, not podnet's wiring."""
+    _check_index(index)
+    size = 2 ** (32 - POD_PREFIX)
+    return ipaddress.IPv4Network((int(NODE_POD_CIDR_RANGE.network_address) + size * (index - 1), POD_PREFIX))
 
 
 def pod_gateway(index: int) -> str:

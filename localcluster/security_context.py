@@ -25,7 +25,7 @@ DEFAULT_CAPABILITIES = frozenset({
 # registry.k8s.io/pause 3.9+ runs as 65535.
 IMAGE_USERS: Mapping[str, tuple[int, int]] = {"kube-proxy": (0, 0), "proxyshift": (65532, 65532),
                                               "localcluster": (65532, 65532),
-                                              "pause": (65535, 65535)}
+                                              "pause": (65535, 65535), "cilium": (0, 0)}
 
 
 class SecurityContextError(ValueError):

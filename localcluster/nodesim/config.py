@@ -28,6 +28,8 @@ class SimConfig:
     pod_ip: str = ""
     # Probes' initial delays and timeouts times this (probes.scaled_probes): >1 on a slow (emulated) node.
     probe_time_scale: float = 1.0
+    # The Node's spec.podCIDR (podnet.node_pod_cidr); unset: the Node gets none.
+    pod_cidr: str = ""
 
     @property
     def node_dir(self) -> Path:

@@ -47,7 +47,9 @@ def node_status(ip: str, name: str, kubelet_version: str) -> dict[str, Any]:
     }
 
 
-def node_manifest(name: str, ip: str, pool: str, kubelet_version: str) -> dict[str, Any]:
+def node_manifest(name: str, ip: str, pool: str, kubelet_version: str,
+                  pod_cidr: str | None = None) -> dict[str, Any]:
+    """The Node as the simulator registers it; `pod_cidr` is its spec.podCIDR (immutable once set)."""
     return {
         "apiVersion": "v1", "kind": "Node",
         "metadata": {
@@ -59,7 +61,7 @@ def node_manifest(name: str, ip: str, pool: str, kubelet_version: str) -> dict[s
             },
             "annotations": {"proxyshift.io/simulated-node": "true"},
         },
-        "spec": {},
+        "spec": {"podCIDR": pod_cidr, "podCIDRs": [pod_cidr]} if pod_cidr else {},
         "status": node_status(ip, name, kubelet_version),
     }
 
@@ -74,6 +76,11 @@ def ensure_node(kube: Kube, manifest: dict[str, Any]) -> dict[str, Any]:
             raise
         node = kube.strategic_patch(f"/api/v1/nodes/{name}",
                                     {"metadata": {"labels": manifest["metadata"]["labels"]}})
+        pod_cidr = manifest["spec"].get("podCIDR")
+        if pod_cidr and not (node.get("spec") or {}).get("podCIDR"):
+            # A Node registered before it had one: spec.podCIDR may be set once, from empty.
+            node = kube.strategic_patch(f"/api/v1/nodes/{name}", {"spec": {k: manifest["spec"][k]
+                                                                          for k in ("podCIDR", "podCIDRs")}})
     kube.strategic_patch(f"/api/v1/nodes/{name}/status", {"status": manifest["status"]})
     # The TaintNodesByCondition admission plugin gives every new Node a not-ready taint that the
     # node-lifecycle controller lifts once the node is Ready. That controller is off here (it

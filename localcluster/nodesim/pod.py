@@ -14,12 +14,14 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from localcluster import security_context
+from localcluster import cilium, gotools, security_context
 from localcluster.container import NETNS_DIR
 from localcluster.kubeapi import Kube, KubeError, now_rfc3339
 from localcluster.nodesim.config import SimConfig
 from localcluster.nodesim.containers import ContainerRun, stop_processes
 from localcluster.nodesim.podspec import (
+    CILIUM_COMMAND,
+    CILIUM_IMAGE,
     KUBE_PROXY_IMAGE,
     PAUSE_ARGV,
     PAUSE_IMAGE,
@@ -44,6 +46,7 @@ BACKOFF_RESET_SECONDS = 600.0
 TICK_SECONDS = 0.5
 RETRY_SECONDS = 2.0
 OWN_CONDITIONS = ("PodReadyToStartContainers", "Initialized", "ContainersReady", "Ready")
+_warned: set[str] = set()  # nodes whose containers run outside a node cgroup (logged once)
 
 
 class PodHost(Protocol):
@@ -92,7 +95,7 @@ class PodWorker(threading.Thread):
         self.transitions: dict[str, tuple[str, str]] = {}
         self.last_status: dict[str, Any] | None = None
         self.volumes = PodVolumes(sim, self.dir, self.namespace, self.pod_name, self.uid, self.cfg.node_ip,
-                                  self.pod_ip, self._token_owner)
+                                  self.pod_ip, self._token_owner, self.cfg.node_dir)
         self.blocked: PodError | None = None
         self.last_error = ""
 
@@ -180,7 +183,8 @@ class PodWorker(threading.Thread):
                     "ImageNotSupported",
                     f"container {container['name']}: image {container.get('image')!r} is not one the "
                     f"proxyshift node simulator can run (it runs {KUBE_PROXY_IMAGE}:*, "
-                    f"{PROXYSHIFT_IMAGE}:*, {TESTBED_IMAGE}:* and {PAUSE_IMAGE}:*)"), transient=False)
+                    f"{PROXYSHIFT_IMAGE}:*, {TESTBED_IMAGE}:*, {CILIUM_IMAGE}:* and {PAUSE_IMAGE}:*)"),
+                    transient=False)
                 return
 
     # --- containers ------------------------------------------------------------
@@ -254,6 +258,9 @@ class PodWorker(threading.Thread):
         if kind in PYTHON_IMAGE_KINDS:
             env["PYTHONPATH"] = python_path(kind)
             env["PYTHONUNBUFFERED"] = "1"
+        if kind == "cilium":
+            # The agent compiles its datapath with `clang` from PATH: clang-19, as Cilium's image has.
+            env["PATH"] = f"{cilium.LLVM_BIN}:{env['PATH']}"
         for source in container.get("envFrom") or []:
             prefix = source.get("prefix", "")
             for kind, key in (("configmaps", "configMapRef"), ("secrets", "secretRef")):
@@ -303,6 +310,8 @@ class PodWorker(threading.Thread):
             return [str(binary), *command[1:], *args]
         if kind == "pause":
             return list(PAUSE_ARGV)  # like the real image: no command of its own to honour
+        if kind == "cilium":
+            return self._cilium_argv(command, args)
         program, module, image = (("localcluster", "localcluster.cli", TESTBED_IMAGE) if kind == "localcluster"
                                   else ("proxyshift", "proxyshift.cli", PROXYSHIFT_IMAGE))
         command = command or [program]
@@ -314,6 +323,25 @@ class PodWorker(threading.Thread):
             raise PodError("RunContainerError", f"the simulator runs only the {program} CLI from "
                                                 f"{image}, not {command[0]!r}")
         return [sys.executable, "-m", module, *rest, *args]
+
+    def _cilium_argv(self, command: list[str], args: list[str]) -> list[str]:
+        """The pinned agent with the pod's args, then what Cilium's image would hold: its datapath
+        sources (`--lib-dir`) and the bpffs and cgroup2 mounts the confined launcher makes."""
+        command = command or [CILIUM_COMMAND]
+        if Path(command[0]).name != CILIUM_COMMAND:
+            raise PodError("RunContainerError", f"the simulator runs only {CILIUM_COMMAND} from {CILIUM_IMAGE}, "
+                                                f"not {command[0]!r}")
+        binary = gotools.built(cilium.AGENT_TOOL)
+        if binary is None:
+            raise PodError("RunContainerError", gotools.build_hint(cilium.AGENT_TOOL))
+        if not (cilium.LLVM_BIN / "clang").is_file():
+            raise PodError("RunContainerError", f"no clang at {cilium.LLVM_BIN}: install clang-19 "
+                                                "(hack/install-deps.sh does)")
+        try:
+            lib_dir = cilium.prepare_lib_dir(self.cfg.node_dir / "cilium" / "lib")
+        except cilium.CiliumError as exc:
+            raise PodError("RunContainerError", str(exc)) from exc
+        return [str(binary), *command[1:], *args, *cilium.image_flags(lib_dir)]
 
     def confinement(self, container: dict[str, Any]) -> security_context.Confinement:
         try:
@@ -387,9 +415,15 @@ class PodWorker(threading.Thread):
         if not self.host_network:
             self._check_shared_ports()
         confinement = self.confinement(container)
-        launcher = [sys.executable, "-m", "localcluster.container", "--netns", self.netns,
-                    "--created-log", str(self.cfg.created_paths_file),
-                    "--workdir", container.get("workingDir") or "/", *confinement.launcher_args()]
+        if image_kind(container.get("image", "")) == "cilium":
+            launcher = self._cilium_launcher(confinement)
+        else:
+            launcher = [sys.executable, "-m", "localcluster.container", "--netns", self.netns,
+                        "--created-log", str(self.cfg.created_paths_file),
+                        "--workdir", container.get("workingDir") or "/", *confinement.launcher_args()]
+            cgroup = self._node_cgroup()
+            if cgroup is not None:
+                launcher += ["--cgroup", str(cgroup)]
         for bind in self._binds(container, confinement.read_only_root):
             launcher += ["--bind", bind]
         if confinement.uid != 0 and image_kind(container.get("image", "")) in (*PYTHON_IMAGE_KINDS, "pause"):
@@ -421,6 +455,41 @@ class PodWorker(threading.Thread):
         pid_file.parent.mkdir(parents=True, exist_ok=True)
         pid_file.write_text(f"{run.proc.pid}\n")
         log.info("pod %s/%s container %s started pid %d", self.namespace, self.pod_name, run.name, run.proc.pid)
+
+    def _node_cgroup(self) -> Path | None:
+        """The node's cgroup v2 subtree, where every container of the node runs (None: no cgroup v2 here).
+
+        A node's Cilium agent takes it for its cgroup root: its socket-LB translates the connects of
+        every process below, as on a real node where everything is below the root cgroup it attaches
+        to. So the node's kube-proxy, proxyshift agent and pods are in it, whether Cilium runs or not.
+        """
+        try:
+            return cilium.make_cgroup(self.cfg.node, exist_ok=True)
+        except (OSError, cilium.CiliumError) as exc:
+            if not _warned:  # once per simulator process (one node each)
+                log.warning("containers of %s run outside a node cgroup: %s", self.cfg.node, exc)
+                _warned.add(self.cfg.node)
+            return None
+
+    def _cilium_launcher(self, confinement: security_context.Confinement) -> list[str]:
+        """localcluster.cilium's launcher: the node's cgroup subtree and netns, a private mount ns with
+        its own bpffs and cgroup2 root (nothing of the agent reaches the host's root cgroup or netns)."""
+        if not self.host_network:
+            raise PodError("CreateContainerConfigError", f"the {CILIUM_IMAGE} image runs here only with "
+                                                         "hostNetwork: true, as Cilium's DaemonSet has it")
+        if confinement.read_only_root:
+            raise PodError("CreateContainerConfigError", f"readOnlyRootFilesystem is not supported for {CILIUM_IMAGE}")
+        try:
+            cgroup = cilium.make_cgroup(self.cfg.node, exist_ok=True)
+        except (OSError, cilium.CiliumError) as exc:
+            raise PodError("RunContainerError", f"the node's cgroup for Cilium: {exc}") from exc
+        args = ["--uid", str(confinement.uid), "--gid", str(confinement.gid)]
+        if confinement.capabilities is not None:
+            args += ["--caps", ",".join(sorted(confinement.capabilities))]
+        if confinement.no_new_privs:
+            args.append("--no-new-privs")
+        return [sys.executable, "-m", "localcluster.cilium", "confine", "--cgroup", str(cgroup),
+                "--netns", self.netns, "--created-log", str(self.cfg.created_paths_file), *args]
 
     # --- probes ------------------------------------------------------------------
 

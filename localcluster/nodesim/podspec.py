@@ -20,6 +20,10 @@ PYTHON_IMAGE_KINDS = ("proxyshift", "localcluster")
 # for pods that must be Running on a node (a drain blocked by a PodDisruptionBudget needs one).
 PAUSE_IMAGE = "registry.k8s.io/pause"
 PAUSE_ARGV = [sys.executable, "-c", "import signal; signal.pause()"]
+# Cilium's agent image: the pinned agent built as the Go tool `cilium-agent` (localcluster.gotools),
+# started by localcluster.cilium's confined launcher (its node's cgroup, netns and a private mount ns).
+CILIUM_IMAGE = "quay.io/cilium/cilium"
+CILIUM_COMMAND = "cilium-agent"
 
 
 class PodError(RuntimeError):
@@ -41,6 +45,8 @@ def image_kind(image: str) -> str | None:
         return "localcluster"
     if repo == PAUSE_IMAGE:
         return "pause"
+    if repo == CILIUM_IMAGE:
+        return "cilium"
     return None
 
 

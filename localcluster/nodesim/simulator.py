@@ -60,7 +60,8 @@ class Simulator:
             out.write(f"{path}\n")
 
     def heartbeat(self) -> None:
-        manifest = node_manifest(self.cfg.node, self.cfg.node_ip, self.cfg.pool, self.cfg.kubelet_version)
+        manifest = node_manifest(self.cfg.node, self.cfg.node_ip, self.cfg.pool, self.cfg.kubelet_version,
+                                 self.cfg.pod_cidr)
         last_status = 0.0
         while True:
             try:
@@ -213,7 +214,8 @@ def main(argv: list[str] | None = None) -> None:
                     api_port=int(port) if host else 443, kubelet_version=args.kubelet_version,
                     backoff_base=args.backoff_base, backoff_max=args.backoff_max,
                     pod_netns=podnet.pod_netns(args.node), pod_ip=pod_ip,
-                    probe_time_scale=args.probe_time_scale)
+                    probe_time_scale=args.probe_time_scale,
+                    pod_cidr=str(podnet.node_pod_cidr(paths.node_index(args.node))))
     Simulator(cfg).run()
 
 

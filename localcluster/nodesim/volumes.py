@@ -14,9 +14,22 @@ from typing import Any, Protocol
 from localcluster.kubeapi import Kube
 from localcluster.nodesim.podspec import PodError, field_value
 
+# hostPaths that are the node's own, not the machine's: each node's pods see `<node dir>/hostpath/<path>`
+# there. /var/run/cilium holds a node's Cilium agent's state and API socket (cilium.sock), which the
+# other pods of that node (the proxyshift agent) must reach and no other node's may see.
+NODE_HOST_PATHS = (Path("/run/cilium"),)
+NODE_HOST_PATHS_DIR = "hostpath"
 TOKEN_TTL_SECONDS = 3607  # kubelet's default projected-token lifetime
 VOLUME_REFRESH_SECONDS = 10.0
 VOLUME_GET_TIMEOUT = 5.0
+
+
+def node_host_path(node_dir: Path, path: Path) -> Path | None:
+    """Where a node-private hostPath is for this node (/var/run is /run), or None for a machine-wide one."""
+    normal = Path("/run") / path.relative_to("/var/run") if path.is_relative_to("/var/run") else path
+    if any(normal.is_relative_to(root) for root in NODE_HOST_PATHS):
+        return node_dir / NODE_HOST_PATHS_DIR / normal.relative_to("/")
+    return None
 
 
 def write_files(target: Path, files: dict[str, tuple[bytes, int]]) -> None:
@@ -51,9 +64,12 @@ class PodVolumes:
     """One pod's volumes: where each is on the node (`paths`, by volume name) and when to remake them."""
 
     def __init__(self, host: VolumeHost, pod_dir: Path, namespace: str, pod_name: str, uid: str, node_ip: str,
-                 pod_ip: str, token_owner: Callable[[dict[str, Any]], int | None]) -> None:
+                 pod_ip: str, token_owner: Callable[[dict[str, Any]], int | None],
+                 node_dir: Path | None = None) -> None:
         self.host = host
         self.pod_dir = pod_dir
+        # The node's folder (node-private hostPaths live under it); pods live in <node dir>/pods/<pod>.
+        self.node_dir = node_dir if node_dir is not None else pod_dir.parent.parent
         self.namespace = namespace
         self.pod_name = pod_name
         self.uid = uid
@@ -85,6 +101,16 @@ class PodVolumes:
         if "hostPath" in volume:
             host = Path(volume["hostPath"]["path"])
             kind = volume["hostPath"].get("type") or ""
+            private = node_host_path(self.node_dir, host)
+            if private is not None:
+                # Inside the node's folder, which `down` removes whole: nothing to note. Made when
+                # missing whatever the type says, as containerd makes a missing hostPath directory.
+                if kind in ("File", "FileOrCreate"):
+                    private.parent.mkdir(parents=True, exist_ok=True)
+                    private.touch()
+                else:
+                    private.mkdir(parents=True, exist_ok=True)
+                return private
             if kind == "DirectoryOrCreate" and not host.exists():
                 self.host.note_created(host)
                 host.mkdir(parents=True, exist_ok=True)

@@ -24,13 +24,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import bpf_attach
 import pytest
 
 from localcluster import cilium, gotools, podnet
 from localcluster.container import run_in_netns
 from proxyshift.agent.behaviour import dial_tcp
 from proxyshift.commands import run, stop_child
+from tests.support import bpf_attach
 from tests.support.ps_netns import Netns, need_root
 
 pytestmark = pytest.mark.dataplane
