@@ -19,10 +19,11 @@ from proxyshift.api.diagnostics import DiagnoseRequest, NodeDiagnostics, NodeDis
 
 OperationType = Literal["Preflight", "Hold", "Cleanup", "Probe"]
 OPERATION_TYPES: tuple[OperationType, ...] = get_args(OperationType)
-# The kube-proxy modes, for the planner, the executor and the agent alike. The wire fields that carry a
-# mode stay plain strings: a node may report one this version does not know, and that must be a fact, not
-# a refused object.
-Mode = Literal["iptables", "ipvs", "nftables"]
+# The kube-proxy modes, for the planner, the executor and the agent alike, and cilium-kpr: no kube-proxy on
+# the node, Cilium's eBPF kube-proxy replacement serves its Services (issue 19; its facts say what differs,
+# proxyshift.modes.cilium_kpr). The wire fields that carry a mode stay plain strings: a node may report one this
+# version does not know, and that must be a fact, not a refused object.
+Mode = Literal["iptables", "ipvs", "nftables", "cilium-kpr"]
 MODES: tuple[Mode, ...] = get_args(Mode)
 # Where the operator is with a node (spec.migration.phase; a string on the wire, see NodeMigration.phase).
 Phase = Literal[

@@ -32,6 +32,38 @@ OBJECT_KINDS: tuple[ObjectKind, ...] = get_args(ObjectKind)
 # nodePortAddresses when unset, as kube-proxy 1.37 defaults it per mode: every local address, or the node's IPs.
 NodePortDefault = Literal["all", "primary"]
 
+# How a mode keeps a ClientIP-affinity Service's client on one endpoint: a per-client timer (iptables' recent
+# match, nftables' sets with timeouts), IPVS persistence (per Service port, renewed by every connection), or
+# Cilium's affinity map keyed, for socket-LB, by the client's network namespace cookie rather than its address.
+AffinityKind = Literal["client-timer", "ipvs-persistence", "netns-cookie"]
+
+# What a mode that replaces kube-proxy needs from the node's kernel (agent/preflight.py checks each one):
+# the cgroup v2 hierarchy its socket-LB attaches to, the BPF filesystem its maps are pinned in, the kernel's
+# BTF, and the BPF program and attach types its datapath loads.
+KernelFeature = Literal["cgroup2", "bpffs", "btf", "prog:sched_cls", "prog:cgroup_sock_addr", "tcx"]
+
+
+@dataclass(frozen=True)
+class FeatureNeed:
+    """A kernel feature the mode needs, and why (the preflight report quotes `why`)."""
+
+    feature: KernelFeature
+    why: str
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """What runs a node's Services when no kube-proxy does (a mode with kube_proxy False): the agent that
+    replaces it, how the node is handed to it, and where its own status is read."""
+
+    # For a person: "Cilium" (as in "Cilium's kube-proxy replacement", "Cilium's agent").
+    agent: str
+    # The label the node carries while it is in this mode (the replacement's DaemonSet and node config select on
+    # it); the node loses it when it moves back to a kube-proxy mode.
+    node_label: tuple[str, str]
+    # Where the agent's REST API listens on the node, unless the policy says otherwise.
+    default_socket: str
+
 
 @dataclass(frozen=True)
 class ToolNeed:
@@ -69,6 +101,15 @@ class Owned:
     # The dummy interface it binds Service addresses on.
     interface: str | None = None
     ipsets: frozenset[str] = frozenset()
+    # Network devices it creates (a replacement's, e.g. cilium_host/cilium_net), besides `interface`, which is
+    # where ipvs mode binds Service addresses (the compatibility report's StrictARP finding asks for that one).
+    devices: tuple[str, ...] = ()
+    # Prefixes of the iptables chains it creates in any table (Cilium: CILIUM_*). Never "KUBE-": that is
+    # kube-proxy's and kubelet's, named exactly above.
+    chain_prefixes: tuple[str, ...] = ()
+    # Where its BPF programs are attached: tc/tcx on its devices, cgroup hooks for socket-LB. For a person and
+    # the flush's report; the agent finds the attachments by evidence (their program names), not by this text.
+    bpf_attachments: tuple[str, ...] = ()
 
 
 def _no_modules(scheduler: str | None) -> tuple[ModuleNeed, ...]:
@@ -97,6 +138,19 @@ class ModeFacts:
     owned: Owned
     # The kinds of object `owned` names, plus what is found by evidence rather than name (IPVS virtual servers).
     objects: tuple[ObjectKind, ...]
+    # Its revision runs a kube-proxy DaemonSet (the revision's ConfigMap holds a KubeProxyConfiguration). False:
+    # the node runs no kube-proxy and `replacement` says what serves its Services instead.
+    kube_proxy: bool = True
+    replacement: Replacement | None = None
+    # Kernel features beyond modules and a minimum release (a replacement's eBPF datapath).
+    features: tuple[FeatureNeed, ...] = ()
+    # It balances a host-network client's connection at connect() (socket-LB, cgroup BPF): the socket talks to
+    # the endpoint from the start, so no DNAT is in conntrack and the Service address is never on the wire.
+    # The kube-proxy modes NAT per packet.
+    socket_lb: bool = False
+    session_affinity: AffinityKind = "client-timer"
+    # Words for where it serves NodePorts when nodePortAddresses is unset, if not the node-port default's.
+    node_port_words: str | None = None
     min_kernel: tuple[int, int] | None = None
     # The mode's kernel modules for an IPVS scheduler (only ipvs mode has one).
     modules: Callable[[str | None], tuple[ModuleNeed, ...]] = field(default=_no_modules)

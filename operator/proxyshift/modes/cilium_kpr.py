@@ -1,0 +1,104 @@
+"""Cilium's kube-proxy replacement (KPR): the pure facts of a node that runs no kube-proxy (issue 19).
+
+Not a kube-proxy mode: a revision of it has no kube-proxy DaemonSet. The node is handed to Cilium by a label
+(REPLACEMENT_LABEL, which Cilium's DaemonSet and the revision's CiliumNodeConfig select on) and kube-proxy
+leaves it by the revision mechanism, as for any other move. What differs for Services (Cilium v1.20's
+"Kubernetes Without kube-proxy" documentation, bpf/bpf_sock.c):
+
+- socket-LB: a host-network client's connect()/sendmsg() is translated by cgroup BPF programs before a packet
+  exists, so the socket talks to the endpoint from the start; no DNAT is in conntrack and the Service address
+  never appears on the wire (getpeername() is translated back). kube-proxy translates every packet.
+- NodePorts: served on the addresses of Cilium's devices (--devices, auto-detected: the interfaces with the
+  node's IPs and routes), or on nodeport-addresses when set; and on 127.0.0.1 for TCP and UDP from the node
+  itself (socket-LB's wildcard lookup for loopback and host addresses).
+- NodePort traffic is handled at tc ingress, before netfilter: a host firewall neither needs to open NodePorts
+  nor can it drop them with iptables INPUT rules. Its own connection tracking reverse-translates replies, so
+  the INVALID drop kube-proxy adds has nothing to protect.
+- ClientIP session affinity is kept in Cilium's own map (default timeout three hours), keyed for socket-LB by
+  the client's network namespace cookie rather than its address.
+"""
+
+from __future__ import annotations
+
+from proxyshift.api.kubeproxy import KubeProxyConfiguration
+from proxyshift.api.policy import DEFAULT_CILIUM_SOCKET, ProxyPolicySpec
+from proxyshift.modes.base import FeatureNeed, ModeFacts, Owned, Replacement
+from proxyshift.modes.iptables import contains_loopback
+
+# The contract with whatever runs Cilium on the node (the test bed's DaemonSet, a real cluster's Cilium
+# DaemonSet or CiliumNodeConfig): the node carries this label exactly while it is in mode cilium-kpr.
+REPLACEMENT_LABEL = ("proxyshift.io/kube-proxy-replacement", "cilium")
+
+# Cilium's devices on a node in native routing (no tunnel device: the test bed and the documented
+# migration route both run without one), and its iptables chains (pkg/datapath/iptables: CILIUM_INPUT,
+# CILIUM_OUTPUT_raw, CILIUM_POST_nat, ...).
+CILIUM_DEVICES = ("cilium_host", "cilium_net")
+CILIUM_CHAIN_PREFIX = "CILIUM_"
+
+OWNED = Owned(
+    devices=CILIUM_DEVICES,
+    chain_prefixes=(CILIUM_CHAIN_PREFIX,),
+    bpf_attachments=(
+        "tc/tcx ingress and egress on its devices and on the node's native devices (cil_from_netdev, "
+        "cil_to_netdev, cil_from_host, cil_to_host)",
+        "cgroup connect4/sendmsg4/recvmsg4/getpeername4 (and the v6 ones) at its cgroup root: socket-LB",
+    ),
+)
+
+FEATURES = (
+    FeatureNeed("cgroup2", "socket-LB attaches its programs to a cgroup v2 hierarchy"),
+    FeatureNeed("bpffs", "Cilium pins its maps in the BPF filesystem (/sys/fs/bpf), so they outlive a restart"),
+    FeatureNeed("btf", "Cilium's datapath needs the kernel's BTF (/sys/kernel/btf/vmlinux)"),
+    FeatureNeed("prog:sched_cls", "NodePort and the node's own datapath are tc (sched_cls) programs"),
+    FeatureNeed("prog:cgroup_sock_addr", "socket-LB is cgroup/connect4, sendmsg4, ... programs"),
+    FeatureNeed("tcx", "Cilium attaches its tc programs with tcx on kernels that have it (6.6 and later)"),
+)
+
+
+def render_settings(config: KubeProxyConfiguration, spec: ProxyPolicySpec) -> None:
+    # No kube-proxy runs the revision: its settings are the CiliumNodeConfig's (render/cilium.py), and the
+    # KubeProxyConfiguration the compatibility report reads carries only mode and nodePortAddresses.
+    return None
+
+
+def localhost_protocols(config: KubeProxyConfiguration | None, addresses: list[str]) -> set[str]:
+    """socket-LB serves NodePorts on loopback from the node itself, TCP and UDP alike. With nodeport-addresses
+    set and leaving loopback out the report reads them as lost: the conservative reading (the behaviour gate
+    measures what the node really does)."""
+    if not addresses or any(contains_loopback(a) for a in addresses):
+        return {"TCP", "UDP"}
+    return set()
+
+
+def localhost_cause(protocol: str, config: KubeProxyConfiguration | None) -> str:
+    return ("Cilium's socket-LB serves localhost NodePorts only to clients in its cgroup: check that Cilium's "
+            "agent runs on the node with KubeProxyReplacement on (or allow the change LocalhostNodePorts)")
+
+
+FACTS = ModeFacts(
+    mode="cilium-kpr",
+    # No kube-proxy tools: Cilium's agent brings its own datapath.
+    tools=(),
+    owned=OWNED,
+    # Its leftovers are found and flushed by the agent's Cilium flush (issue 19, item 4); until it exists, no
+    # kind is listed, so no kube-proxy flush ever touches Cilium's objects.
+    objects=(),
+    kube_proxy=False,
+    replacement=Replacement(agent="Cilium", node_label=REPLACEMENT_LABEL,
+                            default_socket=DEFAULT_CILIUM_SOCKET),
+    features=FEATURES,
+    # Nothing of it to hold: a kube-proxy starting after it deletes nothing of Cilium's, and Cilium's agent
+    # starting beside kube-proxy leaves kube-proxy's rules alone.
+    held_as=None,
+    render_settings=render_settings,
+    counters="conntrack",
+    socket_lb=True,
+    session_affinity="netns-cookie",
+    node_port_default="primary",
+    node_port_words="the addresses of Cilium's devices (--devices: the interfaces with the node's IPs)",
+    # NodePorts are handled at tc ingress, before netfilter: no filter rule is needed to let them in.
+    opens_node_ports=True,
+    drops_invalid=False,
+    localhost_protocols=localhost_protocols,
+    localhost_cause=localhost_cause,
+)

@@ -1,0 +1,113 @@
+"""mode: cilium-kpr (issue 19): the policy's settings and their validation, and the facts callers ask instead
+of comparing the mode's name (no kube-proxy, the replacement label, what Cilium needs and owns)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from proxyshift.api.policy import (
+    CILIUM_CONNTRACK_MESSAGE,
+    CILIUM_NODE_PORT_MESSAGE,
+    DEFAULT_CILIUM_SOCKET,
+    SOCKET_PATH_MESSAGE,
+    ProxyPolicySpec,
+)
+from proxyshift.modes import (
+    KUBE_PROXY_MODES,
+    MODE_FACTS,
+    MODES,
+    replacement_labels,
+    runs_kube_proxy,
+)
+from proxyshift.modes.cilium_kpr import CILIUM_DEVICES, REPLACEMENT_LABEL
+
+pytestmark = pytest.mark.unit
+
+LABEL_KEY = "proxyshift.io/kube-proxy-replacement"
+
+
+def spec(**fields: Any) -> ProxyPolicySpec:
+    return ProxyPolicySpec.model_validate({"nodeSelector": {}, "mode": "cilium-kpr", **fields})
+
+
+def refusal(**fields: Any) -> list[str]:
+    with pytest.raises(ValidationError) as info:
+        spec(**fields)
+    return [e["msg"].removeprefix("Value error, ") for e in info.value.errors()]
+
+
+def test_a_cilium_kpr_policy_and_its_defaults() -> None:
+    plain = spec()
+    assert plain.cilium is None and plain.scheduler is None
+    full = spec(cilium={"socketPath": "/run/cilium/cilium.sock", "loadBalancerAlgorithm": "maglev",
+                        "hostNamespaceOnly": True},
+                nodePortAddresses=["198.18.0.0/15", "fd00::/8"])
+    assert full.cilium is not None
+    assert (full.cilium.socket_path, full.cilium.load_balancer_algorithm, full.cilium.host_namespace_only) == (
+        "/run/cilium/cilium.sock", "maglev", True)
+    assert spec(cilium={}).cilium.socket_path == DEFAULT_CILIUM_SOCKET  # type: ignore[union-attr]
+
+
+def test_what_a_cilium_kpr_policy_may_not_say() -> None:
+    assert refusal(conntrack={"tcpBeLiberal": True}) == [CILIUM_CONNTRACK_MESSAGE]
+    for keyword in ("primary", "localhost", "all"):
+        assert refusal(nodePortAddresses=["198.18.0.0/16", keyword]) == [CILIUM_NODE_PORT_MESSAGE]
+    assert refusal(nftables={"syncPeriod": "30s"}) == ["nftables settings are only allowed with mode: nftables"]
+    with pytest.raises(ValidationError, match="cilium settings are only allowed with mode: cilium-kpr"):
+        ProxyPolicySpec.model_validate({"nodeSelector": {}, "mode": "iptables", "cilium": {}})
+    assert refusal(cilium={"loadBalancerAlgorithm": "rr"}) == ["Input should be 'random' or 'maglev'"]
+    assert refusal(cilium={"socketPath": "/" + "a" * 107})[0].startswith("String should have at most 107")
+
+
+SEGMENT = st.from_regex(r"[A-Za-z0-9_.-]{1,12}", fullmatch=True)
+
+
+@given(st.lists(SEGMENT, min_size=1, max_size=6))
+def test_a_socket_path_is_accepted_exactly_when_absolute_and_without_dot_dot(segments: list[str]) -> None:
+    path = "/" + "/".join(segments)
+    ok = ".." not in segments and len(path) <= 107
+    if ok:
+        assert spec(cilium={"socketPath": path}).cilium.socket_path == path  # type: ignore[union-attr]
+    else:
+        assert refusal(cilium={"socketPath": path})
+    # A relative path is never a socket the agent may dial.
+    assert SOCKET_PATH_MESSAGE in refusal(cilium={"socketPath": path.lstrip("/")})
+
+
+def test_only_cilium_kpr_runs_without_kube_proxy() -> None:
+    assert KUBE_PROXY_MODES == ("iptables", "ipvs", "nftables")
+    assert [m for m in MODES if not runs_kube_proxy(m)] == ["cilium-kpr"]
+    # A mode this version does not know was a kube-proxy's: the node keeps kube-proxy.
+    assert runs_kube_proxy("userspace") and runs_kube_proxy(None)
+
+
+def test_the_replacement_label_is_set_for_cilium_kpr_and_removed_for_every_other_mode() -> None:
+    assert REPLACEMENT_LABEL == (LABEL_KEY, "cilium")
+    assert replacement_labels("cilium-kpr") == {LABEL_KEY: "cilium"}
+    for mode in (*KUBE_PROXY_MODES, "userspace", None):
+        assert replacement_labels(mode) == {LABEL_KEY: None}
+
+
+def test_what_cilium_kpr_needs_and_owns() -> None:
+    facts = MODE_FACTS["cilium-kpr"]
+    assert facts.tools == () and facts.held_as is None and facts.replacement is not None
+    assert facts.replacement.default_socket == "/var/run/cilium/cilium.sock"
+    assert {f.feature for f in facts.features} == {"cgroup2", "bpffs", "btf", "prog:sched_cls",
+                                                   "prog:cgroup_sock_addr", "tcx"}
+    assert facts.owned.devices == CILIUM_DEVICES == ("cilium_host", "cilium_net")
+    # Its chains are CILIUM_*, never a KUBE- name kube-proxy or kubelet owns; it has no kube-proxy object.
+    assert facts.owned.chain_prefixes == ("CILIUM_",)
+    assert not facts.owned.chains and not facts.owned.nft_tables and not facts.owned.ipsets
+    assert facts.owned.interface is None
+    assert facts.socket_lb and not any(MODE_FACTS[m].socket_lb for m in KUBE_PROXY_MODES)
+    # Devices and chain prefixes are names no kube-proxy mode uses.
+    for mode in KUBE_PROXY_MODES:
+        owned = MODE_FACTS[mode].owned
+        assert not owned.devices and not owned.chain_prefixes
+        assert not any(re.match(r"CILIUM_", c) for _, c in owned.chains)
