@@ -51,7 +51,8 @@ def test_a_cilium_kpr_policy_and_its_defaults() -> None:
     assert full.cilium is not None
     assert (full.cilium.socket_path, full.cilium.load_balancer_algorithm, full.cilium.host_namespace_only) == (
         "/run/cilium/cilium.sock", "maglev", True)
-    assert spec(cilium={}).cilium.socket_path == DEFAULT_CILIUM_SOCKET  # type: ignore[union-attr]
+    defaulted = spec(cilium={}).cilium
+    assert defaulted is not None and defaulted.socket_path == DEFAULT_CILIUM_SOCKET
 
 
 def test_what_a_cilium_kpr_policy_may_not_say() -> None:
@@ -73,7 +74,8 @@ def test_a_socket_path_is_accepted_exactly_when_absolute_and_without_dot_dot(seg
     path = "/" + "/".join(segments)
     ok = ".." not in segments and len(path) <= 107
     if ok:
-        assert spec(cilium={"socketPath": path}).cilium.socket_path == path  # type: ignore[union-attr]
+        accepted = spec(cilium={"socketPath": path}).cilium
+        assert accepted is not None and accepted.socket_path == path
     else:
         assert refusal(cilium={"socketPath": path})
     # A relative path is never a socket the agent may dial.

@@ -16,6 +16,7 @@ from proxyshift.api.proxynode import (
     NodeMigration,
     Operation,
     OperationStatus,
+    ProbeParams,
     ProxyNode,
     ProxyNodeSpec,
     ProxyNodeStatus,
@@ -37,6 +38,8 @@ from proxyshift.planner.world import (
 pytestmark = pytest.mark.unit
 
 REV = "blue-0123abcd"
+# Every move to a kube-proxy mode removes the kube-proxy replacement label in the same patch.
+NO_REPLACEMENT = (("proxyshift.io/kube-proxy-replacement", None),)
 
 
 def pod(ds: str, ready: bool = True, deleting: bool = False, restarts: int = 0) -> KubeProxyPodView:
@@ -269,7 +272,7 @@ def test_switch_waits_for_old_pod_gone_and_new_pod_ready() -> None:
 
 def test_switch_relabels_after_crash_between_record_and_label() -> None:
     step = machine.step(inp(mig("Switch"), label=None))
-    assert step.actions == [SetRevisionLabel(node="n1", revision=REV, reason="Switching")]
+    assert step.actions == [SetRevisionLabel(node="n1", revision=REV, reason="Switching", labels=NO_REPLACEMENT)]
 
 
 def test_crashlooping_new_pod_rolls_back() -> None:
@@ -473,7 +476,7 @@ def test_rollback_waits_for_running_agent_operation_before_moving_label() -> Non
     assert step.actions == [] and "finish" in step.message
     step = machine.step(inp(m, label=REV, op=op, last=done(op)))
     label = [a for a in step.actions if isinstance(a, SetRevisionLabel)]
-    assert label == [SetRevisionLabel(node="n1", revision=None, reason="RollingBack")]
+    assert label == [SetRevisionLabel(node="n1", revision=None, reason="RollingBack", labels=NO_REPLACEMENT)]
 
 
 def test_rollback_to_a_previous_revision_and_uncordon_only_ours() -> None:
@@ -527,7 +530,7 @@ def test_rollback_does_not_wait_for_a_read_only_probe_or_a_dead_agent() -> None:
     probe = Operation(id=f"{REV}.1.0.Gate.7", type="Probe")
     running_probe = OperationStatus(id=probe.id, type="Probe", state="Running")
     step = machine.step(inp(m, label=REV, op=probe, last=running_probe))
-    assert SetRevisionLabel(node="n1", revision=None, reason="RollingBack") in step.actions
+    assert SetRevisionLabel(node="n1", revision=None, reason="RollingBack", labels=NO_REPLACEMENT) in step.actions
     assert writes(step)[0].operation is None  # a restarted agent finds nothing to resume
 
     cleanup = Operation(id=f"{REV}.1.0.Cleanup.0", type="Cleanup")
@@ -604,3 +607,59 @@ def test_a_rollback_whose_switch_never_took_effect_accepts_the_kube_proxy_that_n
     step = machine.step(inp(m, label="blue-old", pods=[pod("kube-proxy-blue-old")], op=op, last=done(op),
                             facts=restarted, now_plus=62))
     assert step.phase == "RollingBack" and "before the switch" in step.message, step
+
+
+# Cilium's kube-proxy replacement (issue 19): the node is handed over by labels, and no kube-proxy pod comes.
+
+KPR_LABEL = "proxyshift.io/kube-proxy-replacement"
+
+
+def test_a_switch_to_cilium_kpr_hands_the_node_to_cilium_in_the_revision_label_patch() -> None:
+    m = mig("Preflight", to_mode="cilium-kpr")
+    op = Operation(id=f"{REV}.1.0.Preflight.0", type="Preflight")
+    step = machine.step(inp(m, op=op, last=done(op), mode="cilium-kpr"))
+    assert step.phase == "Switch"
+    label = [a for a in step.actions if isinstance(a, SetRevisionLabel)]
+    assert label == [SetRevisionLabel(node="n1", revision=REV, reason="Switching", labels=((KPR_LABEL, "cilium"),))]
+    # No rule hold: nothing of kube-proxy's deletes the old rules before Cilium serves the node.
+    assert not any(w.operation is not None and w.operation.type == "Hold" for w in writes(step))
+
+
+def test_a_cilium_kpr_switch_waits_for_the_old_kube_proxy_to_go_and_for_no_new_one() -> None:
+    m = mig("Switch", to_mode="cilium-kpr")
+    waiting = machine.step(inp(m, label=REV, pods=[pod("kube-proxy")], mode="cilium-kpr"))
+    assert waiting.phase == "Switch" and "old kube-proxy pod kube-proxy-x to go away" in waiting.message
+    gone = machine.step(inp(m, label=REV, pods=[], mode="cilium-kpr"))
+    assert gone.phase == "Gate"
+    # The gate's probe waits for the target mode, which is Cilium's, not a kube-proxy's.
+    assert operation_of(gone).params_as(ProbeParams).await_mode == "cilium-kpr"
+
+
+def test_a_failed_cilium_kpr_node_gets_its_kube_proxy_back_and_loses_the_label() -> None:
+    m = mig("RollingBack", rollback_step="Label", to_mode="cilium-kpr", reason="GateTimeout")
+    step = machine.step(inp(m, label=REV, pods=[], mode="cilium-kpr"))
+    label = [a for a in step.actions if isinstance(a, SetRevisionLabel)]
+    assert label == [SetRevisionLabel(node="n1", revision=None, reason="RollingBack", labels=NO_REPLACEMENT)]
+    pod_step = mig("RollingBack", rollback_step="Pod", to_mode="cilium-kpr", reverted_at=fmt(T0))
+    # No timeout while the baseline kube-proxy comes back: there is nowhere safer to go.
+    later = machine.step(inp(pod_step, label=None, pods=[], mode="cilium-kpr", now_plus=3600))
+    assert later.phase == "RollingBack" and "waiting for a kube-proxy pod" in later.message
+    back = machine.step(inp(pod_step, label=None, pods=[pod("kube-proxy")], mode="cilium-kpr"))
+    assert operation_of(back).params == {"removeModes": ["cilium-kpr"], "targetMode": "iptables"}
+
+
+def test_a_node_leaving_cilium_kpr_loses_the_label_with_its_move_and_gets_it_back_on_rollback() -> None:
+    m = mig("Switch", from_revision="kpr-1", from_mode="cilium-kpr", to_mode="nftables")
+    step = machine.step(inp(m, label="kpr-1", pods=[]))
+    assert [a for a in step.actions if isinstance(a, SetRevisionLabel)] == [
+        SetRevisionLabel(node="n1", revision=REV, reason="Switching", labels=NO_REPLACEMENT)]
+    back = mig("RollingBack", rollback_step="Label", from_revision="kpr-1", from_mode="cilium-kpr",
+               to_mode="nftables", reason="GateTimeout")
+    step = machine.step(inp(back, label=REV, pods=[pod(f"kube-proxy-{REV}")]))
+    assert [a for a in step.actions if isinstance(a, SetRevisionLabel)] == [
+        SetRevisionLabel(node="n1", revision="kpr-1", reason="RollingBack", labels=((KPR_LABEL, "cilium"),))]
+    # Back on Cilium's revision: done once the target's kube-proxy pod is gone (no pod of its own to wait for).
+    pods_step = back.model_copy(update={"rollback_step": "Pod", "reverted_at": fmt(T0)})
+    assert "go away" in machine.step(inp(pods_step, label="kpr-1", pods=[pod(f"kube-proxy-{REV}")])).message
+    gone = machine.step(inp(pods_step, label="kpr-1", pods=[]))
+    assert operation_of(gone).params == {"removeModes": ["nftables"], "targetMode": "cilium-kpr"}

@@ -51,6 +51,10 @@ class FeatureNeed:
     why: str
 
 
+def _no_node_config(spec: ProxyPolicySpec) -> dict[str, str]:
+    return {}
+
+
 @dataclass(frozen=True)
 class Replacement:
     """What runs a node's Services when no kube-proxy does (a mode with kube_proxy False): the agent that
@@ -63,6 +67,10 @@ class Replacement:
     node_label: tuple[str, str]
     # Where the agent's REST API listens on the node, unless the policy says otherwise.
     default_socket: str
+    # The per-node config object that turns the replacement on for the labelled nodes (apiVersion, kind), and
+    # its settings from the policy (strings, as the agent reads its options).
+    node_config_kind: tuple[str, str] = ("", "")
+    node_config: Callable[[ProxyPolicySpec], dict[str, str]] = field(default=_no_node_config)
 
 
 @dataclass(frozen=True)

@@ -55,9 +55,24 @@ FEATURES = (
 )
 
 
+def node_config(spec: ProxyPolicySpec) -> dict[str, str]:
+    """The Cilium agent options a revision sets on its nodes (CiliumNodeConfig.spec.defaults): strings, as Cilium
+    reads them from its ConfigMap. What the policy leaves unset stays Cilium's own default."""
+    defaults = {"kube-proxy-replacement": "true"}
+    settings = spec.cilium
+    if settings is not None and settings.load_balancer_algorithm is not None:
+        defaults["bpf-lb-algorithm"] = settings.load_balancer_algorithm
+    if settings is not None and settings.host_namespace_only is not None:
+        defaults["bpf-lb-sock-hostns-only"] = "true" if settings.host_namespace_only else "false"
+    if spec.node_port_addresses is not None:
+        defaults["nodeport-addresses"] = ",".join(spec.node_port_addresses)
+    return defaults
+
+
 def render_settings(config: KubeProxyConfiguration, spec: ProxyPolicySpec) -> None:
-    # No kube-proxy runs the revision: its settings are the CiliumNodeConfig's (render/cilium.py), and the
-    # KubeProxyConfiguration the compatibility report reads carries only mode and nodePortAddresses.
+    # No kube-proxy runs the revision: its settings are the CiliumNodeConfig's (node_config above, rendered by
+    # render/replacement.py), and the KubeProxyConfiguration the compatibility report reads carries only mode and
+    # nodePortAddresses.
     return None
 
 
@@ -84,8 +99,9 @@ FACTS = ModeFacts(
     # kind is listed, so no kube-proxy flush ever touches Cilium's objects.
     objects=(),
     kube_proxy=False,
-    replacement=Replacement(agent="Cilium", node_label=REPLACEMENT_LABEL,
-                            default_socket=DEFAULT_CILIUM_SOCKET),
+    replacement=Replacement(agent="Cilium", node_label=REPLACEMENT_LABEL, default_socket=DEFAULT_CILIUM_SOCKET,
+                            # Cilium's documented per-node migration (v1.16 and later: cilium.io/v2).
+                            node_config_kind=("cilium.io/v2", "CiliumNodeConfig"), node_config=node_config),
     features=FEATURES,
     # Nothing of it to hold: a kube-proxy starting after it deletes nothing of Cilium's, and Cilium's agent
     # starting beside kube-proxy leaves kube-proxy's rules alone.

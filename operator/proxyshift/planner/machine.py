@@ -50,7 +50,12 @@ from proxyshift.api.proxynode import (
     ProxyNode,
     is_phase,
 )
-from proxyshift.modes import prunes_unexcluded_ipvs, startup_cleanup_drops_old_rules
+from proxyshift.modes import (
+    prunes_unexcluded_ipvs,
+    replacement_labels,
+    runs_kube_proxy,
+    startup_cleanup_drops_old_rules,
+)
 from proxyshift.planner.behaviour import compare_matrices
 from proxyshift.planner.gate import GateVerdict, evaluate_gate
 from proxyshift.planner.gate import Result as GateResult
@@ -286,13 +291,18 @@ def _pods(inp: NodeInput, revision: str | None) -> list[KubeProxyPodView]:
     return [p for p in inp.pods if p.daemonset == ds]
 
 
-def _pod_swap(inp: NodeInput, old: str | None, new: str | None) -> tuple[bool, str, KubeProxyPodView | None]:
-    """(done, what we wait for, the new pod): old revision's pod gone, new one Running and Ready."""
+def _pod_swap(inp: NodeInput, old: str | None, new: str | None,
+              new_mode: str | None = None) -> tuple[bool, str, KubeProxyPodView | None]:
+    """(done, what we wait for, the new pod): old revision's pod gone, new one Running and Ready. A revision of a
+    mode that runs no kube-proxy (Cilium's KPR) has no pod: the old one gone is all; what serves the node's
+    Services then is the gate's to prove."""
     old_pods = _pods(inp, old) if daemonset_for(old) != daemonset_for(new) else []
     new_pods = [p for p in _pods(inp, new) if not p.deleting]
     pod = new_pods[0] if new_pods else None
     if old_pods:
         return False, f"waiting for the old kube-proxy pod {old_pods[0].name} to go away", pod
+    if not runs_kube_proxy(new_mode):
+        return True, "", None
     if pod is None:
         return False, f"waiting for a {daemonset_for(new)} pod on the node", None
     if not (pod.running and pod.ready):
@@ -584,10 +594,17 @@ def _enter_switch(inp: NodeInput, m: NodeMigration, why: str) -> Step:
     return Step([_forward_write(inp, nxt, None), *step.actions], step.phase, step.message, step.requeue_after)
 
 
+def _label(inp: NodeInput, revision: str | None, mode: str | None, *, reason: str) -> SetRevisionLabel:
+    """The node's revision label and, in the same patch, its mode's replacement labels (Cilium's set for
+    cilium-kpr, removed for a kube-proxy mode): kube-proxy leaves exactly when the replacement takes the node."""
+    return SetRevisionLabel(node=inp.node.name, revision=revision, reason=reason,
+                            labels=tuple(sorted(replacement_labels(mode).items())))
+
+
 def _move_label(inp: NodeInput, m: NodeMigration, why: str) -> Step:
     return Step(
         [
-            SetRevisionLabel(node=inp.node.name, revision=m.to_revision, reason="Switching"),
+            _label(inp, m.to_revision, m.to_mode, reason="Switching"),
             _event(inp, "Switching", f"{why}; moving the node to {daemonset_for(m.to_revision)}"),
         ],
         "Switch",
@@ -622,9 +639,9 @@ def _switch(inp: NodeInput, m: NodeMigration) -> Step:
         held = _switch_hold(inp, m)
         if held is not None:
             return held
-        return Step([SetRevisionLabel(node=inp.node.name, revision=m.to_revision, reason="Switching")],
+        return Step([_label(inp, m.to_revision, m.to_mode, reason="Switching")],
                     "Switch", "moving the revision label", POLL_SECONDS)
-    done, waiting, pod = _pod_swap(inp, m.from_revision, m.to_revision)
+    done, waiting, pod = _pod_swap(inp, m.from_revision, m.to_revision, m.to_mode)
     if done:
         return _enter_probe(inp, m, "Gate", "the new kube-proxy pod is Ready")
     if pod is not None and is_crash_looping(pod):
@@ -914,13 +931,13 @@ def _rolling_back(inp: NodeInput, m: NodeMigration) -> Step:
         nxt = m.model_copy(update={"rollback_step": "Pod", "reverted_at": fmt(inp.now), "phase_since": fmt(inp.now)})
         actions: list[Action] = [_rollback_write(inp, nxt, None)]
         if inp.node.revision != m.from_revision:
-            actions.append(SetRevisionLabel(node=inp.node.name, revision=m.from_revision, reason="RollingBack"))
+            actions.append(_label(inp, m.from_revision, m.from_mode, reason="RollingBack"))
         return Step(actions, "RollingBack", "moving the node back", POLL_SECONDS)
     if sub == "Pod":
         if inp.node.revision != m.from_revision:
-            return Step([SetRevisionLabel(node=inp.node.name, revision=m.from_revision, reason="RollingBack")],
+            return Step([_label(inp, m.from_revision, m.from_mode, reason="RollingBack")],
                         "RollingBack", "moving the revision label back", POLL_SECONDS)
-        done, waiting, _ = _pod_swap(inp, m.to_revision, m.from_revision)
+        done, waiting, _ = _pod_swap(inp, m.to_revision, m.from_revision, m.from_mode)
         if not done:
             # No timeout: there is nowhere safer to go than the revision the node came from.
             return _wait("RollingBack", waiting)
