@@ -4,6 +4,7 @@ of comparing the mode's name (no kube-proxy, the replacement label, what Cilium 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -100,8 +101,8 @@ def test_what_cilium_kpr_needs_and_owns() -> None:
     facts = MODE_FACTS["cilium-kpr"]
     assert facts.tools == () and facts.held_as is None and facts.replacement is not None
     assert facts.replacement.default_socket == "/var/run/cilium/cilium.sock"
-    assert {f.feature for f in facts.features} == {"cgroup2", "bpffs", "btf", "prog:sched_cls",
-                                                   "prog:cgroup_sock_addr", "tcx"}
+    assert {f.feature for f in facts.features} == {"cgroup2", "bpffs", "btf"}
+    assert facts.min_kernel == (5, 10)
     assert facts.owned.devices == CILIUM_DEVICES == ("cilium_host", "cilium_net")
     # Its chains are CILIUM_*, never a KUBE- name kube-proxy or kubelet owns; it has no kube-proxy object.
     assert facts.owned.chain_prefixes == ("CILIUM_",)
@@ -113,3 +114,45 @@ def test_what_cilium_kpr_needs_and_owns() -> None:
         owned = MODE_FACTS[mode].owned
         assert not owned.devices and not owned.chain_prefixes
         assert not any(re.match(r"CILIUM_", c) for _, c in owned.chains)
+
+
+def test_the_frontends_cilium_must_hold_are_every_dialable_clusterip_port() -> None:
+    from proxyshift.planner.services import ServicePortView, ServiceView, cluster_ip_frontends
+
+    services = [
+        ServiceView("default", "web", cluster_ips=("198.19.0.10",), ports=(ServicePortView("http", "TCP", 80),
+                                                                          ServicePortView("dns", "UDP", 53))),
+        ServiceView("default", "dual", cluster_ips=("198.19.0.11", "fd00::b"),
+                    ports=(ServicePortView("", "TCP", 443),)),
+        ServiceView("default", "db", headless=True, ports=(ServicePortView("", "TCP", 5432),)),
+        ServiceView("default", "ext", type="ExternalName", ports=(ServicePortView("", "TCP", 80),)),
+        ServiceView("other", "web", cluster_ips=("198.19.0.10",), ports=(ServicePortView("http", "TCP", 80),)),
+    ]
+    assert cluster_ip_frontends(services) == ["198.19.0.10:53/UDP", "198.19.0.10:80/TCP", "198.19.0.11:443/TCP",
+                                              "[fd00::b]:443/TCP"]
+
+
+def _node_tree(root: Path, *, release: str, mounts: list[str], btf: bool) -> tuple[Path, Path]:
+    proc, sys = root / "proc", root / "sys"
+    (proc / "sys" / "kernel").mkdir(parents=True)
+    (proc / "sys" / "kernel" / "osrelease").write_text(release + "\n")
+    (proc / "mounts").write_text("".join(f"{kind} /mnt/{kind} {kind} rw 0 0\n" for kind in mounts))
+    (sys / "module").mkdir(parents=True)
+    if btf:
+        (sys / "kernel" / "btf").mkdir(parents=True)
+        (sys / "kernel" / "btf" / "vmlinux").write_bytes(b"\x9f\xeb")
+    return proc, sys
+
+
+def test_preflight_for_cilium_kpr_checks_the_kernel_it_needs(tmp_path: Path) -> None:
+    from proxyshift.agent.preflight import ToolVersions, check
+
+    proc, sys = _node_tree(tmp_path / "good", release="6.1.0-41-amd64", mounts=["cgroup2", "bpf", "proc"], btf=True)
+    good = check("cilium-kpr", proc_root=proc, sys_root=sys, modules_root=tmp_path, tools=ToolVersions())
+    assert good.ok, good.message()
+    assert good.message().startswith("preflight for cilium-kpr passed on kernel 6.1.0-41-amd64")
+    proc, sys = _node_tree(tmp_path / "bad", release="5.4.0-200-generic", mounts=["cgroup", "proc"], btf=False)
+    bad = check("cilium-kpr", proc_root=proc, sys_root=sys, modules_root=tmp_path, tools=ToolVersions())
+    assert [m.what for m in bad.missing] == ["kernel >= 5.10", "a cgroup v2 mount", "the BPF filesystem",
+                                             "kernel BTF (/sys/kernel/btf/vmlinux)"]
+    assert "Cilium's kube-proxy replacement needs kernel 5.10 or newer" in bad.message()

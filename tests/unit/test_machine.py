@@ -21,6 +21,7 @@ from proxyshift.api.proxynode import (
     ProxyNodeSpec,
     ProxyNodeStatus,
 )
+from proxyshift.api.replacement import ReplacementFacts
 from proxyshift.planner import machine
 from proxyshift.planner.machine import NodeInput, Target
 from proxyshift.planner.timeutil import fmt
@@ -631,8 +632,10 @@ def test_a_cilium_kpr_switch_waits_for_the_old_kube_proxy_to_go_and_for_no_new_o
     assert waiting.phase == "Switch" and "old kube-proxy pod kube-proxy-x to go away" in waiting.message
     gone = machine.step(inp(m, label=REV, pods=[], mode="cilium-kpr"))
     assert gone.phase == "Gate"
-    # The gate's probe waits for the target mode, which is Cilium's, not a kube-proxy's.
-    assert operation_of(gone).params_as(ProbeParams).await_mode == "cilium-kpr"
+    # The gate's probe waits for no kube-proxy: it reads Cilium's API, at the default socket, for the frontends.
+    probe = operation_of(gone).params_as(ProbeParams)
+    assert probe.await_mode is None and probe.replacement is not None
+    assert probe.replacement.socket_path == "/var/run/cilium/cilium.sock"
 
 
 def test_a_failed_cilium_kpr_node_gets_its_kube_proxy_back_and_loses_the_label() -> None:
@@ -663,3 +666,40 @@ def test_a_node_leaving_cilium_kpr_loses_the_label_with_its_move_and_gets_it_bac
     assert "go away" in machine.step(inp(pods_step, label="kpr-1", pods=[pod(f"kube-proxy-{REV}")])).message
     gone = machine.step(inp(pods_step, label="kpr-1", pods=[]))
     assert operation_of(gone).params == {"removeModes": ["nftables"], "targetMode": "cilium-kpr"}
+
+
+def _on_cilium(node_input: NodeInput, facts: ReplacementFacts | None) -> NodeInput:
+    """The node input with Cilium's account in the ProxyNode's status, as the agent's probe wrote it."""
+    status = node_input.proxynode.status.model_copy(update={"replacement": facts})
+    return dataclasses.replace(node_input, proxynode=node_input.proxynode.model_copy(update={"status": status}),
+                               frontends=(("198.19.0.10:80/TCP",), 3))
+
+
+CILIUM_KPR_OK = ReplacementFacts(agent_state="Ok", kube_proxy_replacement="True", enabled=True,
+                                 cluster_ip_frontends=3)
+
+
+def test_the_gate_of_a_cilium_kpr_node_judges_cilium_and_then_cleans_kube_proxys_objects() -> None:
+    m = mig("Gate", to_mode="cilium-kpr")
+    op = Operation(id=f"{REV}.1.0.Gate.0", type="Probe")
+    # kube-proxy's facts (there are none on such a node) do not matter; Cilium's account does.
+    passed = machine.step(_on_cilium(inp(m, label=REV, pods=[], op=op, last=done(op), mode="cilium-kpr"),
+                                     CILIUM_KPR_OK))
+    assert passed.phase == "Cleanup"
+    assert operation_of(passed).params == {"removeModes": ["iptables"], "targetMode": "cilium-kpr"}
+    off = CILIUM_KPR_OK.model_copy(update={"enabled": False, "kube_proxy_replacement": "False"})
+    waiting = machine.step(_on_cilium(inp(m, label=REV, pods=[], op=op, last=done(op), mode="cilium-kpr"), off))
+    assert waiting.phase == "Gate" and "has not read the revision's node config" in waiting.message
+    short = CILIUM_KPR_OK.model_copy(update={"cluster_ip_frontends": 2})
+    late = machine.step(_on_cilium(inp(m, label=REV, pods=[], op=op, last=done(op), mode="cilium-kpr",
+                                       now_plus=400), short))
+    assert late.phase == "RollingBack" and migration_of(late).reason == "GateTimeout"
+    assert "holds 2 ClusterIP frontends, the cluster's Services have 3" in (migration_of(late).message or "")
+
+
+def test_a_rollback_onto_cilium_kpr_is_proven_by_cilium_too() -> None:
+    back = mig("RollingBack", rollback_step="Gate", from_revision="kpr-1", from_mode="cilium-kpr",
+               to_mode="nftables", reverted_at=fmt(T0))
+    op = Operation(id=f"{REV}.1.0.RollbackGate.0", type="Probe")
+    step = machine.step(_on_cilium(inp(back, label="kpr-1", pods=[], op=op, last=done(op)), CILIUM_KPR_OK))
+    assert step.phase == "RolledBack"

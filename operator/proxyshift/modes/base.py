@@ -37,10 +37,11 @@ NodePortDefault = Literal["all", "primary"]
 # Cilium's affinity map keyed, for socket-LB, by the client's network namespace cookie rather than its address.
 AffinityKind = Literal["client-timer", "ipvs-persistence", "netns-cookie"]
 
-# What a mode that replaces kube-proxy needs from the node's kernel (agent/preflight.py checks each one):
-# the cgroup v2 hierarchy its socket-LB attaches to, the BPF filesystem its maps are pinned in, the kernel's
-# BTF, and the BPF program and attach types its datapath loads.
-KernelFeature = Literal["cgroup2", "bpffs", "btf", "prog:sched_cls", "prog:cgroup_sock_addr", "tcx"]
+# What a mode that replaces kube-proxy needs from the node beyond modules and a minimum release
+# (agent/preflight.py checks each one from /proc and /sys): the cgroup v2 hierarchy its socket-LB attaches to,
+# the BPF filesystem its maps are pinned in, the kernel's BTF. The BPF program types (sched_cls,
+# cgroup_sock_addr with getpeername hooks) come with the minimum release.
+KernelFeature = Literal["cgroup2", "bpffs", "btf"]
 
 
 @dataclass(frozen=True)

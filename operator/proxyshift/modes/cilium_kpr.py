@@ -49,10 +49,10 @@ FEATURES = (
     FeatureNeed("cgroup2", "socket-LB attaches its programs to a cgroup v2 hierarchy"),
     FeatureNeed("bpffs", "Cilium pins its maps in the BPF filesystem (/sys/fs/bpf), so they outlive a restart"),
     FeatureNeed("btf", "Cilium's datapath needs the kernel's BTF (/sys/kernel/btf/vmlinux)"),
-    FeatureNeed("prog:sched_cls", "NodePort and the node's own datapath are tc (sched_cls) programs"),
-    FeatureNeed("prog:cgroup_sock_addr", "socket-LB is cgroup/connect4, sendmsg4, ... programs"),
-    FeatureNeed("tcx", "Cilium attaches its tc programs with tcx on kernels that have it (6.6 and later)"),
 )
+# Cilium v1.20's minimum: its tc (sched_cls) datapath and socket-LB's cgroup_sock_addr programs with the
+# getpeername hooks. It attaches with tcx on 6.6 and later, with tc's clsact before: both work.
+CILIUM_MIN_KERNEL = (5, 10)
 
 
 def node_config(spec: ProxyPolicySpec) -> dict[str, str]:
@@ -103,6 +103,7 @@ FACTS = ModeFacts(
                             # Cilium's documented per-node migration (v1.16 and later: cilium.io/v2).
                             node_config_kind=("cilium.io/v2", "CiliumNodeConfig"), node_config=node_config),
     features=FEATURES,
+    min_kernel=CILIUM_MIN_KERNEL,
     # Nothing of it to hold: a kube-proxy starting after it deletes nothing of Cilium's, and Cilium's agent
     # starting beside kube-proxy leaves kube-proxy's rules alone.
     held_as=None,

@@ -50,14 +50,16 @@ from proxyshift.api.proxynode import (
     ProxyNode,
     is_phase,
 )
+from proxyshift.api.replacement import ReplacementParams
 from proxyshift.modes import (
+    facts_of,
     prunes_unexcluded_ipvs,
     replacement_labels,
     runs_kube_proxy,
     startup_cleanup_drops_old_rules,
 )
 from proxyshift.planner.behaviour import compare_matrices
-from proxyshift.planner.gate import GateVerdict, evaluate_gate
+from proxyshift.planner.gate import GateVerdict, evaluate_gate, evaluate_replacement_gate
 from proxyshift.planner.gate import Result as GateResult
 from proxyshift.planner.timeutil import fmt, parse, remaining, seconds_since, utc
 from proxyshift.planner.world import (
@@ -136,6 +138,9 @@ class NodeInput:
     may_switch: bool = True
     # The current revision's ipvs.excludeCIDRs (None: no current revision), sent with a preflight for ipvs.
     ipvs_exclude_cidrs: tuple[str, ...] | None = None
+    # For a node that runs no kube-proxy on one side of its move (cilium-kpr): the cluster's ClusterIP frontends
+    # its replacement's Service table must hold (a bounded sample) and how many there are in all.
+    frontends: tuple[tuple[str, ...], int] = ((), 0)
 
     @property
     def migration(self) -> NodeMigration | None:
@@ -340,6 +345,17 @@ def _connects(found: Connects | None, expected: list[str]) -> dict[str, bool | s
 # ---- entry point: start a node ----
 
 
+def _replacement_params(inp: NodeInput, mode: str | None, *, frontends: bool) -> ReplacementParams | None:
+    """What the agent reads of a mode that replaces kube-proxy (None for a kube-proxy mode): where its agent's API
+    is (the policy's cilium.socketPath, else the mode's default) and, for a gate, the frontends to look for."""
+    facts = facts_of(mode)
+    if facts is None or facts.replacement is None:
+        return None
+    socket = inp.spec.cilium.socket_path if inp.spec.cilium is not None else facts.replacement.default_socket
+    sample, total = inp.frontends if frontends else ((), 0)
+    return ReplacementParams(socket_path=socket, frontends=list(sample), expected_frontends=total)
+
+
 def _preflight_op(inp: NodeInput, m: NodeMigration, scheduler: str | None) -> Operation:
     params = PreflightParams(
         mode=m.to_mode or "",
@@ -350,6 +366,7 @@ def _preflight_op(inp: NodeInput, m: NodeMigration, scheduler: str | None) -> Op
         behaviour=_behaviour_sample(inp),
         ipvs_exclude_cidrs=list(inp.ipvs_exclude_cidrs)
         if prunes_unexcluded_ipvs(m.to_mode) and inp.ipvs_exclude_cidrs is not None else None,
+        replacement=_replacement_params(inp, m.to_mode, frontends=False),
     )
     return Operation.request(op_id(m, "Preflight", 0), params)
 
@@ -662,7 +679,10 @@ def _probe_op(inp: NodeInput, m: NodeMigration, step_name: str, n: int) -> Opera
     mode = m.from_mode if step_name == "RollbackGate" else m.to_mode
     # Every probe after a switch (forward or back) clears un-NATed conntrack entries left from the gap;
     # only the forward gate compares Service behaviour with the matrix taken before the switch.
-    params = ProbeParams(services=services, await_mode=mode, await_syncs=inp.spec.gate.min_syncs,
+    # A node without kube-proxy has none to wait for: the replacement's own account is read instead.
+    params = ProbeParams(services=services, await_mode=mode if runs_kube_proxy(mode) else None,
+                         await_syncs=inp.spec.gate.min_syncs,
+                         replacement=_replacement_params(inp, mode, frontends=True),
                          await_seconds=min(AGENT_AWAIT_SECONDS, _timeout(inp).total_seconds()),
                          conntrack=inp.conntrack, behaviour=_behaviour_sample(inp) if step_name == "Gate" else None)
     return Operation.request(op_id(m, step_name, n), params)
@@ -722,7 +742,15 @@ def _judge_report(inp: NodeInput, op: Operation, res: OperationStatus, target_mo
         expected, found, conntrack = probe.services, probed.connects, probed.conntrack
         sampled = probe.behaviour is not None
     connects = _connects(found, expected) if inp.spec.gate.probe_services else None
-    verdict = evaluate_gate(inp.proxynode.status.kube_proxy, inp.spec.gate, target_mode, switched, inp.now, connects)
+    target_facts = facts_of(target_mode)
+    replacement = target_facts.replacement if target_facts is not None else None
+    if replacement is not None:
+        # No kube-proxy on the node: its replacement proves itself by its own account (Cilium's API).
+        verdict = evaluate_replacement_gate(inp.proxynode.status.replacement, inp.spec.gate, replacement.agent,
+                                            inp.frontends[1], connects)
+    else:
+        verdict = evaluate_gate(inp.proxynode.status.kube_proxy, inp.spec.gate, target_mode, switched, inp.now,
+                                connects)
     if verdict.passed and sampled:
         verdict = _judge_behaviour(inp, op, verdict)
     told = _conntrack_told(conntrack)
