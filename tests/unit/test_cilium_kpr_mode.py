@@ -104,16 +104,17 @@ def test_what_cilium_kpr_needs_and_owns() -> None:
     assert {f.feature for f in facts.features} == {"cgroup2", "bpffs", "btf"}
     assert facts.min_kernel == (5, 10)
     assert facts.owned.devices == CILIUM_DEVICES == ("cilium_host", "cilium_net")
-    # Its chains are CILIUM_*, never a KUBE- name kube-proxy or kubelet owns; it has no kube-proxy object.
-    assert facts.owned.chain_prefixes == ("CILIUM_",)
-    assert not facts.owned.chains and not facts.owned.nft_tables and not facts.owned.ipsets
-    assert facts.owned.interface is None
+    # Its chains are Cilium's exact names (and their OLD_ copies), never a KUBE- name of kube-proxy or kubelet.
+    assert ("filter", "CILIUM_INPUT") in facts.owned.chains and ("nat", "OLD_CILIUM_POST_nat") in facts.owned.chains
+    assert all(chain.startswith(("CILIUM_", "OLD_CILIUM_")) for _, chain in facts.owned.chains)
+    assert not facts.owned.nft_tables and not facts.owned.ipsets and facts.owned.interface is None
+    assert facts.objects == ("iptables-chains", "replacement-devices")
     assert facts.socket_lb and not any(MODE_FACTS[m].socket_lb for m in KUBE_PROXY_MODES)
     # Devices and chain prefixes are names no kube-proxy mode uses.
     for mode in KUBE_PROXY_MODES:
         owned = MODE_FACTS[mode].owned
-        assert not owned.devices and not owned.chain_prefixes
-        assert not any(re.match(r"CILIUM_", c) for _, c in owned.chains)
+        assert not owned.devices
+        assert not any(re.match(r"(OLD_)?CILIUM_", c) for _, c in owned.chains)
 
 
 def test_the_frontends_cilium_must_hold_are_every_dialable_clusterip_port() -> None:

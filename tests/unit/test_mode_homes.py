@@ -80,9 +80,7 @@ def test_every_mode_has_an_entry_in_every_table() -> None:
     assert set(FLUSHERS) == set(OBJECT_KINDS)
     for mode, facts in MODE_FACTS.items():
         assert facts.mode == mode
-        # A kube-proxy replacement's leftovers (Cilium's devices, chains, BPF attachments) are not kube-proxy's
-        # objects: until the agent has a flush for them, its mode lists none and no kube-proxy flush touches them.
-        assert facts.objects or facts.replacement is not None, f"{mode}: leaves no objects the agent can find or flush"
+        assert facts.objects, f"{mode}: leaves no objects the agent can find or flush"
         for kind in facts.objects:
             assert kind in FLUSHERS, f"{mode}: no flusher for {kind}"
             # Chains are counted by ownership.iptables_chain_modes; every other kind by its own counter.
@@ -90,6 +88,7 @@ def test_every_mode_has_an_entry_in_every_table() -> None:
         assert ("iptables-chains" in facts.objects) == bool(facts.owned.chains)
         assert ("nft-tables" in facts.objects) == bool(facts.owned.nft_tables)
         assert ("ipvs-objects" in facts.objects) == bool(facts.owned.interface or facts.owned.ipsets)
+        assert ("replacement-devices" in facts.objects) == bool(facts.owned.devices)
         if facts.held_as is not None:
             assert facts.held_as in facts.objects and facts.held_as in hold.INSTALLERS
         assert facts.counters == "conntrack" or facts.counters in diagnostics.RULE_COUNTERS

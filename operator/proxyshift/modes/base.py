@@ -26,7 +26,8 @@ Tool = Literal["iptables", "ipset", "nft"]
 # kind, not per mode, because two modes share a tool: ipvs mode's KUBE-* chains are iptables chains, and one
 # iptables-save/-restore per family must see both modes' chains to tell the shared ones apart. The order is the
 # flush's only safe order: rules first (ipvs mode's rules reference the ipsets the ipvs flush destroys).
-ObjectKind = Literal["iptables-chains", "ipvs-objects", "nft-tables"]
+# A replacement's devices (Cilium's cilium_host/cilium_net) go last: nothing else references them.
+ObjectKind = Literal["iptables-chains", "ipvs-objects", "nft-tables", "replacement-devices"]
 OBJECT_KINDS: tuple[ObjectKind, ...] = get_args(ObjectKind)
 
 # nodePortAddresses when unset, as kube-proxy 1.37 defaults it per mode: every local address, or the node's IPs.
@@ -113,9 +114,6 @@ class Owned:
     # Network devices it creates (a replacement's, e.g. cilium_host/cilium_net), besides `interface`, which is
     # where ipvs mode binds Service addresses (the compatibility report's StrictARP finding asks for that one).
     devices: tuple[str, ...] = ()
-    # Prefixes of the iptables chains it creates in any table (Cilium: CILIUM_*). Never "KUBE-": that is
-    # kube-proxy's and kubelet's, named exactly above.
-    chain_prefixes: tuple[str, ...] = ()
     # Where its BPF programs are attached: tc/tcx on its devices, cgroup hooks for socket-LB. For a person and
     # the flush's report; the agent finds the attachments by evidence (their program names), not by this text.
     bpf_attachments: tuple[str, ...] = ()

@@ -33,11 +33,17 @@ REPLACEMENT_LABEL = ("proxyshift.io/kube-proxy-replacement", "cilium")
 # migration route both run without one), and its iptables chains (pkg/datapath/iptables: CILIUM_INPUT,
 # CILIUM_OUTPUT_raw, CILIUM_POST_nat, ...).
 CILIUM_DEVICES = ("cilium_host", "cilium_net")
-CILIUM_CHAIN_PREFIX = "CILIUM_"
+# Exact names, never a bare CILIUM_ prefix: a user's CILIUM_MINE is not Cilium's. Cilium renames its chains
+# OLD_<name> while it replaces them; a stop at that moment leaves those.
+_CILIUM_CHAINS = (("filter", "CILIUM_INPUT"), ("filter", "CILIUM_OUTPUT"), ("filter", "CILIUM_FORWARD"),
+                  ("nat", "CILIUM_PRE_nat"), ("nat", "CILIUM_POST_nat"), ("nat", "CILIUM_OUTPUT_nat"),
+                  ("raw", "CILIUM_PRE_raw"), ("raw", "CILIUM_OUTPUT_raw"),
+                  ("mangle", "CILIUM_PRE_mangle"), ("mangle", "CILIUM_POST_mangle"))
+CILIUM_CHAINS = frozenset(_CILIUM_CHAINS) | {(table, f"OLD_{chain}") for table, chain in _CILIUM_CHAINS}
 
 OWNED = Owned(
+    chains=CILIUM_CHAINS,
     devices=CILIUM_DEVICES,
-    chain_prefixes=(CILIUM_CHAIN_PREFIX,),
     bpf_attachments=(
         "tc/tcx ingress and egress on its devices and on the node's native devices (cil_from_netdev, "
         "cil_to_netdev, cil_from_host, cil_to_host)",
@@ -95,9 +101,9 @@ FACTS = ModeFacts(
     # No kube-proxy tools: Cilium's agent brings its own datapath.
     tools=(),
     owned=OWNED,
-    # Its leftovers are found and flushed by the agent's Cilium flush (issue 19, item 4); until it exists, no
-    # kind is listed, so no kube-proxy flush ever touches Cilium's objects.
-    objects=(),
+    # What a stopped Cilium agent leaves: its chains (the iptables flusher removes them by name) and its devices
+    # with their routes. Its BPF attachments go with its pins and cgroup (agent/flush/__init__.py says when not).
+    objects=("iptables-chains", "replacement-devices"),
     kube_proxy=False,
     replacement=Replacement(agent="Cilium", node_label=REPLACEMENT_LABEL, default_socket=DEFAULT_CILIUM_SOCKET,
                             # Cilium's documented per-node migration (v1.16 and later: cilium.io/v2).
