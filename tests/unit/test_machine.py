@@ -703,3 +703,23 @@ def test_a_rollback_onto_cilium_kpr_is_proven_by_cilium_too() -> None:
     op = Operation(id=f"{REV}.1.0.RollbackGate.0", type="Probe")
     step = machine.step(_on_cilium(inp(back, label="kpr-1", pods=[], op=op, last=done(op)), CILIUM_KPR_OK))
     assert step.phase == "RolledBack"
+
+
+MODE_NAMES = st.sampled_from(["iptables", "ipvs", "nftables", "cilium-kpr"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(from_mode=MODE_NAMES, to_mode=MODE_NAMES, from_revision=st.sampled_from([None, "blue-old"]))
+def test_the_replacement_label_always_follows_the_revision_the_node_is_moved_to(
+        from_mode: str, to_mode: str, from_revision: str | None) -> None:
+    """Forward or back, the label patch hands the node to Cilium exactly when its revision runs no kube-proxy:
+    never a kube-proxy node with Cilium's label, never a Cilium node without it."""
+    expected = {"cilium-kpr": ((KPR_LABEL, "cilium"),)}
+    forward = machine.step(inp(mig("Switch", from_mode=from_mode, to_mode=to_mode, from_revision=from_revision),
+                               label=from_revision, pods=[]))
+    (switch,) = [a for a in forward.actions if isinstance(a, SetRevisionLabel)]
+    assert (switch.revision, switch.labels) == (REV, expected.get(to_mode, NO_REPLACEMENT))
+    back = machine.step(inp(mig("RollingBack", rollback_step="Label", from_mode=from_mode, to_mode=to_mode,
+                                from_revision=from_revision, reason="GateTimeout"), label=REV, pods=[]))
+    (undo,) = [a for a in back.actions if isinstance(a, SetRevisionLabel)]
+    assert (undo.revision, undo.labels) == (from_revision, expected.get(from_mode, NO_REPLACEMENT))
