@@ -19,6 +19,7 @@ from proxyshift.controller.mirror import Mirror
 from proxyshift.controller.reconcile import Indexes
 from proxyshift.controller.runtime import OperatorRuntime
 from proxyshift.controller.snapshot import baseline_mode, revision_view
+from proxyshift.modes import runs_kube_proxy
 from proxyshift.planner.timeutil import fmt
 from proxyshift.planner.world import daemonset_for
 from proxyshift.render import ANNOTATION_MODE, LABEL_REVISION
@@ -64,6 +65,9 @@ class FakeCluster:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.index_policies: dict[str, list[ProxyPolicy]] = {}
         self.index_revisions: dict[str, list[Any]] = {}
+        # Revisions of a mode without kube-proxy (Cilium's KPR), by their ConfigMap; and their node configs.
+        self.index_replacement_revisions: dict[str, list[Any]] = {}
+        self.node_configs: dict[str, dict[str, Any]] = {}
 
     # ---- building the cluster ----
 
@@ -109,6 +113,7 @@ class FakeCluster:
         return Indexes(
             policies=self.index_policies,
             revisions=self.index_revisions,
+            replacement_revisions=self.index_replacement_revisions,
             baseline_configmap={"body": [self.configmaps["kube-proxy"]]},
             baseline_daemonset={"body": [{k: self.daemonsets["kube-proxy"].get(k)
                                           for k in ("apiVersion", "kind", "metadata", "spec")}]},
@@ -186,13 +191,15 @@ class FakeCluster:
 
     # ---- ClusterAPI ----
 
-    def set_node_label(self, node: str, key: str, value: str | None) -> str:
+    def set_node_label(self, node: str, key: str, value: str | None,
+                       with_labels: dict[str, str | None] | None = None) -> str:
         self._call("set_node_label", node)
         labels = self.nodes[node]["metadata"]["labels"]
-        if value is None:
-            labels.pop(key, None)
-        else:
-            labels[key] = value
+        for name, wanted in {**(with_labels or {}), key: value}.items():
+            if wanted is None:
+                labels.pop(name, None)
+            else:
+                labels[name] = wanted
         self.nodes[node]["metadata"]["resourceVersion"] = rv = self._next()
         self._echo(NODES, self.nodes[node])
         return rv
@@ -248,7 +255,19 @@ class FakeCluster:
 
     def apply_configmap(self, desired: dict[str, Any]) -> str:
         self._call("apply_configmap", desired["metadata"]["name"])
-        return self._applied(self.configmaps, desired)[1]
+        rv = self._applied(self.configmaps, desired)[1]
+        view = revision_view(desired)
+        if view is not None and not runs_kube_proxy(view.mode):
+            self.index_replacement_revisions[view.name] = [view]
+        return rv
+
+    def apply_node_config(self, desired: dict[str, Any]) -> str:
+        self._call("apply_node_config", desired["metadata"]["name"])
+        return self._applied(self.node_configs, desired)[1]
+
+    def delete_node_config(self, api_version: str, kind: str, name: str) -> None:
+        self._call("delete_node_config", name)
+        self.node_configs.pop(name, None)
 
     def apply_daemonset(self, desired: dict[str, Any]) -> str:
         self._call("apply_daemonset", desired["metadata"]["name"])
@@ -259,7 +278,9 @@ class FakeCluster:
 
     def delete_configmap(self, name: str) -> None:
         self._call("delete_configmap", name)
-        self.configmaps.pop(name, None)
+        body = self.configmaps.pop(name, None)
+        label = ((body or {}).get("metadata", {}).get("labels") or {}).get(LABEL_REVISION)
+        self.index_replacement_revisions.pop(label or "", None)
 
     def delete_daemonset(self, name: str) -> None:
         self._call("delete_daemonset", name)

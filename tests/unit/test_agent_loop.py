@@ -18,7 +18,8 @@ from proxyshift.agent.loop import P99_ABOVE_BUCKETS, Agent, AgentConfig, ProxyNo
 from proxyshift.agent.preflight import Missing, PreflightReport, ToolVersions
 from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams, ConntrackParams, ConntrackReport
 from proxyshift.api.diagnostics import DiagnoseRequest, NodeDiagnostics
-from proxyshift.api.proxynode import KubeProxyFacts, Mode, ProxyNode
+from proxyshift.api.proxynode import KubeProxyFacts, Mode, PreflightResult, ProxyNode
+from proxyshift.api.replacement import ReplacementFacts, ReplacementParams
 from proxyshift.commands import Result
 
 pytestmark = pytest.mark.unit
@@ -116,6 +117,9 @@ class FakeNode:
         self.preflight_fn = preflight
         self.held = hold if hold is not None else FakeHold()
         self.checks = checks  # behaviour and conntrack (test_agent_loop_behaviour's FakeChecks)
+        # The node's kube-proxy replacement (Cilium) as its API answers; the reads asked of it.
+        self.replaced = ReplacementFacts(error="GET /v1/healthz on /var/run/cilium/cilium.sock: FileNotFoundError")
+        self.replacement_calls: list[tuple[str, bool]] = []
 
     def probe(self) -> KubeProxyFacts:
         return self.facts
@@ -139,6 +143,10 @@ class FakeNode:
 
     def connect(self, targets: list[str]) -> dict[str, bool | str]:
         return {t: (True if t.endswith(":443") else "connection refused") for t in targets}
+
+    def replacement(self, params: ReplacementParams, *, with_services: bool) -> ReplacementFacts:
+        self.replacement_calls.append((params.socket_path, with_services))
+        return self.replaced
 
     def install_hold(self, from_mode: str) -> HoldReport:
         return self.held.install(from_mode)
@@ -882,3 +890,47 @@ def test_a_diagnose_beside_a_cleanup_is_answered_first_on_its_own() -> None:
     agent.handle(api.get("n1"))
     assert api.patches[0]["diagnostics"]["id"] == "d-1"
     assert api.patches[1]["lastOperation"]["state"] == "Running"
+
+
+# A node on its way to (or on) Cilium's kube-proxy replacement: the agent reads Cilium's API (issue 19).
+
+KPR_PARAMS = {"socketPath": "/var/run/cilium/cilium.sock", "frontends": ["198.19.0.1:443/TCP"],
+              "expectedFrontends": 1}
+CILIUM_OK = ReplacementFacts(agent_state="Ok", kube_proxy_replacement="True", enabled=True, cluster_ip_frontends=3,
+                             probed_at="2026-11-30T12:00:00Z")
+
+
+def test_a_probe_for_cilium_kpr_reports_cilium_in_the_status() -> None:
+    api = FakeAPI(node_obj({"id": "k1.Gate.0", "type": "Probe",
+                            "params": {"services": ["198.19.0.1:443"], "replacement": KPR_PARAMS}}))
+    agent = make_agent(api)
+    fake_node(agent).replaced = CILIUM_OK
+    agent.handle(api.get("n1"))
+    node = ProxyNode.model_validate(api.obj)
+    assert fake_node(agent).replacement_calls == [("/var/run/cilium/cilium.sock", True)]
+    assert node.status.replacement == CILIUM_OK
+    last = node.status.last_operation
+    assert last is not None and last.state == "Succeeded"
+    assert last.message.startswith("kube-proxy replacement True, agent Ok; 3 ClusterIP frontends, 0 of 1 asked "
+                                   "missing; 1/1 service connects ok")
+
+
+def test_preflight_for_cilium_kpr_passes_without_cilium_and_refuses_a_sick_one() -> None:
+    params = {"mode": "cilium-kpr", "scheduler": None, "replacement": KPR_PARAMS}
+    api = FakeAPI(node_obj({"id": "k1.Preflight.0", "type": "Preflight", "params": params}))
+    agent = make_agent(api)
+    agent.handle(api.get("n1"))
+    last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last is not None and last.state == "Succeeded"
+    assert "replacement agent is not on the node yet (it must start there with the node's label)" in last.message
+    assert fake_node(agent).replacement_calls == [("/var/run/cilium/cilium.sock", False)]
+
+    sick = FakeAPI(node_obj({"id": "k2.Preflight.0", "type": "Preflight", "params": params}))
+    agent = make_agent(sick)
+    fake_node(agent).replaced = ReplacementFacts(agent_state="Failure", agent_message="kvstore unreachable")
+    agent.handle(sick.get("n1"))
+    last = ProxyNode.model_validate(sick.obj).status.last_operation
+    assert last is not None and last.state == "Failed"
+    assert "a healthy kube-proxy replacement agent: it runs on the node but reports Failure (kvstore unreachable)" \
+        in last.message
+    assert last.result_as(PreflightResult).replacement == fake_node(agent).replaced

@@ -141,7 +141,7 @@ def test_localhost_protocols() -> None:
                                                   nodePortAddresses=["localhost"])) == {"TCP"}
 
 
-MODES = st.sampled_from(["iptables", "ipvs", "nftables"])
+MODES = st.sampled_from(["iptables", "ipvs", "nftables", "cilium-kpr"])
 
 
 @settings(max_examples=100, deadline=None)
@@ -158,6 +158,15 @@ def test_report_properties(cluster: tuple[list[ServiceView], list[EndpointView]]
         assert list(finding.services) == sorted(finding.services)
     if source == target:
         assert findings == []
+    # The socket-LB difference is reported for every move into or out of Cilium's KPR, and only then, for
+    # every Service a client can dial.
+    socket_lb = [f for f in findings if f.change == "SocketLoadBalancing"]
+    assert bool(socket_lb) == ((source == "cilium-kpr") != (target == "cilium-kpr"))
+    dialable = {s.key for s in services if not s.headless and s.type != "ExternalName" and s.cluster_ips}
+    assert all(f.service_count == len(dialable) and f.preserving is None for f in socket_lb)
+    # Cilium's KPR and the kube-proxy modes keep ClientIP affinity differently: a move between them always says so.
+    if (source == "cilium-kpr") != (target == "cilium-kpr"):
+        assert "SessionAffinity" in {f.change for f in findings}
 
 
 def test_compat_summary_for_a_condition() -> None:
@@ -176,3 +185,64 @@ def test_compat_summary_for_a_condition() -> None:
     assert "ForeignIPVSFlush (no setting keeps it)" in text
     assert len(compat_summary("nftables", findings, limit=80)) == 80
     assert compat_summary("nftables", []) == ""
+
+
+# Cilium's kube-proxy replacement (issue 19): a move to it and back, as the report tells it.
+
+def test_iptables_to_cilium_kpr_with_defaults() -> None:
+    found = by_change(compatibility("iptables", None, "cilium-kpr", config("cilium-kpr"), SERVICES, ENDPOINTS))
+    assert set(found) == {"NodePortAddresses", "SessionAffinity", "SocketLoadBalancing"}
+    socket_lb = found["SocketLoadBalancing"]
+    assert socket_lb.summary.startswith("Cilium's kube-proxy replacement balances the node's own clients at "
+                                        "connect() (socket-LB) instead of NATing each packet as iptables mode does")
+    assert "conntrack holds no DNAT entry" in socket_lb.summary and socket_lb.preserving is None
+    assert socket_lb.services == ("default/np", "default/sticky", "default/syslog", "default/web", "metallb/ingress")
+    addresses = found["NodePortAddresses"]
+    assert "only on the addresses of Cilium's devices" in addresses.summary
+    assert addresses.preserving == "nodePortAddresses: [0.0.0.0/0] (or [all])"
+    affinity = found["SessionAffinity"]
+    assert affinity.services == ("default/sticky",) and "network namespace" in affinity.summary
+    # socket-LB serves localhost NodePorts, TCP and UDP, as route_localnet does: nothing lost there; no INVALID
+    # drop to miss (its own conntrack reverse-translates); NodePorts are handled before netfilter.
+    assert localhost_protocols("cilium-kpr", None) == {"TCP", "UDP"}
+
+
+def test_cilium_kpr_nodeport_addresses_keep_every_address() -> None:
+    wide = config("cilium-kpr", nodePortAddresses=["0.0.0.0/0"])
+    found = by_change(compatibility("iptables", None, "cilium-kpr", wide, SERVICES, ENDPOINTS))
+    assert found["NodePortAddresses"].preserved and "LocalhostNodePorts" not in found
+    narrow = config("cilium-kpr", nodePortAddresses=["198.18.0.0/16"])
+    lost = by_change(compatibility("iptables", None, "cilium-kpr", narrow, SERVICES, ENDPOINTS))["LocalhostNodePorts"]
+    assert lost.summary == ("Cilium's kube-proxy replacement serves no NodePorts on 127.0.0.1 "
+                            "(iptables mode does)")
+    assert lost.services == ("default/np", "default/syslog", "metallb/ingress")
+
+
+def test_ipvs_to_cilium_kpr_loses_the_scheduler_and_persistence() -> None:
+    found = by_change(compatibility("ipvs", config("ipvs", ipvs={"scheduler": "sh"}), "cilium-kpr", None,
+                                    SERVICES, ENDPOINTS))
+    assert {"IPVSScheduler", "SessionAffinity", "SocketLoadBalancing"} <= set(found)
+    assert "IPVS persistence in ipvs mode" in found["SessionAffinity"].summary
+    assert "Cilium's affinity map" in found["SessionAffinity"].summary
+    assert found["IPVSScheduler"].summary.endswith("in Cilium's kube-proxy replacement")
+    assert "StrictARP" not in found  # Cilium binds no Service address on a dummy interface
+
+
+def test_cilium_kpr_back_to_nftables() -> None:
+    found = by_change(compatibility("cilium-kpr", None, "nftables", None, SERVICES, ENDPOINTS))
+    assert {"LocalhostNodePorts", "SessionAffinity", "SocketLoadBalancing", "NodePortFirewall"} <= set(found)
+    assert found["SocketLoadBalancing"].summary.startswith(
+        "nftables mode NATs each packet where Cilium's kube-proxy replacement balanced")
+    assert "nftables.localhostNodePorts: true" in (found["LocalhostNodePorts"].preserving or "")
+    # Cilium and nftables both serve NodePorts on the node's own addresses when unset: nothing moves.
+    assert "NodePortAddresses" not in found
+    back = by_change(compatibility("cilium-kpr", None, "iptables", None, SERVICES, ENDPOINTS))
+    assert set(back) == {"SessionAffinity", "SocketLoadBalancing"}
+
+
+def test_compat_summary_names_cilium_kpr() -> None:
+    from proxyshift.planner.compat import compat_summary
+
+    text = compat_summary("cilium-kpr", compatibility("iptables", None, "cilium-kpr", None, SERVICES, ENDPOINTS))
+    assert text.startswith("Cilium's kube-proxy replacement changes: NodePortAddresses for ")
+    assert "SocketLoadBalancing for default/np, default/sticky, default/syslog and 2 more (no setting keeps it)" in text

@@ -310,6 +310,29 @@ def test_node_patches_are_strategic_merges_and_a_label_is_removed_with_null() ->
     assert schedulable.body == {"spec": {"unschedulable": None}}
 
 
+def test_the_replacement_label_rides_in_the_revision_label_patch() -> None:
+    fake = FakeApiClient(answer=lambda r: (200, {"metadata": {"name": "n1", "resourceVersion": "8"}}))
+    ClusterAPI(fake).set_node_label("n1", "proxyshift.io/revision", "blue-1",
+                                    with_labels={"proxyshift.io/kube-proxy-replacement": "cilium"})
+    (patch,) = fake.requests
+    assert patch.body == {"metadata": {"labels": {"proxyshift.io/revision": "blue-1",
+                                                  "proxyshift.io/kube-proxy-replacement": "cilium"}}}
+
+
+def test_a_cilium_node_config_is_applied_server_side_and_its_missing_kind_is_no_error_on_delete() -> None:
+    fake = FakeApiClient(answer=lambda r: (200, {"metadata": {"name": "proxyshift-b-1", "resourceVersion": "9"}}))
+    api = ClusterAPI(fake)
+    desired = {"apiVersion": "cilium.io/v2", "kind": "CiliumNodeConfig",
+               "metadata": {"name": "proxyshift-b-1", "namespace": "kube-system"}, "spec": {}}
+    assert api.apply_node_config(desired) == "9"
+    (apply,) = fake.requests
+    assert (apply.method, apply.path) == ("PATCH", "/apis/cilium.io/v2/namespaces/kube-system/ciliumnodeconfigs/"
+                                                   "proxyshift-b-1")
+    assert apply.content_type == "application/apply-patch+yaml"
+    fake.answer = lambda r: (404, {"kind": "Status", "message": "the server could not find the requested resource"})
+    api.delete_node_config("cilium.io/v2", "CiliumNodeConfig", "proxyshift-b-1")  # no CRD, nothing to delete
+
+
 def test_an_error_answer_is_an_api_exception_with_its_status() -> None:
     fake = FakeApiClient(answer=lambda r: (404, {"kind": "Status", "message": "configmaps \"x\" not found"}))
     assert ClusterAPI(fake).read_configmap("x") is None  # 404 on a read: absent

@@ -16,10 +16,12 @@ from proxyshift.api.proxynode import (
     NodeMigration,
     Operation,
     OperationStatus,
+    ProbeParams,
     ProxyNode,
     ProxyNodeSpec,
     ProxyNodeStatus,
 )
+from proxyshift.api.replacement import ReplacementFacts
 from proxyshift.planner import machine
 from proxyshift.planner.machine import NodeInput, Target
 from proxyshift.planner.timeutil import fmt
@@ -37,6 +39,8 @@ from proxyshift.planner.world import (
 pytestmark = pytest.mark.unit
 
 REV = "blue-0123abcd"
+# Every move to a kube-proxy mode removes the kube-proxy replacement label in the same patch.
+NO_REPLACEMENT = (("proxyshift.io/kube-proxy-replacement", None),)
 
 
 def pod(ds: str, ready: bool = True, deleting: bool = False, restarts: int = 0) -> KubeProxyPodView:
@@ -269,7 +273,7 @@ def test_switch_waits_for_old_pod_gone_and_new_pod_ready() -> None:
 
 def test_switch_relabels_after_crash_between_record_and_label() -> None:
     step = machine.step(inp(mig("Switch"), label=None))
-    assert step.actions == [SetRevisionLabel(node="n1", revision=REV, reason="Switching")]
+    assert step.actions == [SetRevisionLabel(node="n1", revision=REV, reason="Switching", labels=NO_REPLACEMENT)]
 
 
 def test_crashlooping_new_pod_rolls_back() -> None:
@@ -473,7 +477,7 @@ def test_rollback_waits_for_running_agent_operation_before_moving_label() -> Non
     assert step.actions == [] and "finish" in step.message
     step = machine.step(inp(m, label=REV, op=op, last=done(op)))
     label = [a for a in step.actions if isinstance(a, SetRevisionLabel)]
-    assert label == [SetRevisionLabel(node="n1", revision=None, reason="RollingBack")]
+    assert label == [SetRevisionLabel(node="n1", revision=None, reason="RollingBack", labels=NO_REPLACEMENT)]
 
 
 def test_rollback_to_a_previous_revision_and_uncordon_only_ours() -> None:
@@ -527,7 +531,7 @@ def test_rollback_does_not_wait_for_a_read_only_probe_or_a_dead_agent() -> None:
     probe = Operation(id=f"{REV}.1.0.Gate.7", type="Probe")
     running_probe = OperationStatus(id=probe.id, type="Probe", state="Running")
     step = machine.step(inp(m, label=REV, op=probe, last=running_probe))
-    assert SetRevisionLabel(node="n1", revision=None, reason="RollingBack") in step.actions
+    assert SetRevisionLabel(node="n1", revision=None, reason="RollingBack", labels=NO_REPLACEMENT) in step.actions
     assert writes(step)[0].operation is None  # a restarted agent finds nothing to resume
 
     cleanup = Operation(id=f"{REV}.1.0.Cleanup.0", type="Cleanup")
@@ -604,3 +608,118 @@ def test_a_rollback_whose_switch_never_took_effect_accepts_the_kube_proxy_that_n
     step = machine.step(inp(m, label="blue-old", pods=[pod("kube-proxy-blue-old")], op=op, last=done(op),
                             facts=restarted, now_plus=62))
     assert step.phase == "RollingBack" and "before the switch" in step.message, step
+
+
+# Cilium's kube-proxy replacement (issue 19): the node is handed over by labels, and no kube-proxy pod comes.
+
+KPR_LABEL = "proxyshift.io/kube-proxy-replacement"
+
+
+def test_a_switch_to_cilium_kpr_hands_the_node_to_cilium_in_the_revision_label_patch() -> None:
+    m = mig("Preflight", to_mode="cilium-kpr")
+    op = Operation(id=f"{REV}.1.0.Preflight.0", type="Preflight")
+    step = machine.step(inp(m, op=op, last=done(op), mode="cilium-kpr"))
+    assert step.phase == "Switch"
+    label = [a for a in step.actions if isinstance(a, SetRevisionLabel)]
+    assert label == [SetRevisionLabel(node="n1", revision=REV, reason="Switching", labels=((KPR_LABEL, "cilium"),))]
+    # No rule hold: nothing of kube-proxy's deletes the old rules before Cilium serves the node.
+    assert not any(w.operation is not None and w.operation.type == "Hold" for w in writes(step))
+
+
+def test_a_cilium_kpr_switch_waits_for_the_old_kube_proxy_to_go_and_for_no_new_one() -> None:
+    m = mig("Switch", to_mode="cilium-kpr")
+    waiting = machine.step(inp(m, label=REV, pods=[pod("kube-proxy")], mode="cilium-kpr"))
+    assert waiting.phase == "Switch" and "old kube-proxy pod kube-proxy-x to go away" in waiting.message
+    gone = machine.step(inp(m, label=REV, pods=[], mode="cilium-kpr"))
+    assert gone.phase == "Gate"
+    # The gate's probe waits for no kube-proxy: it reads Cilium's API, at the default socket, for the frontends.
+    probe = operation_of(gone).params_as(ProbeParams)
+    assert probe.await_mode is None and probe.replacement is not None
+    assert probe.replacement.socket_path == "/var/run/cilium/cilium.sock"
+
+
+def test_a_failed_cilium_kpr_node_gets_its_kube_proxy_back_and_loses_the_label() -> None:
+    m = mig("RollingBack", rollback_step="Label", to_mode="cilium-kpr", reason="GateTimeout")
+    step = machine.step(inp(m, label=REV, pods=[], mode="cilium-kpr"))
+    label = [a for a in step.actions if isinstance(a, SetRevisionLabel)]
+    assert label == [SetRevisionLabel(node="n1", revision=None, reason="RollingBack", labels=NO_REPLACEMENT)]
+    pod_step = mig("RollingBack", rollback_step="Pod", to_mode="cilium-kpr", reverted_at=fmt(T0))
+    # No timeout while the baseline kube-proxy comes back: there is nowhere safer to go.
+    later = machine.step(inp(pod_step, label=None, pods=[], mode="cilium-kpr", now_plus=3600))
+    assert later.phase == "RollingBack" and "waiting for a kube-proxy pod" in later.message
+    back = machine.step(inp(pod_step, label=None, pods=[pod("kube-proxy")], mode="cilium-kpr"))
+    assert operation_of(back).params == {"removeModes": ["cilium-kpr"], "targetMode": "iptables"}
+
+
+def test_a_node_leaving_cilium_kpr_loses_the_label_with_its_move_and_gets_it_back_on_rollback() -> None:
+    m = mig("Switch", from_revision="kpr-1", from_mode="cilium-kpr", to_mode="nftables")
+    step = machine.step(inp(m, label="kpr-1", pods=[]))
+    assert [a for a in step.actions if isinstance(a, SetRevisionLabel)] == [
+        SetRevisionLabel(node="n1", revision=REV, reason="Switching", labels=NO_REPLACEMENT)]
+    back = mig("RollingBack", rollback_step="Label", from_revision="kpr-1", from_mode="cilium-kpr",
+               to_mode="nftables", reason="GateTimeout")
+    step = machine.step(inp(back, label=REV, pods=[pod(f"kube-proxy-{REV}")]))
+    assert [a for a in step.actions if isinstance(a, SetRevisionLabel)] == [
+        SetRevisionLabel(node="n1", revision="kpr-1", reason="RollingBack", labels=((KPR_LABEL, "cilium"),))]
+    # Back on Cilium's revision: done once the target's kube-proxy pod is gone (no pod of its own to wait for).
+    pods_step = back.model_copy(update={"rollback_step": "Pod", "reverted_at": fmt(T0)})
+    assert "go away" in machine.step(inp(pods_step, label="kpr-1", pods=[pod(f"kube-proxy-{REV}")])).message
+    gone = machine.step(inp(pods_step, label="kpr-1", pods=[]))
+    assert operation_of(gone).params == {"removeModes": ["nftables"], "targetMode": "cilium-kpr"}
+
+
+def _on_cilium(node_input: NodeInput, facts: ReplacementFacts | None) -> NodeInput:
+    """The node input with Cilium's account in the ProxyNode's status, as the agent's probe wrote it."""
+    status = node_input.proxynode.status.model_copy(update={"replacement": facts})
+    return dataclasses.replace(node_input, proxynode=node_input.proxynode.model_copy(update={"status": status}),
+                               frontends=(("198.19.0.10:80/TCP",), 3))
+
+
+CILIUM_KPR_OK = ReplacementFacts(agent_state="Ok", kube_proxy_replacement="True", enabled=True,
+                                 cluster_ip_frontends=3)
+
+
+def test_the_gate_of_a_cilium_kpr_node_judges_cilium_and_then_cleans_kube_proxys_objects() -> None:
+    m = mig("Gate", to_mode="cilium-kpr")
+    op = Operation(id=f"{REV}.1.0.Gate.0", type="Probe")
+    # kube-proxy's facts (there are none on such a node) do not matter; Cilium's account does.
+    passed = machine.step(_on_cilium(inp(m, label=REV, pods=[], op=op, last=done(op), mode="cilium-kpr"),
+                                     CILIUM_KPR_OK))
+    assert passed.phase == "Cleanup"
+    assert operation_of(passed).params == {"removeModes": ["iptables"], "targetMode": "cilium-kpr"}
+    off = CILIUM_KPR_OK.model_copy(update={"enabled": False, "kube_proxy_replacement": "False"})
+    waiting = machine.step(_on_cilium(inp(m, label=REV, pods=[], op=op, last=done(op), mode="cilium-kpr"), off))
+    assert waiting.phase == "Gate" and "has not read the revision's node config" in waiting.message
+    short = CILIUM_KPR_OK.model_copy(update={"cluster_ip_frontends": 2})
+    late = machine.step(_on_cilium(inp(m, label=REV, pods=[], op=op, last=done(op), mode="cilium-kpr",
+                                       now_plus=400), short))
+    assert late.phase == "RollingBack" and migration_of(late).reason == "GateTimeout"
+    assert "holds 2 ClusterIP frontends, the cluster's Services have 3" in (migration_of(late).message or "")
+
+
+def test_a_rollback_onto_cilium_kpr_is_proven_by_cilium_too() -> None:
+    back = mig("RollingBack", rollback_step="Gate", from_revision="kpr-1", from_mode="cilium-kpr",
+               to_mode="nftables", reverted_at=fmt(T0))
+    op = Operation(id=f"{REV}.1.0.RollbackGate.0", type="Probe")
+    step = machine.step(_on_cilium(inp(back, label="kpr-1", pods=[], op=op, last=done(op)), CILIUM_KPR_OK))
+    assert step.phase == "RolledBack"
+
+
+MODE_NAMES = st.sampled_from(["iptables", "ipvs", "nftables", "cilium-kpr"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(from_mode=MODE_NAMES, to_mode=MODE_NAMES, from_revision=st.sampled_from([None, "blue-old"]))
+def test_the_replacement_label_always_follows_the_revision_the_node_is_moved_to(
+        from_mode: str, to_mode: str, from_revision: str | None) -> None:
+    """Forward or back, the label patch hands the node to Cilium exactly when its revision runs no kube-proxy:
+    never a kube-proxy node with Cilium's label, never a Cilium node without it."""
+    expected = {"cilium-kpr": ((KPR_LABEL, "cilium"),)}
+    forward = machine.step(inp(mig("Switch", from_mode=from_mode, to_mode=to_mode, from_revision=from_revision),
+                               label=from_revision, pods=[]))
+    (switch,) = [a for a in forward.actions if isinstance(a, SetRevisionLabel)]
+    assert (switch.revision, switch.labels) == (REV, expected.get(to_mode, NO_REPLACEMENT))
+    back = machine.step(inp(mig("RollingBack", rollback_step="Label", from_mode=from_mode, to_mode=to_mode,
+                                from_revision=from_revision, reason="GateTimeout"), label=REV, pods=[]))
+    (undo,) = [a for a in back.actions if isinstance(a, SetRevisionLabel)]
+    assert (undo.revision, undo.labels) == (from_revision, expected.get(from_mode, NO_REPLACEMENT))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Protocol
 
 from proxyshift.agent import behaviour as behaviour_mod
+from proxyshift.agent import cilium_api
 from proxyshift.agent import conntrack as conntrack_mod
 from proxyshift.agent import diagnostics as diagnostics_mod
 from proxyshift.agent import flush as flush_mod
@@ -25,6 +26,7 @@ from proxyshift.agent.preflight import PreflightReport
 from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams, ConntrackParams, ConntrackReport
 from proxyshift.api.diagnostics import DiagnoseRequest, NodeDiagnostics
 from proxyshift.api.proxynode import KubeProxyFacts
+from proxyshift.api.replacement import ReplacementFacts, ReplacementParams
 from proxyshift.commands import CommandError, run
 
 
@@ -51,6 +53,11 @@ class NodeEffects(Protocol):
 
     def connect(self, targets: list[str]) -> dict[str, bool | str]:
         """A TCP connect to each ip:port: True, or why not."""
+        ...
+
+    def replacement(self, params: ReplacementParams, *, with_services: bool) -> ReplacementFacts:
+        """The node's kube-proxy replacement from its own API (Cilium's socket): its health and (with_services)
+        how much of the asked Service table it holds. An absent agent is a fact with an error."""
         ...
 
     def install_hold(self, from_mode: str) -> hold_mod.HoldReport:
@@ -107,6 +114,10 @@ class KernelNodeEffects:
 
     def connect(self, targets: list[str]) -> dict[str, bool | str]:
         return probe_mod.tcp_connect(targets)
+
+    def replacement(self, params: ReplacementParams, *, with_services: bool) -> ReplacementFacts:
+        return cilium_api.read_replacement(cilium_api.CiliumAPI(params.socket_path), params.frontends,
+                                           with_services=with_services)
 
     def install_hold(self, from_mode: str) -> hold_mod.HoldReport:
         return hold_mod.install(from_mode)

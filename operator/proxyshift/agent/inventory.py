@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from proxyshift.agent.flush.base import Runner
+from proxyshift.agent.flush.devices import parse_link_names
 from proxyshift.agent.flush.iptables import IptablesTool, available_tools
 from proxyshift.agent.flush.ipvs import (
     IpsetState,
@@ -40,7 +41,7 @@ from proxyshift.agent.iptables_save import parse
 from proxyshift.agent.ownership import IPVS_DUMMY_INTERFACE, MODES, NFT_TABLES, Mode, iptables_chain_modes
 from proxyshift.api.proxynode import MAX_FOREIGN_VIRTUAL_SERVERS, ForeignIPVS, ModeObjects
 from proxyshift.commands import CommandError, ToolMissingError, run
-from proxyshift.modes import DEFAULT_MODE, MODE_FACTS, ObjectKind
+from proxyshift.modes import DEFAULT_MODE, KUBE_PROXY_MODES, MODE_FACTS, ObjectKind
 
 # The addresses kept in the inventory (the count is always the true one).
 MAX_DUMMY_ADDRESSES = 1024
@@ -66,6 +67,8 @@ class Inventory:
     dummy_addresses: list[str] = field(default_factory=list)  # kube-ipvs0's, the first MAX_DUMMY_ADDRESSES
     dummy_address_count: int = 0  # all of them
     ipsets: list[str] = field(default_factory=list)
+    # A replacement's devices here (Cilium's cilium_host/cilium_net), by the exact names its facts list.
+    replacement_devices: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
     def kind_count(self, kind: ObjectKind) -> int:
@@ -139,7 +142,21 @@ KIND_COUNTS: dict[ObjectKind, _Kind] = {
     "nft-tables": _Kind(lambda inv: len(inv.nft_tables),
                         lambda inv: ["tables " + ", ".join(f"{f} {n}" for f, n in inv.nft_tables)]
                         if inv.nft_tables else []),
+    "replacement-devices": _Kind(lambda inv: len(inv.replacement_devices),
+                                 lambda inv: ["devices " + ", ".join(inv.replacement_devices)]
+                                 if inv.replacement_devices else []),
 }
+
+_REPLACEMENT_DEVICES = frozenset(d for f in MODE_FACTS.values() for d in f.owned.devices)
+
+
+def _devices(inv: Inventory, runner: Runner) -> None:
+    try:
+        names = parse_link_names(runner(["ip", "-j", "link", "show"], timeout=10.0).stdout)
+    except (CommandError, ValueError) as exc:
+        inv.errors.append(f"ip -j link: {exc}")
+        return
+    inv.replacement_devices = sorted(names & _REPLACEMENT_DEVICES)
 
 
 def _iptables(inv: Inventory, runner: Runner, tools: list[IptablesTool]) -> None:
@@ -208,6 +225,7 @@ def take_ipvs_inventory(*, runner: Runner = run, proc_root: Path = Path("/proc")
     """Only the IPVS part (virtual servers, kube-ipvs0, ipsets): what preflight for nftables needs."""
     inv = Inventory()
     _ipvs(inv, runner, proc_root)
+    _devices(inv, runner)
     return inv
 
 
@@ -233,7 +251,10 @@ def leftovers(inv: Inventory, observed_mode: str | None) -> list[Mode]:
     """
     if observed_mode not in MODES:
         return []
-    return [m for m in MODES if m != observed_mode and inv.count(m, observed=observed_mode, stale_only=True) > 0]
+    # A replacement's objects (Cilium's chains and devices) are no leftover of kube-proxy: in a cluster where
+    # Cilium is the CNI they are on every node, in use. The move away from cilium-kpr removes them.
+    return [m for m in KUBE_PROXY_MODES
+            if m != observed_mode and inv.count(m, observed=observed_mode, stale_only=True) > 0]
 
 
 def leftover_objects(inv: Inventory, observed_mode: str | None) -> int:

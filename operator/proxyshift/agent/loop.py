@@ -40,6 +40,7 @@ from proxyshift.agent import metrics as metrics_mod
 from proxyshift.agent import probe as probe_mod
 from proxyshift.agent.effects import KernelNodeEffects, NodeEffects
 from proxyshift.agent.ownership import MODES
+from proxyshift.agent.preflight import Missing
 from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams
 from proxyshift.api.common import API_GROUP, API_VERSION
 from proxyshift.api.proxynode import (
@@ -443,10 +444,27 @@ class Agent:
         self._node_facts = None if report.loaded else self._node_facts
         extra: dict[str, Any] = {"kernelRelease": report.kernel_release, "modules": report.present_modules(),
                                  "tools": report.tools.as_status()}
+        replaced = None
+        if p.replacement is not None:
+            # A target without kube-proxy: its agent, if it runs here already, must be healthy. One that is not
+            # here yet may start with the node's label (a DaemonSet that selects it): that is no refusal.
+            replaced = self.effects.replacement(p.replacement, with_services=False)
+            extra["replacement"] = replaced.to_k8s()
+            if replaced.agent_state is not None and replaced.agent_state != "Ok":
+                report.missing.append(Missing(
+                    "a healthy kube-proxy replacement agent",
+                    f"it runs on the node but reports {replaced.agent_state}"
+                    + (f" ({replaced.agent_message})" if replaced.agent_message else ""),
+                    "fix the agent on the node (its logs say why), then retry"))
         if report.foreign_ipvs is not None and not report.foreign_ipvs_excluded_some:
             # status.foreignIPVS is every foreign virtual server; a move to ipvs names only those it deletes.
             extra["foreignIPVS"] = report.foreign_ipvs.to_k8s()
         message, details = report.message(), PreflightResult.model_validate(report.details())
+        if replaced is not None:
+            details = details.model_copy(update={"replacement": replaced})
+            message += ("; its kube-proxy replacement agent is not on the node yet (it must start there with the "
+                        f"node's label): {replaced.error}" if replaced.agent_state is None
+                        else f"; its kube-proxy replacement agent reports {replaced.agent_state}")
         if report.ok and matrix is not None:
             # The "before" of this migration; an "after" of an earlier one means nothing any more.
             extra["behaviour"] = {"before": matrix_patch(matrix), "after": None}
@@ -504,6 +522,10 @@ class Agent:
                 self.sleep(PROBE_AWAIT_POLL_SECONDS)
                 extra = self.observe(inventory=False)
         services = p.services
+        replaced = None
+        if p.replacement is not None:
+            replaced = self.effects.replacement(p.replacement, with_services=True)
+            extra = {**extra, "replacement": replaced.to_k8s()}
         synced = self.clock()
         connects = self.effects.connect(services) if services else {}
         connected = self.clock()
@@ -516,9 +538,19 @@ class Agent:
         log.info("probe %s after the sync: connects %.3f s, conntrack %.3f s, behaviour %.3f s", op.id,
                  connected - synced, conntracked - connected, self.clock() - conntracked)
         facts = self.facts or KubeProxyFacts()
-        parts = [f"kube-proxy mode {facts.proxy_mode or 'unknown'}", f"healthz {facts.healthz_status}"]
-        if facts.error:
-            parts.append(f"error: {facts.error}")
+        if replaced is not None:
+            # No kube-proxy runs here: the replacement's account is the probe's answer.
+            parts = [f"kube-proxy replacement {replaced.kube_proxy_replacement or 'unknown'}, agent "
+                     f"{replaced.agent_state or 'unreachable'}"]
+            if replaced.cluster_ip_frontends is not None:
+                parts.append(f"{replaced.cluster_ip_frontends} ClusterIP frontends, {replaced.missing_count} of "
+                             f"{len(p.replacement.frontends if p.replacement else [])} asked missing")
+            if replaced.error:
+                parts.append(f"error: {replaced.error}")
+        else:
+            parts = [f"kube-proxy mode {facts.proxy_mode or 'unknown'}", f"healthz {facts.healthz_status}"]
+            if facts.error:
+                parts.append(f"error: {facts.error}")
         if services:
             ok = sum(1 for v in connects.values() if v is True)
             parts.append(f"{ok}/{len(services)} service connects ok")

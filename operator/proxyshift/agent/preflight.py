@@ -43,6 +43,7 @@ send them gets the check skipped, as before.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -61,6 +62,7 @@ from proxyshift.modes import (
     MODE_FACTS,
     MODES,
     NFTABLES_DELETES_IPVS,
+    KernelFeature,
     Mode,
     ToolNeed,
     deletes_foreign_ipvs,
@@ -341,9 +343,41 @@ def _kernel_missing(mode: Mode, minimum: tuple[int, int], release_v: tuple[int, 
     if release_v is not None and release_v[:2] >= minimum:
         return []
     wanted = version_text(minimum)
-    return [Missing(f"kernel >= {wanted}", f"kube-proxy's {mode} mode needs kernel {wanted} or newer; this "
+    replacement = MODE_FACTS[mode].replacement
+    who = f"{replacement.agent}'s kube-proxy replacement" if replacement is not None else f"kube-proxy's {mode} mode"
+    return [Missing(f"kernel >= {wanted}", f"{who} needs kernel {wanted} or newer; this "
                     f"node runs {release or 'an unknown kernel'}",
                     "upgrade the node's kernel, or keep this pool on iptables")]
+
+
+def _mount_types(proc_root: Path) -> set[str]:
+    """The filesystem types mounted in this mount namespace (/proc/mounts' third field), bounded."""
+    try:
+        with (proc_root / "mounts").open(encoding="utf-8", errors="replace") as mounts:
+            return {fields[2] for line in itertools.islice(mounts, 10_000) if len(fields := line.split()) > 2}
+    except OSError:
+        return set()
+
+
+# How each kernel feature a replacement needs is seen from /proc and /sys, and what a person does without it.
+_FEATURE_CHECKS: dict[KernelFeature, tuple[Callable[[Path, Path], bool], str, str]] = {
+    "cgroup2": (lambda proc, sys: "cgroup2" in _mount_types(proc), "a cgroup v2 mount",
+                "boot with the unified cgroup hierarchy (systemd.unified_cgroup_hierarchy=1) or mount cgroup2"),
+    "bpffs": (lambda proc, sys: "bpf" in _mount_types(proc), "the BPF filesystem",
+              "mount it: mount -t bpf bpffs /sys/fs/bpf (Cilium's DaemonSet can mount it too)"),
+    "btf": (lambda proc, sys: (sys / "kernel" / "btf" / "vmlinux").exists(), "kernel BTF (/sys/kernel/btf/vmlinux)",
+            "a kernel built with CONFIG_DEBUG_INFO_BTF=y"),
+}
+
+
+def features_missing(mode: Mode, proc_root: Path, sys_root: Path) -> list[Missing]:
+    """The kernel features the mode's facts list that this node lacks."""
+    missing = []
+    for need in MODE_FACTS[mode].features:
+        present, what, fix = _FEATURE_CHECKS[need.feature]
+        if not present(proc_root, sys_root):
+            missing.append(Missing(what, need.why, fix))
+    return missing
 
 
 def _iptables_missing(mode: Mode, need: ToolNeed, tools: ToolVersions) -> list[Missing]:
@@ -438,6 +472,7 @@ def check(mode: str, scheduler: str | None = None, *, proc_root: str | Path = "/
     missing = [_module_missing(view, m, why) for m, why in needed
                if view.state(m) != "present" and m not in accepted]
     missing += _check_tools(mode, parse_kernel_release(view.release or ""), view.release, tools)
+    missing += features_missing(mode, Path(proc_root), Path(sys_root))
     foreign, unreadable, foreign_missing = _foreign_ipvs(
         mode, Path(proc_root),
         ipvs_inventory or (lambda: take_ipvs_inventory(runner=runner, proc_root=Path(proc_root))),

@@ -44,6 +44,7 @@ ChangeName = Literal[
     "IPVSScheduler",  # leaving ipvs loses the scheduler's balancing (rr, lc, sh, mh...)
     "StrictARP",  # ipvs binds Service addresses on kube-ipvs0; MetalLB needs strictARP
     "ForeignIPVSFlush",  # an nftables kube-proxy deletes every IPVS virtual server, a user's too
+    "SocketLoadBalancing",  # Cilium KPR translates at connect(): no per-packet DNAT, no Service IP on the wire
 ]
 CHANGE_NAMES: tuple[ChangeName, ...] = get_args(ChangeName)
 

@@ -59,6 +59,19 @@ NFTABLES_LOCALHOST_MESSAGE = (
     "kube-proxy serves localhost NodePorts in nftables mode only when the list names it"
 )
 UNIQUE_MESSAGE = "must not list the same value twice"
+# mode cilium-kpr (issue 19): the node runs no kube-proxy; Cilium's agent serves its Services.
+CILIUM_KPR_MODE: Mode = "cilium-kpr"
+# Cilium's agent's REST API (pkg/defaults SockPath); a unix socket path must fit sun_path (108 bytes with its NUL).
+DEFAULT_CILIUM_SOCKET = "/var/run/cilium/cilium.sock"
+SOCKET_PATH_PATTERN = "^/[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$"
+SOCKET_PATH_MAX = 107
+SOCKET_PATH_DOT_DOT = "(^|/)[.][.](/|$)"
+SOCKET_PATH_MESSAGE = ("cilium.socketPath must be an absolute path of at most 107 characters (letters, digits, "
+                       "'_', '.', '-' between slashes), without '..'")
+CILIUM_CONNTRACK_MESSAGE = ("conntrack settings are kube-proxy's and are not allowed with mode: cilium-kpr "
+                            "(Cilium's eBPF datapath keeps its own connection tracking)")
+CILIUM_NODE_PORT_MESSAGE = ("with mode: cilium-kpr nodePortAddresses must be CIDRs (Cilium's nodeport-addresses); "
+                            "the keywords primary, localhost and all are kube-proxy's")
 
 
 def names_loopback(address: str) -> bool:
@@ -134,6 +147,41 @@ class NFTablesSettings(KubeModel):
         "the revision's featureGates). Needs nodePortAddresses to name loopback, e.g. [primary, localhost]. "
         "UDP NodePorts on localhost stay unserved in nftables mode.",
     )
+
+
+class CiliumKPRSettings(KubeModel):
+    """Settings of Cilium's kube-proxy replacement on the pool's nodes (rendered into the revision's
+    CiliumNodeConfig). Only valid with mode cilium-kpr."""
+
+    # The schema's pattern cannot say "no '..' segment" (no lookahead in RE2): a CEL rule does.
+    model_config = with_rules(cel(f"!self.socketPath.matches('{SOCKET_PATH_DOT_DOT}')", SOCKET_PATH_MESSAGE,
+                                  ".socketPath"))
+
+    socket_path: str = Field(
+        default=DEFAULT_CILIUM_SOCKET, max_length=SOCKET_PATH_MAX,
+        description="The Cilium agent's REST API socket on the node, which the proxyshift agent reads for "
+        "preflight (the agent is present and healthy) and the gate (KubeProxyReplacement on, its Service table "
+        "covers the cluster's Services).",
+        json_schema_extra={"pattern": SOCKET_PATH_PATTERN},
+    )
+    load_balancer_algorithm: Literal["random", "maglev"] | None = Field(
+        default=None,
+        description="How Cilium picks a Service's backend (bpf-lb-algorithm): random, or maglev (consistent "
+        "hashing, so a client keeps its backend across nodes). Unset keeps Cilium's default, random.",
+    )
+    host_namespace_only: bool | None = Field(
+        default=None,
+        description="Socket-LB only for the node's own processes, pods' traffic balanced per packet "
+        "(bpf-lb-sock-hostns-only; for pods whose own proxy, e.g. Istio's sidecar, must see the Service "
+        "address). Unset keeps Cilium's default, false.",
+    )
+
+    @field_validator("socket_path")
+    @classmethod
+    def _socket_path(cls, value: str) -> str:
+        if not re.match(SOCKET_PATH_PATTERN, value) or re.search(SOCKET_PATH_DOT_DOT, value):
+            raise ValueError(SOCKET_PATH_MESSAGE)
+        return value
 
 
 class Stage(KubeModel):
@@ -403,6 +451,12 @@ class ProxyPolicySpec(KubeModel):
             "iptables settings are only allowed with mode: iptables", ".iptables"),
         cel("!has(self.nftables) || self.mode == 'nftables'",
             "nftables settings are only allowed with mode: nftables", ".nftables"),
+        cel(f"!has(self.cilium) || self.mode == '{CILIUM_KPR_MODE}'",
+            f"cilium settings are only allowed with mode: {CILIUM_KPR_MODE}", ".cilium"),
+        cel(f"self.mode != '{CILIUM_KPR_MODE}' || !has(self.conntrack)", CILIUM_CONNTRACK_MESSAGE, ".conntrack"),
+        cel(f"self.mode != '{CILIUM_KPR_MODE}' || !has(self.nodePortAddresses) || "
+            "self.nodePortAddresses.all(a, !(a in ['primary', 'localhost', 'all']))",
+            CILIUM_NODE_PORT_MESSAGE, ".nodePortAddresses"),
         cel("!has(self.nftables) || !has(self.nftables.localhostNodePorts) || "
             "!self.nftables.localhostNodePorts || (has(self.nodePortAddresses) && "
             "self.nodePortAddresses.exists(a, a == 'localhost' || a.startsWith('127.') || "
@@ -420,13 +474,20 @@ class ProxyPolicySpec(KubeModel):
         "node-role.kubernetes.io/master) alone even when the selector matches them, and says so in the "
         "ControlPlaneSkipped condition; Include migrates them like any other node.",
     )
-    mode: ProxyMode = Field(description="The kube-proxy mode the pool runs: iptables, ipvs or nftables.")
+    mode: ProxyMode = Field(
+        description="The kube-proxy mode the pool runs: iptables, ipvs or nftables; or cilium-kpr: no kube-proxy, "
+        "Cilium's eBPF kube-proxy replacement serves the nodes' Services (the node is labelled "
+        "proxyshift.io/kube-proxy-replacement=cilium, and the revision's CiliumNodeConfig turns "
+        "kube-proxy-replacement on there; see docs/migration-guide.md).")
     ipvs: IPVSSettings | None = Field(default=None, description="ipvs mode settings; only with mode: ipvs.")
     iptables: IPTablesSettings | None = Field(
         default=None, description="iptables mode settings; only with mode: iptables."
     )
     nftables: NFTablesSettings | None = Field(
         default=None, description="nftables mode settings; only with mode: nftables."
+    )
+    cilium: CiliumKPRSettings | None = Field(
+        default=None, description="Cilium kube-proxy replacement settings; only with mode: cilium-kpr."
     )
     node_port_addresses: list[Annotated[str, Field(max_length=64)]] | None = Field(
         default=None,
@@ -435,11 +496,12 @@ class ProxyPolicySpec(KubeModel):
         "mode): CIDRs and the keywords primary (the Node's own IPs), localhost, all. Unset keeps the "
         "baseline's value; an unset value means every local address in iptables and ipvs mode but only the "
         "primary node IPs in nftables mode. Set it (e.g. [0.0.0.0/0]) to keep iptables' NodePorts on every "
-        "address after a move to nftables.",
+        "address after a move to nftables. With mode cilium-kpr: CIDRs only, rendered as Cilium's "
+        "nodeport-addresses (unset: the addresses of Cilium's devices).",
         json_schema_extra={"items": {"type": "string", "maxLength": 64, "pattern": NODE_PORT_ADDRESS_PATTERN}},
     )
     conntrack: ConntrackSettings | None = Field(
-        default=None, description="kube-proxy's conntrack settings, for every mode."
+        default=None, description="kube-proxy's conntrack settings, for every kube-proxy mode (not cilium-kpr)."
     )
     rollout: RolloutSettings = Field(default_factory=RolloutSettings, description="Pace of the rollout.")
     preflight: PreflightSettings = Field(default_factory=PreflightSettings, description="Node checks.")
@@ -461,6 +523,17 @@ class ProxyPolicySpec(KubeModel):
         for name in ("ipvs", "iptables", "nftables"):
             if getattr(self, name) is not None and self.mode != name:
                 raise ValueError(f"{name} settings are only allowed with mode: {name}")
+        return self
+
+    @model_validator(mode="after")
+    def _cilium_kpr_settings(self) -> ProxyPolicySpec:
+        if self.cilium is not None and self.mode != CILIUM_KPR_MODE:
+            raise ValueError(f"cilium settings are only allowed with mode: {CILIUM_KPR_MODE}")
+        if self.mode == CILIUM_KPR_MODE:
+            if self.conntrack is not None:
+                raise ValueError(CILIUM_CONNTRACK_MESSAGE)
+            if any(a in NODE_PORT_ADDRESS_KEYWORDS for a in self.node_port_addresses or []):
+                raise ValueError(CILIUM_NODE_PORT_MESSAGE)
         return self
 
     @model_validator(mode="after")

@@ -16,13 +16,15 @@ from pydantic import AliasChoices, Field, ValidationError, field_validator
 from proxyshift.api.behaviour import BehaviourParams, ConntrackParams, ConntrackReport, NodeBehaviour
 from proxyshift.api.common import KubeModel
 from proxyshift.api.diagnostics import DiagnoseRequest, NodeDiagnostics, NodeDistribution
+from proxyshift.api.replacement import ReplacementFacts, ReplacementParams
 
 OperationType = Literal["Preflight", "Hold", "Cleanup", "Probe"]
 OPERATION_TYPES: tuple[OperationType, ...] = get_args(OperationType)
-# The kube-proxy modes, for the planner, the executor and the agent alike. The wire fields that carry a
-# mode stay plain strings: a node may report one this version does not know, and that must be a fact, not
-# a refused object.
-Mode = Literal["iptables", "ipvs", "nftables"]
+# The kube-proxy modes, for the planner, the executor and the agent alike, and cilium-kpr: no kube-proxy on
+# the node, Cilium's eBPF kube-proxy replacement serves its Services (issue 19; its facts say what differs,
+# proxyshift.modes.cilium_kpr). The wire fields that carry a mode stay plain strings: a node may report one this
+# version does not know, and that must be a fact, not a refused object.
+Mode = Literal["iptables", "ipvs", "nftables", "cilium-kpr"]
 MODES: tuple[Mode, ...] = get_args(Mode)
 # Where the operator is with a node (spec.migration.phase; a string on the wire, see NodeMigration.phase).
 Phase = Literal[
@@ -135,12 +137,16 @@ class PreflightParams(_Params):
         serialization_alias="ipvsExcludeCIDRs", max_length=64,
         description="The target's ipvs.excludeCIDRs (mode ipvs): a foreign IPVS virtual server outside them is "
         "deleted by the ipvs kube-proxy at every sync, so preflight refuses it unless ForeignIPVSFlush is allowed.")
+    replacement: ReplacementParams | None = Field(
+        default=None, description="A target that runs no kube-proxy (cilium-kpr): where its agent's API is.")
 
     def to_params(self) -> dict[str, Any]:
-        # scheduler: null stays on the wire (an older agent reads the key); no allowChanges, behaviour or
-        # ipvsExcludeCIDRs leaves the key out.
-        wire = self.model_dump(by_alias=True, exclude={"behaviour", "allow_changes", "ipvs_exclude_cidrs"},
-                               mode="json")
+        # scheduler: null stays on the wire (an older agent reads the key); no allowChanges, behaviour,
+        # ipvsExcludeCIDRs or replacement leaves the key out.
+        wire = self.model_dump(by_alias=True, exclude={"behaviour", "allow_changes", "ipvs_exclude_cidrs",
+                                                       "replacement"}, mode="json")
+        if self.replacement is not None:
+            wire["replacement"] = self.replacement.model_dump(by_alias=True, mode="json")
         if self.allow_changes:
             wire["allowChanges"] = list(self.allow_changes)
         if self.ipvs_exclude_cidrs is not None:
@@ -192,11 +198,14 @@ class ProbeParams(_Params):
     await_seconds: float = Field(default=0.0, description="How long the agent may wait (it caps this itself).")
     conntrack: ConntrackParams | None = Field(default=None, description="The conntrack step, first.")
     behaviour: BehaviourParams | None = Field(default=None, description="The Service sample to probe after.")
+    replacement: ReplacementParams | None = Field(
+        default=None, description="The node runs no kube-proxy (cilium-kpr): read its replacement's API instead.")
 
     def to_params(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"services": list(self.services), "awaitMode": self.await_mode,
                                 "awaitSyncs": self.await_syncs, "awaitSeconds": self.await_seconds}
-        for key, part in (("conntrack", self.conntrack), ("behaviour", self.behaviour)):
+        for key, part in (("conntrack", self.conntrack), ("behaviour", self.behaviour),
+                          ("replacement", self.replacement)):
             if part is not None:
                 wire[key] = part.model_dump(by_alias=True, exclude_none=True, mode="json")
         return wire
@@ -439,6 +448,7 @@ class PreflightResult(_Result):
     on_demand: list[str] = Field(default_factory=list)
     tools: dict[str, str] = Field(default_factory=dict)
     foreign_ipvs: ForeignIPVSFound | None = Field(default=None, alias="foreignIPVS")
+    replacement: ReplacementFacts | None = None
 
 
 class HoldResult(_Result):
@@ -517,6 +527,9 @@ class ProxyNodeStatus(KubeModel):
         description="Versions: nft, iptables, iptablesBackend, ipset, ipvsadm.",
     )
     kube_proxy: KubeProxyFacts | None = Field(default=None, description="Latest kube-proxy probe.")
+    replacement: ReplacementFacts | None = Field(
+        default=None, description="Latest read of the node's kube-proxy replacement (Cilium's /v1/healthz and "
+        "/v1/service), on a node moving to or running cilium-kpr.")
     objects: list[ModeObjects] = Field(default_factory=list, max_length=MAX_STATUS_OBJECTS,
                                        description="kube-proxy objects per mode on the node.")
     leftovers: list[Annotated[str, Field(max_length=16)]] = Field(

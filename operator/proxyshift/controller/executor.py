@@ -156,8 +156,12 @@ class Executor:
             raise StepBlocked(f"revision {action.revision} no longer matches the spec (now {rendered.name})")
         self.ensure_baseline_affinity(ds)
         try:
+            if rendered.node_config is not None:
+                self._apply_node_config(rendered.node_config, rendered.mode)
+            # A replacement revision's ConfigMap is its record (the revision index sees it): after its node config.
             self.api.apply_configmap(rendered.configmap)
-            self.api.apply_daemonset(rendered.daemonset)
+            if rendered.kube_proxy_daemonset is not None:
+                self.api.apply_daemonset(rendered.kube_proxy_daemonset)
             self.kept.applied(action.revision)
         except ApiException as exc:
             if not action.existing:
@@ -166,6 +170,15 @@ class Executor:
             # its nodes run the revision as it is. Counted, so the reconcile-errors alert sees it.
             metrics.RECONCILE_ERRORS.labels(action.policy, f"revision-apply-api{exc.status}").inc()
             log.warning("could not apply revision %s again: %s", action.revision, describe_api_error(exc))
+
+    def _apply_node_config(self, node_config: dict[str, Any], mode: str) -> None:
+        try:
+            self.api.apply_node_config(node_config)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            raise StepBlocked(f"the cluster does not serve {node_config['kind']} ({node_config['apiVersion']}): "
+                              f"install Cilium with its CRDs before moving nodes to {mode}") from exc
 
     def ensure_baseline_affinity(self, ds: dict[str, Any]) -> None:
         """Keep the baseline DaemonSet off nodes that carry a revision label, once; record the exact undo."""
@@ -206,6 +219,8 @@ class Executor:
     def _do_DeleteRevision(self, action: w.DeleteRevision, _: dict[str, ProxyPolicy]) -> None:
         cm_name, ds_name = render.revision_object_names(action.revision)
         self.api.delete_daemonset(ds_name)
+        for api_version, kind, name in render.node_config_names(action.revision):
+            self.api.delete_node_config(api_version, kind, name)
         self.api.delete_configmap(cm_name)
 
     # ---- nodes ----
@@ -232,7 +247,8 @@ class Executor:
 
     def _do_SetRevisionLabel(self, action: w.SetRevisionLabel, _: dict[str, ProxyPolicy]) -> Written:
         return Written("node_index", action.node,
-                       self.api.set_node_label(action.node, w.REVISION_LABEL, action.revision))
+                       self.api.set_node_label(action.node, w.REVISION_LABEL, action.revision,
+                                               with_labels=dict(action.labels)))
 
     def _do_Cordon(self, action: w.Cordon, _: dict[str, ProxyPolicy]) -> Written:
         return Written("node_index", action.node, self.api.set_unschedulable(action.node, True))

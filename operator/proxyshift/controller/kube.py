@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any, cast
 
@@ -82,9 +83,12 @@ class ClusterAPI:
 
     # ---- nodes ----
 
-    def set_node_label(self, node: str, key: str, value: str | None) -> str:
-        """Returns the Node's new resourceVersion. A merge patch with null removes the label."""
-        patched = self.rest.json("PATCH", f"/api/v1/nodes/{node}", body={"metadata": {"labels": {key: value}}},
+    def set_node_label(self, node: str, key: str, value: str | None,
+                       with_labels: Mapping[str, str | None] | None = None) -> str:
+        """Returns the Node's new resourceVersion. A merge patch with null removes the label. `with_labels` go in
+        the same patch, so the node never carries one of them without the others."""
+        labels = {**(with_labels or {}), key: value}
+        patched = self.rest.json("PATCH", f"/api/v1/nodes/{node}", body={"metadata": {"labels": labels}},
                                  content_type=STRATEGIC_MERGE)
         return str(patched["metadata"]["resourceVersion"])
 
@@ -313,6 +317,24 @@ class ClusterAPI:
         applied = self.rest.json("PATCH", self._daemonset_path(desired["metadata"]["name"]), body=desired,
                                  **_rest_apply_options(force=REVISION_FORCE))
         return str(applied["metadata"]["resourceVersion"])
+
+    def _object_path(self, api_version: str, kind: str, name: str) -> str:
+        # A custom resource's plural is its kind in lower case plus "s" (CiliumNodeConfig: ciliumnodeconfigs).
+        return f"/apis/{api_version}/namespaces/{self.namespace}/{kind.lower()}s/{name}"
+
+    def apply_node_config(self, desired: dict[str, Any]) -> str:
+        """Server-side apply of a replacement's per-node config (a CiliumNodeConfig) in the revisions' namespace.
+        A 404 means the cluster does not serve the kind (Cilium's CRDs are not installed)."""
+        path = self._object_path(desired["apiVersion"], desired["kind"], desired["metadata"]["name"])
+        applied = self.rest.json("PATCH", path, body=desired, **_rest_apply_options(force=REVISION_FORCE))
+        return str(applied["metadata"]["resourceVersion"])
+
+    def delete_node_config(self, api_version: str, kind: str, name: str) -> None:
+        """Gone already, or a kind the cluster does not serve: nothing to delete either way (404)."""
+        try:
+            self.rest.call("DELETE", self._object_path(api_version, kind, name)).read()
+        except ApiException as exc:
+            _ignore(404, exc)
 
     def delete_configmap(self, name: str) -> None:
         try:

@@ -33,7 +33,8 @@ log = logging.getLogger("proxyshift.operator")
 
 # kopf's index stores: key -> the values indexed under it (ours keep one per key).
 Store = Mapping[str, Collection[Any]]
-INDEX_NAMES = ("policy_index", "revision_index", "baseline_configmap_index", "baseline_daemonset_index")
+INDEX_NAMES = ("policy_index", "revision_index", "baseline_configmap_index", "baseline_daemonset_index",
+               "replacement_revision_index")
 
 # How long the loop waits for its own writes to reach its caches before planning anyway. After an API
 # server restart the watches re-list; planning on the older view in the meantime re-entered a switch
@@ -49,12 +50,19 @@ class Indexes:
     revisions: Store
     baseline_configmap: Store
     baseline_daemonset: Store
+    # The revisions of a mode that runs no kube-proxy (Cilium's KPR), by their ConfigMap: they have no DaemonSet.
+    replacement_revisions: Store = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> Indexes:
         """kopf passes each index as the keyword named after its handler."""
-        policies, revisions, configmap, daemonset = (kwargs[n] for n in INDEX_NAMES)
-        return cls(policies, revisions, configmap, daemonset)
+        policies, revisions, configmap, daemonset, replacements = (kwargs[n] for n in INDEX_NAMES)
+        return cls(policies, revisions, configmap, daemonset, replacements)
+
+    def revision_views(self) -> dict[str, w.RevisionView]:
+        """Every revision: the kube-proxy ones by their DaemonSet, the others by their ConfigMap."""
+        return {k: v for store in (self.replacement_revisions, self.revisions)
+                for k, values in store.items() if (v := first(values)) is not None}
 
 
 async def step(runtime: OperatorRuntime, name: str, indexes: Indexes) -> w.Plan:
@@ -76,7 +84,7 @@ async def step(runtime: OperatorRuntime, name: str, indexes: Indexes) -> w.Plan:
         policies=policies,
         nodes=view.nodes,
         proxynodes=view.proxynodes,
-        revisions={k: v for k, store in indexes.revisions.items() if (v := first(store)) is not None},
+        revisions=indexes.revision_views(),
         pods=view.pods,
         baseline_mode=baseline_mode(baseline_cm),
         current_revisions=targets,

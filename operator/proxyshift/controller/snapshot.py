@@ -114,7 +114,9 @@ def current_revisions(policies: Mapping[str, ProxyPolicy], baseline_configmap: M
         except (ValueError, KeyError) as exc:
             errors[name] = f"cannot render a revision from the baseline kube-proxy: {exc}"
             continue
-        settings = KubeProxyConfiguration.model_validate(rendered.config).ipvs
+        # A replacement revision's config is its node config, not a KubeProxyConfiguration: no ipvs there.
+        runs = rendered.kube_proxy_daemonset is not None
+        settings = KubeProxyConfiguration.model_validate(rendered.config).ipvs if runs else None
         excluded = (settings.exclude_cidrs if settings is not None else None) or []
         targets[name] = RevisionTarget(name=rendered.name, mode=rendered.mode, scheduler=policy.spec.scheduler,
                                        ipvs_exclude_cidrs=tuple(str(c) for c in excluded))

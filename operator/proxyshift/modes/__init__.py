@@ -22,15 +22,20 @@ from proxyshift.modes.base import (
     IPVS_PRUNES_UNEXCLUDED,
     NFTABLES_DELETES_IPVS,
     OBJECT_KINDS,
+    AffinityKind,
+    FeatureNeed,
+    KernelFeature,
     ModeFacts,
     ModuleNeed,
     NodePortDefault,
     ObjectKind,
     Owned,
+    Replacement,
     ToolNeed,
     overlay,
     version_text,
 )
+from proxyshift.modes.cilium_kpr import FACTS as CILIUM_KPR
 from proxyshift.modes.iptables import FACTS as IPTABLES
 from proxyshift.modes.ipvs import (
     DEFAULT_IPVS_SCHEDULER,
@@ -56,18 +61,23 @@ __all__ = [
     "IPVS_NODEPORT_SETS",
     "IPVS_PRUNES_UNEXCLUDED",
     "IPVS_SCHEDULERS",
+    "KUBE_PROXY_MODES",
     "MODES",
     "MODE_FACTS",
     "NFTABLES_DELETES_IPVS",
     "NFTABLES_MIN_KERNEL",
     "NFTABLES_MIN_NFT",
     "OBJECT_KINDS",
+    "AffinityKind",
+    "FeatureNeed",
+    "KernelFeature",
     "Mode",
     "ModeFacts",
     "ModuleNeed",
     "NodePortDefault",
     "ObjectKind",
     "Owned",
+    "Replacement",
     "ToolNeed",
     "deletes_foreign_ipvs",
     "described_address",
@@ -79,12 +89,20 @@ __all__ = [
     "outside_exclude_cidrs",
     "overlay",
     "prunes_unexcluded_ipvs",
+    "replacement_labels",
+    "runs_kube_proxy",
     "startup_cleanup_drops_old_rules",
     "version_text",
 ]
 
-MODE_FACTS: dict[Mode, ModeFacts] = {f.mode: f for f in (IPTABLES, IPVS, NFTABLES)}
+MODE_FACTS: dict[Mode, ModeFacts] = {f.mode: f for f in (IPTABLES, IPVS, NFTABLES, CILIUM_KPR)}
 assert tuple(sorted(MODE_FACTS)) == tuple(sorted(MODES)), "every Mode has exactly one ModeFacts"
+# The modes a kube-proxy runs (a revision with a kube-proxy DaemonSet); the others replace kube-proxy.
+KUBE_PROXY_MODES: tuple[Mode, ...] = tuple(m for m in MODES if MODE_FACTS[m].kube_proxy)
+# Every label some mode's replacement puts on its nodes: a node moving to any mode sets its own and removes the
+# others', so a node leaving Cilium's KPR for a kube-proxy mode loses Cilium's label.
+_REPLACEMENT_LABEL_KEYS: tuple[str, ...] = tuple(sorted({
+    f.replacement.node_label[0] for f in MODE_FACTS.values() if f.replacement is not None}))
 
 # kube-proxy's mode on Linux when its configuration names none: the mode every cluster starts in.
 DEFAULT_MODE: Mode = IPTABLES.mode
@@ -97,6 +115,21 @@ def facts(mode: Mode) -> ModeFacts:
 def facts_of(mode: str | None) -> ModeFacts | None:
     """The facts of a mode read off the wire (a node may report one this version does not know): None then."""
     return MODE_FACTS[mode] if is_mode(mode) else None
+
+
+def runs_kube_proxy(mode: str | None) -> bool:
+    """Whether a node in `mode` runs a kube-proxy (a mode this version does not know is taken for one: every
+    mode before Cilium's KPR was)."""
+    known = facts_of(mode)
+    return known is None or known.kube_proxy
+
+
+def replacement_labels(mode: str | None) -> dict[str, str | None]:
+    """The replacement labels a node in `mode` carries, key -> value, and None for each one it must not carry
+    (a label patch: None removes). A mode this version does not know keeps no replacement label."""
+    known = facts_of(mode)
+    wanted = dict([known.replacement.node_label]) if known is not None and known.replacement is not None else {}
+    return {key: wanted.get(key) for key in _REPLACEMENT_LABEL_KEYS}
 
 
 def node_port_default(mode: str | None) -> NodePortDefault:

@@ -26,11 +26,53 @@ Tool = Literal["iptables", "ipset", "nft"]
 # kind, not per mode, because two modes share a tool: ipvs mode's KUBE-* chains are iptables chains, and one
 # iptables-save/-restore per family must see both modes' chains to tell the shared ones apart. The order is the
 # flush's only safe order: rules first (ipvs mode's rules reference the ipsets the ipvs flush destroys).
-ObjectKind = Literal["iptables-chains", "ipvs-objects", "nft-tables"]
+# A replacement's devices (Cilium's cilium_host/cilium_net) go last: nothing else references them.
+ObjectKind = Literal["iptables-chains", "ipvs-objects", "nft-tables", "replacement-devices"]
 OBJECT_KINDS: tuple[ObjectKind, ...] = get_args(ObjectKind)
 
 # nodePortAddresses when unset, as kube-proxy 1.37 defaults it per mode: every local address, or the node's IPs.
 NodePortDefault = Literal["all", "primary"]
+
+# How a mode keeps a ClientIP-affinity Service's client on one endpoint: a per-client timer (iptables' recent
+# match, nftables' sets with timeouts), IPVS persistence (per Service port, renewed by every connection), or
+# Cilium's affinity map keyed, for socket-LB, by the client's network namespace cookie rather than its address.
+AffinityKind = Literal["client-timer", "ipvs-persistence", "netns-cookie"]
+
+# What a mode that replaces kube-proxy needs from the node beyond modules and a minimum release
+# (agent/preflight.py checks each one from /proc and /sys): the cgroup v2 hierarchy its socket-LB attaches to,
+# the BPF filesystem its maps are pinned in, the kernel's BTF. The BPF program types (sched_cls,
+# cgroup_sock_addr with getpeername hooks) come with the minimum release.
+KernelFeature = Literal["cgroup2", "bpffs", "btf"]
+
+
+@dataclass(frozen=True)
+class FeatureNeed:
+    """A kernel feature the mode needs, and why (the preflight report quotes `why`)."""
+
+    feature: KernelFeature
+    why: str
+
+
+def _no_node_config(spec: ProxyPolicySpec) -> dict[str, str]:
+    return {}
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """What runs a node's Services when no kube-proxy does (a mode with kube_proxy False): the agent that
+    replaces it, how the node is handed to it, and where its own status is read."""
+
+    # For a person: "Cilium" (as in "Cilium's kube-proxy replacement", "Cilium's agent").
+    agent: str
+    # The label the node carries while it is in this mode (the replacement's DaemonSet and node config select on
+    # it); the node loses it when it moves back to a kube-proxy mode.
+    node_label: tuple[str, str]
+    # Where the agent's REST API listens on the node, unless the policy says otherwise.
+    default_socket: str
+    # The per-node config object that turns the replacement on for the labelled nodes (apiVersion, kind), and
+    # its settings from the policy (strings, as the agent reads its options).
+    node_config_kind: tuple[str, str] = ("", "")
+    node_config: Callable[[ProxyPolicySpec], dict[str, str]] = field(default=_no_node_config)
 
 
 @dataclass(frozen=True)
@@ -69,6 +111,12 @@ class Owned:
     # The dummy interface it binds Service addresses on.
     interface: str | None = None
     ipsets: frozenset[str] = frozenset()
+    # Network devices it creates (a replacement's, e.g. cilium_host/cilium_net), besides `interface`, which is
+    # where ipvs mode binds Service addresses (the compatibility report's StrictARP finding asks for that one).
+    devices: tuple[str, ...] = ()
+    # Where its BPF programs are attached: tc/tcx on its devices, cgroup hooks for socket-LB. For a person and
+    # the flush's report; the agent finds the attachments by evidence (their program names), not by this text.
+    bpf_attachments: tuple[str, ...] = ()
 
 
 def _no_modules(scheduler: str | None) -> tuple[ModuleNeed, ...]:
@@ -97,6 +145,19 @@ class ModeFacts:
     owned: Owned
     # The kinds of object `owned` names, plus what is found by evidence rather than name (IPVS virtual servers).
     objects: tuple[ObjectKind, ...]
+    # Its revision runs a kube-proxy DaemonSet (the revision's ConfigMap holds a KubeProxyConfiguration). False:
+    # the node runs no kube-proxy and `replacement` says what serves its Services instead.
+    kube_proxy: bool = True
+    replacement: Replacement | None = None
+    # Kernel features beyond modules and a minimum release (a replacement's eBPF datapath).
+    features: tuple[FeatureNeed, ...] = ()
+    # It balances a host-network client's connection at connect() (socket-LB, cgroup BPF): the socket talks to
+    # the endpoint from the start, so no DNAT is in conntrack and the Service address is never on the wire.
+    # The kube-proxy modes NAT per packet.
+    socket_lb: bool = False
+    session_affinity: AffinityKind = "client-timer"
+    # Words for where it serves NodePorts when nodePortAddresses is unset, if not the node-port default's.
+    node_port_words: str | None = None
     min_kernel: tuple[int, int] | None = None
     # The mode's kernel modules for an IPVS scheduler (only ipvs mode has one).
     modules: Callable[[str | None], tuple[ModuleNeed, ...]] = field(default=_no_modules)

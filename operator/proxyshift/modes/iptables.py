@@ -33,7 +33,7 @@ def render_settings(config: KubeProxyConfiguration, spec: ProxyPolicySpec) -> No
         overlay(config.iptables, spec.iptables)
 
 
-def _contains_loopback(entry: str) -> bool:
+def contains_loopback(entry: str) -> bool:
     try:
         return ipaddress.ip_address("127.0.0.1") in ipaddress.ip_network(entry, strict=False)
     except ValueError:
@@ -44,7 +44,7 @@ def localhost_protocols(config: KubeProxyConfiguration | None, addresses: list[s
     """route_localnet serves TCP and UDP NodePorts on 127.0.0.1 unless iptables.localhostNodePorts is false or
     nodePortAddresses leaves loopback out."""
     enabled = not (config and config.iptables and config.iptables.localhost_node_ports is False)
-    covered = not addresses or any(a in ("all", "localhost") or _contains_loopback(a) for a in addresses)
+    covered = not addresses or any(a in ("all", "localhost") or contains_loopback(a) for a in addresses)
     return {"TCP", "UDP"} if enabled and covered else set()
 
 

@@ -84,6 +84,7 @@ FACTS = ModeFacts(
     objects=("iptables-chains", "ipvs-objects"),
     modules=modules,
     ipvs_scheduler=True,
+    session_affinity="ipvs-persistence",
     prunes_unexcluded_ipvs=True,
     deprecation=("IPVS mode is deprecated since Kubernetes 1.35 and nftables is GA since 1.33: "
                  "plan a move to nftables (proxyshift plan with mode: nftables shows which nodes can)"),

@@ -20,6 +20,10 @@ iptables mode to nftables" page, the ipvs docs, and kube-proxy 1.37.2's own sour
 - ipvs balances with its scheduler and implements ClientIP affinity as IPVS persistence; iptables
   and nftables mode choose at random and keep their own per-client affinity timer. ipvs binds
   Service and LoadBalancer addresses on kube-ipvs0, so MetalLB's L2 mode needs strictARP.
+- Cilium's kube-proxy replacement (modes/cilium_kpr.py) balances a host-network client at connect()
+  (socket-LB) instead of NATing each packet; serves NodePorts on its devices' addresses (nodeport-addresses
+  when set) and on 127.0.0.1 for TCP and UDP; handles NodePorts before netfilter; and keeps ClientIP
+  affinity per client network namespace.
 """
 
 from __future__ import annotations
@@ -123,6 +127,41 @@ def _binds_service_addresses(mode: str) -> bool:
     return facts is not None and facts.owned.interface is not None
 
 
+def _socket_lb(mode: str) -> bool:
+    facts = facts_of(mode)
+    return facts is not None and facts.socket_lb
+
+
+_AFFINITY_WORDS = {
+    "client-timer": "a per-client timer in iptables and nftables mode",
+    "ipvs-persistence": "IPVS persistence in ipvs mode (per Service port, renewed by every connection)",
+    "netns-cookie": "Cilium's affinity map with its kube-proxy replacement (keyed by the client's network "
+                    "namespace, not its address, for connections its socket-LB balances; 3 hours by default)",
+}
+
+
+def _affinity_summary(from_mode: str, to_mode: str) -> str | None:
+    """What changes for ClientIP affinity between the two modes' ways of keeping it (None: nothing)."""
+    before, after = facts_of(from_mode), facts_of(to_mode)
+    if before is None or after is None or before.session_affinity == after.session_affinity:
+        return None
+    kinds = {before.session_affinity, after.session_affinity}
+    if kinds == {"client-timer", "ipvs-persistence"}:
+        return ("ClientIP affinity is IPVS persistence in ipvs mode (per Service port, renewed by every connection) "
+                "and a per-client timer in iptables and nftables mode: clients may reach another endpoint after "
+                "the switch and the timeout counts differently")
+    return (f"ClientIP affinity is {_AFFINITY_WORDS[before.session_affinity]} today and "
+            f"{_AFFINITY_WORDS[after.session_affinity]} after the switch: clients may reach another endpoint, "
+            "and clients that share an address no longer share their endpoint")
+
+
+def _mode_words(mode: str) -> str:
+    facts = facts_of(mode)
+    if facts is not None and facts.replacement is not None:
+        return f"{facts.replacement.agent}'s kube-proxy replacement"
+    return f"{mode} mode"
+
+
 def _localhost_opt_in(mode: str) -> str | None:
     facts = facts_of(mode)
     return facts.localhost_opt_in if facts is not None else None
@@ -163,7 +202,7 @@ def compatibility(
             summary, preserving = to_facts.localhost_loss(frozenset(lost))
         else:
             preserving = None
-            summary = f"{to_mode} mode serves no NodePorts on 127.0.0.1 (iptables mode does, through route_localnet)"
+            summary = f"{_mode_words(to_mode)} serves no NodePorts on 127.0.0.1 ({_mode_words(from_mode)} does)"
         findings.append(_finding("LocalhostNodePorts", summary, affected, preserving))
     elif served_before and from_mode != to_mode and (opt_in := _localhost_opt_in(to_mode)) is not None:
         # Today's localhost NodePorts are kept, by a setting the target mode needs for them.
@@ -173,7 +212,12 @@ def compatibility(
     wide_before, wide_after = _covers_everything(from_mode, from_config), _covers_everything(to_mode, to_config)
     before_list, after_list = _effective_addresses(from_mode, from_config), _effective_addresses(to_mode, to_config)
     if wide_before and not wide_after:
-        if not _addresses(to_config) and node_port_default(to_mode) == "primary":
+        to_facts = facts_of(to_mode)
+        if not _addresses(to_config) and to_facts is not None and to_facts.node_port_words is not None:
+            summary = (f"{_mode_words(to_mode)} serves NodePorts only on {to_facts.node_port_words} when "
+                       f"nodePortAddresses is unset ({_mode_words(from_mode)}: on every local address, a second "
+                       "NIC or a VIP too)")
+        elif not _addresses(to_config) and node_port_default(to_mode) == "primary":
             summary = (f"{to_mode} mode serves NodePorts only on the node's primary IPs when nodePortAddresses is "
                        f"unset ({from_mode} mode: on every local address, a second NIC or a VIP too)")
         else:
@@ -218,21 +262,16 @@ def compatibility(
             "virtual servers' addresses there",
             [], "ipvs.excludeCIDRs"))
 
-    if _ipvs_scheduled(from_mode) != _ipvs_scheduled(to_mode):
+    if (affinity_change := _affinity_summary(from_mode, to_mode)) is not None:
         affinity = [s for s in dialable if s.session_affinity == "ClientIP"]
-        findings.append(_finding(
-            "SessionAffinity",
-            "ClientIP affinity is IPVS persistence in ipvs mode (per Service port, renewed by every connection) and "
-            "a per-client timer in iptables and nftables mode: clients may reach another endpoint after the switch "
-            "and the timeout counts differently",
-            affinity, None))
+        findings.append(_finding("SessionAffinity", affinity_change, affinity, None))
     if _ipvs_scheduled(from_mode) and not _ipvs_scheduled(to_mode):
         scheduler = (from_config.ipvs.scheduler if from_config and from_config.ipvs else None) or DEFAULT_IPVS_SCHEDULER
         hashing = scheduler in ("sh", "dh", "mh")
         findings.append(_finding(
             "IPVSScheduler",
             f"the ipvs scheduler {scheduler} ({_SCHEDULERS.get(scheduler, scheduler)}) is replaced by a random "
-            f"choice among ready endpoints in {to_mode} mode",
+            f"choice among ready endpoints in {_mode_words(to_mode)}",
             [s for s in dialable if ready.get(s.key, 0) >= 2],
             "sessionAffinity: ClientIP on the Services that need a client to stay on one endpoint" if hashing
             else None))
@@ -243,7 +282,21 @@ def compatibility(
             "ipvs mode binds every Service and LoadBalancer address on the node's kube-ipvs0 interface; without "
             "strictARP the node answers ARP for them (MetalLB's L2 mode needs strictARP)",
             [s for s in dialable if s.type == "LoadBalancer"], "ipvs.strictARP: true", preserved=strict))
+    if _socket_lb(from_mode) != _socket_lb(to_mode):
+        findings.append(_finding("SocketLoadBalancing", _socket_lb_summary(from_mode, to_mode), dialable, None))
     return findings
+
+
+def _socket_lb_summary(from_mode: str, to_mode: str) -> str:
+    if _socket_lb(to_mode):
+        return (f"{_mode_words(to_mode)} balances the node's own clients at connect() (socket-LB) instead of "
+                f"NATing each packet as {_mode_words(from_mode)} does: their connections go to the endpoint "
+                "directly, conntrack holds no DNAT entry for them and the Service address never appears on the "
+                "wire (tcpdump, NetworkPolicy logs and iptables rules matching it see the endpoint); NodePorts are "
+                "handled at tc ingress before netfilter, so host firewall rules no longer see them")
+    return (f"{_mode_words(to_mode)} NATs each packet where {_mode_words(from_mode)} balanced the node's own "
+            "clients at connect(): conntrack holds DNAT entries again, the Service address is on the wire, and "
+            "NodePort traffic passes the host firewall's rules again")
 
 
 CONDITION_MESSAGE_LENGTH = 1024
@@ -264,5 +317,5 @@ def compat_summary(to_mode: str, findings: Iterable[CompatFinding], limit: int =
         parts.append(f"{finding.change}{services} ({keep})")
     if not parts:
         return ""
-    text = f"{to_mode} mode changes: " + "; ".join(parts)
+    text = f"{_mode_words(to_mode)} changes: " + "; ".join(parts)
     return text if len(text) <= limit else text[: limit - 3] + "..."

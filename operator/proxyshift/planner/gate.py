@@ -15,6 +15,7 @@ from typing import Literal
 
 from proxyshift.api.policy import GateSettings
 from proxyshift.api.proxynode import KubeProxyFacts
+from proxyshift.api.replacement import ReplacementFacts
 from proxyshift.planner.timeutil import fmt, utc
 
 # The switch time is the operator's clock, the process start time the node's; NTP keeps them close
@@ -181,3 +182,54 @@ def evaluate_gate(
     if gate.probe_services:
         parts.append(f"{len(connect_results or {})} service connects ok")
     return GateVerdict("pass", "GatePassed", "kube-proxy proved itself: " + ", ".join(parts))
+
+
+def evaluate_replacement_gate(
+    facts: ReplacementFacts | None,
+    gate: GateSettings,
+    agent: str,
+    expected_frontends: int,
+    connect_results: Mapping[str, bool | str] | None = None,
+) -> GateVerdict:
+    """Judge a node that runs no kube-proxy by its replacement's own account (Cilium's /v1/healthz and
+    /v1/service, read by the agent): the replacement agent answers and is Ok, it says it replaces kube-proxy,
+    its Service table holds every frontend the operator asked about and at least as many ClusterIP frontends as
+    the cluster's Services have; then the policy's probe Services answer.
+
+    Everything short of that is "wait": an agent still starting, or one that has not read its per-node config
+    yet, may come right within gate.timeout; a timeout rolls the node back to its kube-proxy.
+    """
+    if facts is None:
+        return GateVerdict("wait", "NoProbeYet", f"the agent has not reported {agent}'s state yet")
+    if facts.error and facts.agent_state is None:
+        return GateVerdict("wait", "ReplacementUnreachable", f"the agent could not read {agent}: {facts.error}")
+    if facts.agent_state != "Ok":
+        said = f" ({facts.agent_message})" if facts.agent_message else ""
+        return GateVerdict("wait", "ReplacementNotReady", f"{agent}'s agent reports {facts.agent_state}{said}")
+    if not facts.enabled:
+        return GateVerdict("wait", "ReplacementOff",
+                           f"{agent} answers but its kube-proxy replacement is {facts.kube_proxy_replacement!r}: "
+                           "its agent on the node has not read the revision's node config (it reads it at start)")
+    if facts.error or facts.cluster_ip_frontends is None:
+        return GateVerdict("wait", "ServiceTableUnread",
+                           f"{agent}'s Service table was not read: {facts.error or 'not reported'}")
+    if facts.missing_count:
+        shown = ", ".join(facts.missing[:5]) + (f" and {facts.missing_count - 5} more" if facts.missing_count > 5
+                                                 else "")
+        return GateVerdict("wait", "ServicesMissing", f"{agent}'s Service table lacks {shown}")
+    if facts.cluster_ip_frontends < expected_frontends:
+        return GateVerdict("wait", "ServicesMissing",
+                           f"{agent}'s Service table holds {facts.cluster_ip_frontends} ClusterIP frontends, the "
+                           f"cluster's Services have {expected_frontends}")
+    if gate.probe_services:
+        if connect_results is None:
+            return GateVerdict("wait", "ProbePending", "the TCP connects to the probe services have not run yet")
+        failed = _connect_failures(connect_results)
+        if failed:
+            return GateVerdict(
+                "fail", "ServiceUnreachable", "TCP connect failed from the node to " + ", ".join(failed[:5]))
+    parts = [f"{agent} Ok", f"kube-proxy replacement {facts.kube_proxy_replacement}",
+             f"{facts.cluster_ip_frontends} ClusterIP frontends (the cluster has {expected_frontends})"]
+    if gate.probe_services:
+        parts.append(f"{len(connect_results or {})} service connects ok")
+    return GateVerdict("pass", "GatePassed", f"{agent}'s kube-proxy replacement proved itself: " + ", ".join(parts))

@@ -50,9 +50,16 @@ from proxyshift.api.proxynode import (
     ProxyNode,
     is_phase,
 )
-from proxyshift.modes import prunes_unexcluded_ipvs, startup_cleanup_drops_old_rules
+from proxyshift.api.replacement import ReplacementParams
+from proxyshift.modes import (
+    facts_of,
+    prunes_unexcluded_ipvs,
+    replacement_labels,
+    runs_kube_proxy,
+    startup_cleanup_drops_old_rules,
+)
 from proxyshift.planner.behaviour import compare_matrices
-from proxyshift.planner.gate import GateVerdict, evaluate_gate
+from proxyshift.planner.gate import GateVerdict, evaluate_gate, evaluate_replacement_gate
 from proxyshift.planner.gate import Result as GateResult
 from proxyshift.planner.timeutil import fmt, parse, remaining, seconds_since, utc
 from proxyshift.planner.world import (
@@ -131,6 +138,9 @@ class NodeInput:
     may_switch: bool = True
     # The current revision's ipvs.excludeCIDRs (None: no current revision), sent with a preflight for ipvs.
     ipvs_exclude_cidrs: tuple[str, ...] | None = None
+    # For a node that runs no kube-proxy on one side of its move (cilium-kpr): the cluster's ClusterIP frontends
+    # its replacement's Service table must hold (a bounded sample) and how many there are in all.
+    frontends: tuple[tuple[str, ...], int] = ((), 0)
 
     @property
     def migration(self) -> NodeMigration | None:
@@ -286,13 +296,18 @@ def _pods(inp: NodeInput, revision: str | None) -> list[KubeProxyPodView]:
     return [p for p in inp.pods if p.daemonset == ds]
 
 
-def _pod_swap(inp: NodeInput, old: str | None, new: str | None) -> tuple[bool, str, KubeProxyPodView | None]:
-    """(done, what we wait for, the new pod): old revision's pod gone, new one Running and Ready."""
+def _pod_swap(inp: NodeInput, old: str | None, new: str | None,
+              new_mode: str | None = None) -> tuple[bool, str, KubeProxyPodView | None]:
+    """(done, what we wait for, the new pod): old revision's pod gone, new one Running and Ready. A revision of a
+    mode that runs no kube-proxy (Cilium's KPR) has no pod: the old one gone is all; what serves the node's
+    Services then is the gate's to prove."""
     old_pods = _pods(inp, old) if daemonset_for(old) != daemonset_for(new) else []
     new_pods = [p for p in _pods(inp, new) if not p.deleting]
     pod = new_pods[0] if new_pods else None
     if old_pods:
         return False, f"waiting for the old kube-proxy pod {old_pods[0].name} to go away", pod
+    if not runs_kube_proxy(new_mode):
+        return True, "", None
     if pod is None:
         return False, f"waiting for a {daemonset_for(new)} pod on the node", None
     if not (pod.running and pod.ready):
@@ -330,6 +345,17 @@ def _connects(found: Connects | None, expected: list[str]) -> dict[str, bool | s
 # ---- entry point: start a node ----
 
 
+def _replacement_params(inp: NodeInput, mode: str | None, *, frontends: bool) -> ReplacementParams | None:
+    """What the agent reads of a mode that replaces kube-proxy (None for a kube-proxy mode): where its agent's API
+    is (the policy's cilium.socketPath, else the mode's default) and, for a gate, the frontends to look for."""
+    facts = facts_of(mode)
+    if facts is None or facts.replacement is None:
+        return None
+    socket = inp.spec.cilium.socket_path if inp.spec.cilium is not None else facts.replacement.default_socket
+    sample, total = inp.frontends if frontends else ((), 0)
+    return ReplacementParams(socket_path=socket, frontends=list(sample), expected_frontends=total)
+
+
 def _preflight_op(inp: NodeInput, m: NodeMigration, scheduler: str | None) -> Operation:
     params = PreflightParams(
         mode=m.to_mode or "",
@@ -340,6 +366,7 @@ def _preflight_op(inp: NodeInput, m: NodeMigration, scheduler: str | None) -> Op
         behaviour=_behaviour_sample(inp),
         ipvs_exclude_cidrs=list(inp.ipvs_exclude_cidrs)
         if prunes_unexcluded_ipvs(m.to_mode) and inp.ipvs_exclude_cidrs is not None else None,
+        replacement=_replacement_params(inp, m.to_mode, frontends=False),
     )
     return Operation.request(op_id(m, "Preflight", 0), params)
 
@@ -584,10 +611,17 @@ def _enter_switch(inp: NodeInput, m: NodeMigration, why: str) -> Step:
     return Step([_forward_write(inp, nxt, None), *step.actions], step.phase, step.message, step.requeue_after)
 
 
+def _label(inp: NodeInput, revision: str | None, mode: str | None, *, reason: str) -> SetRevisionLabel:
+    """The node's revision label and, in the same patch, its mode's replacement labels (Cilium's set for
+    cilium-kpr, removed for a kube-proxy mode): kube-proxy leaves exactly when the replacement takes the node."""
+    return SetRevisionLabel(node=inp.node.name, revision=revision, reason=reason,
+                            labels=tuple(sorted(replacement_labels(mode).items())))
+
+
 def _move_label(inp: NodeInput, m: NodeMigration, why: str) -> Step:
     return Step(
         [
-            SetRevisionLabel(node=inp.node.name, revision=m.to_revision, reason="Switching"),
+            _label(inp, m.to_revision, m.to_mode, reason="Switching"),
             _event(inp, "Switching", f"{why}; moving the node to {daemonset_for(m.to_revision)}"),
         ],
         "Switch",
@@ -622,9 +656,9 @@ def _switch(inp: NodeInput, m: NodeMigration) -> Step:
         held = _switch_hold(inp, m)
         if held is not None:
             return held
-        return Step([SetRevisionLabel(node=inp.node.name, revision=m.to_revision, reason="Switching")],
+        return Step([_label(inp, m.to_revision, m.to_mode, reason="Switching")],
                     "Switch", "moving the revision label", POLL_SECONDS)
-    done, waiting, pod = _pod_swap(inp, m.from_revision, m.to_revision)
+    done, waiting, pod = _pod_swap(inp, m.from_revision, m.to_revision, m.to_mode)
     if done:
         return _enter_probe(inp, m, "Gate", "the new kube-proxy pod is Ready")
     if pod is not None and is_crash_looping(pod):
@@ -645,7 +679,10 @@ def _probe_op(inp: NodeInput, m: NodeMigration, step_name: str, n: int) -> Opera
     mode = m.from_mode if step_name == "RollbackGate" else m.to_mode
     # Every probe after a switch (forward or back) clears un-NATed conntrack entries left from the gap;
     # only the forward gate compares Service behaviour with the matrix taken before the switch.
-    params = ProbeParams(services=services, await_mode=mode, await_syncs=inp.spec.gate.min_syncs,
+    # A node without kube-proxy has none to wait for: the replacement's own account is read instead.
+    params = ProbeParams(services=services, await_mode=mode if runs_kube_proxy(mode) else None,
+                         await_syncs=inp.spec.gate.min_syncs,
+                         replacement=_replacement_params(inp, mode, frontends=True),
                          await_seconds=min(AGENT_AWAIT_SECONDS, _timeout(inp).total_seconds()),
                          conntrack=inp.conntrack, behaviour=_behaviour_sample(inp) if step_name == "Gate" else None)
     return Operation.request(op_id(m, step_name, n), params)
@@ -705,7 +742,15 @@ def _judge_report(inp: NodeInput, op: Operation, res: OperationStatus, target_mo
         expected, found, conntrack = probe.services, probed.connects, probed.conntrack
         sampled = probe.behaviour is not None
     connects = _connects(found, expected) if inp.spec.gate.probe_services else None
-    verdict = evaluate_gate(inp.proxynode.status.kube_proxy, inp.spec.gate, target_mode, switched, inp.now, connects)
+    target_facts = facts_of(target_mode)
+    replacement = target_facts.replacement if target_facts is not None else None
+    if replacement is not None:
+        # No kube-proxy on the node: its replacement proves itself by its own account (Cilium's API).
+        verdict = evaluate_replacement_gate(inp.proxynode.status.replacement, inp.spec.gate, replacement.agent,
+                                            inp.frontends[1], connects)
+    else:
+        verdict = evaluate_gate(inp.proxynode.status.kube_proxy, inp.spec.gate, target_mode, switched, inp.now,
+                                connects)
     if verdict.passed and sampled:
         verdict = _judge_behaviour(inp, op, verdict)
     told = _conntrack_told(conntrack)
@@ -914,13 +959,13 @@ def _rolling_back(inp: NodeInput, m: NodeMigration) -> Step:
         nxt = m.model_copy(update={"rollback_step": "Pod", "reverted_at": fmt(inp.now), "phase_since": fmt(inp.now)})
         actions: list[Action] = [_rollback_write(inp, nxt, None)]
         if inp.node.revision != m.from_revision:
-            actions.append(SetRevisionLabel(node=inp.node.name, revision=m.from_revision, reason="RollingBack"))
+            actions.append(_label(inp, m.from_revision, m.from_mode, reason="RollingBack"))
         return Step(actions, "RollingBack", "moving the node back", POLL_SECONDS)
     if sub == "Pod":
         if inp.node.revision != m.from_revision:
-            return Step([SetRevisionLabel(node=inp.node.name, revision=m.from_revision, reason="RollingBack")],
+            return Step([_label(inp, m.from_revision, m.from_mode, reason="RollingBack")],
                         "RollingBack", "moving the revision label back", POLL_SECONDS)
-        done, waiting, _ = _pod_swap(inp, m.to_revision, m.from_revision)
+        done, waiting, _ = _pod_swap(inp, m.to_revision, m.from_revision, m.from_mode)
         if not done:
             # No timeout: there is nowhere safer to go than the revision the node came from.
             return _wait("RollingBack", waiting)

@@ -20,13 +20,14 @@ from proxyshift.api.common import parse_duration
 from proxyshift.api.diagnostics import DiagnoseRequest
 from proxyshift.api.policy import NodeFailure, NodeProgress, ProxyPolicy
 from proxyshift.api.proxynode import NodeMigration, ProxyNode
+from proxyshift.api.replacement import MAX_FRONTENDS
 from proxyshift.planner import machine
 from proxyshift.planner.behaviour import behaviour_params
 from proxyshift.planner.diagnosis import migration_request
 from proxyshift.planner.machine import FAILED, NodeInput, Target, is_in_flight
 from proxyshift.planner.ordering import node_key
 from proxyshift.planner.ownership import Ownership, compute_ownership, is_deleting, revision_policy
-from proxyshift.planner.services import EndpointView
+from proxyshift.planner.services import EndpointView, cluster_ip_frontends
 from proxyshift.planner.status import Summary, build_status, transitions
 from proxyshift.planner.timeutil import fmt, parse, utc
 from proxyshift.planner.world import (
@@ -107,6 +108,13 @@ class _Ctx:
         return _conntrack(self)
 
     @functools.cached_property
+    def frontends(self) -> tuple[tuple[str, ...], int]:
+        """The ClusterIP frontends a kube-proxy replacement's gate asks about (a bounded sample) and how many the
+        cluster's Services have in all: the same for every node of the plan, taken once."""
+        every = cluster_ip_frontends(self.world.services.services.values())
+        return tuple(every[:MAX_FRONTENDS]), len(every)
+
+    @functools.cached_property
     def distribution(self) -> DiagnoseRequest | None:
         """The same for every node of the plan: taken once."""
         return _distribution_request(self)
@@ -130,7 +138,7 @@ def _node_input(ctx: _Ctx, name: str, pn: ProxyNode, may_switch: bool = True) ->
     return NodeInput(policy=ctx.name, spec=ctx.policy.spec, node=node, proxynode=pn,
                      pods=tuple(w.kube_proxy_pods.get(name, ())), now=ctx.now, service_ips=w.service_ips,
                      behaviour=_behaviour_sample(ctx, node), conntrack=ctx.conntrack, distribution=ctx.distribution,
-                     api_back_at=w.api_back_at, may_switch=may_switch,
+                     api_back_at=w.api_back_at, may_switch=may_switch, frontends=ctx.frontends,
                      ipvs_exclude_cidrs=rendered.ipvs_exclude_cidrs if rendered is not None else None)
 
 

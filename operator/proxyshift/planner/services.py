@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from proxyshift.api.replacement import frontend_key
+
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 MAX_PORTS = 32
 MAX_CLUSTER_IPS = 2  # a dual-stack Service has at most one per family
@@ -154,3 +156,11 @@ def endpoints_by_service(endpoints: Iterable[EndpointView]) -> dict[str, list[En
     for endpoint in endpoints:
         grouped.setdefault(endpoint.service, []).append(endpoint)
     return grouped
+
+
+def cluster_ip_frontends(services: Iterable[ServiceView]) -> list[str]:
+    """Every ClusterIP frontend of the cluster's Services ("198.19.0.10:80/TCP"), distinct and sorted: what a
+    kube-proxy replacement's Service table must hold (a headless or ExternalName Service has none)."""
+    return sorted({frontend_key(ip, port.port, port.protocol)
+                   for service in services if not service.headless and service.type != "ExternalName"
+                   for ip in service.cluster_ips for port in service.ports})

@@ -181,10 +181,15 @@ class SetMigration(Action):
 
 @dataclass(frozen=True)
 class SetRevisionLabel(Action):
-    """Move the node to a revision's DaemonSet (None removes the label: back to the baseline)."""
+    """Move the node to a revision's DaemonSet (None removes the label: back to the baseline).
+
+    `labels` go in the same patch: the replacement labels of the revision's mode (proxyshift.modes
+    replacement_labels: Cilium's label set for cilium-kpr, removed, as None, for every kube-proxy mode), so a node
+    is handed to Cilium exactly when kube-proxy leaves it, and back."""
 
     node: str
     revision: str | None
+    labels: tuple[tuple[str, str | None], ...] = ()
 
 
 @dataclass(frozen=True)

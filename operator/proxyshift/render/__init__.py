@@ -22,6 +22,7 @@ from proxyshift.render.names import (
     revision_name,
     revision_object_names,
 )
+from proxyshift.render.replacement import node_config_name, node_config_names
 from proxyshift.render.revision import RenderedRevision, render_revision, revision_labels
 
 __all__ = [
@@ -40,6 +41,8 @@ __all__ = [
     "config_hash",
     "foreign_spec_owners",
     "needs_recreate",
+    "node_config_name",
+    "node_config_names",
     "policy_label_value",
     "render_config",
     "render_revision",

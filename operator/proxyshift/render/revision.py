@@ -11,6 +11,10 @@ deletionPolicy Orphan the nodes stay on the revision after the policy is gone,
 and garbage collection would delete the DaemonSet under them, leaving those
 nodes without any kube-proxy (the baseline avoids them by its affinity).
 The operator deletes a revision itself once no node uses it.
+
+A mode that replaces kube-proxy (its facts say kube_proxy False: Cilium's KPR) renders no DaemonSet: its
+revision is a ConfigMap that records the node config and, for the replacement itself, a CiliumNodeConfig
+(render/replacement.py). Moving a node onto it takes the node's kube-proxy away by the same label.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 import yaml
 
 from proxyshift.api.policy import ProxyMode, ProxyPolicy
+from proxyshift.modes import MODE_FACTS
 from proxyshift.render.affinity import without_revision_affinity
 from proxyshift.render.kubeproxyconfig import baseline_config, config_hash, find_config_key, render_config
 from proxyshift.render.names import (
@@ -38,6 +43,7 @@ from proxyshift.render.names import (
     revision_name,
     revision_object_names,
 )
+from proxyshift.render.replacement import NODE_CONFIG_KEY, node_config_hash, node_config_text, render_node_config
 
 DEFAULT_NAMESPACE = "kube-system"
 
@@ -50,13 +56,24 @@ class RenderedRevision:
     hash: str
     mode: ProxyMode
     configmap: dict[str, Any]
-    daemonset: dict[str, Any]
+    # The kube-proxy DaemonSet that runs the revision; None for a mode that replaces kube-proxy.
+    kube_proxy_daemonset: dict[str, Any] | None
+    # What the revision runs: the KubeProxyConfiguration, or (no kube-proxy) the replacement's node config.
     config: dict[str, Any]
+    # The replacement's own per-node config (Cilium's CiliumNodeConfig); None for a kube-proxy mode.
+    node_config: dict[str, Any] | None = None
+
+    @property
+    def daemonset(self) -> dict[str, Any]:
+        """The kube-proxy DaemonSet, for a revision that has one (ask kube_proxy_daemonset when it may not)."""
+        if self.kube_proxy_daemonset is None:
+            raise ValueError(f"revision {self.name} ({self.mode}) runs no kube-proxy DaemonSet")
+        return self.kube_proxy_daemonset
 
     @property
     def labels(self) -> dict[str, str]:
-        """proxyshift's own labels on both objects (policy, revision, managed-by), for selecting them."""
-        return {k: v for k, v in self.daemonset["metadata"]["labels"].items() if k.startswith("proxyshift.io/")}
+        """proxyshift's own labels on its objects (policy, revision, managed-by), for selecting them."""
+        return {k: v for k, v in self.configmap["metadata"]["labels"].items() if k.startswith("proxyshift.io/")}
 
 
 def revision_labels(policy: str, revision: str) -> dict[str, str]:
@@ -156,6 +173,8 @@ def render_revision(
     policy: ProxyPolicy, baseline_configmap: dict[str, Any], baseline_daemonset: dict[str, Any]
 ) -> RenderedRevision:
     """The revision a policy renders to on top of the baseline kube-proxy. Pure: no I/O, inputs untouched."""
+    if not MODE_FACTS[policy.spec.mode].kube_proxy:
+        return render_replacement_revision(policy, baseline_configmap)
     policy_name = policy.name
     config = render_config(policy.spec, baseline_config(baseline_configmap))
     hash_ = config_hash(config)
@@ -174,9 +193,34 @@ def render_revision(
         hash=hash_,
         mode=policy.spec.mode,
         configmap=configmap,
-        daemonset=daemonset,
+        kube_proxy_daemonset=daemonset,
         config=config_dict,
     )
+
+
+def render_replacement_revision(policy: ProxyPolicy, baseline_configmap: dict[str, Any]) -> RenderedRevision:
+    """A revision of a mode that replaces kube-proxy: a ConfigMap recording its node config, and the node config
+    itself; no DaemonSet, so a node labelled with it runs no kube-proxy."""
+    facts = MODE_FACTS[policy.spec.mode]
+    if facts.replacement is None:
+        raise ValueError(f"mode {policy.spec.mode} runs no kube-proxy and names no replacement")
+    defaults = facts.replacement.node_config(policy.spec)
+    hash_ = node_config_hash(policy.spec.mode, defaults)
+    revision = revision_name(policy.name, hash_)
+    cm_name, _ = revision_object_names(revision)
+    labels = revision_labels(policy.name, revision)
+    annotations = {ANNOTATION_CONFIG_HASH: hash_, ANNOTATION_POLICY: policy.name, ANNOTATION_MODE: policy.spec.mode}
+    namespace = (baseline_configmap.get("metadata") or {}).get("namespace") or DEFAULT_NAMESPACE
+    configmap: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": cm_name, "namespace": namespace, "labels": dict(labels),
+                     "annotations": dict(annotations)},
+        "data": {NODE_CONFIG_KEY: node_config_text(defaults)},
+    }
+    node_config = render_node_config(facts, revision, namespace, labels, annotations, defaults)
+    return RenderedRevision(name=revision, hash=hash_, mode=policy.spec.mode, configmap=configmap,
+                            kube_proxy_daemonset=None, config=dict(defaults), node_config=node_config)
 
 
 @functools.lru_cache(maxsize=256)

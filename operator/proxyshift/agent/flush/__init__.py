@@ -1,9 +1,11 @@
 """Flush of stale kube-proxy objects: one flusher per kind of kernel object behind one interface.
 
 Which kinds a mode leaves on a node is the mode's fact (`proxyshift.modes`, ModeFacts.objects): iptables mode
-its chains, ipvs mode chains and IPVS objects, nftables mode its nft tables. `flush(remove_modes, target_mode)`
-runs the flushers of the kinds the removed modes own, in the only safe order (OBJECT_KINDS): iptables rules
-first (ipvs-mode rules reference the KUBE-* ipsets that the ipvs flusher destroys), then ipvs, then nftables.
+its chains, ipvs mode chains and IPVS objects, nftables mode its nft tables, Cilium's KPR its chains and devices
+(never while its agent still answers on the node). `flush(remove_modes, target_mode)` runs the flushers of the
+kinds the removed modes own, in the only safe order (OBJECT_KINDS): iptables rules first (ipvs-mode rules
+reference the KUBE-* ipsets that the ipvs flusher destroys), then ipvs, then nftables, then a replacement's
+devices.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from proxyshift.agent import cilium_api
 from proxyshift.agent.flush.base import Flusher, FlushReport, FlushStep, Runner
+from proxyshift.agent.flush.devices import DeviceFlusher
 from proxyshift.agent.flush.iptables import IptablesFlusher, IptablesTool
 from proxyshift.agent.flush.ipvs import IpvsFlusher
 from proxyshift.agent.flush.nftables import NftablesFlusher
@@ -49,12 +53,20 @@ FLUSHERS: dict[ObjectKind, Callable[[FlushOptions], Flusher]] = {
                                                  verify=o.verify, dry_run=o.dry_run),
     "ipvs-objects": lambda o: IpvsFlusher(run=o.runner, proc_root=o.proc_root, dry_run=o.dry_run),
     "nft-tables": lambda o: NftablesFlusher(run=o.runner, dry_run=o.dry_run),
+    "replacement-devices": lambda o: DeviceFlusher(run=o.runner, dry_run=o.dry_run),
 }
+
+
+def _agent_answers(socket_path: str) -> bool:
+    """Whether a replacement's agent answers on its socket: then its objects are its running datapath."""
+    facts = cilium_api.read_replacement(cilium_api.CiliumAPI(socket_path, timeout=2.0), with_services=False)
+    return facts.agent_state is not None
 
 
 def flush(remove_modes: Iterable[str], target_mode: str | None, *, runner: Runner = run,
           iptables_tools: list[IptablesTool] | None = None, proc_root: Path = Path("/proc"),
-          verify: bool = True, dry_run: bool = False) -> FlushReport:
+          verify: bool = True, dry_run: bool = False,
+          answers: Callable[[str], bool] = _agent_answers) -> FlushReport:
     """Remove the objects of `remove_modes` that `target_mode` does not use. Idempotent.
 
     The target mode is never removed, even if listed: that is the mode kube-proxy
@@ -62,6 +74,13 @@ def flush(remove_modes: Iterable[str], target_mode: str | None, *, runner: Runne
     """
     remove, target = validate_modes(remove_modes, target_mode)
     report = FlushReport(sorted(remove), target)
+    for mode in sorted(remove):
+        replacement = MODE_FACTS[mode].replacement
+        if replacement is not None and answers(replacement.default_socket):
+            # Cilium still runs here (the CNI of a cluster that keeps it): its chains and devices are not stale.
+            remove = remove - {mode}
+            report.steps.append(FlushStep(f"{mode} objects", skipped=[
+                f"{replacement.agent}'s agent answers on {replacement.default_socket}: its objects are in use"]))
     options = FlushOptions(runner=runner, iptables_tools=iptables_tools, proc_root=proc_root, verify=verify,
                            dry_run=dry_run,
                            # The iptables flush also drops the rules that reference the removed modes' ipsets,

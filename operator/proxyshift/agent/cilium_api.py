@@ -1,0 +1,148 @@
+"""A small, bounded client of the Cilium agent's REST API on its unix socket (what `cilium-dbg` reads).
+
+Two reads: GET /v1/healthz (the agent's state and its kube-proxy replacement mode) and GET /v1/service (its
+Service table). Each is bounded in time (one deadline for the whole answer, so an agent trickling bytes cannot
+hold the proxyshift agent) and in size, and parsed into the typed models of api/replacement.py: never a dict
+past this module. Preflight asks whether the agent is there and healthy; the gate whether the replacement is on
+and its table holds the cluster's Services (`read_replacement`).
+"""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import time
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from pathlib import Path
+
+from pydantic import TypeAdapter, ValidationError
+
+from proxyshift.api.replacement import (
+    MAX_MISSING,
+    REPLACEMENT_MESSAGE_LIMIT,
+    CiliumHealth,
+    CiliumService,
+    ReplacementFacts,
+)
+
+DEFAULT_TIMEOUT = 3.0
+HEALTH_MAX_BYTES = 1024 * 1024
+# A Service table of 10,000 frontends with a few backends each is a few MiB of JSON.
+SERVICES_MAX_BYTES = 32 * 1024 * 1024
+_CHUNK = 64 * 1024
+_SERVICES = TypeAdapter(list[CiliumService])
+
+
+class CiliumAPIError(Exception):
+    """The agent's API could not be read, or answered something that is not what it documents."""
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.unix_path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.unix_path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class CiliumAPI:
+    """GETs on one Cilium agent's socket, each within `timeout` seconds and its size cap."""
+
+    def __init__(self, socket_path: str | Path, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.socket_path = str(socket_path)
+        self.timeout = timeout
+
+    def get(self, path: str, *, max_bytes: int) -> bytes:
+        where = f"GET {path} on {self.socket_path}"
+        deadline = time.monotonic() + self.timeout
+        conn = _UnixConnection(self.socket_path, self.timeout)
+        try:
+            conn.request("GET", path, headers={"Accept": "application/json", "User-Agent": "proxyshift-agent"})
+            response = conn.getresponse()
+            chunks: list[bytes] = []
+            size = 0
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CiliumAPIError(f"{where}: no complete answer within {self.timeout:g}s")
+                if conn.sock is not None:
+                    conn.sock.settimeout(left)
+                chunk = response.read1(_CHUNK)
+                if not chunk:
+                    break
+                size += len(chunk)
+                if size > max_bytes:
+                    raise CiliumAPIError(f"{where}: answer larger than {max_bytes} bytes")
+                chunks.append(chunk)
+        except TimeoutError as exc:
+            raise CiliumAPIError(f"{where}: no complete answer within {self.timeout:g}s") from exc
+        except (OSError, http.client.HTTPException) as exc:
+            raise CiliumAPIError(f"{where}: {exc.__class__.__name__}: {exc}") from exc
+        finally:
+            conn.close()
+        body = b"".join(chunks)
+        if response.status != 200:
+            raise CiliumAPIError(f"{where}: HTTP {response.status} {body[:200].decode('utf-8', 'replace')!r}")
+        return body
+
+    def healthz(self) -> CiliumHealth:
+        body = self.get("/v1/healthz", max_bytes=HEALTH_MAX_BYTES)
+        try:
+            return CiliumHealth.model_validate_json(body)
+        except ValidationError as exc:
+            raise CiliumAPIError(f"/v1/healthz is not a Cilium status: {_first_error(exc)}") from exc
+
+    def services(self) -> list[CiliumService]:
+        body = self.get("/v1/service", max_bytes=SERVICES_MAX_BYTES)
+        try:
+            return _SERVICES.validate_json(body)
+        except ValidationError as exc:
+            raise CiliumAPIError(f"/v1/service is not a Cilium Service list: {_first_error(exc)}") from exc
+
+
+def _first_error(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or "the document"
+    return f"{where}: {first['msg']}"
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def read_replacement(api: CiliumAPI, frontends: Iterable[str] = (), *, with_services: bool = True) -> ReplacementFacts:
+    """ReplacementFacts from the agent's health and (with_services) its Service table, measured against the
+    frontends the operator named. What could not be read is in `error`: an absent agent is a fact, not a crash."""
+    try:
+        health = api.healthz()
+    except CiliumAPIError as exc:
+        return ReplacementFacts(error=str(exc)[:REPLACEMENT_MESSAGE_LIMIT], probed_at=_now())
+    state = health.cilium
+    facts = ReplacementFacts(
+        agent_state=(state.state if state else None),
+        agent_message=((state.msg or None) if state else None),
+        kube_proxy_replacement=(health.kube_proxy_replacement.mode if health.kube_proxy_replacement else None),
+        enabled=health.enabled,
+        probed_at=_now(),
+    )
+    if facts.agent_message is not None:
+        facts = facts.model_copy(update={"agent_message": facts.agent_message[:REPLACEMENT_MESSAGE_LIMIT]})
+    if not with_services:
+        return facts
+    try:
+        table = api.services()
+    except CiliumAPIError as exc:
+        return facts.model_copy(update={"error": str(exc)[:REPLACEMENT_MESSAGE_LIMIT]})
+    held = {key for service in table for key in service.cluster_ip_frontends}
+    missing = sorted({f for f in frontends if f not in held})
+    return facts.model_copy(update={"cluster_ip_frontends": len(held), "missing": missing[:MAX_MISSING],
+                                    "missing_count": len(missing)})

@@ -1,0 +1,229 @@
+"""The agent's client of Cilium's REST API (agent/cilium_api.py) against a fake Cilium agent on a unix socket in
+the test, and the gate that judges what it reads (planner/gate.py evaluate_replacement_gate)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import socketserver
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxyshift.agent.cilium_api import CiliumAPI, read_replacement
+from proxyshift.api.policy import GateSettings, ServiceRef
+from proxyshift.api.replacement import MAX_MISSING, CiliumService, ReplacementFacts, frontend_key
+from proxyshift.planner.gate import evaluate_replacement_gate
+
+pytestmark = pytest.mark.unit
+
+HEALTHY = {"cilium": {"state": "Ok", "msg": ""}, "kube-proxy-replacement": {"mode": "True", "devices": []},
+           "cluster": {"ciliumHealth": {"state": "Ok"}}, "controllers": []}
+
+
+def service(ip: str, port: int, kind: str = "ClusterIP", protocol: str = "TCP") -> dict[str, Any]:
+    return {"spec": {"id": port, "frontend-address": {"ip": ip, "port": port, "protocol": protocol,
+                                                      "scope": "external"},
+                     "backend-addresses": [{"ip": "198.18.1.1", "port": 8080, "state": "active"}],
+                     "flags": {"type": kind, "name": f"svc-{port}", "namespace": "default"}},
+            "status": {"realized": {}}}
+
+
+TABLE = [service("198.19.0.10", 80), service("198.19.0.11", 53, protocol="UDP"), service("198.19.0.12", 8443,
+         protocol="ANY"), service("198.18.0.11", 30080, kind="NodePort")]
+
+Route = Callable[[http.server.BaseHTTPRequestHandler], None]
+
+
+def answer(status: int, body: bytes | str | Any) -> Route:
+    data = body if isinstance(body, bytes) else (body.encode() if isinstance(body, str) else json.dumps(body).encode())
+
+    def send(handler: http.server.BaseHTTPRequestHandler) -> None:
+        handler.send_response(status)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        handler.wfile.write(data)
+
+    return send
+
+
+class FakeCilium:
+    """A Cilium agent's API on a unix socket: each path answers as its route says; the requests are kept."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.routes: dict[str, Route] = {"/v1/healthz": answer(200, HEALTHY), "/v1/service": answer(200, TABLE)}
+        self.requests: list[str] = []
+        self.stop = threading.Event()
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                fake.requests.append(self.path)
+                fake.routes.get(self.path, answer(404, {"message": "no such path"}))(self)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return  # a unix socket's client has no address to log
+
+        class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+            daemon_threads = True
+
+        self.server = Server(str(path), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+@pytest.fixture
+def cilium(tmp_path: Path) -> Iterator[FakeCilium]:
+    fake = FakeCilium(tmp_path / "cilium.sock")
+    yield fake
+    fake.close()
+
+
+def test_a_healthy_kpr_agent_and_its_service_table(cilium: FakeCilium) -> None:
+    asked = ["198.19.0.10:80/TCP", "198.19.0.11:53/UDP", "198.19.0.12:8443/UDP", "198.19.0.99:80/TCP"]
+    facts = read_replacement(CiliumAPI(cilium.path), asked)
+    assert cilium.requests == ["/v1/healthz", "/v1/service"]
+    assert (facts.agent_state, facts.kube_proxy_replacement, facts.enabled) == ("Ok", "True", True)
+    assert facts.agent_message is None and facts.error is None and facts.probed_at
+    # ClusterIP frontends only (the NodePort entry is not one); protocol ANY covers TCP and UDP.
+    assert facts.cluster_ip_frontends == 4
+    assert (facts.missing, facts.missing_count) == (["198.19.0.99:80/TCP"], 1)
+
+
+def test_preflight_reads_the_health_alone(cilium: FakeCilium) -> None:
+    facts = read_replacement(CiliumAPI(cilium.path), with_services=False)
+    assert facts.enabled and facts.cluster_ip_frontends is None and cilium.requests == ["/v1/healthz"]
+
+
+def test_an_agent_without_kpr_says_so(cilium: FakeCilium) -> None:
+    cilium.routes["/v1/healthz"] = answer(200, {"cilium": {"state": "Warning", "msg": "1/40 controllers failing"},
+                                                "kube-proxy-replacement": {"mode": "False"}})
+    facts = read_replacement(CiliumAPI(cilium.path))
+    assert (facts.agent_state, facts.agent_message, facts.enabled) == ("Warning", "1/40 controllers failing", False)
+
+
+def test_no_agent_is_a_fact_not_a_crash(tmp_path: Path) -> None:
+    facts = read_replacement(CiliumAPI(tmp_path / "absent.sock"))
+    assert facts.agent_state is None and not facts.enabled
+    assert facts.error is not None and "FileNotFoundError" in facts.error and "absent.sock" in facts.error
+
+
+@pytest.mark.parametrize(("route", "said"), [
+    (answer(500, {"message": "daemon not ready"}), "HTTP 500"),
+    (answer(200, "{not json"), "/v1/healthz is not a Cilium status"),
+    (answer(200, {"cilium": {"state": ["Ok"]}}), "/v1/healthz is not a Cilium status: cilium.state"),
+    (answer(200, b"[" + b" " * (1024 * 1024) + b"]"), "answer larger than 1048576 bytes"),
+])
+def test_a_bad_health_answer_is_an_error_in_words(cilium: FakeCilium, route: Route, said: str) -> None:
+    cilium.routes["/v1/healthz"] = route
+    facts = read_replacement(CiliumAPI(cilium.path))
+    assert facts.error is not None and said in facts.error and facts.agent_state is None
+
+
+def test_a_service_table_that_cannot_be_read_keeps_the_health(cilium: FakeCilium) -> None:
+    cilium.routes["/v1/service"] = answer(200, {"not": "a list"})
+    facts = read_replacement(CiliumAPI(cilium.path))
+    assert facts.enabled and facts.cluster_ip_frontends is None
+    assert facts.error is not None and "/v1/service is not a Cilium Service list" in facts.error
+
+
+def test_an_agent_trickling_its_answer_is_cut_at_the_deadline(cilium: FakeCilium) -> None:
+    def trickle(handler: http.server.BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.end_headers()
+        handler.wfile.write(b"{")
+        handler.wfile.flush()
+        while not cilium.stop.wait(0.05):
+            try:
+                handler.wfile.write(b" ")
+                handler.wfile.flush()
+            except OSError:
+                return
+
+    cilium.routes["/v1/healthz"] = trickle
+    facts = read_replacement(CiliumAPI(cilium.path, timeout=0.3))
+    assert facts.error is not None and "no complete answer within 0.3s" in facts.error
+
+
+def test_missing_frontends_are_bounded_and_counted(cilium: FakeCilium) -> None:
+    asked = [frontend_key(f"198.19.1.{i}", 80, "TCP") for i in range(40)]
+    facts = read_replacement(CiliumAPI(cilium.path), asked)
+    assert facts.missing_count == 40 and len(facts.missing) == MAX_MISSING
+    assert facts.missing == sorted(asked)[:MAX_MISSING]
+    # The status model takes what the agent writes (its CRD bounds are the model's).
+    assert ReplacementFacts.model_validate(facts.to_k8s()) == facts
+
+
+def test_cilium_service_entries_name_their_frontends() -> None:
+    entries = [CiliumService.model_validate(s) for s in TABLE]
+    assert [e.cluster_ip_frontends for e in entries] == [
+        ("198.19.0.10:80/TCP",), ("198.19.0.11:53/UDP",), ("198.19.0.12:8443/TCP", "198.19.0.12:8443/UDP"), ()]
+    v6 = CiliumService.model_validate(service("fd00::a", 53, protocol="UDP"))
+    assert v6.cluster_ip_frontends == ("[fd00::a]:53/UDP",)
+    assert CiliumService.model_validate({"spec": {"flags": {"type": "ClusterIP"}}}).cluster_ip_frontends == ()
+
+
+# ---- the gate on what was read ----
+
+GOOD = ReplacementFacts(agent_state="Ok", kube_proxy_replacement="True", enabled=True, cluster_ip_frontends=12)
+
+
+def verdict(facts: ReplacementFacts | None, expected: int = 12) -> tuple[str, str]:
+    found = evaluate_replacement_gate(facts, GateSettings(), "Cilium", expected, None)
+    return found.result, found.reason
+
+
+def test_the_replacement_gate_passes_only_a_healthy_kpr_with_the_clusters_services() -> None:
+    assert verdict(GOOD) == ("pass", "GatePassed")
+    assert verdict(None) == ("wait", "NoProbeYet")
+    assert verdict(ReplacementFacts(error="FileNotFoundError")) == ("wait", "ReplacementUnreachable")
+    assert verdict(GOOD.model_copy(update={"agent_state": "Failure"})) == ("wait", "ReplacementNotReady")
+    assert verdict(GOOD.model_copy(update={"enabled": False, "kube_proxy_replacement": "False"})) == (
+        "wait", "ReplacementOff")
+    assert verdict(GOOD.model_copy(update={"cluster_ip_frontends": None, "error": "HTTP 500"})) == (
+        "wait", "ServiceTableUnread")
+    assert verdict(GOOD.model_copy(update={"missing": ["198.19.0.9:80/TCP"], "missing_count": 1})) == (
+        "wait", "ServicesMissing")
+    assert verdict(GOOD, expected=13) == ("wait", "ServicesMissing")
+
+
+def test_the_replacement_gate_connects_to_the_policys_services() -> None:
+    gate = GateSettings(probe_services=[ServiceRef(name="web", port=80)])
+    waiting = evaluate_replacement_gate(GOOD, gate, "Cilium", 12, None)
+    assert (waiting.result, waiting.reason) == ("wait", "ProbePending")
+    failed = evaluate_replacement_gate(GOOD, gate, "Cilium", 12, {"198.19.0.10:80": "connection refused"})
+    assert (failed.result, failed.reason) == ("fail", "ServiceUnreachable")
+    passed = evaluate_replacement_gate(GOOD, gate, "Cilium", 12, {"198.19.0.10:80": True})
+    assert passed.passed and "1 service connects ok" in passed.message
+
+
+@given(state=st.sampled_from([None, "Ok", "Warning", "Failure"]), enabled=st.booleans(),
+       held=st.one_of(st.none(), st.integers(0, 50)), missing=st.integers(0, 3), expected=st.integers(0, 50),
+       error=st.sampled_from([None, "boom"]))
+def test_the_replacement_gate_never_passes_short_of_every_proof(state: str | None, enabled: bool, held: int | None,
+                                                                missing: int, expected: int,
+                                                                error: str | None) -> None:
+    facts = ReplacementFacts(agent_state=state, enabled=enabled, cluster_ip_frontends=held,
+                             missing=[f"198.19.0.{i}:80/TCP" for i in range(missing)], missing_count=missing,
+                             error=error)
+    found = evaluate_replacement_gate(facts, GateSettings(), "Cilium", expected, None)
+    proven = (state == "Ok" and enabled and held is not None and held >= expected and not missing
+              and error is None)
+    assert found.passed == proven
+    # Nothing the replacement reports about itself is a reason to roll back at once: the timeout decides.
+    assert found.result in ("pass", "wait")
+
