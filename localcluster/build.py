@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -24,8 +25,7 @@ from pathlib import Path
 from localcluster import paths
 from proxyshift.commands import CommandError, run
 
-# Order matters only for the progress output: the apiserver compiles the bulk of
-# the shared packages, so the later binaries mostly link from Go's build cache.
+# Built by one `go build` (see _go_build); the order is only that of the progress output.
 K8S_COMMANDS = {
     "kube-apiserver": "k8s.io/kubernetes/cmd/kube-apiserver",
     "kube-controller-manager": "k8s.io/kubernetes/cmd/kube-controller-manager",
@@ -139,14 +139,23 @@ def _say(message: str) -> None:
     print(f"[localcluster build] {message}", file=sys.stderr, flush=True)
 
 
-def _go_build(module_dir: Path, package: str, output: Path, flags: str, log_path: Path, name: str) -> None:
-    argv = ["go", "build", "-trimpath", "-ldflags", flags, "-o", str(output), package]
+def _go_build(module_dir: Path, packages: dict[str, str], output_dir: Path, flags: str, log_path: Path) -> None:
+    """One `go build -o <dir>/ pkg...` for every binary.
+
+    One command instead of one per binary: Go then links a finished binary while it still compiles
+    the packages of the next, and both cores stay busy through the tails where a single binary's
+    build runs one compile at a time. Measured on the 2-core CI machine with a warm build cache
+    (links only): 62 s as six commands, 40 s as one.
+    """
+    names = list(packages)
+    argv = ["go", "build", "-trimpath", "-ldflags", flags, "-o", f"{output_dir}/", *packages.values()]
     started = time.monotonic()
+    linked: list[str] = []
     with log_path.open("a") as log:
         log.write(f"$ {' '.join(argv)}\n")
         log.flush()
         # A build runs for minutes: Popen + heartbeat instead of commands.run, so
-        # the user sees it is alive.
+        # the user sees it is alive and which binaries are linked so far.
         proc = subprocess.Popen(argv, cwd=module_dir, env=_go_env(),  # noqa: S603
                                 stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -157,15 +166,20 @@ def _go_build(module_dir: Path, package: str, output: Path, flags: str, log_path
                 except subprocess.TimeoutExpired:
                     elapsed = time.monotonic() - started
                     if elapsed > BUILD_TIMEOUT_SECONDS:
-                        raise BuildError(f"go build {package} exceeded {BUILD_TIMEOUT_SECONDS:g}s") from None
-                    _say(f"  still building {name} ({elapsed:.0f}s)")
+                        raise BuildError(f"go build exceeded {BUILD_TIMEOUT_SECONDS:g}s") from None
+                    for name in names:
+                        if name not in linked and (output_dir / name).exists():
+                            linked.append(name)
+                            _say(f"[{len(linked)}/{len(names)}] {name} linked ({elapsed:.0f}s)")
+                    waiting = [name for name in names if name not in linked]
+                    _say(f"  still building {', '.join(waiting)} ({elapsed:.0f}s)")
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
     if proc.returncode != 0:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-20:])
-        raise BuildError(f"go build {package} exited {proc.returncode}; log {log_path}:\n{tail}")
+        raise BuildError(f"go build exited {proc.returncode}; log {log_path}:\n{tail}")
 
 
 def build(*, force: bool = False, module_dir: Path | None = None) -> Path:
@@ -202,15 +216,23 @@ def _build_locked(module_dir: Path, pins: Pins, flags: str, bin_dir: Path) -> Pa
     _say(f"building Kubernetes {pins.kubernetes_version} + etcd {pins.etcd_version} into {bin_dir}")
     _say(f"(the first build compiles Kubernetes and takes a long time; log: {log_path})")
     total = time.monotonic()
-    for index, (name, package) in enumerate(packages.items(), start=1):
-        started = time.monotonic()
-        _say(f"[{index}/{len(packages)}] {name} ...")
-        # Build to a temporary name, then rename: an interrupted build never
-        # leaves a truncated binary that looks complete.
-        partial = bin_dir / f".{name}.partial"
-        _go_build(module_dir, package, partial, flags, log_path, name)
-        partial.replace(bin_dir / name)
-        _say(f"[{index}/{len(packages)}] {name} done in {time.monotonic() - started:.0f}s")
+    # `go build -o <dir>/` names each binary after its package's last path element.
+    misnamed = [name for name, package in packages.items() if package.rsplit("/", 1)[-1] != name]
+    if misnamed:
+        raise BuildError(f"binaries not named after their package's last element: {misnamed}")
+    # Built into a scratch folder, then renamed: an interrupted build never leaves a truncated
+    # binary in bin/ that looks complete (tests that glob the cache for binaries look there).
+    partial = bin_dir.parent / ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    _say(f"{len(packages)} binaries in one go build: {', '.join(packages)}")
+    _go_build(module_dir, packages, partial, flags, log_path)
+    missing = [name for name in packages if not (partial / name).is_file()]
+    if missing:
+        raise BuildError(f"go build succeeded but left no {', '.join(missing)} in {partial}; log {log_path}")
+    for name in packages:
+        (partial / name).replace(bin_dir / name)
+    partial.rmdir()
     (bin_dir / STAMP_NAME).write_text(json.dumps({
         "kubernetes": pins.kubernetes_version, "etcd": pins.etcd_version, "ldflags": flags,
         "seconds": round(time.monotonic() - total, 1),

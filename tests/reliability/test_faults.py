@@ -418,11 +418,15 @@ def test_a_fault_in_verify(harness: Harness, cluster: Any, kube: Any, test_servi
     assert fired[0][1] == fired[1][1], f"Verify entered on another node than the blocked one: {fired}"
 
 
-def _set_agent_env(h: Harness, cluster: Any, env: list[dict[str, Any]]) -> None:
-    """Replace the env of the agent DaemonSet's container (whole) and wait for the agents to roll."""
+def _set_agent_env(h: Harness, cluster: Any, env: list[dict[str, Any]],
+                   strategy: dict[str, Any] | None = None) -> None:
+    """Replace the env of the agent DaemonSet's container (whole), and its update strategy when given, and wait
+    for the agents to roll."""
     from localcluster import install
 
-    patch = [{"op": "replace", "path": "/spec/template/spec/containers/0/env", "value": env}]
+    patch: list[dict[str, Any]] = [{"op": "replace", "path": "/spec/template/spec/containers/0/env", "value": env}]
+    if strategy is not None:
+        patch.append({"op": "replace", "path": "/spec/updateStrategy", "value": strategy})
     cluster.kubectl("-n", install.AGENT_NAMESPACE, "patch", "daemonset", install.AGENT_DAEMONSET,
                     "--type=json", "-p", json.dumps(patch))
     cluster.kubectl("-n", install.AGENT_NAMESPACE, "rollout", "status", f"daemonset/{install.AGENT_DAEMONSET}",
@@ -460,7 +464,11 @@ def test_clock_skew_between_operator_and_agent(harness: Harness, cluster: Any, k
     container = original["spec"]["template"]["spec"]["containers"][0]
     assert container["name"] == "agent", container["name"]
     original_env = container.get("env") or []
-    _set_agent_env(h, cluster, [*original_env, *realtime_offset.environment(shim, CLOCK_SKEW_SECONDS)])
+    original_strategy = original["spec"]["updateStrategy"]
+    # Every agent restarted at once, there and back: no migration runs while they roll, and one at a time
+    # (the DaemonSet's 10%) each waits for the one before to turn Ready, a fixed cost of this test twice over.
+    all_at_once = {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "100%"}}
+    _set_agent_env(h, cluster, [*original_env, *realtime_offset.environment(shim, CLOCK_SKEW_SECONDS)], all_at_once)
     try:
         for node in ALL_NODES:
             pid = agent_pid(state_dir, node)
@@ -471,8 +479,12 @@ def test_clock_skew_between_operator_and_agent(harness: Harness, cluster: Any, k
         outcome, cond, injector, facts, _ = migrate_under(h, cluster, kube, test_service, tcp_probe,
                                                           continuous_prober, "rel-clock-skew", None, "clock-skew")
     finally:
-        _set_agent_env(h, cluster, original_env)
-        shutil.rmtree(shim.parent, ignore_errors=True)
+        try:
+            _set_agent_env(h, cluster, original_env)
+        finally:
+            # The strategy alone changes no pod: nothing rolls.
+            _set_agent_env(h, cluster, original_env, original_strategy)
+            shutil.rmtree(shim.parent, ignore_errors=True)
     facts["agent_clock_ahead_s"] = {n: round(v, 1) for n, v in sorted(skew_seen.items())}
     _record(cluster, _row(f"clock-skew +{CLOCK_SKEW_SECONDS}s", outcome, cond, injector, facts))
     assert outcome == "Ready", cond

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# `make test`: lint and every test layer, with the Go builds overlapped with lint and the unit layer.
+#
+# On a machine without the cached binaries the Go builds (the Kubernetes binaries and etcd, then the
+# tests' Go tools) take minutes of both cores, while lint and the unit layer run on about one core
+# and need none of it but the unit layer's two small tools (argocd-health-runner, helm). So:
+#
+#   background (nice): the unit layer's tools, `localcluster.build`, the other tools (Cilium agent)
+#   foreground:        lint, crds-check, the unit layer (waits for its two tools, built first)
+#   then:              wait for the background builds (their log is printed; a failed build fails
+#                      the run), and every other layer in a second pytest session (dataplane, e2e,
+#                      reliability, vm: they run the binaries)
+#
+# The build commands are the ones `make binaries` runs, with their cache stamps and locks: a
+# foreground command that needs a binary the background is building waits on the same lock and then
+# finds it. With everything cached the builds return within seconds and this is the old order.
+# Arguments go to both pytest sessions (e.g. a path to narrow a trial run); `make test` passes none.
+# Usage: PYTHON=.venv/bin/python MAKE=make hack/test-all.sh [PYTEST-ARGS...]
+set -euo pipefail
+# One function, called on the last line: bash reads a script as it runs it, and this one runs for most
+# of an hour; a checkout or an edit of the file meanwhile must not change what the running one does.
+main() {
+  cd "$(dirname "$0")/.."
+  : "${PYTHON:?PYTHON names the interpreter (make test sets it)}"
+  MAKE=${MAKE:-make}
+  PYTEST=("$PYTHON" -m pytest)
+  UNIT_GO_TOOLS=(argocd-health-runner helm)
+
+  log=$(mktemp -t proxyshift-go-builds.XXXXXX)
+  started=$(date +%s)
+  # Job control on: the background job gets its own process group, so an early exit (lint failed,
+  # Ctrl-C) stops its `go build` with it rather than leaving it running.
+  set -m
+  (
+    set -e
+    nice -n 10 "$PYTHON" -m localcluster.gotools "${UNIT_GO_TOOLS[@]}"
+    nice -n 10 "$PYTHON" -m localcluster.build
+    nice -n 10 "$PYTHON" -m localcluster.gotools  # every other tool (the Cilium agent): what `make binaries` builds
+  ) >"$log" 2>&1 &
+  builds=$!
+  set +m
+  cleanup() {
+    if [[ -n $builds ]]; then kill -- -"$builds" 2>/dev/null || true; fi
+    rm -f "$log"
+  }
+  trap cleanup EXIT
+  echo "==> Go builds started in the background (pid $builds, log $log)"
+
+  "$MAKE" --no-print-directory lint crds-check
+  "$PYTHON" -m localcluster.gotools "${UNIT_GO_TOOLS[@]}"
+  unit=0
+  "${PYTEST[@]}" -m unit --durations=10 "$@" || unit=$?
+  echo "==> unit layer exited $unit at $(( $(date +%s) - started ))s; waiting for the Go builds:"
+
+  build=0
+  tail -n +1 -f --pid="$builds" "$log" &
+  follow=$!
+  wait "$builds" || build=$?
+  builds=""
+  wait "$follow" || true
+  echo "==> Go builds exited $build at $(( $(date +%s) - started ))s"
+  if (( build != 0 )); then
+    echo "==> FAIL: a Go build failed (log above); the layers that run the binaries did not run" >&2
+    exit "$build"
+  fi
+
+  rest=0
+  "${PYTEST[@]}" -m "not unit" --durations=40 "$@" || rest=$?
+  echo "==> unit layer exited $unit, the other layers $rest, in $(( $(date +%s) - started ))s"
+  (( unit == 0 && rest == 0 ))
+}
+
+main "$@"
