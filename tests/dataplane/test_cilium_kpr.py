@@ -17,7 +17,6 @@ clang-19 in about 1.4 s of that); it prints the agent's start-to-healthy time an
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -26,12 +25,12 @@ from pathlib import Path
 
 import pytest
 
-from localcluster import cilium, gotools, podnet
+from localcluster import cilium, podnet
 from localcluster.container import run_in_netns
 from proxyshift.agent.behaviour import dial_tcp
 from proxyshift.commands import run, stop_child
 from tests.support import bpf_attach
-from tests.support.ps_netns import Netns, need_root
+from tests.support.ps_netns import Netns
 
 pytestmark = pytest.mark.dataplane
 
@@ -48,17 +47,6 @@ def _mounts() -> str:
 
 def _program_ids() -> set[int]:
     return {int(p["id"]) for p in json.loads(run(["bpftool", "-j", "prog", "show"], timeout=60).stdout or "[]")}
-
-
-@pytest.fixture
-def agent_binary() -> Path:
-    need_root()
-    binary = gotools.built(cilium.AGENT_TOOL)
-    if binary is None:
-        pytest.fail(gotools.build_hint(cilium.AGENT_TOOL))
-    if shutil.which("bpftool") is None:
-        pytest.fail("bpftool is missing: run hack/install-deps.sh (make setup)")
-    return binary
 
 
 @pytest.fixture

@@ -11,13 +11,12 @@ route of its own. `flush(["cilium-kpr"], "iptables")` in that namespace must rem
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from localcluster import cilium, gotools
+from localcluster import cilium
 from proxyshift.agent.flush import flush
 from proxyshift.modes.cilium_kpr import CILIUM_CHAINS
 from tests.support.ps_netns import Netns, need_root
@@ -27,17 +26,6 @@ pytestmark = pytest.mark.dataplane
 NODE_IP, OUTSIDE_IP = "198.18.242.1", "198.18.242.2"
 USER_ROUTE = "198.18.243.0/24"
 NATIVE_CIDR = "198.18.0.0/15"
-
-
-@pytest.fixture
-def agent_binary() -> Path:
-    need_root()
-    binary = gotools.built(cilium.AGENT_TOOL)
-    if binary is None:
-        pytest.fail(gotools.build_hint(cilium.AGENT_TOOL))
-    if shutil.which("bpftool") is None:
-        pytest.fail("bpftool is missing: run hack/install-deps.sh (make setup)")
-    return binary
 
 
 @pytest.fixture

@@ -133,11 +133,13 @@ def test_the_frontends_cilium_must_hold_are_every_dialable_clusterip_port() -> N
                                               "[fd00::b]:443/TCP"]
 
 
-def _node_tree(root: Path, *, release: str, mounts: list[str], btf: bool) -> tuple[Path, Path]:
+def _node_tree(root: Path, *, release: str, filesystems: list[str], btf: bool) -> tuple[Path, Path]:
     proc, sys = root / "proc", root / "sys"
     (proc / "sys" / "kernel").mkdir(parents=True)
     (proc / "sys" / "kernel" / "osrelease").write_text(release + "\n")
-    (proc / "mounts").write_text("".join(f"{kind} /mnt/{kind} {kind} rw 0 0\n" for kind in mounts))
+    (proc / "filesystems").write_text("".join(f"nodev\t{kind}\n" for kind in filesystems) + "\text4\n")
+    # What the agent's own container has mounted says nothing: Cilium mounts cgroup2 and bpffs itself.
+    (proc / "mounts").write_text("overlay / overlay rw 0 0\n")
     (sys / "module").mkdir(parents=True)
     if btf:
         (sys / "kernel" / "btf").mkdir(parents=True)
@@ -148,12 +150,12 @@ def _node_tree(root: Path, *, release: str, mounts: list[str], btf: bool) -> tup
 def test_preflight_for_cilium_kpr_checks_the_kernel_it_needs(tmp_path: Path) -> None:
     from proxyshift.agent.preflight import ToolVersions, check
 
-    proc, sys = _node_tree(tmp_path / "good", release="6.1.0-41-amd64", mounts=["cgroup2", "bpf", "proc"], btf=True)
+    proc, sys = _node_tree(tmp_path / "good", release="6.1.0-41-amd64", filesystems=["cgroup2", "bpf", "proc"], btf=True)
     good = check("cilium-kpr", proc_root=proc, sys_root=sys, modules_root=tmp_path, tools=ToolVersions())
     assert good.ok, good.message()
     assert good.message().startswith("preflight for cilium-kpr passed on kernel 6.1.0-41-amd64")
-    proc, sys = _node_tree(tmp_path / "bad", release="5.4.0-200-generic", mounts=["cgroup", "proc"], btf=False)
+    proc, sys = _node_tree(tmp_path / "bad", release="5.4.0-200-generic", filesystems=["cgroup", "proc"], btf=False)
     bad = check("cilium-kpr", proc_root=proc, sys_root=sys, modules_root=tmp_path, tools=ToolVersions())
-    assert [m.what for m in bad.missing] == ["kernel >= 5.10", "a cgroup v2 mount", "the BPF filesystem",
+    assert [m.what for m in bad.missing] == ["kernel >= 5.10", "kernel cgroup v2 support", "the BPF filesystem",
                                              "kernel BTF (/sys/kernel/btf/vmlinux)"]
     assert "Cilium's kube-proxy replacement needs kernel 5.10 or newer" in bad.message()

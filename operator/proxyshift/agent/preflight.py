@@ -350,21 +350,26 @@ def _kernel_missing(mode: Mode, minimum: tuple[int, int], release_v: tuple[int, 
                     "upgrade the node's kernel, or keep this pool on iptables")]
 
 
-def _mount_types(proc_root: Path) -> set[str]:
-    """The filesystem types mounted in this mount namespace (/proc/mounts' third field), bounded."""
+def _filesystems(proc_root: Path) -> set[str]:
+    """The filesystem types this kernel supports (/proc/filesystems' last field), bounded.
+
+    Not /proc/mounts: the agent's container sees its own mount namespace (a hybrid host's cgroup2 sits at
+    /sys/fs/cgroup/unified, or nowhere a pod can see), and Cilium's agent mounts cgroup2 and bpffs itself
+    where the node has none. What the move needs is the kernel's support for both.
+    """
     try:
-        with (proc_root / "mounts").open(encoding="utf-8", errors="replace") as mounts:
-            return {fields[2] for line in itertools.islice(mounts, 10_000) if len(fields := line.split()) > 2}
+        with (proc_root / "filesystems").open(encoding="utf-8", errors="replace") as listing:
+            return {fields[-1] for line in itertools.islice(listing, 1_000) if (fields := line.split())}
     except OSError:
         return set()
 
 
 # How each kernel feature a replacement needs is seen from /proc and /sys, and what a person does without it.
 _FEATURE_CHECKS: dict[KernelFeature, tuple[Callable[[Path, Path], bool], str, str]] = {
-    "cgroup2": (lambda proc, sys: "cgroup2" in _mount_types(proc), "a cgroup v2 mount",
-                "boot with the unified cgroup hierarchy (systemd.unified_cgroup_hierarchy=1) or mount cgroup2"),
-    "bpffs": (lambda proc, sys: "bpf" in _mount_types(proc), "the BPF filesystem",
-              "mount it: mount -t bpf bpffs /sys/fs/bpf (Cilium's DaemonSet can mount it too)"),
+    "cgroup2": (lambda proc, sys: "cgroup2" in _filesystems(proc), "kernel cgroup v2 support",
+                "a kernel built with cgroup v2 (CONFIG_CGROUPS; every kernel since 4.5 has it)"),
+    "bpffs": (lambda proc, sys: "bpf" in _filesystems(proc), "the BPF filesystem",
+              "a kernel built with CONFIG_BPF_SYSCALL (Cilium's DaemonSet mounts bpffs itself)"),
     "btf": (lambda proc, sys: (sys / "kernel" / "btf" / "vmlinux").exists(), "kernel BTF (/sys/kernel/btf/vmlinux)",
             "a kernel built with CONFIG_DEBUG_INFO_BTF=y"),
 }

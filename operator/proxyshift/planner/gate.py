@@ -56,6 +56,18 @@ def _connect_failures(results: Mapping[str, bool | str]) -> list[str]:
     return failures
 
 
+def _probe_services_verdict(gate: GateSettings, connect_results: Mapping[str, bool | str] | None) -> GateVerdict | None:
+    """The policy's probe Services, from the node: wait for the connects, fail on any that failed (None: go on)."""
+    if not gate.probe_services:
+        return None
+    if connect_results is None:
+        return GateVerdict("wait", "ProbePending", "the TCP connects to the probe services have not run yet")
+    failed = _connect_failures(connect_results)
+    if failed:
+        return GateVerdict("fail", "ServiceUnreachable", "TCP connect failed from the node to " + ", ".join(failed[:5]))
+    return None
+
+
 def evaluate_gate(
     facts: KubeProxyFacts | None,
     gate: GateSettings,
@@ -165,14 +177,9 @@ def evaluate_gate(
         if facts.healthz_status != 200:
             return GateVerdict("wait", "Unhealthy", f"/healthz answers {facts.healthz_status}, not 200")
 
-    if gate.probe_services:
-        if connect_results is None:
-            return GateVerdict("wait", "ProbePending", "the TCP connects to the probe services have not run yet")
-        failed = _connect_failures(connect_results)
-        if failed:
-            return GateVerdict(
-                "fail", "ServiceUnreachable", "TCP connect failed from the node to " + ", ".join(failed[:5])
-            )
+    probed = _probe_services_verdict(gate, connect_results)
+    if probed is not None:
+        return probed
 
     parts = [f"mode {mode}", f"{count} syncs since {_ts(start)}", "no sync failures"]
     if bound is not None and p99 is not None:
@@ -221,13 +228,9 @@ def evaluate_replacement_gate(
         return GateVerdict("wait", "ServicesMissing",
                            f"{agent}'s Service table holds {facts.cluster_ip_frontends} ClusterIP frontends, the "
                            f"cluster's Services have {expected_frontends}")
-    if gate.probe_services:
-        if connect_results is None:
-            return GateVerdict("wait", "ProbePending", "the TCP connects to the probe services have not run yet")
-        failed = _connect_failures(connect_results)
-        if failed:
-            return GateVerdict(
-                "fail", "ServiceUnreachable", "TCP connect failed from the node to " + ", ".join(failed[:5]))
+    probed = _probe_services_verdict(gate, connect_results)
+    if probed is not None:
+        return probed
     parts = [f"{agent} Ok", f"kube-proxy replacement {facts.kube_proxy_replacement}",
              f"{facts.cluster_ip_frontends} ClusterIP frontends (the cluster has {expected_frontends})"]
     if gate.probe_services:
