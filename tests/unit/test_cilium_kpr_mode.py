@@ -150,7 +150,8 @@ def _node_tree(root: Path, *, release: str, filesystems: list[str], btf: bool) -
 def test_preflight_for_cilium_kpr_checks_the_kernel_it_needs(tmp_path: Path) -> None:
     from proxyshift.agent.preflight import ToolVersions, check
 
-    proc, sys = _node_tree(tmp_path / "good", release="6.1.0-41-amd64", filesystems=["cgroup2", "bpf", "proc"], btf=True)
+    proc, sys = _node_tree(tmp_path / "good", release="6.1.0-41-amd64", filesystems=["cgroup2", "bpf", "proc"],
+                           btf=True)
     good = check("cilium-kpr", proc_root=proc, sys_root=sys, modules_root=tmp_path, tools=ToolVersions())
     assert good.ok, good.message()
     assert good.message().startswith("preflight for cilium-kpr passed on kernel 6.1.0-41-amd64")
