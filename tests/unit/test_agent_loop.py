@@ -915,6 +915,20 @@ def test_a_probe_for_cilium_kpr_reports_cilium_in_the_status() -> None:
                                    "missing; 1/1 service connects ok")
 
 
+
+def test_a_replacement_read_error_is_cleared_once_its_api_answers() -> None:
+    """The status is written as a merge patch: a field the new answer leaves out would stay. Seen on the local
+    cluster: the first gate probe (Cilium not up yet) left `error`, and the gate waited on it forever."""
+    api = FakeAPI(node_obj({"id": "k1.Gate.0", "type": "Probe", "params": {"replacement": KPR_PARAMS}}))
+    agent = make_agent(api)
+    agent.handle(api.get("n1"))  # Cilium's socket is not there yet
+    assert ProxyNode.model_validate(api.obj).status.replacement.error
+    api.obj["spec"]["operation"] = {"id": "k1.Gate.1", "type": "Probe", "params": {"replacement": KPR_PARAMS}}
+    fake_node(agent).replaced = CILIUM_OK
+    agent.handle(api.get("n1"))
+    assert ProxyNode.model_validate(api.obj).status.replacement == CILIUM_OK
+
+
 def test_preflight_for_cilium_kpr_passes_without_cilium_and_refuses_a_sick_one() -> None:
     params = {"mode": "cilium-kpr", "scheduler": None, "replacement": KPR_PARAMS}
     api = FakeAPI(node_obj({"id": "k1.Preflight.0", "type": "Preflight", "params": params}))

@@ -60,6 +60,7 @@ from proxyshift.api.proxynode import (
     ProxyNodeSpec,
     clip_status,
 )
+from proxyshift.api.replacement import ReplacementFacts
 from proxyshift.kubeconfig import loading
 from proxyshift.modes import DEFAULT_MODE
 
@@ -172,9 +173,10 @@ class HoldRecord:
 ORPHAN_HOLD_TTL = 120.0
 
 
-def matrix_patch(matrix: BehaviourMatrix) -> dict[str, Any]:
-    """Every field, with nulls: a merge patch must not keep an old matrix's podPathError."""
-    return matrix.model_dump(by_alias=True, mode="json")
+def with_nulls(answer: BehaviourMatrix | ReplacementFacts) -> dict[str, Any]:
+    """Every field, with nulls: a merge patch must not keep an old answer's field (a matrix's podPathError, the
+    replacement's read error once its API answers)."""
+    return answer.model_dump(by_alias=True, mode="json")
 
 
 @dataclass
@@ -449,7 +451,7 @@ class Agent:
             # A target without kube-proxy: its agent, if it runs here already, must be healthy. One that is not
             # here yet may start with the node's label (a DaemonSet that selects it): that is no refusal.
             replaced = self.effects.replacement(p.replacement, with_services=False)
-            extra["replacement"] = replaced.to_k8s()
+            extra["replacement"] = with_nulls(replaced)
             if replaced.agent_state is not None and replaced.agent_state != "Ok":
                 report.missing.append(Missing(
                     "a healthy kube-proxy replacement agent",
@@ -467,7 +469,7 @@ class Agent:
                         else f"; its kube-proxy replacement agent reports {replaced.agent_state}")
         if report.ok and matrix is not None:
             # The "before" of this migration; an "after" of an earlier one means nothing any more.
-            extra["behaviour"] = {"before": matrix_patch(matrix), "after": None}
+            extra["behaviour"] = {"before": with_nulls(matrix), "after": None}
             message += f"; {_matrix_summary(matrix)}"
         return self._done(op, started, report.ok, message, details), extra
 
@@ -525,7 +527,7 @@ class Agent:
         replaced = None
         if p.replacement is not None:
             replaced = self.effects.replacement(p.replacement, with_services=True)
-            extra = {**extra, "replacement": replaced.to_k8s()}
+            extra = {**extra, "replacement": with_nulls(replaced)}
         synced = self.clock()
         connects = self.effects.connect(services) if services else {}
         connected = self.clock()
@@ -559,7 +561,7 @@ class Agent:
             parts.append(f"conntrack: {cleaned.deleted_tcp} TCP and {cleaned.deleted_udp} UDP un-NATed entries "
                          "deleted" + (f" ({cleaned.error})" if cleaned.error else ""))
         if matrix is not None:
-            extra = {**extra, "behaviour": {"after": matrix_patch(matrix)}}
+            extra = {**extra, "behaviour": {"after": with_nulls(matrix)}}
             parts.append(_matrix_summary(matrix))
         return self._done(op, started, True, "; ".join(parts), details), extra
 
