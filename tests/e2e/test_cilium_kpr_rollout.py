@@ -40,7 +40,7 @@ def cilium_installed(cluster: Any) -> Iterator[None]:
 def _pods_on(h: Harness, node: str, selector: str) -> list[Any]:
     pods = h.core.list_namespaced_pod("kube-system", label_selector=selector,
                                       field_selector=f"spec.nodeName={node}").items
-    return [p for p in pods if p.metadata.deletion_timestamp is None]
+    return [p for p in pods if p.metadata is not None and p.metadata.deletion_timestamp is None]
 
 
 def _cilium_leftovers(h: Harness, node: str) -> list[str]:

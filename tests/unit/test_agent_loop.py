@@ -922,7 +922,8 @@ def test_a_replacement_read_error_is_cleared_once_its_api_answers() -> None:
     api = FakeAPI(node_obj({"id": "k1.Gate.0", "type": "Probe", "params": {"replacement": KPR_PARAMS}}))
     agent = make_agent(api)
     agent.handle(api.get("n1"))  # Cilium's socket is not there yet
-    assert ProxyNode.model_validate(api.obj).status.replacement.error
+    unread = ProxyNode.model_validate(api.obj).status.replacement
+    assert unread is not None and unread.error
     api.obj["spec"]["operation"] = {"id": "k1.Gate.1", "type": "Probe", "params": {"replacement": KPR_PARAMS}}
     fake_node(agent).replaced = CILIUM_OK
     agent.handle(api.get("n1"))
