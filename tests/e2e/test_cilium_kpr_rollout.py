@@ -5,8 +5,9 @@ The move to cilium-kpr labels each node for Cilium (its DaemonSet starts there),
 gates on Cilium's own API through the proxyshift agent's read-only socket mount, then flushes the
 iptables kube-proxy left; the edit to nftables starts kube-proxy again, takes the label off (Cilium's
 pod goes) and flushes what Cilium left (its CILIUM_* chains, cilium_host/cilium_net). Still to come
-(issue 19's Show): the continuous probes from both pools with the failed connections counted, and a
-Cilium that does not come up rolling the node back.
+(issue 19's Show): the continuous probes from both pools with the failed connections counted.
+A Cilium that does not replace kube-proxy (its cilium-config says kube-proxy-replacement false) fails the
+gate on its own API's word, and the node goes back to its kube-proxy.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 
 from localcluster import cilium, cilium_install, gotools
-from tests.support.operator_harness import IPTABLES_MODE_CHAINS, Harness, policy
+from tests.support.operator_harness import IPTABLES_MODE_CHAINS, Harness, migration, policy
 
 pytestmark = pytest.mark.e2e
 
@@ -75,3 +76,26 @@ def test_blue_iptables_to_cilium_kpr_then_on_to_nftables(harness: Harness, ciliu
     h.delete("blue-kpr", wait=READY_TIMEOUT)
     for node in BLUE:
         assert h.proxy_mode(node) == "iptables"
+
+
+def test_a_cilium_that_does_not_replace_kube_proxy_rolls_the_node_back(harness: Harness, cluster: Any,
+                                                                       cilium_installed: None) -> None:
+    h = harness
+    # Healthy, but not replacing kube-proxy: what an agent that never read the revision's node config reports.
+    cluster.kubectl("-n", "kube-system", "patch", "configmap", "cilium-config", "--type=merge",
+                    "-p", '{"data": {"kube-proxy-replacement": "false"}}')
+    h.apply(policy("blue-kpr-off", "cilium-kpr", rollout={"maxUnavailable": 1},
+                   gate={"timeout": "45s", "behaviour": {"allowChanges": ["SocketLoadBalancing"]}}))
+    h.wait_condition("blue-kpr-off", "Degraded", READY_TIMEOUT)  # from the moment its rollback starts
+    first = BLUE[0]
+    h.wait_for(lambda: migration(h.proxynodes()[first]).get("phase") in ("RolledBack", "Failed"), READY_TIMEOUT,
+               f"{first} to be back on its kube-proxy")
+    record = migration(h.proxynodes()[first])
+    assert (record.get("phase"), record.get("reason")) == ("RolledBack", "GateTimeout"), record
+    assert "replacement is 'False'" in record.get("message", ""), record
+    assert cilium_install.NODE_LABEL not in h.node_labels(first)
+    h.wait_for(lambda: not _pods_on(h, first, "k8s-app=cilium"), 120, f"Cilium's pod to leave {first}")
+    assert _pods_on(h, first, "k8s-app=kube-proxy") and h.proxy_mode(first) == "iptables"
+    assert not _cilium_leftovers(h, first), f"Cilium left on {first}: {_cilium_leftovers(h, first)}"
+    assert migration(h.proxynodes()[BLUE[1]]).get("phase") in (None, "Pending", "Preflight"), "a second node moved"
+    h.delete("blue-kpr-off", wait=READY_TIMEOUT)
