@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from localcluster import cilium, cilium_install, gotools
+from localcluster import cilium_install
+from tests.support.cilium_cluster import cilium_installed_in
 from tests.support.operator_harness import IPTABLES_MODE_CHAINS, Harness, migration, policy
 
 pytestmark = pytest.mark.e2e
@@ -29,13 +30,8 @@ READY_TIMEOUT = 420  # each node's Cilium compiles its datapath at its first sta
 
 @pytest.fixture
 def cilium_installed(cluster: Any) -> Iterator[None]:
-    cluster.require_local("Cilium's agent")
-    if gotools.built(cilium.AGENT_TOOL) is None:
-        pytest.fail(gotools.build_hint(cilium.AGENT_TOOL))
-    kubectl = cluster.bin_dir / "kubectl"
-    cilium_install.install(cluster.kubeconfig, kubectl, build=False)
-    yield
-    cilium_install.uninstall(cluster.kubeconfig, kubectl)
+    with cilium_installed_in(cluster):
+        yield
 
 
 def _pods_on(h: Harness, node: str, selector: str) -> list[Any]:

@@ -32,12 +32,13 @@ from typing import Any
 
 import pytest
 
-from localcluster import cilium, cilium_install, gotools, network, workloads
+from localcluster import cilium, cilium_install, network, workloads
 from localcluster.container import run_in_netns, setpriv_argv
 from localcluster.kubeapi import Kube, KubeError
 from proxyshift.agent.behaviour import dial_tcp
 from proxyshift.commands import run
 from tests.support import bpf_attach
+from tests.support.cilium_cluster import cilium_installed_in
 from tests.support.polling import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -122,13 +123,8 @@ def _outside_node(attached: dict[str, Any], cgroup_root: Path, node: str) -> dic
 
 @pytest.fixture(scope="module")
 def cilium_installed(cluster: Any) -> Iterator[None]:
-    cluster.require_local("Cilium's agent")
-    if gotools.built(cilium.AGENT_TOOL) is None:
-        pytest.fail(gotools.build_hint(cilium.AGENT_TOOL))
-    kubectl = cluster.bin_dir / "kubectl"
-    cilium_install.install(cluster.kubeconfig, kubectl, build=False)
-    yield
-    cilium_install.uninstall(cluster.kubeconfig, kubectl)
+    with cilium_installed_in(cluster):
+        yield
 
 
 @pytest.fixture(scope="module")
