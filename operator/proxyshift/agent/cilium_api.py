@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pydantic import TypeAdapter, ValidationError
 
+from proxyshift.agent.probe import BodyTimedOut, BodyTooLarge, read_body
 from proxyshift.api.replacement import (
     MAX_MISSING,
     REPLACEMENT_MESSAGE_LIMIT,
@@ -30,7 +31,6 @@ DEFAULT_TIMEOUT = 3.0
 HEALTH_MAX_BYTES = 1024 * 1024
 # A Service table of 10,000 frontends with a few backends each is a few MiB of JSON.
 SERVICES_MAX_BYTES = 32 * 1024 * 1024
-_CHUNK = 64 * 1024
 _SERVICES = TypeAdapter(list[CiliumService])
 
 
@@ -68,28 +68,15 @@ class CiliumAPI:
         try:
             conn.request("GET", path, headers={"Accept": "application/json", "User-Agent": "proxyshift-agent"})
             response = conn.getresponse()
-            chunks: list[bytes] = []
-            size = 0
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise CiliumAPIError(f"{where}: no complete answer within {self.timeout:g}s")
-                if conn.sock is not None:
-                    conn.sock.settimeout(left)
-                chunk = response.read1(_CHUNK)
-                if not chunk:
-                    break
-                size += len(chunk)
-                if size > max_bytes:
-                    raise CiliumAPIError(f"{where}: answer larger than {max_bytes} bytes")
-                chunks.append(chunk)
-        except TimeoutError as exc:
+            body = read_body(conn, response, deadline=deadline, max_bytes=max_bytes)
+        except BodyTooLarge as exc:
+            raise CiliumAPIError(f"{where}: answer larger than {max_bytes} bytes") from exc
+        except (BodyTimedOut, TimeoutError) as exc:
             raise CiliumAPIError(f"{where}: no complete answer within {self.timeout:g}s") from exc
         except (OSError, http.client.HTTPException) as exc:
             raise CiliumAPIError(f"{where}: {exc.__class__.__name__}: {exc}") from exc
         finally:
             conn.close()
-        body = b"".join(chunks)
         if response.status != 200:
             raise CiliumAPIError(f"{where}: HTTP {response.status} {body[:200].decode('utf-8', 'replace')!r}")
         return body

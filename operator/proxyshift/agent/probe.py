@@ -58,6 +58,35 @@ class HttpAnswer:
     too_large: bool = False  # the server sent more than the cap: its answer is refused, not merely unread
 
 
+class BodyTimedOut(Exception):
+    """The answer's body did not end by the deadline."""
+
+
+class BodyTooLarge(Exception):
+    """The answer's body is larger than the cap."""
+
+
+def read_body(conn: http.client.HTTPConnection, resp: http.client.HTTPResponse, *, deadline: float,
+              max_bytes: int) -> bytes:
+    """An answer's body, in chunks, each read given what is left of `deadline` (time.monotonic()), at most
+    `max_bytes`: a server that trickles or floods costs a bounded time and memory."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise BodyTimedOut
+        if conn.sock is not None:
+            conn.sock.settimeout(left)
+        chunk = resp.read1(_CHUNK) if hasattr(resp, "read1") else resp.read(_CHUNK)
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > max_bytes:
+            raise BodyTooLarge
+        chunks.append(chunk)
+
+
 def http_get(address: str, path: str, *, timeout: float = DEFAULT_TIMEOUT,
              max_bytes: int = DEFAULT_MAX_BYTES) -> HttpAnswer:
     host, port = split_address(address)
@@ -68,23 +97,14 @@ def http_get(address: str, path: str, *, timeout: float = DEFAULT_TIMEOUT,
     try:
         conn.request("GET", path, headers={"Accept": "text/plain", "User-Agent": "proxyshift-agent"})
         resp = conn.getresponse()
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return HttpAnswer(url, resp.status, error=f"GET {url}: no complete answer within {timeout:g}s")
-            if conn.sock is not None:
-                conn.sock.settimeout(left)
-            chunk = resp.read1(_CHUNK) if hasattr(resp, "read1") else resp.read(_CHUNK)
-            if not chunk:
-                break
-            size += len(chunk)
-            if size > max_bytes:
-                return HttpAnswer(url, resp.status, error=f"GET {url}: answer larger than {max_bytes} bytes",
-                                  too_large=True)
-            chunks.append(chunk)
-        return HttpAnswer(url, resp.status, b"".join(chunks).decode("utf-8", errors="replace"))
+        try:
+            body = read_body(conn, resp, deadline=deadline, max_bytes=max_bytes)
+        except BodyTimedOut:
+            return HttpAnswer(url, resp.status, error=f"GET {url}: no complete answer within {timeout:g}s")
+        except BodyTooLarge:
+            return HttpAnswer(url, resp.status, error=f"GET {url}: answer larger than {max_bytes} bytes",
+                              too_large=True)
+        return HttpAnswer(url, resp.status, body.decode("utf-8", errors="replace"))
     except (OSError, http.client.HTTPException) as exc:
         return HttpAnswer(url, error=f"GET {url}: {exc.__class__.__name__}: {exc}")
     finally:
