@@ -192,19 +192,14 @@ def _written(result: machine.Step, node: str) -> NodeMigration | None:
     return writes[-1] if writes else None
 
 
-def _failing_now(inflight: list[_Node], results: Mapping[str, machine.Step], generation: object, token: str | None,
+def _failing_now(written: Mapping[str, NodeMigration | None], generation: object, token: str | None,
                  now: str) -> list[tuple[NodeFailure, bool]]:
-    """The in-flight nodes whose step in this plan writes Failed or RolledBack, each with whether it halts the
-    rollout (a failure of the current spec and retry token, as _classify reads it from the record)."""
-    out: list[tuple[NodeFailure, bool]] = []
-    for e in inflight:
-        m = _written(results[e.name], e.name)
-        if m is None or m.phase not in FAILED:
-            continue
-        failure = NodeFailure(name=e.name, phase=m.phase, reason=m.reason or m.phase, message=m.message or "",
-                              at=m.finished_at or m.phase_since or now)
-        out.append((failure, m.generation == generation and m.retry_token == token))
-    return out
+    """The nodes whose step in this plan writes Failed or RolledBack, each with whether it halts the rollout (a
+    failure of the current spec and retry token, as _classify reads it from the record)."""
+    return [(NodeFailure(name=name, phase=m.phase, reason=m.reason or m.phase, message=m.message or "",
+                         at=m.finished_at or m.phase_since or now),
+             m.generation == generation and m.retry_token == token)
+            for name, m in written.items() if m is not None and m.phase in FAILED]
 
 
 def _switch_grants(nodes: list[_Node], limit: int, halted: bool, freed: Set[str] = frozenset()) -> set[str]:
@@ -433,9 +428,10 @@ def plan(world: World, policy_name: str) -> Plan:
     # steps succeeded): a node finishing now is updated, not in flight, and the last one's Done and the
     # policy's Ready are one plan, not two.
     finished_forward = sum(e.name in finishing and e.forward for e in inflight)
-    failing_now = _failing_now(inflight, results, gen, token, fmt(ctx.now))
-    started_rollback = sum(_phase(e) != "RollingBack" and (w := _written(results[e.name], e.name)) is not None
-                           and w.phase == "RollingBack" for e in inflight)
+    written = {e.name: _written(results[e.name], e.name) for e in inflight}
+    failing_now = _failing_now(written, gen, token, fmt(ctx.now))
+    started_rollback = sum(_phase(e) != "RollingBack" and (m := written[e.name]) is not None
+                           and m.phase == "RollingBack" for e in inflight)
     leaving = finishing | {f.name for f, _ in failing_now}
 
     # 2. the revision of the current spec must exist before any node can move to it. An existing one is
