@@ -520,10 +520,11 @@ def run_behaviour(params: BehaviourParams, *, mode: str | None, operation_id: st
     joined = clock()
     known = conntrack_identities(keys, runner=runner, deadline=start + params.budget_seconds * LOOKUP_SHARE,
                                  clock=clock)
+    named = clock()
     # Where a matrix's time goes, for the rollout's own time per node (docs/benchmarks.md).
     log.info("behaviour %s: %d cells in %.3f s (addresses %.3f, node dials %.3f, pod path +%.3f, "
-             "endpoint names %.3f)", operation_id, len(planned), clock() - start, addressed - start,
-             dialled - addressed, joined - dialled, clock() - joined)
+             "endpoint names %.3f)", operation_id, len(planned), named - start, addressed - start,
+             dialled - addressed, joined - dialled, named - joined)
     by_cell = {id(cell): attempts for cell, attempts in taken}
     cells = [build_cell(c, by_cell[id(c)], known) for c in planned if id(c) in by_cell]
     return BehaviourMatrix(operation_id=operation_id[:253], mode=mode, taken_at=taken_at,

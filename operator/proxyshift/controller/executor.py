@@ -68,13 +68,16 @@ def by_node(actions: list[w.Action]) -> tuple[list[list[w.Action]], list[w.Actio
     return list(nodes.values()), rest
 
 
-
 def in_waves(actions: list[w.Action], after_others: Set[str]) -> tuple[list[list[list[w.Action]]], list[w.Action]]:
     """by_node in two waves: the nodes of `after_others` (Plan.after_others) only after every other node's
     steps succeeded. Each wave's node groups may run side by side; the policy's own actions come last."""
     groups, rest = by_node(actions)
-    late = [g for g in groups if getattr(g[0], "node", None) in after_others]
-    return [[g for g in groups if getattr(g[0], "node", None) not in after_others], late], rest
+    first: list[list[w.Action]] = []
+    late: list[list[w.Action]] = []
+    for group in groups:
+        (late if getattr(group[0], "node", None) in after_others else first).append(group)
+    return [first, late], rest
+
 
 @dataclass
 class Executor:
