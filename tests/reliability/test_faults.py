@@ -190,10 +190,28 @@ def uncordon_after(harness: Harness) -> Iterator[None]:
             harness.core.patch_node(node, {"spec": {"unschedulable": False}})
 
 
-def _fault(faults: Faults, name: str) -> Callable[[str, str], str]:
+def _prepared_fault(faults: Faults, name: str, cluster: Any) -> Callable[[str, str], str]:
+    """The fault by its name, the cluster made ready for it (agent-kill: new agent pods)."""
+    if name == "agent-kill":
+        _fresh_agent_pods(cluster)
     return {"operator-kill": faults.operator_kill, "agent-kill": faults.agent_kill,
             "apiserver-restart": faults.apiserver_restart, "etcd-pause": faults.etcd_pause,
             "node-delete": faults.node_delete, "probe-unreachable": faults.probe_block}[name]
+
+
+def _fresh_agent_pods(cluster: Any) -> None:
+    """Replace every agent pod with a new one before a run that kills agents.
+
+    The node simulator counts restarts per pod and backs off like the kubelet (immediate, 10 s, 20 s, 40 s,
+    80 s, ...; reset only after 10 min up). Without new pods the kills of the runs before carry over: in CI
+    the fifth kill of ps-node-1's agent within 10 minutes fell in Verify, its 80 s back-off outlasted the 60 s
+    gate timeout and the node rolled back. A new pod starts with no restarts, as does an agent that has not
+    crashed for 10 minutes: each run's kills then cost what its own comment says."""
+    from localcluster import install
+
+    cluster.kubectl("-n", install.AGENT_NAMESPACE, "rollout", "restart", f"daemonset/{install.AGENT_DAEMONSET}")
+    cluster.kubectl("-n", install.AGENT_NAMESPACE, "rollout", "status", f"daemonset/{install.AGENT_DAEMONSET}",
+                    "--timeout=180s", timeout=200)
 
 
 class CrashLoops:
@@ -231,7 +249,7 @@ def test_fault_at_every_step(harness: Harness, cluster: Any, kube: Any, test_ser
     h = harness
     state_dir = cluster.require_local("fault injection")
     faults = Faults(h, kube, state_dir, ALL_NODES)
-    fault = _fault(faults, fault_name)
+    fault = _prepared_fault(faults, fault_name, cluster)
     name = f"rel-{fault_name}"
     # The node simulator backs off restarts like the kubelet (immediate, 10 s, 20 s, 40 s, ...; reset after
     # 10 min up): seven kills of one agent within a minute would be a crash loop, not seven kills. So the
@@ -343,7 +361,7 @@ def test_a_fault_while_a_node_rolls_back(harness: Harness, cluster: Any, kube: A
     the rollback's reason, and every end-state invariant must hold."""
     h = harness
     state_dir = cluster.require_local("fault injection")
-    fault = _fault(Faults(h, kube, state_dir, ALL_NODES), fault_name)
+    fault = _prepared_fault(Faults(h, kube, state_dir, ALL_NODES), fault_name, cluster)
     loops = CrashLoops(h, state_dir)
 
     def crash_then_fault(step: str, node: str) -> str:
@@ -386,7 +404,7 @@ def test_a_fault_in_verify(harness: Harness, cluster: Any, kube: Any, test_servi
     h = harness
     state_dir = cluster.require_local("fault injection")
     faults = Faults(h, kube, state_dir, ALL_NODES)
-    fault = _fault(faults, fault_name)
+    fault = _prepared_fault(faults, fault_name, cluster)
 
     def block_then_fault(step: str, node: str) -> str:
         return faults.probe_block_at_cleanup(step, node) if step == "Gate" else fault(step, node)
