@@ -414,21 +414,26 @@ class FlakyAPI(FakeAPI):
         return super().patch_status(name, status)
 
 
-def test_an_unrecorded_start_runs_nothing_and_a_lost_result_is_sent_again() -> None:
+def test_an_unrecorded_start_runs_again_and_a_lost_result_is_sent_again() -> None:
+    """A Cleanup runs while its Running record is written (a flush run twice finds nothing the second time):
+    when that write fails its result is dropped and the next event runs it again; once recorded, a lost
+    result goes out with the next status write and the operation is not run a third time."""
     op = {"id": "c1", "type": "Cleanup", "params": {"removeModes": ["iptables"], "targetMode": "nftables"}}
     api = FlakyAPI(node_obj(op), fail_on={1, 3})
     calls: list = []
     agent = make_agent(api, flush_calls=calls)
+    flush = (["iptables"], "nftables")
     with pytest.raises(ConnectionError):
-        agent.handle(api.get("n1"))          # "Running" not recorded: nothing may run
-    assert calls == []
+        agent.handle(api.get("n1"))          # flushed, but "Running" not recorded: the result is dropped
+    assert calls == [flush]
+    assert "lastOperation" not in (api.obj.get("status") or {})
     with pytest.raises(ConnectionError):
-        agent.handle(api.get("n1"))          # recorded, flushed, but the result write is lost
-    assert calls == [(["iptables"], "nftables")]
+        agent.handle(api.get("n1"))          # recorded, flushed again, but the result write is lost
+    assert calls == [flush, flush]
     assert api.obj["status"]["lastOperation"]["state"] == "Running"
     agent.handle(api.get("n1"))              # the watch redelivers: not run again
     agent.tick()                             # the result goes out with the next status write
-    assert calls == [(["iptables"], "nftables")]
+    assert calls == [flush, flush]
     assert api.obj["status"]["lastOperation"]["state"] == "Succeeded"
 
 
