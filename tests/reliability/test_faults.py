@@ -68,12 +68,13 @@ MAX_ROUNDS = 5  # migrations per fault at most, to hit every step (see test_faul
 MAX_VERIFY_TRIES = 3  # migrations at most to make a node enter Verify (test_a_fault_in_verify)
 
 
-def fault_policy(name: str, service: Any, gate_timeout: int = GATE_TIMEOUT, nodes: list[str] = BLUE
-                 ) -> dict[str, Any]:
+def fault_policy(name: str, service: Any, gate_timeout: int = GATE_TIMEOUT, nodes: list[str] = BLUE,
+                 cleanup_in_gate: bool = True) -> dict[str, Any]:
     # pool blue, or both pools (blue, green) when the run needs every node
     selector = {"nodeSelector": {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["blue", "green"]}]}}
     return policy(name, "nftables", pool="blue" if nodes == BLUE else None, **({} if nodes == BLUE else selector),
                   rollout={"maxUnavailable": 1, "cordon": True, "drain": True},
+                  cleanup={"inGate": cleanup_in_gate},
                   gate={"timeout": f"{gate_timeout}s", "minSyncs": 1,
                         "probeServices": [{"namespace": service.namespace, "name": service.name,
                                            "port": service.port}]})
@@ -109,19 +110,20 @@ def migrate_under(h: Harness, cluster: Any, kube: Any, test_service: Any, tcp_pr
                   continuous_prober: Callable[..., Any], name: str, fault: Callable[[str, str], str] | None,
                   loss: str, steps: tuple[str, ...] = ALL_STEPS, before_end: Callable[[], None] | None = None,
                   kick: Callable[[], object] | None = None, gate_timeout: int = GATE_TIMEOUT,
-                  nodes: list[str] = BLUE, max_per_node: int | None = None,
+                  nodes: list[str] = BLUE, max_per_node: int | None = None, cleanup_in_gate: bool = True,
                   ) -> tuple[str, dict[str, Any], StepInjector, dict[str, Any], dict[str, Any]]:
     """One blue iptables -> nftables migration with `fault` fired at each of `steps`; invariants checked.
 
     `loss` names the fault's row of the loss budget (loss_budget.FAULTS): every failed connection is charged to
     its node's step against it (facts `lost_by_step`, `over_budget`; `_record` asserts). `kick` starts the
-    migration instead of applying the policy (a retry of an existing one)."""
+    migration instead of applying the policy (a retry of an existing one). `cleanup_in_gate` false: the flush
+    is a Cleanup step of its own after the gate (the default flushes inside the gate's probe, no Cleanup)."""
     service_answers_everywhere(h, tcp_probe, test_service)
     probers = {n: continuous_prober(n, test_service.cluster_ip, test_service.port, interval=0.1) for n in ALL_NODES}
     injector = StepInjector(kube, nodes, fault, steps, max_per_node).start()
     started = time.monotonic()
     if kick is None:
-        h.apply(fault_policy(name, test_service, gate_timeout, nodes))
+        h.apply(fault_policy(name, test_service, gate_timeout, nodes, cleanup_in_gate))
     else:
         kick()
     outcome, cond = wait_settled(h, name, nodes=nodes)
@@ -270,7 +272,10 @@ def test_fault_at_every_step(harness: Harness, cluster: Any, kube: Any, test_ser
         if retry:
             kick = functools.partial(_retry, h, name, f"round-{rounds}", nodes)
         elif rounds:
-            kick = functools.partial(h.patch, name, {"spec": {"mode": mode}})
+            # The first migration flushes inside the gate (the default: no Cleanup step); one still missing
+            # its Cleanup flushes after the gate, the way ipvs and Cilium moves always do.
+            edit: dict[str, Any] = {"mode": mode, **({"cleanup": {"inGate": False}} if "Cleanup" in missing else {})}
+            kick = functools.partial(h.patch, name, {"spec": edit})
         try:
             outcome, cond, injector, facts, _ = migrate_under(h, cluster, kube, test_service, tcp_probe,
                                                               continuous_prober, name, fault, fault_name,
@@ -415,7 +420,8 @@ def test_a_fault_in_verify(harness: Harness, cluster: Any, kube: Any, test_servi
         try:
             outcome, cond, injector, facts, _ = migrate_under(
                 h, cluster, kube, test_service, tcp_probe, continuous_prober, name, block_then_fault,
-                f"{fault_name} in Verify", ("Gate", VERIFY), before_end=faults.unblock_all, kick=kick)
+                f"{fault_name} in Verify", ("Gate", VERIFY), before_end=faults.unblock_all, kick=kick,
+                cleanup_in_gate=False)  # Verify follows only a Cleanup step of its own
         finally:
             faults.unblock_all()
         _record(cluster, _row(f"{fault_name} in Verify" + (f" (migration {tries}, to {mode})" if tries > 1 else ""),

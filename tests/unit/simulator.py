@@ -390,9 +390,14 @@ class Sim:
         elif op.type == "Cleanup" and name in self.faults.cleanup_fail:
             state, message = "Failed", "iptables-restore: exit status 1"
         elif op.type == "Probe":
-            pn.status.kube_proxy = self._facts(name)
+            facts = pn.status.kube_proxy = self._facts(name)
             ok = name not in self.faults.no_connect
             details = {"connects": {s: (True if ok else "connection refused") for s in op.params.get("services", [])}}
+            if op.params.get("cleanup") and facts.proxy_mode == op.params.get("awaitMode"):
+                # The flush in the gate's probe, once kube-proxy runs the mode awaited (it has synced here).
+                flushed = name not in self.faults.cleanup_fail
+                details["cleanup"] = {"ok": flushed,
+                                      "message": "3 chains removed" if flushed else "iptables-restore: exit status 1"}
         pn.status.last_operation = last.model_copy(update={"state": state, "message": message, "details": details,
                                                            "finished_at": fmt(self.now)})
 

@@ -18,7 +18,7 @@ from proxyshift.agent.loop import P99_ABOVE_BUCKETS, Agent, AgentConfig, ProxyNo
 from proxyshift.agent.preflight import Missing, PreflightReport, ToolVersions
 from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams, ConntrackParams, ConntrackReport
 from proxyshift.api.diagnostics import DiagnoseRequest, NodeDiagnostics
-from proxyshift.api.proxynode import KubeProxyFacts, Mode, PreflightResult, ProxyNode
+from proxyshift.api.proxynode import KubeProxyFacts, Mode, PreflightResult, ProbeResult, ProxyNode
 from proxyshift.api.replacement import ReplacementFacts, ReplacementParams
 from proxyshift.commands import Result
 
@@ -815,6 +815,58 @@ def test_a_probe_waits_no_longer_than_asked_and_then_reports_what_it_sees() -> N
     assert node.status.kube_proxy is not None
     assert node.status.last_operation.state == "Succeeded" and node.status.kube_proxy.error
     assert 1.8 <= sum(sleeps) <= 2.2
+
+
+IN_GATE_FLUSH = {"removeModes": ["iptables"], "targetMode": "nftables"}
+
+
+def _probe_details(api: FakeAPI) -> tuple[str, ProbeResult]:
+    last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last is not None and last.state == "Succeeded"
+    return last.message, last.result_as(ProbeResult)
+
+
+def test_a_gate_probe_flushes_once_kube_proxy_has_synced_and_before_it_connects() -> None:
+    api = FakeAPI(node_obj(probe_op(services=["198.19.0.10:443"], awaitMode="nftables", awaitSyncs=1,
+                                    awaitSeconds=10, cleanup=IN_GATE_FLUSH)))
+    agent, _ = _sequence_agent(api, [STARTING, UP_NOT_SYNCED, FACTS])
+    node = agent.effects
+    assert isinstance(node, FakeNode)
+    order: list[str] = []
+    connect = node.connect
+
+    def connect_after_flush(targets: list[str]) -> dict[str, bool | str]:
+        order.append(f"connect after {len(node.flush_calls)} flush(es)")
+        return connect(targets)
+
+    node.connect = connect_after_flush  # type: ignore[method-assign]  # the test swaps this seam
+    agent.handle(api.get("n1"))
+    message, details = _probe_details(api)
+    assert node.flush_calls == [(["iptables"], "nftables")] and order == ["connect after 1 flush(es)"]
+    assert details.cleanup is not None and details.cleanup.ok is True
+    assert details.cleanup.steps and details.cleanup.steps[0].removed == {"chains": 3}
+    assert details.connects == {"198.19.0.10:443": True}
+    assert "cleanup: " in message
+
+
+def test_a_gate_probe_flushes_nothing_while_kube_proxy_has_not_synced_in_its_mode() -> None:
+    for answers in ([STARTING], [FACTS.model_copy(update={"proxy_mode": "iptables"})]):
+        api = FakeAPI(node_obj(probe_op(awaitMode="nftables", awaitSyncs=1, awaitSeconds=1, cleanup=IN_GATE_FLUSH)))
+        agent, _ = _sequence_agent(api, answers)
+        agent.handle(api.get("n1"))
+        node = agent.effects
+        assert isinstance(node, FakeNode) and node.flush_calls == []
+        assert _probe_details(api)[1].cleanup is None
+
+
+def test_a_gate_probe_tells_a_flush_it_refused_without_failing_the_probe() -> None:
+    refused = {"removeModes": ["userspace"], "targetMode": "nftables"}  # a mode the flush does not know
+    api = FakeAPI(node_obj(probe_op(awaitMode="nftables", awaitSyncs=1, awaitSeconds=1, cleanup=refused)))
+    agent, _ = _sequence_agent(api, [FACTS])
+    agent.handle(api.get("n1"))
+    message, details = _probe_details(api)
+    assert details.cleanup is not None and details.cleanup.ok is False and details.cleanup.message
+    assert "cleanup FAILED" in message
 
 
 def test_a_probe_does_not_wait_on_a_kube_proxy_in_the_wrong_mode_or_when_not_asked() -> None:

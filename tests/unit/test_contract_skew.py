@@ -96,7 +96,11 @@ def _planned() -> dict[str, dict[str, Any]]:
     preflight = Operation(id=f"{REV}.1.0.Preflight.0", type="Preflight")
     out["Hold"] = first_op(machine.step(inp(mig("Preflight"), op=preflight, last=done(preflight)))).to_k8s()["params"]
     switched = machine.step(full(inp(mig("Switch"), label=REV, pods=[pod(f"kube-proxy-{REV}")], gate=gate)))
-    out["Probe"] = first_op(switched).to_k8s()["params"]
+    probe_params = first_op(switched).to_k8s()["params"]
+    # New since v0: the flush inside the gate's probe (cleanup.inGate). An older agent ignores the key and
+    # reports no flush, and the Cleanup step follows the gate as before: the "Cleanup" capture below.
+    assert probe_params.pop("cleanup") == {"removeModes": ["iptables"], "targetMode": "nftables"}
+    out["Probe"] = probe_params
     probe = Operation(id=f"{REV}.1.0.Gate.0", type="Probe", params={"services": ["198.19.0.10:80"]})
     gated = inp(mig("Gate"), label=REV, op=probe, last=done(probe, connects={"198.19.0.10:80": True}),
                 facts=_good_facts(), gate=gate)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from simulator import Faults, Sim, edit, make_policy
@@ -128,16 +129,18 @@ def test_the_next_node_s_preflight_runs_during_this_node_s_gate_and_it_switches_
 
 
 
-def test_the_plan_that_finishes_a_node_switches_the_prepared_one_after_it() -> None:
+@pytest.mark.parametrize(("cleanup", "last"), [({}, "Gate"), ({"inGate": False}, "Cleanup")])
+def test_the_plan_that_finishes_a_node_switches_the_prepared_one_after_it(cleanup: dict[str, Any], last: str) -> None:
     """The slot a node's Done frees goes to the Prepared node in the same plan, whose steps come after
-    every other node's (Plan.after_others): one plan cycle per node sooner, never two nodes touched."""
-    sim = Sim.build(blue(3), [make_policy("p")])
-    sim.run(max_steps=200, until=lambda: sim.phase("node-1") == "Cleanup" and sim.phase("node-2") == "Prepared")
-    assert (sim.phase("node-1"), sim.phase("node-2")) == ("Cleanup", "Prepared")
-    for _ in range(10):  # until the agent has answered the cleanup
+    every other node's (Plan.after_others): one plan cycle per node sooner, never two nodes touched. A node
+    finishes from its Gate when the probe flushed (cleanup.inGate), else from its Cleanup step."""
+    sim = Sim.build(blue(3), [make_policy("p", extra_spec={"cleanup": cleanup})])
+    sim.run(max_steps=200, until=lambda: sim.phase("node-1") == last and sim.phase("node-2") == "Prepared")
+    assert (sim.phase("node-1"), sim.phase("node-2")) == (last, "Prepared")
+    for _ in range(10):  # until the agent has answered the probe or the cleanup
         sim.tick()
         result = sim.step()["p"]
-        if sim.phase("node-1") != "Cleanup":
+        if sim.phase("node-1") != last:
             break
     assert result.after_others == frozenset({"node-2"})
     assert (sim.phase("node-1"), sim.phase("node-2")) == ("Done", "Switch")

@@ -71,6 +71,7 @@ PLURAL = "proxynodes"
 # is written as this many seconds, which fails any sensible gate bound.
 P99_ABOVE_BUCKETS = 1e9
 MESSAGE_LIMIT = 4000
+FLUSH_MESSAGE_LIMIT = 1000  # a flush's message inside a Probe's details (the probe's own message has it too)
 MAX_PROBE_AWAIT_SECONDS = 30.0  # whatever a Probe asks, the agent never sits longer on one
 # A Probe that waits notices kube-proxy's sync this soon (half of it on average: the gate's verdict lag per
 # node); one poll is three HTTP GETs to the node's own kube-proxy.
@@ -472,25 +473,35 @@ class Agent:
         return self.effects.behaviour(params, mode=mode, operation_id=op.id)
 
     @staticmethod
-    def _cleanup_args(op: Operation) -> tuple[list[str], str | None]:
-        p = op.params_as(CleanupParams)
+    def _cleanup_args(p: CleanupParams) -> tuple[list[str], str | None]:
         flush_mod.validate_modes(p.remove_modes, p.target_mode)
         return p.remove_modes, p.target_mode or None
 
-    def _run_cleanup(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
-        remove, target = self._cleanup_args(op)
-        # The hold is a copy of stale rules too: a cleanup never leaves it behind.
+    def _flush_stale(self, p: CleanupParams) -> tuple[bool, str, CleanupResult]:
+        """Drop the rule hold (a copy of stale rules too: a cleanup never leaves it behind) and flush the modes
+        `p` names: (ok, message, the flush's details)."""
+        remove, target = self._cleanup_args(p)
         released = self._release_hold()
         report = self._flush(remove, target)
-        extra = self.observe(inventory=True)
         message = report.message() + (f" | {released.message()}" if released.changed or not released.ok else "")
         details = CleanupResult.model_validate({**report.details(), "hold": released.message()})
-        # kube-proxy as it is right after the flush (in `extra`) and, when asked, the gate's Services
-        # reached from here: the operator verifies the node on this report without another probe.
-        services = op.params_as(CleanupParams).services
-        if services:
-            details.connects = self.effects.connect(services)
-        return self._done(op, started, report.ok and released.ok, message, details), extra
+        return report.ok and released.ok, message, details
+
+    def _run_cleanup(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
+        p = op.params_as(CleanupParams)
+        began = self.clock()
+        ok, message, details = self._flush_stale(p)
+        flushed = self.clock()
+        # kube-proxy and the node's objects as they are right after the flush (in `extra`) and, when asked,
+        # the gate's Services reached from here: the operator verifies the node on this report without
+        # another probe. The connects only read, so they run beside the inventory.
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cleanup-connects") as pool:
+            connects = pool.submit(self.effects.connect, p.services) if p.services else None
+            extra = self.observe(inventory=True)
+            details.connects = connects.result() if connects is not None else None
+        log.info("cleanup %s: flush %.3f s, then kube-proxy, inventory and connects %.3f s", op.id,
+                 flushed - began, self.clock() - flushed)
+        return self._done(op, started, ok, message, details), extra
 
     def _run_hold(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
         """Copy the old mode's service rules so they outlive the new kube-proxy's startup cleanup."""
@@ -523,6 +534,17 @@ class Agent:
             replaced = self.effects.replacement(p.replacement, with_services=True)
             extra = {**extra, "replacement": with_nulls(replaced)}
         synced = self.clock()
+        flushed: CleanupResult | None = None
+        if p.cleanup is not None and p.await_mode and _synced_in(self.facts, p.await_mode, p.await_syncs or 1):
+            # The old mode's leftovers go before anything is judged: the connects and the "after" matrix
+            # then see the node as it stays, and no Cleanup step of its own follows the gate.
+            try:
+                ok, said, flushed = self._flush_stale(p.cleanup)
+            except ValueError as exc:  # modes the flush refuses: told, never a failed probe
+                ok, said, flushed = False, str(exc), CleanupResult()
+            flushed.ok, flushed.message = ok, said[:FLUSH_MESSAGE_LIMIT]
+            extra = self.observe(inventory=True)
+        cleaned_up = self.clock()
         connects = self.effects.connect(services) if services else {}
         connected = self.clock()
         behaviour = p.behaviour
@@ -531,8 +553,9 @@ class Agent:
         conntracked = self.clock()
         matrix = self._take_behaviour(op, behaviour) if behaviour is not None else None
         # Where the time after kube-proxy's sync goes: the gate's own part of a node's switch.
-        log.info("probe %s after the sync: connects %.3f s, conntrack %.3f s, behaviour %.3f s", op.id,
-                 connected - synced, conntracked - connected, self.clock() - conntracked)
+        log.info("probe %s after the sync: cleanup %.3f s, connects %.3f s, conntrack %.3f s, behaviour %.3f s",
+                 op.id, cleaned_up - synced, connected - cleaned_up, conntracked - connected,
+                 self.clock() - conntracked)
         facts = self.facts or KubeProxyFacts()
         if replaced is not None:
             # No kube-proxy runs here: the replacement's account is the probe's answer.
@@ -548,9 +571,11 @@ class Agent:
             if facts.error:
                 parts.append(f"error: {facts.error}")
         if services:
-            ok = sum(1 for v in connects.values() if v is True)
-            parts.append(f"{ok}/{len(services)} service connects ok")
-        details = ProbeResult(connects=connects if services else None, conntrack=cleaned)
+            reached = sum(1 for v in connects.values() if v is True)
+            parts.append(f"{reached}/{len(services)} service connects ok")
+        details = ProbeResult(connects=connects if services else None, conntrack=cleaned, cleanup=flushed)
+        if flushed is not None:
+            parts.append(f"cleanup{'' if flushed.ok else ' FAILED'}: {flushed.message}")
         if cleaned is not None:
             parts.append(f"conntrack: {cleaned.deleted_tcp} TCP and {cleaned.deleted_udp} UDP un-NATed entries "
                          "deleted" + (f" ({cleaned.error})" if cleaned.error else ""))
@@ -570,7 +595,7 @@ class Agent:
             self._send_result(result, extra, began)
             return
         try:
-            remove, target = self._cleanup_args(op)
+            remove, target = self._cleanup_args(op.params_as(CleanupParams))
         except ValueError as exc:
             self._send_result(self._done(op, started, False, str(exc)), {}, began)
             return
@@ -729,8 +754,13 @@ def _settled(facts: KubeProxyFacts | None, mode: str, syncs: int) -> bool:
     `syncs` times since it started, or it runs another mode (the gate fails that at once)."""
     if facts is None or not facts.proxy_mode:
         return False
-    if facts.proxy_mode != mode:
-        return True
+    return facts.proxy_mode != mode or _synced_in(facts, mode, syncs)
+
+
+def _synced_in(facts: KubeProxyFacts | None, mode: str, syncs: int) -> bool:
+    """Whether kube-proxy runs `mode`, answers /healthz 200 and has synced `syncs` times since it started."""
+    if facts is None or facts.proxy_mode != mode:
+        return False
     start, last = facts.process_start_time, facts.last_sync_timestamp
     return (start is not None and last is not None and last >= start and (facts.sync_count or 0) >= syncs
             and facts.healthz_status == 200)

@@ -439,6 +439,13 @@ class CleanupSettings(KubeModel):
     stale_rules: bool = Field(
         default=True, description="Flush kube-proxy's own objects of the old mode (never a user's rules)."
     )
+    in_gate: bool = Field(
+        default=True,
+        description="Flush inside the gate's probe, right after the new kube-proxy's first sync, so the "
+        "behaviour matrix judges the node as it stays, where the new kube-proxy already deleted the old "
+        "mode's Service rules at its start (iptables <-> nftables): a rollback finds none either way. "
+        "false: always a step of its own after the gate passed (one more agent round trip per node).",
+    )
 
 
 class ProxyPolicySpec(KubeModel):

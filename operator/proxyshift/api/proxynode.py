@@ -200,10 +200,15 @@ class ProbeParams(_Params):
     behaviour: BehaviourParams | None = Field(default=None, description="The Service sample to probe after.")
     replacement: ReplacementParams | None = Field(
         default=None, description="The node runs no kube-proxy (cilium-kpr): read its replacement's API instead.")
+    cleanup: CleanupParams | None = Field(
+        default=None, description="Flush these stale objects once kube-proxy runs await_mode and synced, "
+        "before the connects, the conntrack step and the behaviour probe.")
 
     def to_params(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"services": list(self.services), "awaitMode": self.await_mode,
                                 "awaitSyncs": self.await_syncs, "awaitSeconds": self.await_seconds}
+        if self.cleanup is not None:
+            wire["cleanup"] = self.cleanup.to_params()
         for key, part in (("conntrack", self.conntrack), ("behaviour", self.behaviour),
                           ("replacement", self.replacement)):
             if part is not None:
@@ -483,6 +488,10 @@ class CleanupResult(_Result):
     connects: Connects | None = None
     recovered: bool | None = None
     remaining: dict[str, int] | None = None
+    # A Cleanup's own state says whether it succeeded; a flush inside a Probe says it here (the Probe succeeds
+    # as a reading either way), with `message` for people.
+    ok: bool | None = None
+    message: str | None = None
 
     @field_validator("connects", mode="before")
     @classmethod
@@ -491,12 +500,14 @@ class CleanupResult(_Result):
 
 
 class ProbeResult(_Result):
-    """details of a Probe: the gate's Services reached and the conntrack step's account."""
+    """details of a Probe: the gate's Services reached, the conntrack step's account and, when the probe was
+    asked to flush, the flush's (None: it did not flush, kube-proxy had not synced in the mode awaited)."""
 
     operation_type: ClassVar[OperationType] = "Probe"
 
     connects: Connects | None = None
     conntrack: ConntrackReport | None = None
+    cleanup: CleanupResult | None = None
 
     @field_validator("connects", mode="before")
     @classmethod

@@ -680,12 +680,30 @@ def _probe_op(inp: NodeInput, m: NodeMigration, step_name: str, n: int) -> Opera
     # Every probe after a switch (forward or back) clears un-NATed conntrack entries left from the gap;
     # only the forward gate compares Service behaviour with the matrix taken before the switch.
     # A node without kube-proxy has none to wait for: the replacement's own account is read instead.
+    gate = step_name == "Gate"
     params = ProbeParams(services=services, await_mode=mode if runs_kube_proxy(mode) else None,
                          await_syncs=inp.spec.gate.min_syncs,
                          replacement=_replacement_params(inp, mode, frontends=True),
                          await_seconds=min(AGENT_AWAIT_SECONDS, _timeout(inp).total_seconds()),
-                         conntrack=inp.conntrack, behaviour=_behaviour_sample(inp) if step_name == "Gate" else None)
+                         conntrack=inp.conntrack, behaviour=_behaviour_sample(inp) if gate else None,
+                         cleanup=_cleanup_in_gate(inp, m) if gate else None)
     return Operation.request(op_id(m, step_name, n), params)
+
+
+def _cleanup_in_gate(inp: NodeInput, m: NodeMigration) -> CleanupParams | None:
+    """The flush the gate's probe runs right after the first sync, or None: a Cleanup step follows the gate.
+
+    Only where the new kube-proxy deleted the old mode's Service rules at its own start (iptables <->
+    nftables): what is left of that mode serves no Service, so a rollback finds the node as it would
+    without the flush. Elsewhere (iptables <-> ipvs, leaving Cilium's KPR) the stale rules may still
+    carry traffic until the old kube-proxy is back, and they go only after the gate has passed."""
+    if not (inp.spec.cleanup.stale_rules and inp.spec.cleanup.in_gate):
+        return None
+    if not startup_cleanup_drops_old_rules(m.from_mode, m.to_mode):
+        return None
+    to_mode = m.to_mode or ""
+    remove = _modes_to_remove(inp, to_mode, m.from_mode if m.from_mode != m.to_mode else None)
+    return CleanupParams(remove_modes=remove, target_mode=to_mode) if remove else None
 
 
 def _enter_probe(inp: NodeInput, m: NodeMigration, phase: Phase, why: str) -> Step:
@@ -837,6 +855,17 @@ def _differs_since(inp: NodeInput, m: NodeMigration, verdict: GateVerdict) -> st
 
 def _after_gate(inp: NodeInput, m: NodeMigration, verdict: GateVerdict) -> Step:
     if m.phase == "Gate":
+        flushed = _flushed_in_gate(inp)
+        if flushed is not None and not flushed.ok:
+            return _start_rollback(inp, m, "CleanupFailed", f"cleanup of stale rules failed: {flushed.message}")
+        if flushed is not None:
+            # The probe flushed before it connected and took the matrix: the gate judged the node as it stays.
+            why = f"{verdict.message}; cleanup in the gate: {clip(flushed.message or '')}"
+            step = _finish_forward(inp, m, why)
+            # Told after the node's write (the agent waits on that one) and before how the node ended.
+            write, *rest = step.actions
+            return Step([write, _event(inp, "GatePassed", why), *rest], step.phase, step.message,
+                        step.requeue_after)
         remove = _modes_to_remove(inp, m.to_mode or "", m.from_mode if m.from_mode != m.to_mode else None)
         if inp.spec.cleanup.stale_rules and remove:
             nxt = _enter(inp, m, "Cleanup", message=None)
@@ -851,6 +880,17 @@ def _after_gate(inp: NodeInput, m: NodeMigration, verdict: GateVerdict) -> Step:
                 "Cleanup", "cleanup requested", POLL_SECONDS,
             )
     return _finish_forward(inp, m, verdict.message)
+
+
+def _flushed_in_gate(inp: NodeInput) -> CleanupResult | None:
+    """The flush the passing gate probe ran, or None: it was not asked to, or kube-proxy had not synced."""
+    op = inp.proxynode.spec.operation
+    if op is None or op.type != "Probe" or op.params_as(ProbeParams).cleanup is None:
+        return None
+    res = _result(inp, op)
+    flushed = res.result_as(ProbeResult).cleanup if res is not None and res.state == "Succeeded" else None
+    # An agent that knows no flush in a probe reports none: the Cleanup step follows, as before.
+    return flushed if flushed is not None and flushed.ok is not None else None
 
 
 def _finish_forward(inp: NodeInput, m: NodeMigration, why: str) -> Step:
