@@ -69,11 +69,24 @@ def test_rollout_converges_in_natural_name_order() -> None:
 
 
 def test_revision_is_ensured_before_any_node_moves() -> None:
+    """The first plan creates the revision; a node's preflight may start beside it (it reads the node only),
+    but no node is switched while its revision does not exist: a slow creation keeps it Prepared."""
     sim = Sim.build(blue(2), [make_policy("p")])
     first = plan(sim.world(), "p")
     assert isinstance(first.actions[0], EnsureRevision)
-    assert not any(isinstance(a, SetMigration) for a in first.actions)
     assert first.actions[0].reason == "RevisionCreated"
+    started = [a.migration.phase for a in first.actions if isinstance(a, SetMigration) and a.migration]
+    assert started == ["Preflight"]
+    for _ in range(6):  # the revision's creation is held back: the preflight passes meanwhile
+        world = sim.world()
+        for action in plan(world, "p").actions:
+            assert not isinstance(action, SetRevisionLabel), action
+            if not isinstance(action, EnsureRevision):
+                sim.apply("p", action, world)
+        sim.tick()
+    assert sim.phase("node-1") == "Prepared" and not sim.revisions
+    sim.run()
+    assert sim.violations == [] and {sim.phase(n) for n in ("node-1", "node-2")} == {"Done"}
 
 
 def test_an_existing_revision_is_applied_again_quietly_on_every_plan() -> None:

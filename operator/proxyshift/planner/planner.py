@@ -202,19 +202,28 @@ def _failing_now(written: Mapping[str, NodeMigration | None], generation: object
             for name, m in written.items() if m is not None and m.phase in FAILED]
 
 
-def _switch_grants(nodes: list[_Node], limit: int, halted: bool, freed: Set[str] = frozenset()) -> set[str]:
+def _switch_grants(nodes: list[_Node], limit: int, halted: bool, revisions: Set[str],
+                   freed: Set[str] = frozenset()) -> set[str]:
     """The untouched in-flight nodes that may go on to touch their node this pass: as many as maxUnavailable
     has free slots, those whose preflight already passed (Prepared) first, each group in node order.
 
     Counting only touched nodes against maxUnavailable is what lets the next node's preflight run during
     this node's gate (rollout.preflightAhead) without ever switching more nodes at once than allowed.
-    `freed`: touched nodes whose step in this plan finishes them; their slots count as free."""
+    A node whose target revision does not exist yet (`revisions`: those that do) gets no slot: its preflight
+    runs while the revision is created, its switch waits for it. `freed`: touched nodes whose step in this
+    plan finishes them; their slots count as free."""
     if halted:
         return set()
     touched = sum(e.kind == "inflight" and not _untouched(e) and e.name not in freed for e in nodes)
-    waiting = [e for e in nodes if _untouched(e) and not _moved_on(e)]
+    waiting = [e for e in nodes if _untouched(e) and not _moved_on(e) and _target_exists(e, revisions)]
     waiting.sort(key=lambda e: not _prepared(e))  # stable: node order within each group
     return {e.name for e in waiting[:max(0, limit - touched)]}
+
+
+def _target_exists(e: _Node, revisions: Set[str]) -> bool:
+    """Whether the revision the node's migration moves it to exists (None: the baseline, always there)."""
+    m = _migration(e)
+    return m is None or m.to_revision is None or m.to_revision in revisions
 
 
 def _distribution_request(ctx: _Ctx) -> DiagnoseRequest | None:
@@ -404,8 +413,9 @@ def plan(world: World, policy_name: str) -> Plan:
         if not _untouched(e):
             results[e.name] = _step_inflight(ctx, e, may_switch=False, halting=bool(halting), paused=paused)
     finishing = {name for name, result in results.items() if result.phase == "Done"}
-    grants = _switch_grants(nodes, limit, halted or paused, freed=finishing)
-    late = grants - _switch_grants(nodes, limit, halted or paused)
+    existing = set(world.revisions)
+    grants = _switch_grants(nodes, limit, halted or paused, existing, freed=finishing)
+    late = grants - _switch_grants(nodes, limit, halted or paused, existing)
     for e in inflight:
         if _untouched(e):
             results[e.name] = _step_inflight(ctx, e, may_switch=e.name in grants, halting=bool(halting),
@@ -483,7 +493,7 @@ def plan(world: World, policy_name: str) -> Plan:
                 break
             target = e.target
             assert isinstance(target, Target)
-            if e.forward and (revision_missing or stage_room <= 0):
+            if e.forward and stage_room <= 0:
                 continue
             node = world.nodes[e.name]
             if not node.ready:
