@@ -54,16 +54,17 @@ def test_a_new_policy_first_gets_its_revision_then_one_node_starts_preflight() -
 
     first, second = asyncio.run(steps(cluster, 2))
 
-    # Step 1: the revision's ConfigMap and DaemonSet (nftables), the baseline kept off revision nodes; no
-    # node moves before its revision exists.
+    # Step 1: one node (maxUnavailable 1) of the selected pool is asked for its preflight (its ProxyNode made
+    # with it; green is not touched) beside the revision's ConfigMap and DaemonSet (nftables), the baseline
+    # kept off revision nodes. A preflight only reads the node: no node moves before its revision exists.
     ds_name = revision.daemonset["metadata"]["name"]
-    assert first == ["json_patch_daemonset kube-proxy", f"apply_configmap {ds_name}", f"apply_daemonset {ds_name}",
-                     "patch_policy_status blue"]
+    assert first == ["ensure_proxynode blue-1", "json_patch_daemonset kube-proxy", f"apply_configmap {ds_name}",
+                     f"apply_daemonset {ds_name}", "patch_policy_status blue"]
     assert cluster.daemonsets[ds_name]["metadata"]["annotations"]["proxyshift.io/mode"] == "nftables"
     assert "proxyshift.io/baseline-affinity-undo" in cluster.daemonsets["kube-proxy"]["metadata"]["annotations"]
-    # Step 2: one node (maxUnavailable 1) of the selected pool is asked for its preflight; green is not touched.
-    # The revision exists and nothing it is rendered from moved: it is not applied again (revision_keeper.py).
-    assert second == ["ensure_proxynode blue-1", "patch_policy_status blue"]
+    # Step 2: the revision exists and nothing it is rendered from moved: it is not applied again
+    # (revision_keeper.py); the preflight has no answer yet.
+    assert second == ["patch_policy_status blue"]
     assert cluster.writes == [ds_name, ds_name]  # the ConfigMap and the DaemonSet, once each
     spec = cluster.proxynodes["blue-1"]["spec"]
     assert (spec["policy"], spec["revision"], spec["mode"]) == ("blue", revision.name, "nftables")
@@ -136,17 +137,16 @@ def test_a_failed_node_write_keeps_the_policy_status_from_describing_it() -> Non
     cluster.fail[("ensure_proxynode", "blue-2")] = ApiException(status=500, reason="etcd timeout")
 
     async def run() -> list[str]:
-        await steps(cluster, 1)
-        cluster.calls.clear()
         with pytest.raises(ApiException):
-            await step(cluster.runtime, "blue", cluster.indexes())  # type: ignore[arg-type]  # the fake cluster's indexes
+            await step(cluster.runtime_for_test(), "blue", cluster.indexes())
         return list(cluster.calls)
 
     calls = asyncio.run(run())
 
-    assert sorted(calls) == ["ensure_proxynode blue-1", "ensure_proxynode blue-2"]  # side by side, no status
+    # Side by side, then nothing: neither the revision (a policy action, after the nodes') nor the status.
+    assert sorted(calls) == ["ensure_proxynode blue-1", "ensure_proxynode blue-2"]
     assert phase(cluster, "blue-1") == "Preflight"  # the other node's step happened and is recorded
-    assert "Preflight" not in str(cluster.policy_status["blue"].get("nodes"))
+    assert "Preflight" not in str(cluster.policy_status.get("blue", {}).get("nodes"))
 
 
 def test_indexes_come_from_the_handler_keywords_named_after_the_index_handlers() -> None:
