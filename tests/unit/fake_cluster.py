@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from proxyshift.api.policy import ProxyPolicy
+from proxyshift.controller.executor import Executor
 from proxyshift.controller.fleet import NODES, PODS, PROXYNODE_MIRROR, node_item, pod_item, proxynode_item
 from proxyshift.controller.mirror import Mirror
 from proxyshift.controller.reconcile import Indexes
@@ -97,7 +98,9 @@ class FakeCluster:
 
     def runtime_for_test(self) -> OperatorRuntime:
         """A runtime over this fake, its mirrors filled from the objects (as after the first list); on the loop."""
-        runtime = OperatorRuntime.create(self)  # type: ignore[arg-type]  # the fake has ClusterAPI's calls
+        # Events posted inline (no background sender): a test reads them right after the step that made them.
+        executor = Executor(self)  # type: ignore[arg-type]  # the fake has ClusterAPI's calls
+        runtime = OperatorRuntime.create(self, executor=executor)  # type: ignore[arg-type]  # as above
         fleet = runtime.fleet
         fleet.mirrors[NODES] = Mirror(NODES, list, node_item, fleet.node_changed)
         fleet.mirrors[PODS] = Mirror(PODS, list, pod_item, fleet.pod_changed)

@@ -15,6 +15,7 @@ from kubernetes.client.exceptions import ApiException
 from proxyshift import render
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.controller import metrics
+from proxyshift.controller.event_sender import EventSender
 from proxyshift.controller.kube import ClusterAPI, describe_api_error
 from proxyshift.controller.revision_keeper import RevisionKeeper
 from proxyshift.controller.settings import BASELINE_PATCH_ANNOTATION, CONFIG, OperatorConfig
@@ -91,6 +92,8 @@ class Executor:
     _drain_said: dict[str, str] = field(default_factory=dict)  # node -> the blocked drain last told
     # Which existing revisions need applying again (revision_keeper.py); made from the config.
     kept: RevisionKeeper = field(init=False)
+    # Posts Events off the plan's path (event_sender.py); None: each Event is posted where it is made.
+    events: EventSender | None = None
 
     def __post_init__(self) -> None:
         self.kept = RevisionKeeper(self.config.revision_reapply_seconds)
@@ -130,15 +133,22 @@ class Executor:
             if outcomes and type_ == "Normal" and reason not in OUTCOME_REASONS:
                 metrics.EVENTS_SKIPPED.inc()
                 return
-            self.api.emit_event(kind="Node", name=node, uid=self.node_uids.get(node), namespace=None,
-                                reason=reason, message=message, type_=type_, api_version="v1")
+            self._post_event(kind="Node", name=node, uid=self.node_uids.get(node), namespace=None,
+                             reason=reason, message=message, type_=type_, api_version="v1")
             if outcomes or not policy:
                 return
             message = f"{node}: {message}"
         if policy:
             known = policies.get(policy)
-            self.api.emit_event(kind="ProxyPolicy", name=policy, uid=known.metadata.get("uid") if known else None,
-                                namespace=None, reason=reason, message=message, type_=type_)
+            self._post_event(kind="ProxyPolicy", name=policy, uid=known.metadata.get("uid") if known else None,
+                             namespace=None, reason=reason, message=message, type_=type_)
+
+    def _post_event(self, **event: Any) -> None:
+        """Through the background sender when there is one (the operator's), else here and now."""
+        if self.events is not None:
+            self.events.send(**event)
+        else:
+            self.api.emit_event(**event)
 
     # ---- revisions ----
 

@@ -92,6 +92,8 @@ async def stop_mirrors(memo: kopf.Memo, **_: Any) -> None:
     runtime = memo.get(MEMO_KEY)
     if isinstance(runtime, OperatorRuntime):  # absent when the start-up failed
         runtime.fleet.stop()
+        if runtime.executor.events is not None:
+            await asyncio.to_thread(runtime.executor.events.close)
 
 
 # ---- indexes: the few kinds kopf keeps for us ----

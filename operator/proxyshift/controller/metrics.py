@@ -40,6 +40,8 @@ ACTIONS = PromCounter("proxyshift_actions_total", "API steps performed, by actio
 EVENTS_SKIPPED = PromCounter("proxyshift_node_events_skipped_total",
                              "Normal step Events not posted (PROXYSHIFT_NODE_EVENTS outcomes, or auto above "
                              "PROXYSHIFT_STEP_EVENTS_MAX_NODES selected nodes).")
+EVENTS_DROPPED = PromCounter("proxyshift_events_dropped_total",
+                             "Events not posted because too many waited for the API server (event_sender.py).")
 POLICY_READY = Gauge("proxyshift_policy_ready", "1 when the policy's Ready condition is True.", ["policy"])
 POLICY_CONDITION = Gauge("proxyshift_policy_condition", "1 when the policy's condition of this type is True.",
                          ["policy", "condition"])

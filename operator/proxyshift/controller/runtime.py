@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxyshift.controller.compat_report import CompatCache
+from proxyshift.controller.event_sender import EventSender
 from proxyshift.controller.executor import Executor
 from proxyshift.controller.fleet import NODES, Fleet
 from proxyshift.controller.inventory import Inventory
@@ -67,7 +68,8 @@ class OperatorRuntime:
         fleet = Fleet(wakers)
         inventory = Inventory(fleet, api, tasks.spawn)
         fleet.on_node = inventory.ensure
-        executor = executor if executor is not None else Executor(api, config=config)
+        if executor is None:
+            executor = Executor(api, config=config, events=EventSender(api.emit_event))
         executor.node_uids = fleet.node_uids
         return cls(
             config=config, api=api, executor=executor, wakers=wakers, pacing=Pacing(config.min_requeue_seconds),
