@@ -272,16 +272,17 @@ def test_fault_at_every_step(harness: Harness, cluster: Any, kube: Any, test_ser
         if retry:
             kick = functools.partial(_retry, h, name, f"round-{rounds}", nodes)
         elif rounds:
-            # The first migration flushes inside the gate (the default: no Cleanup step); one still missing
-            # its Cleanup flushes after the gate, the way ipvs and Cilium moves always do.
-            edit: dict[str, Any] = {"mode": mode, **({"cleanup": {"inGate": False}} if "Cleanup" in missing else {})}
-            kick = functools.partial(h.patch, name, {"spec": edit})
+            kick = functools.partial(h.patch, name, {"spec": {"mode": mode,
+                                                              "cleanup": {"inGate": "Cleanup" not in missing}}})
         try:
+            # While Cleanup is still to be hit the flush is a step of its own (cleanup.inGate false, as on
+            # ipvs and Cilium moves); the migrations after it flush inside the gate (the default).
             outcome, cond, injector, facts, _ = migrate_under(h, cluster, kube, test_service, tcp_probe,
                                                               continuous_prober, name, fault, fault_name,
                                                               steps=(*missing, *(() if verify_fired else (VERIFY,))),
                                                               kick=kick, before_end=faults.unblock_all,
-                                                              nodes=nodes, max_per_node=per_node)
+                                                              nodes=nodes, max_per_node=per_node,
+                                                              cleanup_in_gate="Cleanup" not in missing)
         finally:
             faults.unblock_all()
         rounds += 1
