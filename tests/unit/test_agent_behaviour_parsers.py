@@ -269,6 +269,43 @@ def test_a_tcp_dial_waits_for_the_first_line_only_briefly(monkeypatch: pytest.Mo
     assert not line_write and line_wait <= bh.FIRST_LINE_WAIT_SECONDS
 
 
+def test_under_kube_proxy_a_dial_waits_for_the_line_a_tenth_as_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under kube-proxy conntrack names the endpoints, so the first line is only a fallback: a TLS endpoint
+    costs each dial FIRST_LINE_WAIT_UNDER_KUBE_PROXY_SECONDS. Without kube-proxy (mode None: Cilium's KPR)
+    the line is the endpoint's name and the wait stays."""
+    waits: list[float] = []
+
+    def record(sock: socket.socket, *, write: bool, timeout: float) -> bool:
+        if not write:
+            waits.append(timeout)
+        return write
+
+    monkeypatch.setattr(bh, "_wait", record)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(4)
+        port = server.getsockname()[1]
+        assert bh.dial_under_kube_proxy("127.0.0.1", port, "TCP", 5.0).outcome == "answered"
+        assert bh.dial("127.0.0.1", port, "TCP", 5.0).outcome == "answered"
+    assert waits == [bh.FIRST_LINE_WAIT_UNDER_KUBE_PROXY_SECONDS, bh.FIRST_LINE_WAIT_SECONDS]
+
+
+@pytest.mark.parametrize(("mode", "chosen"), [("nftables", "dial_under_kube_proxy"),
+                                              ("iptables", "dial_under_kube_proxy"),
+                                              ("ipvs", "dial_under_kube_proxy"), (None, "dial")])
+def test_the_matrix_dials_by_the_nodes_mode(monkeypatch: pytest.MonkeyPatch, mode: str | None, chosen: str) -> None:
+    used: list[str] = []
+
+    def jobs(_: Any, *, dialer: Any, **__: Any) -> tuple[list[list[bh.Attempt]], bool]:
+        used.append(dialer.__name__)
+        return [], False
+
+    monkeypatch.setattr(bh, "run_jobs", jobs)
+    params = BehaviourParams.model_validate({"targets": [], "budgetSeconds": 0.5})
+    bh.run_behaviour(params, mode=mode, runner=lambda *a, **k: Result(list(a), 0, "", ""))
+    assert used == [chosen]
+
+
 def test_cells_report_the_first_failure_and_partial_answers() -> None:
     t = T("a/c", "198.19.0.10", attempts=2)
     cell = cell_for(t, [answered(1), bh.Attempt("refused", "connection refused")])

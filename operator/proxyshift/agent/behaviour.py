@@ -50,6 +50,7 @@ from proxyshift.api.behaviour import (
     ProbePath,
     Protocol,
 )
+from proxyshift.api.proxynode import MODES
 from proxyshift.commands import CommandError, Result, run
 
 Runner = Callable[..., Result]
@@ -65,6 +66,11 @@ READ_BYTES = 256
 # was 0.26 s of every 0.30 s matrix (agent log, rollout bench). The line only stands in for the endpoint's
 # name when conntrack gives none.
 FIRST_LINE_WAIT_SECONDS = 0.05
+# Under kube-proxy (iptables, nftables, ipvs) conntrack names the endpoint of every NATed flow, so the line is
+# needed only where that look-up gives nothing: a dial takes it if it came within this, and a TLS endpoint
+# costs each of its dials this much instead of FIRST_LINE_WAIT_SECONDS (0.04 s of every gate's matrix).
+# Without kube-proxy (Cilium's socket-LB translates before any conntrack entry) the line is the name.
+FIRST_LINE_WAIT_UNDER_KUBE_PROXY_SECONDS = 0.01
 MAX_NODE_ADDRESSES = 8
 MAX_IP_JSON_BYTES = 1024 * 1024
 MAX_POD_ANSWER_BYTES = 512 * 1024
@@ -166,8 +172,9 @@ def _source(sock: socket.socket) -> tuple[str, int] | None:
     return (str(host), int(port)) if port else None
 
 
-def dial_tcp(address: str, port: int, timeout: float) -> Attempt:
-    """Non-blocking connect within `timeout`, then the endpoint's first line within what is left."""
+def dial_tcp(address: str, port: int, timeout: float, line_wait: float = FIRST_LINE_WAIT_SECONDS) -> Attempt:
+    """Non-blocking connect within `timeout`, then the endpoint's first line within `line_wait` of what is
+    left."""
     end = time.monotonic() + timeout
     try:
         sock = socket.socket(_family(address), socket.SOCK_STREAM)
@@ -186,7 +193,7 @@ def dial_tcp(address: str, port: int, timeout: float) -> Attempt:
             outcome, detail = _classify(code)
             return Attempt(outcome, detail, source=source)
         payload = None
-        if _wait(sock, write=False, timeout=min(end - time.monotonic(), FIRST_LINE_WAIT_SECONDS)):
+        if _wait(sock, write=False, timeout=min(end - time.monotonic(), line_wait)):
             try:
                 payload = printable_line(sock.recv(READ_BYTES))
             except OSError:
@@ -221,6 +228,13 @@ def dial_udp(address: str, port: int, timeout: float) -> Attempt:
 
 def dial(address: str, port: int, protocol: Protocol, timeout: float) -> Attempt:
     return dial_udp(address, port, timeout) if protocol == "UDP" else dial_tcp(address, port, timeout)
+
+
+def dial_under_kube_proxy(address: str, port: int, protocol: Protocol, timeout: float) -> Attempt:
+    """dial, for a node whose kube-proxy NATs the flows: conntrack names the endpoints, the line rarely."""
+    if protocol == "UDP":
+        return dial_udp(address, port, timeout)
+    return dial_tcp(address, port, timeout, FIRST_LINE_WAIT_UNDER_KUBE_PROXY_SECONDS)
 
 
 def run_jobs(jobs: Sequence[DialJob], *, attempt_timeout: float, deadline: float, dialer: Dialer = dial,
@@ -463,10 +477,14 @@ def parse_pod_answer(data: bytes, jobs: Sequence[DialJob]) -> PodAnswer:
 # ---- the probe ----
 
 def run_behaviour(params: BehaviourParams, *, mode: str | None, operation_id: str = "", runner: Runner = run,
-                  dialer: Dialer = dial, clock: Callable[[], float] = time.monotonic,
+                  dialer: Dialer | None = None, clock: Callable[[], float] = time.monotonic,
                   wallclock: Callable[[], float] = time.time,
                   pod_client: Callable[..., PodAnswer] = ask_pod) -> BehaviourMatrix:
-    """Probe params.targets from the node (and from the pod probe server when params.pod_probe is set)."""
+    """Probe params.targets from the node (and from the pod probe server when params.pod_probe is set).
+
+    `dialer` None: by the node's `mode`, dial_under_kube_proxy under kube-proxy, else dial."""
+    if dialer is None:
+        dialer = dial_under_kube_proxy if mode in MODES else dial
     start = clock()
     taken_at = datetime.fromtimestamp(wallclock(), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     deadline = start + params.budget_seconds * DIAL_SHARE
