@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
-# `make test`: lint and every test layer, with the Go builds overlapped with lint and the unit layer.
+# `make test`: lint and every test layer, with the Go builds overlapped with lint, the unit layer and,
+# for the slowest one, the cluster layers that do not need it.
 #
 # On a machine without the cached binaries the Go builds (the Kubernetes binaries and etcd, then the
 # tests' Go tools) take minutes of both cores, while lint and the unit layer run on about one core
 # and need none of it but the unit layer's two small tools (argocd-health-runner, helm). So:
 #
-#   background (nice): the unit layer's tools, `localcluster.build`, the other tools (Cilium agent)
-#   foreground:        lint, crds-check, the unit layer (waits for its two tools, built first)
-#   then:              wait for the background builds (their log is printed; a failed build fails
-#                      the run), and every other layer in a second pytest session (dataplane, e2e,
-#                      reliability, vm: they run the binaries)
+#   background (nice 10): the unit layer's tools, then `localcluster.build`
+#   foreground:           lint, crds-check, the unit layer (waits for its two tools, built first)
+#   then:                 wait for those builds (their log is printed; a failed build fails the run);
+#   background (nice 19): the other tools (the Cilium agent: ~7 minutes of both cores cold)
+#   foreground:           every other layer but the Cilium tests (`-m "not unit and not cilium"`:
+#                         dataplane, e2e, reliability, vm), which wait on timeouts and processes more
+#                         than they compute, so the niced build takes the idle CPU
+#   then:                 wait for the Cilium build, and the tests that run its agent (`-m cilium`)
 #
 # The build commands are the ones `make binaries` runs, with their cache stamps and locks: a
 # foreground command that needs a binary the background is building waits on the same lock and then
 # finds it. With everything cached the builds return within seconds and this is the old order.
-# Arguments go to both pytest sessions (e.g. a path to narrow a trial run); `make test` passes none.
+# Arguments go to every pytest session (e.g. a path to narrow a trial run); `make test` passes none.
 # Usage: PYTHON=.venv/bin/python MAKE=make hack/test-all.sh [PYTEST-ARGS...]
 set -euo pipefail
 # One function, called on the last line: bash reads a script as it runs it, and this one runs for most
@@ -35,13 +39,15 @@ main() {
     set -e
     nice -n 10 "$PYTHON" -m localcluster.gotools "${UNIT_GO_TOOLS[@]}"
     nice -n 10 "$PYTHON" -m localcluster.build
-    nice -n 10 "$PYTHON" -m localcluster.gotools  # every other tool (the Cilium agent): what `make binaries` builds
   ) >"$log" 2>&1 &
   builds=$!
   set +m
+  tools=""
+  tools_log=$(mktemp -t proxyshift-go-tools.XXXXXX)
   cleanup() {
     if [[ -n $builds ]]; then kill -- -"$builds" 2>/dev/null || true; fi
-    rm -f "$log"
+    if [[ -n $tools ]]; then kill -- -"$tools" 2>/dev/null || true; fi
+    rm -f "$log" "$tools_log"
   }
   trap cleanup EXIT
   echo "==> Go builds started in the background (pid $builds, log $log)"
@@ -64,10 +70,35 @@ main() {
     exit "$build"
   fi
 
+  set -m
+  # every other tool (the Cilium agent): what `make binaries` builds besides
+  nice -n 19 "$PYTHON" -m localcluster.gotools >"$tools_log" 2>&1 &
+  tools=$!
+  set +m
+  echo "==> Go tools (the Cilium agent) building in the background (pid $tools, log $tools_log)"
+
   rest=0
-  "${PYTEST[@]}" -m "not unit" --durations=40 "$@" || rest=$?
-  echo "==> unit layer exited $unit, the other layers $rest, in $(( $(date +%s) - started ))s"
-  (( unit == 0 && rest == 0 ))
+  "${PYTEST[@]}" -m "not unit and not cilium" --durations=40 "$@" || rest=$?
+  echo "==> the cluster layers but Cilium's exited $rest at $(( $(date +%s) - started ))s; waiting for the Go tools:"
+
+  tool=0
+  tail -n +1 -f --pid="$tools" "$tools_log" &
+  follow=$!
+  wait "$tools" || tool=$?
+  tools=""
+  wait "$follow" || true
+  echo "==> Go tools exited $tool at $(( $(date +%s) - started ))s"
+  cilium=0
+  if (( tool != 0 )); then
+    echo "==> FAIL: a Go tool's build failed (log above); the tests that run the Cilium agent did not run" >&2
+    cilium=$tool
+  else
+    # Exit code 5: nothing collected (a narrowed trial run without Cilium tests), not a failure.
+    "${PYTEST[@]}" -m cilium --durations=10 "$@" || cilium=$?
+    if (( cilium == 5 )); then cilium=0; fi
+  fi
+  echo "==> unit layer exited $unit, the other layers $rest, the Cilium tests $cilium, in $(( $(date +%s) - started ))s"
+  (( unit == 0 && rest == 0 && cilium == 0 ))
 }
 
 main "$@"

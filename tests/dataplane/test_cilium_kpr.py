@@ -32,7 +32,7 @@ from proxyshift.commands import run, stop_child
 from tests.support import bpf_attach
 from tests.support.ps_netns import Netns
 
-pytestmark = pytest.mark.dataplane
+pytestmark = [pytest.mark.dataplane, pytest.mark.cilium]
 
 NODE_IP, OUTSIDE_IP = "198.18.240.1", "198.18.240.2"
 POD_INDEX = 200  # podnet's pod range 198.18.56.224/27: gateway .225 in the node, the pod .226

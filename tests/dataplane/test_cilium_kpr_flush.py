@@ -21,7 +21,7 @@ from proxyshift.agent.flush import flush
 from proxyshift.modes.cilium_kpr import CILIUM_CHAINS
 from tests.support.ps_netns import Netns, need_root
 
-pytestmark = pytest.mark.dataplane
+pytestmark = [pytest.mark.dataplane, pytest.mark.cilium]
 
 NODE_IP, OUTSIDE_IP = "198.18.242.1", "198.18.242.2"
 USER_ROUTE = "198.18.243.0/24"

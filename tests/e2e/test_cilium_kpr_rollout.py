@@ -21,7 +21,7 @@ from localcluster import cilium_install
 from tests.support.cilium_cluster import cilium_installed_in
 from tests.support.operator_harness import IPTABLES_MODE_CHAINS, Harness, migration, policy
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.cilium]
 
 BLUE = ["ps-node-1", "ps-node-2"]
 GREEN = ["ps-node-3"]

@@ -41,7 +41,7 @@ from tests.support import bpf_attach
 from tests.support.cilium_cluster import cilium_installed_in
 from tests.support.polling import wait_until
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.cilium]
 
 NAMESPACE = "ps-cilium-e2e"
 CLUSTER_IP_SERVICE, NODE_PORT_SERVICE = "kpr-clusterip", "kpr-nodeport"
