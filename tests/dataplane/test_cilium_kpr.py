@@ -28,7 +28,11 @@ import pytest
 from localcluster import cilium, podnet
 from localcluster.container import run_in_netns
 from proxyshift.agent.behaviour import dial_tcp
+from proxyshift.agent.cilium_api import CiliumAPI, read_replacement
+from proxyshift.api.policy import GateSettings
+from proxyshift.api.replacement import frontend_key
 from proxyshift.commands import run, stop_child
+from proxyshift.planner.gate import evaluate_replacement_gate
 from tests.support import bpf_attach
 from tests.support.ps_netns import Netns
 
@@ -139,6 +143,19 @@ def test_kpr_serves_the_node_and_touches_nothing_of_the_host(agent_binary: Path,
                      for entry in cilium.api_get(agent.socket_path, "/v1/service")}
         # Cilium lists a NodePort once, on 0.0.0.0 (its maps expand it to the node's addresses).
         assert {f"{CLUSTER_IP}:{SERVICE_PORT}", f"0.0.0.0:{NODE_PORT}"} <= frontends, frontends
+
+        # The proxyshift agent's own reading of this agent, and the gate on it: Ok, replacing kube-proxy, the
+        # Service in its table, and (seconds after health turned Ok) its host endpoint ready.
+        asked = [frontend_key(CLUSTER_IP, SERVICE_PORT, "TCP")]
+        facts = read_replacement(CiliumAPI(agent.socket_path), asked)
+        deadline = time.monotonic() + 120
+        while facts.host_endpoint != "ready" and time.monotonic() < deadline:
+            time.sleep(0.2)
+            facts = read_replacement(CiliumAPI(agent.socket_path), asked)
+        print(f"host endpoint ready {time.monotonic() - test_start:.1f}s after the agent's start")
+        assert facts.host_endpoint == "ready" and facts.error is None, facts
+        verdict = evaluate_replacement_gate(facts, GateSettings(), "Cilium", 1, None)
+        assert verdict.passed, verdict
 
         # A client of the node (its cgroup and netns) reaches the pod's listener through both Services.
         cluster_ip = cilium.dial(agent.cgroup, node.name, CLUSTER_IP, SERVICE_PORT)

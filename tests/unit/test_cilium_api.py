@@ -34,6 +34,14 @@ def service(ip: str, port: int, kind: str = "ClusterIP", protocol: str = "TCP") 
             "status": {"realized": {}}}
 
 
+def endpoint(ident: int, labels: list[str], state: str = "ready") -> dict[str, Any]:
+    return {"id": 100 + ident, "spec": {}, "status": {"state": state, "identity": {"id": ident, "labels": labels},
+                                                      "health": {"bpf": "OK"}}}
+
+
+HOST = endpoint(1, ["reserved:host", "reserved:kube-apiserver"])
+POD = endpoint(4242, ["k8s:app=web", "k8s:io.kubernetes.pod.namespace=default"])
+
 TABLE = [service("198.19.0.10", 80), service("198.19.0.11", 53, protocol="UDP"), service("198.19.0.12", 8443,
          protocol="ANY"), service("198.18.0.11", 30080, kind="NodePort")]
 
@@ -58,7 +66,8 @@ class FakeCilium:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.routes: dict[str, Route] = {"/v1/healthz": answer(200, HEALTHY), "/v1/service": answer(200, TABLE)}
+        self.routes: dict[str, Route] = {"/v1/healthz": answer(200, HEALTHY), "/v1/service": answer(200, TABLE),
+                                         "/v1/endpoint": answer(200, [POD, HOST])}
         self.requests: list[str] = []
         self.stop = threading.Event()
         fake = self
@@ -95,8 +104,9 @@ def cilium(tmp_path: Path) -> Iterator[FakeCilium]:
 def test_a_healthy_kpr_agent_and_its_service_table(cilium: FakeCilium) -> None:
     asked = ["198.19.0.10:80/TCP", "198.19.0.11:53/UDP", "198.19.0.12:8443/UDP", "198.19.0.99:80/TCP"]
     facts = read_replacement(CiliumAPI(cilium.path), asked)
-    assert cilium.requests == ["/v1/healthz", "/v1/service"]
+    assert cilium.requests == ["/v1/healthz", "/v1/service", "/v1/endpoint"]
     assert (facts.agent_state, facts.kube_proxy_replacement, facts.enabled) == ("Ok", "True", True)
+    assert facts.host_endpoint == "ready"
     assert facts.agent_message is None and facts.error is None and facts.probed_at
     # ClusterIP frontends only (the NodePort entry is not one); protocol ANY covers TCP and UDP.
     assert facts.cluster_ip_frontends == 4
@@ -140,6 +150,28 @@ def test_a_service_table_that_cannot_be_read_keeps_the_health(cilium: FakeCilium
     assert facts.error is not None and "/v1/service is not a Cilium Service list" in facts.error
 
 
+@pytest.mark.parametrize(("endpoints", "state"), [
+    ([POD, endpoint(1, ["reserved:host"], "regenerating")], "regenerating"),
+    # Found by its label when the identity's number is not the reserved one, and by the number alone.
+    ([endpoint(7, ["reserved:host"], "waiting-to-regenerate")], "waiting-to-regenerate"),
+    ([endpoint(1, [], "not-ready")], "not-ready"),
+    ([POD], "absent"),
+    ([], "absent"),
+])
+def test_the_host_endpoints_state_is_read(cilium: FakeCilium, endpoints: list[Any], state: str) -> None:
+    cilium.routes["/v1/endpoint"] = answer(200, endpoints)
+    facts = read_replacement(CiliumAPI(cilium.path))
+    assert facts.host_endpoint == state and facts.error is None
+
+
+def test_an_endpoint_list_that_cannot_be_read_keeps_the_service_table(cilium: FakeCilium) -> None:
+    cilium.routes["/v1/endpoint"] = answer(200, [{"status": {"state": 3}}])
+    facts = read_replacement(CiliumAPI(cilium.path))
+    assert facts.cluster_ip_frontends == 4 and facts.host_endpoint is None
+    assert facts.error is not None and "/v1/endpoint is not a Cilium endpoint list: 0.status.state" in facts.error
+    assert verdict(facts, expected=4) == ("wait", "HostEndpointUnread")
+
+
 def test_an_agent_trickling_its_answer_is_cut_at_the_deadline(cilium: FakeCilium) -> None:
     def trickle(handler: http.server.BaseHTTPRequestHandler) -> None:
         handler.send_response(200)
@@ -179,7 +211,8 @@ def test_cilium_service_entries_name_their_frontends() -> None:
 
 # ---- the gate on what was read ----
 
-GOOD = ReplacementFacts(agent_state="Ok", kube_proxy_replacement="True", enabled=True, cluster_ip_frontends=12)
+GOOD = ReplacementFacts(agent_state="Ok", kube_proxy_replacement="True", enabled=True, cluster_ip_frontends=12,
+                        host_endpoint="ready")
 
 
 def verdict(facts: ReplacementFacts | None, expected: int = 12) -> tuple[str, str]:
@@ -199,6 +232,17 @@ def test_the_replacement_gate_passes_only_a_healthy_kpr_with_the_clusters_servic
     assert verdict(GOOD.model_copy(update={"missing": ["198.19.0.9:80/TCP"], "missing_count": 1})) == (
         "wait", "ServicesMissing")
     assert verdict(GOOD, expected=13) == ("wait", "ServicesMissing")
+    assert verdict(GOOD.model_copy(update={"host_endpoint": "regenerating"})) == ("wait", "HostDatapathNotReady")
+    assert verdict(GOOD.model_copy(update={"host_endpoint": "absent"})) == ("wait", "HostDatapathNotReady")
+    # An agent older than the field reports none: the rest still proves the replacement.
+    assert verdict(GOOD.model_copy(update={"host_endpoint": None})) == ("pass", "GatePassed")
+
+
+def test_the_replacement_gate_says_where_to_look_when_cilium_does_not_answer() -> None:
+    found = evaluate_replacement_gate(ReplacementFacts(error="GET /v1/healthz on /var/run/cilium/cilium.sock: "
+                                                             "FileNotFoundError"), GateSettings(), "Cilium", 1, None)
+    assert found.message.startswith("Cilium's agent on the node does not answer (is its pod running and Ready")
+    assert "FileNotFoundError" in found.message
 
 
 def test_the_replacement_gate_connects_to_the_policys_services() -> None:
@@ -213,16 +257,17 @@ def test_the_replacement_gate_connects_to_the_policys_services() -> None:
 
 @given(state=st.sampled_from([None, "Ok", "Warning", "Failure"]), enabled=st.booleans(),
        held=st.one_of(st.none(), st.integers(0, 50)), missing=st.integers(0, 3), expected=st.integers(0, 50),
-       error=st.sampled_from([None, "boom"]))
+       error=st.sampled_from([None, "boom"]),
+       host=st.sampled_from([None, "ready", "regenerating", "absent"]))
 def test_the_replacement_gate_never_passes_short_of_every_proof(state: str | None, enabled: bool, held: int | None,
                                                                 missing: int, expected: int,
-                                                                error: str | None) -> None:
+                                                                error: str | None, host: str | None) -> None:
     facts = ReplacementFacts(agent_state=state, enabled=enabled, cluster_ip_frontends=held,
                              missing=[f"198.19.0.{i}:80/TCP" for i in range(missing)], missing_count=missing,
-                             error=error)
+                             error=error, host_endpoint=host)
     found = evaluate_replacement_gate(facts, GateSettings(), "Cilium", expected, None)
     proven = (state == "Ok" and enabled and held is not None and held >= expected and not missing
-              and error is None)
+              and error is None and host in (None, "ready"))
     assert found.passed == proven
     # Nothing the replacement reports about itself is a reason to roll back at once: the timeout decides.
     assert found.result in ("pass", "wait")

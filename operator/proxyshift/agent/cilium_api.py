@@ -1,10 +1,12 @@
 """A small, bounded client of the Cilium agent's REST API on its unix socket (what `cilium-dbg` reads).
 
-Two reads: GET /v1/healthz (the agent's state and its kube-proxy replacement mode) and GET /v1/service (its
-Service table). Each is bounded in time (one deadline for the whole answer, so an agent trickling bytes cannot
-hold the proxyshift agent) and in size, and parsed into the typed models of api/replacement.py: never a dict
-past this module. Preflight asks whether the agent is there and healthy; the gate whether the replacement is on
-and its table holds the cluster's Services (`read_replacement`).
+Three reads: GET /v1/healthz (the agent's state and its kube-proxy replacement mode), GET /v1/service (its
+Service table) and GET /v1/endpoint (whether its host endpoint is ready: Cilium's health turns Ok and its
+Service table fills a few seconds before it has loaded the host datapath on the node's devices). Each is bounded
+in time (one deadline for the whole answer, so an agent trickling bytes cannot hold the proxyshift agent) and in
+size, and parsed into the typed models of api/replacement.py: never a dict past this module. Preflight asks
+whether the agent is there and healthy; the gate whether the replacement is on, its table holds the cluster's
+Services and its host endpoint is ready (`read_replacement`).
 """
 
 from __future__ import annotations
@@ -22,16 +24,22 @@ from proxyshift.agent.probe import BodyTimedOut, BodyTooLarge, read_body
 from proxyshift.api.replacement import (
     MAX_MISSING,
     REPLACEMENT_MESSAGE_LIMIT,
+    REPLACEMENT_TEXT_LIMIT,
+    CiliumEndpoint,
     CiliumHealth,
     CiliumService,
     ReplacementFacts,
+    host_endpoint_state,
 )
 
 DEFAULT_TIMEOUT = 3.0
 HEALTH_MAX_BYTES = 1024 * 1024
 # A Service table of 10,000 frontends with a few backends each is a few MiB of JSON.
 SERVICES_MAX_BYTES = 32 * 1024 * 1024
+# A node's endpoints: its pods (about 110 at most by default) and the host, a few KiB of JSON each.
+ENDPOINTS_MAX_BYTES = 16 * 1024 * 1024
 _SERVICES = TypeAdapter(list[CiliumService])
+_ENDPOINTS = TypeAdapter(list[CiliumEndpoint])
 
 
 class CiliumAPIError(Exception):
@@ -95,6 +103,13 @@ class CiliumAPI:
         except ValidationError as exc:
             raise CiliumAPIError(f"/v1/service is not a Cilium Service list: {_first_error(exc)}") from exc
 
+    def endpoints(self) -> list[CiliumEndpoint]:
+        body = self.get("/v1/endpoint", max_bytes=ENDPOINTS_MAX_BYTES)
+        try:
+            return _ENDPOINTS.validate_json(body)
+        except ValidationError as exc:
+            raise CiliumAPIError(f"/v1/endpoint is not a Cilium endpoint list: {_first_error(exc)}") from exc
+
 
 def _first_error(exc: ValidationError) -> str:
     first = exc.errors()[0]
@@ -108,7 +123,8 @@ def _now() -> str:
 
 def read_replacement(api: CiliumAPI, frontends: Iterable[str] = (), *, with_services: bool = True) -> ReplacementFacts:
     """ReplacementFacts from the agent's health and (with_services) its Service table, measured against the
-    frontends the operator named. What could not be read is in `error`: an absent agent is a fact, not a crash."""
+    frontends the operator named, and its host endpoint's state. What could not be read is in `error`: an absent
+    agent is a fact, not a crash."""
     try:
         health = api.healthz()
     except CiliumAPIError as exc:
@@ -131,5 +147,10 @@ def read_replacement(api: CiliumAPI, frontends: Iterable[str] = (), *, with_serv
         return facts.model_copy(update={"error": str(exc)[:REPLACEMENT_MESSAGE_LIMIT]})
     held = {key for service in table for key in service.cluster_ip_frontends}
     missing = sorted({f for f in frontends if f not in held})
-    return facts.model_copy(update={"cluster_ip_frontends": len(held), "missing": missing[:MAX_MISSING],
-                                    "missing_count": len(missing)})
+    facts = facts.model_copy(update={"cluster_ip_frontends": len(held), "missing": missing[:MAX_MISSING],
+                                     "missing_count": len(missing)})
+    try:
+        endpoints = api.endpoints()
+    except CiliumAPIError as exc:
+        return facts.model_copy(update={"error": str(exc)[:REPLACEMENT_MESSAGE_LIMIT]})
+    return facts.model_copy(update={"host_endpoint": host_endpoint_state(endpoints)[:REPLACEMENT_TEXT_LIMIT]})

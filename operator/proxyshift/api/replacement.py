@@ -3,11 +3,11 @@ typed reading of the Cilium agent's own REST answers.
 
 Operator -> agent: `ReplacementParams` (in a Preflight's and a Probe's params): where the replacement's API is
 on the node and which Service frontends its table must hold. Agent -> operator: `ReplacementFacts`
-(ProxyNode.status.replacement): what Cilium's /v1/healthz and /v1/service said, bounded.
+(ProxyNode.status.replacement): what Cilium's /v1/healthz, /v1/service and /v1/endpoint said, bounded.
 
-The Cilium side (`CiliumHealth`, `CiliumService`) reads only the fields proxyshift judges, from Cilium v1.20's
-API (api/v1/openapi.yaml: StatusResponse, Service); every other field is ignored, so a newer Cilium's additions
-are no error.
+The Cilium side (`CiliumHealth`, `CiliumService`, `CiliumEndpoint`) reads only the fields proxyshift judges, from
+Cilium v1.20's API (api/v1/openapi.yaml: StatusResponse, Service, Endpoint); every other field is ignored, so a
+newer Cilium's additions are no error.
 """
 
 from __future__ import annotations
@@ -18,6 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from proxyshift.api.common import KubeModel
 
+# Cilium's host endpoint: the reserved identity 1 with the label reserved:host (pkg/identity, pkg/labels).
+HOST_IDENTITY_ID = 1
+HOST_LABEL = "reserved:host"
+HOST_ENDPOINT_READY = "ready"
+HOST_ENDPOINT_ABSENT = "absent"
 MAX_FRONTENDS = 64  # the frontends one probe asks about
 MAX_MISSING = 16  # the missing ones the agent names (it counts them all)
 FRONTEND_TEXT_LIMIT = 64  # "198.19.0.10:80/TCP", "[fd00::a]:65535/SCTP"
@@ -64,6 +69,11 @@ class ReplacementFacts(KubeModel):
         default_factory=list, max_length=MAX_MISSING,
         description="Frontends the operator asked about that the table does not hold (the first of them).")
     missing_count: int = Field(default=0, ge=0, description="How many of the asked frontends are missing.")
+    host_endpoint: str | None = Field(
+        default=None, max_length=REPLACEMENT_TEXT_LIMIT,
+        description="The state of the agent's host endpoint (Cilium: reserved:host in /v1/endpoint): 'ready' once "
+        "its host datapath is loaded, 'absent' when it lists none. Unset: not read (an agent older than this "
+        "field does not report it, and the gate then does not judge it).")
     error: str | None = Field(default=None, max_length=REPLACEMENT_MESSAGE_LIMIT,
                               description="Why the agent's API could not be read, if it could not.")
     probed_at: str | None = Field(default=None, max_length=REPLACEMENT_TEXT_LIMIT,
@@ -136,3 +146,36 @@ class CiliumService(_CiliumModel):
         protocol = (address.protocol or "TCP").upper()
         protocols = ("TCP", "UDP") if protocol == "ANY" else (protocol,)
         return tuple(frontend_key(address.ip, address.port, p) for p in protocols)
+
+
+class CiliumIdentity(_CiliumModel):
+    id: int | None = None
+    labels: list[str] | None = None
+
+
+class CiliumEndpointStatus(_CiliumModel):
+    state: str | None = None
+    identity: CiliumIdentity | None = None
+
+
+class CiliumEndpoint(_CiliumModel):
+    """One entry of GET /v1/endpoint: its state and security identity."""
+
+    id: int | None = None
+    status: CiliumEndpointStatus | None = None
+
+    @property
+    def is_host(self) -> bool:
+        """The node's own endpoint, whose datapath (bpf_host on the node's devices) Cilium loads at its start."""
+        identity = self.status.identity if self.status else None
+        if identity is None:
+            return False
+        return identity.id == HOST_IDENTITY_ID or HOST_LABEL in (identity.labels or ())
+
+
+def host_endpoint_state(endpoints: list[CiliumEndpoint]) -> str:
+    """The host endpoint's state ('ready', 'regenerating', ...), or 'absent' when the list has none."""
+    for endpoint in endpoints:
+        if endpoint.is_host:
+            return (endpoint.status.state if endpoint.status else None) or "unknown"
+    return HOST_ENDPOINT_ABSENT

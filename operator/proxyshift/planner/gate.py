@@ -15,7 +15,7 @@ from typing import Literal
 
 from proxyshift.api.policy import GateSettings
 from proxyshift.api.proxynode import KubeProxyFacts
-from proxyshift.api.replacement import ReplacementFacts
+from proxyshift.api.replacement import HOST_ENDPOINT_READY, ReplacementFacts
 from proxyshift.planner.timeutil import fmt, utc
 
 # The switch time is the operator's clock, the process start time the node's; NTP keeps them close
@@ -199,9 +199,9 @@ def evaluate_replacement_gate(
     connect_results: Mapping[str, bool | str] | None = None,
 ) -> GateVerdict:
     """Judge a node that runs no kube-proxy by its replacement's own account (Cilium's /v1/healthz and
-    /v1/service, read by the agent): the replacement agent answers and is Ok, it says it replaces kube-proxy,
-    its Service table holds every frontend the operator asked about and at least as many ClusterIP frontends as
-    the cluster's Services have; then the policy's probe Services answer.
+    /v1/service and /v1/endpoint, read by the agent): the replacement agent answers and is Ok, it says it replaces
+    kube-proxy, its Service table holds every frontend the operator asked about and at least as many ClusterIP
+    frontends as the cluster's Services have, its host endpoint is ready; then the policy's probe Services answer.
 
     Everything short of that is "wait": an agent still starting, or one that has not read its per-node config
     yet, may come right within gate.timeout; a timeout rolls the node back to its kube-proxy.
@@ -209,7 +209,9 @@ def evaluate_replacement_gate(
     if facts is None:
         return GateVerdict("wait", "NoProbeYet", f"the agent has not reported {agent}'s state yet")
     if facts.error and facts.agent_state is None:
-        return GateVerdict("wait", "ReplacementUnreachable", f"the agent could not read {agent}: {facts.error}")
+        return GateVerdict("wait", "ReplacementUnreachable",
+                           f"{agent}'s agent on the node does not answer (is its pod running and Ready there?): "
+                           f"{facts.error}")
     if facts.agent_state != "Ok":
         said = f" ({facts.agent_message})" if facts.agent_message else ""
         return GateVerdict("wait", "ReplacementNotReady", f"{agent}'s agent reports {facts.agent_state}{said}")
@@ -217,9 +219,18 @@ def evaluate_replacement_gate(
         return GateVerdict("wait", "ReplacementOff",
                            f"{agent} answers but its kube-proxy replacement is {facts.kube_proxy_replacement!r}: "
                            "its agent on the node has not read the revision's node config (it reads it at start)")
-    if facts.error or facts.cluster_ip_frontends is None:
+    if facts.cluster_ip_frontends is None:
         return GateVerdict("wait", "ServiceTableUnread",
                            f"{agent}'s Service table was not read: {facts.error or 'not reported'}")
+    if facts.error:
+        return GateVerdict("wait", "HostEndpointUnread", f"{agent}'s endpoints were not read: {facts.error}")
+    # Cilium's health turns Ok and its table fills seconds before its host endpoint has loaded the datapath on
+    # the node's devices (bpf_host): until then NodePorts and traffic entering the node are not served yet.
+    # An agent older than the field reports None, and then this is not judged.
+    if facts.host_endpoint is not None and facts.host_endpoint != HOST_ENDPOINT_READY:
+        return GateVerdict("wait", "HostDatapathNotReady",
+                           f"{agent}'s host endpoint is {facts.host_endpoint!r}, not ready: its datapath on the "
+                           "node's devices is not loaded yet")
     if facts.missing_count:
         shown = ", ".join(facts.missing[:5]) + (f" and {facts.missing_count - 5} more" if facts.missing_count > 5
                                                  else "")
@@ -233,6 +244,8 @@ def evaluate_replacement_gate(
         return probed
     parts = [f"{agent} Ok", f"kube-proxy replacement {facts.kube_proxy_replacement}",
              f"{facts.cluster_ip_frontends} ClusterIP frontends (the cluster has {expected_frontends})"]
+    if facts.host_endpoint is not None:
+        parts.append("host endpoint ready")
     if gate.probe_services:
         parts.append(f"{len(connect_results or {})} service connects ok")
     return GateVerdict("pass", "GatePassed", f"{agent}'s kube-proxy replacement proved itself: " + ", ".join(parts))
