@@ -23,6 +23,16 @@
 set -euo pipefail
 # One function, called on the last line: bash reads a script as it runs it, and this one runs for most
 # of an hour; a checkout or an edit of the file meanwhile must not change what the running one does.
+# A background build's log, printed from its start while it runs; returns the build's exit code.
+await_build() {
+  local pid=$1 log=$2 follow status=0
+  tail -n +1 -f --pid="$pid" "$log" &
+  follow=$!
+  wait "$pid" || status=$?
+  wait "$follow" || true
+  return "$status"
+}
+
 main() {
   cd "$(dirname "$0")/.."
   : "${PYTHON:?PYTHON names the interpreter (make test sets it)}"
@@ -59,11 +69,8 @@ main() {
   echo "==> unit layer exited $unit at $(( $(date +%s) - started ))s; waiting for the Go builds:"
 
   build=0
-  tail -n +1 -f --pid="$builds" "$log" &
-  follow=$!
-  wait "$builds" || build=$?
+  await_build "$builds" "$log" || build=$?
   builds=""
-  wait "$follow" || true
   echo "==> Go builds exited $build at $(( $(date +%s) - started ))s"
   if (( build != 0 )); then
     echo "==> FAIL: a Go build failed (log above); the layers that run the binaries did not run" >&2
@@ -82,11 +89,8 @@ main() {
   echo "==> the cluster layers but Cilium's exited $rest at $(( $(date +%s) - started ))s; waiting for the Go tools:"
 
   tool=0
-  tail -n +1 -f --pid="$tools" "$tools_log" &
-  follow=$!
-  wait "$tools" || tool=$?
+  await_build "$tools" "$tools_log" || tool=$?
   tools=""
-  wait "$follow" || true
   echo "==> Go tools exited $tool at $(( $(date +%s) - started ))s"
   cilium=0
   if (( tool != 0 )); then

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TypeVar
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -38,6 +39,8 @@ HEALTH_MAX_BYTES = 1024 * 1024
 SERVICES_MAX_BYTES = 32 * 1024 * 1024
 # A node's endpoints: its pods (about 110 at most by default) and the host, a few KiB of JSON each.
 ENDPOINTS_MAX_BYTES = 16 * 1024 * 1024
+T = TypeVar("T")
+_HEALTH = TypeAdapter(CiliumHealth)
 _SERVICES = TypeAdapter(list[CiliumService])
 _ENDPOINTS = TypeAdapter(list[CiliumEndpoint])
 
@@ -89,26 +92,22 @@ class CiliumAPI:
             raise CiliumAPIError(f"{where}: HTTP {response.status} {body[:200].decode('utf-8', 'replace')!r}")
         return body
 
-    def healthz(self) -> CiliumHealth:
-        body = self.get("/v1/healthz", max_bytes=HEALTH_MAX_BYTES)
+    def read(self, path: str, adapter: TypeAdapter[T], what: str, *, max_bytes: int) -> T:
+        """GET `path` and parse it with `adapter`; an answer that is not `what` is a CiliumAPIError."""
+        body = self.get(path, max_bytes=max_bytes)
         try:
-            return CiliumHealth.model_validate_json(body)
+            return adapter.validate_json(body)
         except ValidationError as exc:
-            raise CiliumAPIError(f"/v1/healthz is not a Cilium status: {_first_error(exc)}") from exc
+            raise CiliumAPIError(f"{path} is not {what}: {_first_error(exc)}") from exc
+
+    def healthz(self) -> CiliumHealth:
+        return self.read("/v1/healthz", _HEALTH, "a Cilium status", max_bytes=HEALTH_MAX_BYTES)
 
     def services(self) -> list[CiliumService]:
-        body = self.get("/v1/service", max_bytes=SERVICES_MAX_BYTES)
-        try:
-            return _SERVICES.validate_json(body)
-        except ValidationError as exc:
-            raise CiliumAPIError(f"/v1/service is not a Cilium Service list: {_first_error(exc)}") from exc
+        return self.read("/v1/service", _SERVICES, "a Cilium Service list", max_bytes=SERVICES_MAX_BYTES)
 
     def endpoints(self) -> list[CiliumEndpoint]:
-        body = self.get("/v1/endpoint", max_bytes=ENDPOINTS_MAX_BYTES)
-        try:
-            return _ENDPOINTS.validate_json(body)
-        except ValidationError as exc:
-            raise CiliumAPIError(f"/v1/endpoint is not a Cilium endpoint list: {_first_error(exc)}") from exc
+        return self.read("/v1/endpoint", _ENDPOINTS, "a Cilium endpoint list", max_bytes=ENDPOINTS_MAX_BYTES)
 
 
 def _first_error(exc: ValidationError) -> str:
