@@ -26,6 +26,10 @@ from localcluster.install import OperatorProcess
 
 GROUP, VERSION = "proxyshift.io", "v1alpha1"
 REVISION_LABEL = "proxyshift.io/revision"
+# A policy's deletion (with Revert: every node back to the baseline) takes seconds here; five minutes is a
+# deletion that will not finish.
+CLEANUP_TIMEOUT = 300.0
+OPERATOR_LOG_LINES = 80
 
 # kube-proxy's iptables-mode chains (proxyshift.modes.iptables, docs/agent.md "Flush"); none may stay on a
 # node that left iptables.
@@ -188,12 +192,22 @@ class Harness:
         return sorted(windows, key=lambda w: w[1])
 
     def cleanup(self) -> None:
+        """Delete the test's policies and wait until they are gone. A deletion still pending after
+        CLEANUP_TIMEOUT is a failure with the evidence (the policy, its nodes, the operator's log): a policy
+        the operator cannot finish deleting is a bug, and it would carry into the next test."""
         for name in reversed(self.created):
             self.delete(name)
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + CLEANUP_TIMEOUT
         while time.monotonic() < deadline and any(self.get(n) for n in self.created):
             time.sleep(1)
+        stuck = [n for n in self.created if self.get(n)]
         self.created.clear()
+        if stuck:
+            log = self.operator.log_path
+            tail = log.read_text(errors="replace").splitlines()[-OPERATOR_LOG_LINES:] if log.exists() else []
+            pytest.fail(f"ProxyPolicy {stuck} still not deleted {CLEANUP_TIMEOUT:g}s after the delete:\n"
+                        + "\n".join(self.describe(n) for n in stuck)
+                        + f"\nthe operator's log ({log}), last {len(tail)} lines:\n" + "\n".join(tail))
 
 
 def timestamp(text: str) -> float:
