@@ -34,7 +34,10 @@ ProxyNodes, ProxyPolicies) saw the change:
               resp. `kube-proxy`, in the node's cgroup (localcluster.cilium.node_cgroup: every process of
               the node runs there), plus any process below it (counted and shown; none once settled). Not
               counted: the node's proxyshift agent, pods, the simulator. kube-proxy is sampled on the
-              baseline (iptables) before each run and after the move to nftables.
+              baseline (iptables) before each run and after the move to nftables. Beside it, the BPF
+              maps those processes hold descriptors of, each once, with their `memlock`
+              (/proc/PID/fdinfo): kernel memory VmRSS leaves out (kube-proxy's rules are kernel memory
+              too, and not measured).
 
 Nothing is asserted about the numbers: the tables are the result.
 """
@@ -183,6 +186,8 @@ class Memory:
     anon: int  # RssAnon
     file: int  # RssFile (+ RssShmem)
     processes: int  # how many processes were counted (the named one and its descendants)
+    bpf_maps: int = 0  # BPF maps those processes hold open, each once
+    bpf_memlock: int = 0  # bytes: their `memlock` (kernel memory, not in VmRSS)
 
 
 def _status(pid: int) -> dict[str, int]:
@@ -193,6 +198,20 @@ def _status(pid: int) -> dict[str, int]:
         if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
             fields[key] = int(value.split()[0]) * 1024
     return fields
+
+
+def _bpf_maps(pid: int) -> dict[int, int]:
+    """map id -> memlock bytes of every BPF map the process holds a descriptor of (/proc/PID/fdinfo)."""
+    maps: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                if os.readlink(fd) != "anon_inode:bpf-map":
+                    continue
+                info = dict(line.split(":", 1) for line in (Path(f"/proc/{pid}/fdinfo") / fd.name).read_text()
+                            .splitlines() if ":" in line)
+                maps[int(info["map_id"])] = int(info["memlock"])
+    return maps
 
 
 def _children() -> dict[int, list[int]]:
@@ -222,11 +241,14 @@ def process_memory(node: str, comm: str) -> Memory | None:
                 counted.append(current)
                 todo.extend(tree.get(current, []))
             total = {"VmRSS": 0, "RssAnon": 0, "RssFile": 0, "RssShmem": 0}
+            maps: dict[int, int] = {}
             for one in counted:
                 with contextlib.suppress(OSError):
                     for key, value in _status(one).items():
                         total[key] += value
-            return Memory(total["VmRSS"], total["RssAnon"], total["RssFile"] + total["RssShmem"], len(counted))
+                maps.update(_bpf_maps(one))
+            return Memory(total["VmRSS"], total["RssAnon"], total["RssFile"] + total["RssShmem"], len(counted),
+                          len(maps), sum(maps.values()))
     return None
 
 
@@ -434,9 +456,11 @@ def _sec(values: list[float]) -> str:
 def print_report(moves: list[Move], memory: list[Sample], nodes: int, services: int) -> None:
     print(f"\n## Cilium's kube-proxy replacement vs kube-proxy, pool of {nodes} nodes, {services} Services\n")
     print("resident memory per node (MiB; median over nodes and runs of each node's median sample;\n"
-          "VmRSS of the named process in the node's cgroup and anything below it):\n")
-    print("| process (mode) | samples | VmRSS MiB | range | anonymous MiB | file-backed MiB | processes counted |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          "VmRSS of the named process in the node's cgroup and anything below it; BPF maps: those it holds\n"
+          "open, /proc/PID/fdinfo memlock, kernel memory that VmRSS does not include):\n")
+    print("| process (mode) | samples | VmRSS MiB | range | anonymous MiB | file-backed MiB | processes counted "
+          "| BPF maps held | their memlock MiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     order = [f"{PROCESS[m]} ({m})" for m in (KPR, NFT, "iptables")]
     rss_of: dict[str, float] = {}
     for what in order:
@@ -447,7 +471,9 @@ def print_report(moves: list[Move], memory: list[Sample], nodes: int, services: 
         processes = sorted({s.memory.processes for s in rows})
         print(f"| {what} | {len(rows)} | {_mib([float(s.memory.rss) for s in rows])} | "
               f"{_span([float(s.memory.rss) for s in rows], MIB)} | {_mib([float(s.memory.anon) for s in rows])} | "
-              f"{_mib([float(s.memory.file) for s in rows])} | {','.join(map(str, processes))} |")
+              f"{_mib([float(s.memory.file) for s in rows])} | {','.join(map(str, processes))} | "
+              f"{median([float(s.memory.bpf_maps) for s in rows]):.0f} | "
+              f"{_mib([float(s.memory.bpf_memlock) for s in rows])} |")
     kpr, nft = rss_of.get(order[0]), rss_of.get(order[1])
     if kpr and nft:
         print(f"\ncilium-agent / kube-proxy (nftables): {kpr / nft:.2f}x, +{(kpr - nft) / MIB:.0f} MiB per node")
