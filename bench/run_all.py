@@ -4,8 +4,8 @@
     sudo python bench/run_all.py --full     # the sizes docs/benchmarks.md quotes (hours)
 
 The benchmarks run one after another (they measure CPU time; two at once would
-measure each other). The rollout benchmark needs the machine-wide local cluster,
-so it runs under the same lock the tests take (/var/lock/proxyshift-localcluster.lock).
+measure each other). The rollout and Cilium benchmarks need the machine-wide local
+cluster, so they run under the same lock the tests take (/var/lock/proxyshift-localcluster.lock).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ BENCHES: list[tuple[str, list[str], list[str], bool]] = [
     ("bench_kube_proxy_modes.py", ["--services", "1000", "--runs", "1", "--changes", "3"],
      ["--services", "1000,5000,10000", "--runs", "3", "--changes", "5"], False),
     ("bench_rollout_overhead.py", ["--runs", "1"], ["--runs", "5"], True),
+    # Cilium's agent beside kube-proxy on the local cluster (builds the pinned agent if the cache lacks it).
+    ("bench_cilium_kpr.py", ["--runs", "1"], ["--runs", "3"], True),
     ("bench_controller_scale.py", ["--nodes", "500"], ["--nodes", "1000,5000", "--timeout", "2400"], False),
     # Its own control plane on its own ports; both back-offs side by side. Quick: 500 agents, about 3 min.
     ("bench_reconnect_storm.py", ["--agents", "500"], ["--agents", "5000"], False),
