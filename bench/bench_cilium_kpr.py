@@ -50,7 +50,6 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -62,7 +61,14 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "operator"),
 
 import kubernetes  # noqa: E402
 
-from bench.bench_rollout_overhead import _pod_ready, _stream, median, say  # noqa: E402
+from bench.harness.cluster_watch import (  # noqa: E402
+    Changes,
+    median,
+    record_pod,
+    say,
+    stream,
+    watch_policies,
+)
 from localcluster import cilium, controlplane, install, paths  # noqa: E402
 from localcluster import cli as cluster_cli  # noqa: E402
 
@@ -85,40 +91,19 @@ MIB = 1024 * 1024
 
 
 @dataclass
-class Seen:
+class Seen(Changes):
     """Every change the benchmark's watches delivered, stamped with its own monotonic clock."""
 
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    changed: threading.Condition = field(default_factory=threading.Condition)
     # node -> [(at, revision label value or None)], one entry per change seen
     labels: dict[str, list[tuple[float, str | None]]] = field(default_factory=dict)
     # pod name -> {app, node, first, running, ready, deleting, gone}
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)
     # (at, node, phase), one entry per phase change seen
     phases: list[tuple[float, str, str]] = field(default_factory=list)
-    policy_ready: dict[str, float] = field(default_factory=dict)  # "<name>/<uid>" -> Ready seen
-    policy_gone: dict[str, float] = field(default_factory=dict)
-
-    def note(self) -> None:
-        with self.changed:
-            self.changed.notify_all()
-
-    def wait(self, predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-        deadline = time.monotonic() + timeout
-        with self.changed:
-            while True:
-                with self.lock:
-                    value = predicate()
-                if value:
-                    return value
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{what} not seen within {timeout:g}s")
-                self.changed.wait(min(left, 1.0))
 
 
 def watch_nodes(core: kubernetes.client.CoreV1Api, seen: Seen) -> None:
-    for _, node in _stream(core.list_node, label_selector=f"pool={POOL}"):
+    for _, node in stream(core.list_node, label_selector=f"pool={POOL}"):
         now = time.monotonic()
         meta = node.get("metadata") or {}
         value = (meta.get("labels") or {}).get(REVISION_LABEL)
@@ -130,29 +115,16 @@ def watch_nodes(core: kubernetes.client.CoreV1Api, seen: Seen) -> None:
 
 
 def watch_pods(core: kubernetes.client.CoreV1Api, seen: Seen) -> None:
-    for kind, pod in _stream(core.list_namespaced_pod, NAMESPACE, label_selector="k8s-app in (kube-proxy,cilium)"):
-        now = time.monotonic()
-        meta = pod.get("metadata") or {}
-        node = (pod.get("spec") or {}).get("nodeName")
+    for kind, pod in stream(core.list_namespaced_pod, NAMESPACE, label_selector="k8s-app in (kube-proxy,cilium)"):
         with seen.lock:
-            rec = seen.pods.setdefault(meta.get("name", ""), {"app": (meta.get("labels") or {}).get("k8s-app"),
-                                                              "first": now})
-            rec["node"] = rec.get("node") or node
-            if (kind == "DELETED" or meta.get("deletionTimestamp")) and "deleting" not in rec:
-                rec["deleting"] = now
-            if kind == "DELETED":
-                rec["gone"] = now
-            live = kind != "DELETED" and not meta.get("deletionTimestamp")
-            if live and (pod.get("status") or {}).get("phase") == "Running" and "running" not in rec:
-                rec["running"] = now
-            if live and _pod_ready(pod) and "ready" not in rec:
-                rec["ready"] = now
+            rec = record_pod(seen.pods, kind, pod, time.monotonic())
+            rec.setdefault("app", ((pod.get("metadata") or {}).get("labels") or {}).get("k8s-app"))
         seen.note()
 
 
 def watch_proxynodes(custom: kubernetes.client.CustomObjectsApi, seen: Seen) -> None:
     last: dict[str, str] = {}
-    for _, pn in _stream(custom.list_cluster_custom_object, GROUP, VERSION, "proxynodes"):
+    for _, pn in stream(custom.list_cluster_custom_object, GROUP, VERSION, "proxynodes"):
         phase = ((pn.get("spec") or {}).get("migration") or {}).get("phase")
         name = (pn.get("metadata") or {}).get("name", "")
         if not phase or last.get(name) == phase:
@@ -160,20 +132,6 @@ def watch_proxynodes(custom: kubernetes.client.CustomObjectsApi, seen: Seen) -> 
         last[name] = phase
         with seen.lock:
             seen.phases.append((time.monotonic(), name, phase))
-        seen.note()
-
-
-def watch_policies(custom: kubernetes.client.CustomObjectsApi, seen: Seen) -> None:
-    for kind, body in _stream(custom.list_cluster_custom_object, GROUP, VERSION, "proxypolicies"):
-        meta = body.get("metadata") or {}
-        name, now = meta.get("name", ""), time.monotonic()
-        status = body.get("status") or {}
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
-        with seen.lock:
-            if kind == "DELETED":
-                seen.policy_gone[name] = now
-            elif ready and status.get("observedGeneration") == meta.get("generation"):
-                seen.policy_ready.setdefault(f"{name}/{meta.get('uid')}", now)
         seen.note()
 
 

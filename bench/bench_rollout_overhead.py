@@ -60,11 +60,10 @@ import argparse
 import itertools
 import math
 import os
-import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -75,9 +74,15 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "operator"), os.environ.get("PYTHONPATH")]))
 
 import kubernetes  # noqa: E402
-from kubernetes import watch  # noqa: E402
-from kubernetes.client.exceptions import ApiException  # noqa: E402
 
+from bench.harness.cluster_watch import (  # noqa: E402
+    Changes,
+    median,
+    record_pod,
+    say,
+    stream,
+    watch_policies,
+)
 from localcluster import (  # noqa: E402
     baseline,
     behaviour_workloads,
@@ -125,89 +130,32 @@ def _labels(metadata: kubernetes.client.V1ObjectMeta | None) -> dict[str, str]:
     return (metadata.labels if metadata else None) or {}
 
 
-def say(message: str) -> None:
-    print(f"[bench] {time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
-
-
 # ---- what the watches saw ----
 
 
 @dataclass
-class Seen:
+class Seen(Changes):
     """Every change the benchmark's watches delivered, stamped with its own monotonic clock."""
 
-    lock: threading.Lock = field(default_factory=threading.Lock)
     # pod name -> node, first time seen deleting, first time seen Running+Ready, creation (ours)
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)
     # (node, phase, startedAt) -> first time the ProxyNode was seen in that phase
     phases: dict[tuple[str, str, str], float] = field(default_factory=dict)
-    # policy name -> (Ready observed for its generation at, gone at)
-    policy_ready: dict[str, float] = field(default_factory=dict)
-    policy_gone: dict[str, float] = field(default_factory=dict)
-    changed: threading.Condition = field(default_factory=threading.Condition)
     # node -> {(kube-proxy process start, its last sync)} as the agent reported them (Unix time)
     syncs: dict[str, set[tuple[float, float]]] = field(default_factory=dict)
     # every distinct ProxyNode state seen: (at, node, phase, requested op, agent's last op + state, message)
     log: list[tuple[float, str, str, str, str, str]] = field(default_factory=list)
 
-    def note(self) -> None:
-        with self.changed:
-            self.changed.notify_all()
-
-    def wait(self, predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-        deadline = time.monotonic() + timeout
-        with self.changed:
-            while True:
-                with self.lock:
-                    value = predicate()
-                if value:
-                    return value
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{what} not seen within {timeout:g}s")
-                self.changed.wait(min(left, 1.0))
-
-
-def _pod_ready(pod: dict[str, Any]) -> bool:
-    status = pod.get("status") or {}
-    return status.get("phase") == "Running" and any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
-
-
-def _stream(list_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Watch forever (re-listing after an error or an expired resourceVersion), as plain dicts."""
-    while True:
-        try:
-            for event in watch.Watch().stream(list_fn, *args, timeout_seconds=120, **kwargs):
-                obj = event["object"]
-                if not isinstance(obj, dict):
-                    obj = kubernetes.client.ApiClient().sanitize_for_serialization(obj)
-                yield event["type"], obj
-        except (ApiException, OSError, ValueError) as exc:
-            say(f"watch restarted: {exc}")
-            time.sleep(0.5)
-
 
 def watch_pods(core: kubernetes.client.CoreV1Api, seen: Seen) -> None:
-    for kind, pod in _stream(core.list_namespaced_pod, NAMESPACE, label_selector="k8s-app=kube-proxy"):
-        now = time.monotonic()
-        meta = pod.get("metadata") or {}
+    for kind, pod in stream(core.list_namespaced_pod, NAMESPACE, label_selector="k8s-app=kube-proxy"):
         with seen.lock:
-            rec = seen.pods.setdefault(meta.get("name", ""), {"node": (pod.get("spec") or {}).get("nodeName"),
-                                                               "first": now})
-            rec["node"] = rec.get("node") or (pod.get("spec") or {}).get("nodeName")
-            if (kind == "DELETED" or meta.get("deletionTimestamp")) and "deleting" not in rec:
-                rec["deleting"] = now
-            live = kind != "DELETED" and not meta.get("deletionTimestamp")
-            if live and (pod.get("status") or {}).get("phase") == "Running" and "running" not in rec:
-                rec["running"] = now
-            if live and _pod_ready(pod) and "ready" not in rec:
-                rec["ready"] = now
+            record_pod(seen.pods, kind, pod, time.monotonic())
         seen.note()
 
 
 def watch_proxynodes(custom: kubernetes.client.CustomObjectsApi, seen: Seen) -> None:
-    for _, pn in _stream(custom.list_cluster_custom_object, GROUP, VERSION, "proxynodes"):
+    for _, pn in stream(custom.list_cluster_custom_object, GROUP, VERSION, "proxynodes"):
         m = (pn.get("spec") or {}).get("migration") or {}
         if not m.get("phase"):
             continue
@@ -227,20 +175,6 @@ def watch_proxynodes(custom: kubernetes.client.CustomObjectsApi, seen: Seen) -> 
             seen.phases.setdefault(key, entry[0])
             if not seen.log or seen.log[-1][1:] != entry[1:]:
                 seen.log.append(entry)
-        seen.note()
-
-
-def watch_policies(custom: kubernetes.client.CustomObjectsApi, seen: Seen) -> None:
-    for kind, body in _stream(custom.list_cluster_custom_object, GROUP, VERSION, "proxypolicies"):
-        meta = body.get("metadata") or {}
-        name, now = meta.get("name", ""), time.monotonic()
-        status = body.get("status") or {}
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
-        with seen.lock:
-            if kind == "DELETED":
-                seen.policy_gone[name] = now
-            elif ready and status.get("observedGeneration") == meta.get("generation"):
-                seen.policy_ready.setdefault(f"{name}/{meta.get('uid')}", now)
         seen.note()
 
 
@@ -486,10 +420,6 @@ def ensure_cluster(state_dir: Path, nodes: int) -> controlplane.ClusterInfo:
     info = controlplane.load_info(state_dir)
     assert info is not None
     return info
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
 
 
 def floor_ratio(rows: list[Result]) -> float:
