@@ -127,22 +127,42 @@ def mount_bpffs(path: Path) -> Path:
     return resolved
 
 
+def _unpin_tree(top: Path, *, keep: frozenset[str] = frozenset()) -> int:
+    """Unlink every pin below `top` (symlinks as entries, never followed) and its folders; `keep`: names at the
+    top level that stay. Returns how many pins went."""
+    removed = 0
+    for here, dirs, files in os.walk(top, topdown=False, followlinks=False):
+        for name in [*files, *(d for d in dirs if (Path(here) / d).is_symlink())]:
+            if Path(here) == top and name in keep:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                (Path(here) / name).unlink()
+                removed += 1
+        for name in dirs:
+            with contextlib.suppress(OSError):
+                (Path(here) / name).rmdir()
+    return removed
+
+
+def unpin_cilium(path: Path) -> int:
+    """Test-bed hygiene: unpin what a node's Cilium pinned in its own folder of the node's bpffs (`path`),
+    as a node that left Cilium without the operator's cleanup would need. Returns how many pins went."""
+    folder = Path(os.path.realpath(path)) / "cilium"
+    if not bpffs_mounted(folder.parent) or not folder.is_dir():
+        return 0
+    removed = _unpin_tree(folder)
+    with contextlib.suppress(OSError):
+        folder.rmdir()
+    return removed
+
+
 def remove_bpffs(path: Path) -> int:
     """Unpin everything in a node's bpffs (a pinned link's program is detached with its last reference),
     unmount it and remove the folder. Returns how many pins went. Idempotent; only a bpffs mount is emptied."""
     removed = 0
     resolved = Path(os.path.realpath(path))
     if bpffs_mounted(resolved):
-        for here, dirs, files in os.walk(resolved, topdown=False, followlinks=False):
-            for name in [*files, *(d for d in dirs if (Path(here) / d).is_symlink())]:
-                if Path(here) == resolved and name in BPFFS_PRELOADED:
-                    continue
-                with contextlib.suppress(FileNotFoundError):
-                    (Path(here) / name).unlink()
-                    removed += 1
-            for name in dirs:
-                with contextlib.suppress(OSError):
-                    (Path(here) / name).rmdir()
+        removed = _unpin_tree(resolved, keep=BPFFS_PRELOADED)
         if _libc.umount2(str(resolved).encode(), 0) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"umount {resolved}: {os.strerror(err)}")
