@@ -126,6 +126,21 @@ def test_no_bpffs_mount_no_pin_touched_and_no_replacement_no_step(tmp_path: Path
     assert flusher(tmp_path, tmp_path).flush(frozenset({"cilium-kpr"}), "cilium-kpr") == []
 
 
+def test_pins_that_cannot_go_are_errors_bounded_and_keep_their_folders(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    make_tree(tmp_path)
+
+    def refuse(self: Path, missing_ok: bool = False) -> None:
+        raise PermissionError(1, "Operation not permitted", str(self))
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    pins, _ = flusher(tmp_path, tmp_path).flush(frozenset({"cilium-kpr"}), None)
+    assert pins.removed == {} and len(pins.errors) == 6, pins.errors
+    assert pins.errors[-1] == f"{len(CILIUM_PINS) - 5} more pins under {tmp_path / 'cilium'} not removed"
+    monkeypatch.undo()
+    assert (tmp_path / "cilium").is_dir()
+
+
 def test_a_truncated_plan_keeps_the_folders_for_the_next_flush(tmp_path: Path) -> None:
     make_tree(tmp_path)
     pins, _ = flusher(tmp_path, tmp_path, max_pins=4).flush(frozenset({"cilium-kpr"}), None)

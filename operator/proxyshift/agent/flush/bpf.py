@@ -224,13 +224,14 @@ class BpfFlusher:
                 step.errors.append(f"{directory}: {exc}")
                 continue
             for path in plan.not_entered[:MAX_SKIP_NOTES]:
-                step.skipped.append(f"{path} is another mount: not entered")
+                step.skipped.append(f"{path} is another mount or no folder: not entered")
             if plan.truncated:
                 step.skipped.append(f"more than {self.max_pins} pins under {directory}: the rest at the next flush")
             if self.dry_run:
                 step.add("link pins", len(plan.links))
                 step.add("pins", len(plan.others))
                 continue
+            failed = 0
             for kind, pins in (("link pins", plan.links), ("pins", plan.others)):
                 for pin in pins:
                     try:
@@ -238,10 +239,14 @@ class BpfFlusher:
                     except FileNotFoundError:
                         continue  # gone meanwhile (a second flush, Cilium's own cleanup)
                     except OSError as exc:
-                        step.errors.append(f"{pin}: {exc}")
+                        failed += 1
+                        if failed <= MAX_SKIP_NOTES:
+                            step.errors.append(f"{pin}: {exc}")
                         continue
                     step.add(kind, 1)
-            if plan.truncated or plan.not_entered:
+            if failed > MAX_SKIP_NOTES:
+                step.errors.append(f"{failed - MAX_SKIP_NOTES} more pins under {directory} not removed")
+            if plan.truncated or plan.not_entered or failed:
                 continue  # folders still hold something: kept for the next flush
             for folder in plan.folders:
                 try:
