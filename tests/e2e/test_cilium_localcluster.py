@@ -251,6 +251,16 @@ print(b"".join(iter(lambda: s.recv(65536), b"")).decode())
 """
 
 
+# In the agent's container: whether /sys/fs/bpf is a bpffs mount there (what the flush checks) and what
+# Cilium's folder in it holds.
+BPFFS_IN_CONTAINER = """
+import os
+mounts = [line.split() for line in open("/proc/self/mountinfo")]
+bpf = any(f[4] == "/sys/fs/bpf" and f[f.index("-") + 1] == "bpf" for f in mounts)
+print("bpffs", bpf, sorted(os.listdir("/sys/fs/bpf/cilium")))
+"""
+
+
 def test_proxyshift_agent_reaches_the_cilium_socket(cilium_node: CiliumNode, cluster: Any, kube: Kube,
                                                    proxyshift_installed: Path) -> None:
     # The proxyshift agent's DaemonSet mounts hostPath /var/run/cilium read-only: on this node that is
@@ -274,9 +284,8 @@ def test_proxyshift_agent_reaches_the_cilium_socket(cilium_node: CiliumNode, clu
     assert cilium.kpr_enabled(json.loads(body)), body[:300]
     # Its hostPath /sys/fs/bpf is the node's bpffs, where Cilium pins its links: what its flush unpins.
     listing = run(["nsenter", f"--target={pid}", "--mount", "--", *setpriv_argv(0, 0, "NET_ADMIN,NET_RAW", True),
-                   sys.executable, "-c", "import os; print(sorted(os.listdir('/sys/fs/bpf/cilium')))"],
-                  timeout=60).stdout
-    assert "socketlb" in listing, listing
+                   sys.executable, "-c", BPFFS_IN_CONTAINER], timeout=60).stdout
+    assert listing.startswith("bpffs True") and "socketlb" in listing, listing
 
 
 def test_unlabelled_node_loses_cilium_and_keeps_kube_proxy(cilium_node: CiliumNode, kube: Kube) -> None:
