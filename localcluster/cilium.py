@@ -39,6 +39,7 @@ import ctypes
 import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -109,11 +110,24 @@ def node_bpffs(node: str) -> Path:
     return HOST_BPFFS_ROOT / node / "bpffs"
 
 
+def bpffs_mount_points() -> set[Path]:
+    """The bpffs mount points in this process's mount namespace (/proc/self/mountinfo, octal escapes decoded).
+
+    The launcher's own parser: it runs with the pod's environment, where `proxyshift` may be another
+    checkout's (the product's parser is proxyshift.agent.flush.bpf.bpffs_mounts).
+    """
+    found = set()
+    for line in Path("/proc/self/mountinfo").read_text(errors="replace").splitlines():
+        before, _, after = line.partition(" - ")
+        fields = before.split()
+        if len(fields) >= 5 and after.split(" ", 1)[0] == "bpf":
+            found.add(Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])))
+    return found
+
+
 def bpffs_mounted(path: Path) -> bool:
     """Whether `path` is a bpffs mount point in this process's mount namespace."""
-    from proxyshift.agent.flush.bpf import is_bpffs
-
-    return is_bpffs(path, Path("/proc/self/mountinfo").read_text(errors="replace"))
+    return Path(os.path.realpath(path)) in bpffs_mount_points()
 
 
 def mount_bpffs(path: Path) -> Path:

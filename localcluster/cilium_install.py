@@ -259,12 +259,10 @@ def remove_node_leftovers(netns: str) -> None:
     Only Cilium's own objects, one iptables-restore per table. The operator's cleanup of a node moving
     back to kube-proxy is the product's (issue 19); this is for tests that did not run it.
     """
-    from proxyshift.agent.flush.bpf import bpffs_mounts
-
     suffix = f"/{netns}/hostpath/sys/fs/bpf"
-    for mount in bpffs_mounts(Path("/proc/self/mountinfo").read_text(errors="replace")):
-        if mount.endswith(suffix):
-            cilium.unpin_cilium(Path(mount))
+    for mount in cilium.bpffs_mount_points():
+        if str(mount).endswith(suffix):
+            cilium.unpin_cilium(mount)
     links = run(["ip", "-o", "link", "show"], netns=netns, timeout=KUBECTL_TIMEOUT).stdout
     if f" {HOST_LINK}@" in links or f" {HOST_LINK}:" in links:
         run(["ip", "link", "del", HOST_LINK], netns=netns, timeout=KUBECTL_TIMEOUT)

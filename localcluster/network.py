@@ -307,13 +307,11 @@ def _remove_node_bpffs(directory: Path) -> None:
     """Unpin and unmount the bpffs instances under a node folder (or all nodes'): what the node's Cilium
     left pinned there goes with the node, as a real node's /sys/fs/bpf goes with the machine."""
     from localcluster import cilium
-    from proxyshift.agent.flush.bpf import bpffs_mounts
 
-    mounts = Path("/proc/self/mountinfo").read_text(errors="replace")
-    for mount in sorted(bpffs_mounts(mounts), key=len, reverse=True):
-        if Path(mount).is_relative_to(directory):
+    for mount in sorted(cilium.bpffs_mount_points(), key=lambda p: len(p.parts), reverse=True):
+        if mount.is_relative_to(directory):
             try:
-                cilium.remove_bpffs(Path(mount))
+                cilium.remove_bpffs(mount)
             except OSError as exc:
                 log.warning("node bpffs %s: %s", mount, exc)
 
