@@ -299,7 +299,8 @@ def test_unlabelled_node_loses_cilium_and_keeps_kube_proxy(cilium_node: CiliumNo
     # are pinned in the node's bpffs, which outlives the agent as a real node's /sys/fs/bpf does.
     bpffs = volumes.node_host_path(network.node_dir(node.state_dir, node.name), volumes.NODE_BPFFS)
     assert bpffs is not None
-    pins = sorted(str(p.relative_to(bpffs)) for p in (bpffs / "cilium").rglob("*") if "/links/" in str(p))
+    pins = sorted(str(p.relative_to(bpffs)) for p in (bpffs / "cilium").rglob("*")
+                  if "/links/" in str(p) and not p.is_dir())
     attached = bpf_attach.cgroup_direct(node.cgroup)
     print(f"\npinned links of the stopped agent: {pins}; still attached at the node's cgroup: {attached}")
     assert "cilium/socketlb/links/cgroup/cil_sock4_connect" in pins, pins
