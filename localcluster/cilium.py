@@ -15,9 +15,13 @@ process of the machine. So an agent runs here:
 - in the node's network namespace (its tc/tcx programs, routes, cilium_host/cilium_net and CILIUM_*
   iptables chains are that namespace's, and go away with it);
 - in a private mount namespace with a tmpfs over /run (the agent writes /var/run/cilium whatever its
-  flags say), its own bpffs instance at --bpf-root (the pinned maps die with the namespace), /sys
-  remounted for the node, and /proc/sys/kernel/{unprivileged_bpf_disabled,timer_migration} bound
-  read-only: the agent writes both, and they are the machine's, not the namespace's.
+  flags say), a bpffs at --bpf-root, /sys remounted for the node, and
+  /proc/sys/kernel/{unprivileged_bpf_disabled,timer_migration} bound read-only: the agent writes both,
+  and they are the machine's, not the namespace's. The bpffs is the node's own (`--bpffs`, one bpffs
+  instance per simulated node mounted on the host by `mount_bpffs`, as a real node's /sys/fs/bpf):
+  the agent's pinned links and maps outlive it there, socket-LB stays attached at the node's cgroup and
+  tcx on its devices after it stopped, and a restarted agent finds its maps; `remove_bpffs` unpins and
+  unmounts it with the node. Without `--bpffs` a private instance dies with the agent's namespace.
 
 The processes that should see the node's Services (the tests' clients) join the same cgroup and
 network namespace (`dial`). Services come from `--lb-state-file` (Kubernetes Services and
@@ -35,6 +39,7 @@ import ctypes
 import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -63,6 +68,11 @@ CLONE_NEWCGROUP = 0x02000000
 PRIVATE_RUN = Path("/run/cilium")
 LAUNCHER_RUN = Path("/run/proxyshift-cilium")
 PRIVATE_BPFFS = LAUNCHER_RUN / "bpffs"
+# On the host: where a dataplane test's node keeps its bpffs (the local cluster's nodes keep theirs at their
+# hostPath /sys/fs/bpf, localcluster/nodesim/volumes.py). Never the host's own /sys/fs/bpf.
+HOST_BPFFS_ROOT = Path("/run/proxyshift-cilium")
+# The kernel's own iterators in every new bpffs instance (bpf_preload): not unlinkable, and nobody's pins.
+BPFFS_PRELOADED = frozenset({"maps.debug", "progs.debug"})
 PRIVATE_CGROUP = LAUNCHER_RUN / "cgroupv2"
 # Machine-wide sysctls the agent's loader sets (pkg/datapath/loader/base.go, errors ignored).
 HOST_SYSCTLS = ("/proc/sys/kernel/unprivileged_bpf_disabled", "/proc/sys/kernel/timer_migration")
@@ -93,6 +103,89 @@ def cgroup2_mount() -> Path:
 def node_cgroup(node: str) -> Path:
     """The node's cgroup v2 subtree: the agent's cgroup root, and where the node's clients must be."""
     return cgroup2_mount() / f"{CGROUP_PREFIX}{node}"
+
+
+def node_bpffs(node: str) -> Path:
+    """Where a dataplane test's node keeps its bpffs on the host (mounted by `mount_bpffs`)."""
+    return HOST_BPFFS_ROOT / node / "bpffs"
+
+
+def bpffs_mount_points() -> set[Path]:
+    """The bpffs mount points in this process's mount namespace (/proc/self/mountinfo, octal escapes decoded).
+
+    The launcher's own parser: it runs with the pod's environment, where `proxyshift` may be another
+    checkout's (the product's parser is proxyshift.agent.flush.bpf.bpffs_mounts).
+    """
+    found = set()
+    for line in Path("/proc/self/mountinfo").read_text(errors="replace").splitlines():
+        before, _, after = line.partition(" - ")
+        fields = before.split()
+        if len(fields) >= 5 and after.split(" ", 1)[0] == "bpf":
+            found.add(Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])))
+    return found
+
+
+def bpffs_mounted(path: Path) -> bool:
+    """Whether `path` is a bpffs mount point in this process's mount namespace."""
+    return Path(os.path.realpath(path)) in bpffs_mount_points()
+
+
+def mount_bpffs(path: Path) -> Path:
+    """A bpffs instance of its own at `path` (made if needed; idempotent): a simulated node's /sys/fs/bpf."""
+    resolved = Path(os.path.realpath(path))
+    if resolved == Path("/sys/fs/bpf"):
+        raise CiliumError(f"{path} is the host's BPF filesystem: a node's bpffs goes elsewhere")
+    resolved.mkdir(parents=True, exist_ok=True)
+    if not bpffs_mounted(resolved):
+        container._mount("bpffs", str(resolved), "bpf", 0, "mode=0700")
+    return resolved
+
+
+def _unpin_tree(top: Path, *, keep: frozenset[str] = frozenset()) -> int:
+    """Unlink every pin below `top` (symlinks as entries, never followed) and its folders; `keep`: names at the
+    top level that stay. Returns how many pins went."""
+    removed = 0
+    for here, dirs, files in os.walk(top, topdown=False, followlinks=False):
+        for name in [*files, *(d for d in dirs if (Path(here) / d).is_symlink())]:
+            if Path(here) == top and name in keep:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                (Path(here) / name).unlink()
+                removed += 1
+        for name in dirs:
+            with contextlib.suppress(OSError):
+                (Path(here) / name).rmdir()
+    return removed
+
+
+def unpin_cilium(path: Path) -> int:
+    """Test-bed hygiene: unpin what a node's Cilium pinned in its own folder of the node's bpffs (`path`),
+    as a node that left Cilium without the operator's cleanup would need. Returns how many pins went."""
+    folder = Path(os.path.realpath(path)) / "cilium"
+    if not bpffs_mounted(folder.parent) or not folder.is_dir():
+        return 0
+    removed = _unpin_tree(folder)
+    with contextlib.suppress(OSError):
+        folder.rmdir()
+    return removed
+
+
+def remove_bpffs(path: Path) -> int:
+    """Unpin everything in a node's bpffs (a pinned link's program is detached with its last reference),
+    unmount it and remove the folder. Returns how many pins went. Idempotent; only a bpffs mount is emptied."""
+    removed = 0
+    resolved = Path(os.path.realpath(path))
+    if bpffs_mounted(resolved):
+        removed = _unpin_tree(resolved, keep=BPFFS_PRELOADED)
+        if _libc.umount2(str(resolved).encode(), 0) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"umount {resolved}: {os.strerror(err)}")
+    with contextlib.suppress(OSError):
+        resolved.rmdir()
+        if resolved.parent.parent == HOST_BPFFS_ROOT:
+            resolved.parent.rmdir()
+            HOST_BPFFS_ROOT.rmdir()
+    return removed
 
 
 def image_flags(lib_dir: Path) -> list[str]:
@@ -242,6 +335,8 @@ class ConfinedAgent:
     log_path: Path
     healthy_after: float | None = None
     health: dict[str, Any] = field(default_factory=dict)
+    # The node's bpffs on the host, when it has one that outlives the agent (`start(bpffs=...)`).
+    bpffs: Path | None = None
 
     @property
     def socket_path(self) -> Path:
@@ -284,10 +379,15 @@ class ConfinedAgent:
             time.sleep(0.25)
         raise CiliumError(f"cilium-agent not healthy after {timeout:g}s ({last}):\n{self.log_tail()}")
 
-    def stop(self) -> None:
-        """Stop the agent by its pid, then remove its cgroup and state folder (its netns is the caller's)."""
+    def stop(self, *, keep_cgroup: bool = False) -> None:
+        """Stop the agent by its pid, then remove its cgroup and state folder (its netns is the caller's).
+
+        A node bpffs (`bpffs`) stays, with whatever the agent pinned in it: as on a real node, its links keep
+        socket-LB attached at the node's cgroup while the cgroup lives (remove_bpffs, or the flush, unpins).
+        keep_cgroup: leave the node's cgroup (and what is attached there) as a real node's stays."""
         stop_child(self.proc, grace=STOP_GRACE_SECONDS)
-        remove_cgroup(self.cgroup)
+        if not keep_cgroup:
+            remove_cgroup(self.cgroup)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
@@ -331,8 +431,13 @@ def remove_cgroup(path: Path, *, timeout: float = 10.0) -> None:
 
 
 def start(node: str, netns: str, devices: Sequence[str], services: Sequence[Service], *, native_cidr: str,
-          agent: Path | None = None) -> ConfinedAgent:
-    """Start the agent confined to `node` (a network namespace that exists) serving `services`."""
+          agent: Path | None = None, bpffs: Path | None = None, cgroup_exists: bool = False,
+          extra_flags: Sequence[str] = ()) -> ConfinedAgent:
+    """Start the agent confined to `node` (a network namespace that exists) serving `services`.
+
+    bpffs: the node's bpffs on the host (`mount_bpffs`), bound at the agent's --bpf-root so that its pins
+    outlive it; cgroup_exists: the node's cgroup is kept from an earlier agent (a restart).
+    """
     binary = agent or gotools.built(AGENT_TOOL)
     if binary is None:
         raise CiliumError(gotools.build_hint(AGENT_TOOL))
@@ -347,18 +452,18 @@ def start(node: str, netns: str, devices: Sequence[str], services: Sequence[Serv
         (lib / "bpf").symlink_to(sources)  # read only: the agent writes its objects under --state-dir
         state_file = workdir / "lb-state.json"
         state_file.write_text(json.dumps(lb_state(services), indent=1))
-        cgroup = make_cgroup(node)
+        cgroup = make_cgroup(node, exist_ok=cgroup_exists)
         log_path = workdir / "agent.log"
         argv = [sys.executable, "-m", "localcluster.cilium", "confine", "--cgroup", str(cgroup),
-                "--netns", netns, "--", str(binary),
+                "--netns", netns, *(["--bpffs", str(bpffs)] if bpffs is not None else []), "--", str(binary),
                 *agent_flags(devices, lib_dir=lib, socket_path=workdir / "cilium.sock",
-                             lb_state_file=state_file, native_cidr=native_cidr)]
+                             lb_state_file=state_file, native_cidr=native_cidr), *extra_flags]
         env = {**os.environ, "PATH": f"{LLVM_BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}",
                "K8S_NODE_NAME": node}
         with log_path.open("wb") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,  # noqa: S603
                                     start_new_session=True)
-        return ConfinedAgent(node, netns, cgroup, workdir, proc, time.monotonic(), log_path)
+        return ConfinedAgent(node, netns, cgroup, workdir, proc, time.monotonic(), log_path, bpffs=bpffs)
     except BaseException:
         if cgroup is not None:
             remove_cgroup(cgroup)
@@ -387,21 +492,31 @@ def _bind_read_only(path: str) -> None:
 
 
 def confine(cgroup: Path, netns: str, binds: Sequence[tuple[str, str, bool]] = (),
-            created: list[Path] | None = None) -> None:
+            created: list[Path] | None = None, bpffs: Path | None = None) -> None:
     """Everything but the exec: the node's cgroup and netns, then private cgroup and mount namespaces.
 
     `binds` (src, dst, read_only) are a pod's volumes, bound last: a hostPath /var/run/cilium lands on
     the tmpfs's /run/cilium, so the agent's socket is in the node's folder the other pods see.
+    `bpffs`: the node's bpffs on the host (a bpffs mount point, never the host's /sys/fs/bpf), bound at
+    PRIVATE_BPFFS instead of a private instance.
     """
+    if bpffs is not None and (not bpffs_mounted(bpffs) or os.path.realpath(bpffs) == "/sys/fs/bpf"):
+        raise CiliumError(f"{bpffs} is no node bpffs (mount one with localcluster.cilium.mount_bpffs)")
     join_node(cgroup, netns)
     # The cgroup namespace is rooted at the cgroup the caller is in: joined above, so the node's.
     _unshare(container.CLONE_NEWNS | CLONE_NEWCGROUP, "CLONE_NEWNS|CLONE_NEWCGROUP")
     container._mount(None, "/", None, container.MS_REC | container.MS_PRIVATE)
     container._remount_sys(netns)
+    # Opened in this namespace's copy of the mount, before the tmpfs over /run can hide it.
+    node_fs = os.open(bpffs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if bpffs is not None else None
     container._mount("tmpfs", "/run", "tmpfs", container.MS_NOSUID | container.MS_NODEV, "mode=0755")
     for path in (PRIVATE_BPFFS, PRIVATE_CGROUP):
         path.mkdir(parents=True)
-    container._mount("bpffs", str(PRIVATE_BPFFS), "bpf", 0, "mode=0700")
+    if node_fs is None:
+        container._mount("bpffs", str(PRIVATE_BPFFS), "bpf", 0, "mode=0700")
+    else:
+        container._mount(f"/proc/self/fd/{node_fs}", str(PRIVATE_BPFFS), None, container.MS_BIND)
+        os.close(node_fs)
     container._mount("cgroup2", str(PRIVATE_CGROUP), "cgroup2", 0)
     # The guard the whole confinement rests on: the cgroup root the agent will attach socket-LB to
     # must be the node's subtree holding this process, never the machine's root cgroup.
@@ -451,6 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     probe.add_argument("port", type=int)
     # The node simulator's part: a pod's volumes and its container's securityContext (as
     # localcluster.container applies them), for the `cilium` image.
+    launch.add_argument("--bpffs", type=Path, help="the node's bpffs on the host (a bpffs mount point), bound "
+                                                   "at the agent's --bpf-root so that its pins outlive it")
     launch.add_argument("--bind", action="append", default=[], metavar="SRC:DST[:ro]")
     launch.add_argument("--created-log", type=Path,
                         help="append every host path created as a mount point to this file")
@@ -469,7 +586,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no command after --")
     created: list[Path] = []
     try:
-        confine(args.cgroup, args.netns, [container.parse_bind(spec) for spec in args.bind], created)
+        confine(args.cgroup, args.netns, [container.parse_bind(spec) for spec in args.bind], created,
+                bpffs=args.bpffs)
     except (OSError, ValueError, CiliumError) as exc:
         print(f"localcluster.cilium: not starting {command[0]}: {exc}", file=sys.stderr)
         return 1

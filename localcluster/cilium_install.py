@@ -253,11 +253,16 @@ def leftover_rules(iptables_save: str) -> dict[str, list[str]]:
 
 def remove_node_leftovers(netns: str) -> None:
     """Test-bed hygiene after Cilium left a node: its cilium_host/cilium_net pair (their routes go with
-    them) and its CILIUM_* iptables chains, so the session's next tests meet the node as `up` made it.
+    them), its CILIUM_* iptables chains, and its pins in the node's bpffs (whose links keep socket-LB
+    attached at the node's cgroup), so the session's next tests meet the node as `up` made it.
 
     Only Cilium's own objects, one iptables-restore per table. The operator's cleanup of a node moving
     back to kube-proxy is the product's (issue 19); this is for tests that did not run it.
     """
+    suffix = f"/{netns}/hostpath/sys/fs/bpf"
+    for mount in cilium.bpffs_mount_points():
+        if str(mount).endswith(suffix):
+            cilium.unpin_cilium(mount)
     links = run(["ip", "-o", "link", "show"], netns=netns, timeout=KUBECTL_TIMEOUT).stdout
     if f" {HOST_LINK}@" in links or f" {HOST_LINK}:" in links:
         run(["ip", "link", "del", HOST_LINK], netns=netns, timeout=KUBECTL_TIMEOUT)

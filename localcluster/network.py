@@ -27,6 +27,7 @@ an un-NATed conntrack entry).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -44,6 +45,8 @@ from localcluster.nodesim import node as sim_node
 # which starts it); these names stay importable from here.
 from localcluster.paths import MAX_NODES, NODE_PREFIX, node_index, node_ip, node_name
 from proxyshift.commands import CommandError, run
+
+log = logging.getLogger(__name__)
 
 ENDPOINT_PREFIX = "ps-ep-"
 NODE_VETH_PREFIX = "psn"
@@ -272,6 +275,7 @@ def start_nodes(state_dir: Path, access: ClusterAccess, plan: list[tuple[int, st
         if any(r["name"] == proc_name and r["alive"] for r in state.running(state_dir)):
             continue
         node_dir(state_dir, name).mkdir(parents=True, exist_ok=True)
+        _mount_node_bpffs(node_dir(state_dir, name))
         argv = simulator_argv(access, state_dir, name, pool, kubelet_version, probe_time_scale)
         proc = state.spawn(state_dir, proc_name, argv)
         started.append((name, proc, ready_file))
@@ -286,6 +290,30 @@ def start_nodes(state_dir: Path, access: ClusterAccess, plan: list[tuple[int, st
                                    f"{start_timeout:g}s; see {layout.log('nodesim-' + name)}")
             time.sleep(0.1)
     return names
+
+
+def _mount_node_bpffs(directory: Path) -> None:
+    """The node's bpffs (its hostPath /sys/fs/bpf), before any of its containers copies the host's mounts."""
+    from localcluster import cilium
+    from localcluster.nodesim import volumes
+
+    try:
+        volumes.node_bpffs(directory)
+    except (OSError, cilium.CiliumError) as exc:
+        log.warning("no bpffs for node %s: %s (its Cilium, if any, cannot pin)", directory.name, exc)
+
+
+def _remove_node_bpffs(directory: Path) -> None:
+    """Unpin and unmount the bpffs instances under a node folder (or all nodes'): what the node's Cilium
+    left pinned there goes with the node, as a real node's /sys/fs/bpf goes with the machine."""
+    from localcluster import cilium
+
+    for mount in sorted(cilium.bpffs_mount_points(), key=lambda p: len(p.parts), reverse=True):
+        if mount.is_relative_to(directory):
+            try:
+                cilium.remove_bpffs(mount)
+            except OSError as exc:
+                log.warning("node bpffs %s: %s", mount, exc)
 
 
 def remove_node(state_dir: Path, cluster_info: Any, node: str) -> None:
@@ -306,6 +334,7 @@ def remove_node(state_dir: Path, cluster_info: Any, node: str) -> None:
     if f"{NODE_VETH_PREFIX}{index}" in _links():
         run(["ip", "link", "del", f"{NODE_VETH_PREFIX}{index}"], check=False)
     forget_node(kubeapi.api_client(cluster_access(cluster_info).kubeconfig), node)
+    _remove_node_bpffs(node_dir(state_dir, node))
     shutil.rmtree(node_dir(state_dir, node), ignore_errors=True)
 
 
@@ -497,6 +526,7 @@ def remove_all(state_dir: Path) -> None:
         run(["ip", "link", "del", paths.BRIDGE_NAME], check=False)
     run(["ip", "route", "del", *_guard_route()], check=False)
     _remove_created_host_paths(state_dir)
+    _remove_node_bpffs(paths.StateLayout(state_dir).nodes)
     shutil.rmtree(paths.StateLayout(state_dir).nodes, ignore_errors=True)
 
 

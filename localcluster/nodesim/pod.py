@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from localcluster import cilium, gotools, security_context
 from localcluster.container import NETNS_DIR
 from localcluster.kubeapi import Kube, KubeError, now_rfc3339
+from localcluster.nodesim import volumes
 from localcluster.nodesim.config import SimConfig
 from localcluster.nodesim.containers import ContainerRun, stop_processes
 from localcluster.nodesim.podspec import (
@@ -473,7 +474,8 @@ class PodWorker(threading.Thread):
 
     def _cilium_launcher(self, confinement: security_context.Confinement) -> list[str]:
         """localcluster.cilium's launcher: the node's cgroup subtree and netns, a private mount ns with
-        its own bpffs and cgroup2 root (nothing of the agent reaches the host's root cgroup or netns)."""
+        the node's bpffs and its own cgroup2 root (nothing of the agent reaches the host's root cgroup,
+        netns or /sys/fs/bpf)."""
         if not self.host_network:
             raise PodError("CreateContainerConfigError", f"the {CILIUM_IMAGE} image runs here only with "
                                                          "hostNetwork: true, as Cilium's DaemonSet has it")
@@ -483,7 +485,13 @@ class PodWorker(threading.Thread):
             cgroup = cilium.make_cgroup(self.cfg.node, exist_ok=True)
         except (OSError, cilium.CiliumError) as exc:
             raise PodError("RunContainerError", f"the node's cgroup for Cilium: {exc}") from exc
-        args = ["--uid", str(confinement.uid), "--gid", str(confinement.gid)]
+        try:
+            # The node's BPF filesystem (its hostPath /sys/fs/bpf), as Cilium's chart mounts the host's:
+            # what the agent pins there outlives it, as on a real node.
+            bpffs = volumes.node_bpffs(self.cfg.node_dir)
+        except (OSError, cilium.CiliumError) as exc:
+            raise PodError("RunContainerError", f"the node's bpffs for Cilium: {exc}") from exc
+        args = ["--bpffs", str(bpffs), "--uid", str(confinement.uid), "--gid", str(confinement.gid)]
         if confinement.capabilities is not None:
             args += ["--caps", ",".join(sorted(confinement.capabilities))]
         if confinement.no_new_privs:

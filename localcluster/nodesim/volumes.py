@@ -16,8 +16,11 @@ from localcluster.nodesim.podspec import PodError, field_value
 
 # hostPaths that are the node's own, not the machine's: each node's pods see `<node dir>/hostpath/<path>`
 # there. /var/run/cilium holds a node's Cilium agent's state and API socket (cilium.sock), which the
-# other pods of that node (the proxyshift agent) must reach and no other node's may see.
-NODE_HOST_PATHS = (Path("/run/cilium"),)
+# other pods of that node (the proxyshift agent) must reach and no other node's may see. /sys/fs/bpf is
+# the node's BPF filesystem: a bpffs instance of its own (`node_bpffs`), where the node's Cilium pins its
+# links and maps as on a real node, and which the proxyshift agent's flush reads; never the host's.
+NODE_BPFFS = Path("/sys/fs/bpf")
+NODE_HOST_PATHS = (Path("/run/cilium"), NODE_BPFFS)
 NODE_HOST_PATHS_DIR = "hostpath"
 TOKEN_TTL_SECONDS = 3607  # kubelet's default projected-token lifetime
 VOLUME_REFRESH_SECONDS = 10.0
@@ -30,6 +33,15 @@ def node_host_path(node_dir: Path, path: Path) -> Path | None:
     if any(normal.is_relative_to(root) for root in NODE_HOST_PATHS):
         return node_dir / NODE_HOST_PATHS_DIR / normal.relative_to("/")
     return None
+
+
+def node_bpffs(node_dir: Path) -> Path:
+    """The node's bpffs on the host (its hostPath /sys/fs/bpf), mounted as one (idempotent)."""
+    from localcluster import cilium
+
+    path = node_host_path(node_dir, NODE_BPFFS)
+    assert path is not None
+    return cilium.mount_bpffs(path)
 
 
 def write_files(target: Path, files: dict[str, tuple[bytes, int]]) -> None:
@@ -102,6 +114,8 @@ class PodVolumes:
             host = Path(volume["hostPath"]["path"])
             kind = volume["hostPath"].get("type") or ""
             private = node_host_path(self.node_dir, host)
+            if private is not None and host.is_relative_to(NODE_BPFFS):
+                node_bpffs(self.node_dir)  # a folder in a plain directory would be no bpffs
             if private is not None:
                 # Inside the node's folder, which `down` removes whole: nothing to note. Made when
                 # missing whatever the type says, as containerd makes a missing hostPath directory.

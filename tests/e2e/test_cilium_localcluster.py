@@ -10,9 +10,10 @@ to that node (its cgroup subtree, netns and mount namespace, localcluster.cilium
   at connect() by socket-LB (no conntrack entry to the Service address, where kube-proxy's DNAT makes one);
 - nothing of it is attached at the host's root cgroup, at any cgroup outside the node's subtree, or in
   the host's network namespace;
-- label removed: the pod goes, socket-LB is detached from the node's cgroup (where the node's other
-  containers stay), what Cilium leaves in the node's namespace is recorded (the operator's cleanup
-  flushes it), and kube-proxy still serves the node.
+- label removed: the pod goes, and as on a real node its links pinned in the node's bpffs keep
+  socket-LB attached at the node's cgroup (where the node's other containers stay), translating the
+  node's connects; what Cilium leaves in the node's namespace and bpffs is recorded, proxyshift's flush
+  for leaving cilium-kpr removes it, and kube-proxy serves the node again (by DNAT).
 
 The tests share one Cilium start (module fixture) and run in this file's order; the last one
 removes the label. One installs proxyshift (the session's fixture) to prove that its agent's pod on the
@@ -22,6 +23,7 @@ that install (2 cores): the pod Ready 5.5 s after the label, its datapath loaded
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -35,7 +37,9 @@ import pytest
 from localcluster import cilium, cilium_install, network, workloads
 from localcluster.container import run_in_netns, setpriv_argv
 from localcluster.kubeapi import Kube, KubeError
+from localcluster.nodesim import volumes
 from proxyshift.agent.behaviour import dial_tcp
+from proxyshift.agent.flush import flush
 from proxyshift.commands import run
 from tests.support import bpf_attach
 from tests.support.cilium_cluster import cilium_installed_in
@@ -64,6 +68,7 @@ class CiliumNode:
     endpoints: list[workloads.Endpoint]
     cluster_ip: str
     node_port: int
+    state_dir: Path
 
 
 def _label(kube: Kube, node: str, value: str | None) -> None:
@@ -152,7 +157,7 @@ def cilium_node(cluster: Any, kube: Kube, cilium_installed: None) -> Iterator[Ci
         print(f"\ncilium pod Ready on {node} {ready_after:.1f}s after the label, its datapath loaded after "
               f"{time.monotonic() - started:.1f}s")
         yield CiliumNode(node, network.node_ip(network.node_index(node)), pods[0], socket, cilium.node_cgroup(node),
-                         before, endpoints, cluster_ip, node_port)
+                         before, endpoints, cluster_ip, node_port, state_dir)
     finally:
         for log in (network.node_dir(state_dir, node) / "logs").glob("cilium-*.log"):
             # What the agent complained about (RBAC refusals among it), for the run's record.
@@ -246,11 +251,21 @@ print(b"".join(iter(lambda: s.recv(65536), b"")).decode())
 """
 
 
+# In the agent's container: whether /sys/fs/bpf is a bpffs mount there (what the flush checks) and what
+# Cilium's folder in it holds.
+BPFFS_IN_CONTAINER = """
+import os
+mounts = [line.split() for line in open("/proc/self/mountinfo")]
+bpf = any(f[4] == "/sys/fs/bpf" and f[f.index("-") + 1] == "bpf" for f in mounts)
+print("bpffs", bpf, sorted(os.listdir("/sys/fs/bpf/cilium")))
+"""
+
+
 def test_proxyshift_agent_reaches_the_cilium_socket(cilium_node: CiliumNode, cluster: Any, kube: Kube,
                                                    proxyshift_installed: Path) -> None:
     # The proxyshift agent's DaemonSet mounts hostPath /var/run/cilium read-only: on this node that is
     # the node's folder, where Cilium's socket is, and the agent (uid 0 with NET_ADMIN and NET_RAW
-    # only) may connect to it.
+    # only) may connect to it. Its hostPath /sys/fs/bpf is the node's bpffs.
     state_dir = cluster.require_local("the proxyshift agent's mounts")
     (pod,) = kube.get(f"/api/v1/namespaces/{AGENT_NAMESPACE}/pods", fieldSelector=f"spec.nodeName={cilium_node.name}",
                       labelSelector="app.kubernetes.io/name=proxyshift-agent")["items"]
@@ -267,6 +282,10 @@ def test_proxyshift_agent_reaches_the_cilium_socket(cilium_node: CiliumNode, clu
     status, _, body = answer.partition("\n\n")
     assert status.startswith("HTTP/1.0 200") or status.startswith("HTTP/1.1 200"), answer[:300]
     assert cilium.kpr_enabled(json.loads(body)), body[:300]
+    # Its hostPath /sys/fs/bpf is the node's bpffs, where Cilium pins its links: what its flush unpins.
+    listing = run(["nsenter", f"--target={pid}", "--mount", "--", *setpriv_argv(0, 0, "NET_ADMIN,NET_RAW", True),
+                   sys.executable, "-c", BPFFS_IN_CONTAINER], timeout=60).stdout
+    assert listing.startswith("bpffs True") and "socketlb" in listing, listing
 
 
 def test_unlabelled_node_loses_cilium_and_keeps_kube_proxy(cilium_node: CiliumNode, kube: Kube) -> None:
@@ -276,10 +295,16 @@ def test_unlabelled_node_loses_cilium_and_keeps_kube_proxy(cilium_node: CiliumNo
     _label(kube, node.name, None)
     wait_until(lambda: not _cilium_pods(kube, node.name), GONE_SECONDS, f"the cilium pod gone from {node.name}")
     assert not Path(f"/proc/{pid}").exists(), "the agent outlived its pod"
-    # The node's cgroup stays (the node's other containers are in it); socket-LB went with the agent,
-    # its links pinned in the agent's own bpffs, which died with its mount namespace.
-    wait_until(lambda: not bpf_attach.cgroup_direct(node.cgroup), DETACH_SECONDS,
-               f"socket-LB detached from {node.cgroup}")
+    # The node's cgroup stays (the node's other containers are in it), and so does socket-LB: its links
+    # are pinned in the node's bpffs, which outlives the agent as a real node's /sys/fs/bpf does.
+    bpffs = volumes.node_host_path(network.node_dir(node.state_dir, node.name), volumes.NODE_BPFFS)
+    assert bpffs is not None
+    pins = sorted(str(p.relative_to(bpffs)) for p in (bpffs / "cilium").rglob("*")
+                  if "/links/" in str(p) and not p.is_dir())
+    attached = bpf_attach.cgroup_direct(node.cgroup)
+    print(f"\npinned links of the stopped agent: {pins}; still attached at the node's cgroup: {attached}")
+    assert "cilium/socketlb/links/cgroup/cil_sock4_connect" in pins, pins
+    assert attached, f"socket-LB not attached at {node.cgroup} after the stop"
     # What Cilium leaves in the node's namespace, recorded for the cleanup that flushes it.
     links = [line.split(":")[1].strip().split("@")[0]
              for line in run(["ip", "-o", "link", "show"], netns=node.name).stdout.splitlines()]
@@ -292,6 +317,13 @@ def test_unlabelled_node_loses_cilium_and_keeps_kube_proxy(cilium_node: CiliumNo
           f"routes {routes}, iptables chains {chains}")
     assert {"cilium_host", "cilium_net"} <= set(links), links
     assert chains, "no CILIUM_* chains left: Cilium cleans up after itself now; update the cleanup's list"
+    # proxyshift's flush for the node leaving cilium-kpr (what its agent's Cleanup runs) removes all of it.
+    report = flush(["cilium-kpr"], "iptables", runner=functools.partial(run, netns=node.name), bpffs=bpffs)
+    print(report.message())
+    assert report.ok, report.message()
+    assert {k: n for s in report.steps for k, n in s.removed.items()}.get("link pins") == len(pins), report.message()
+    wait_until(lambda: not bpf_attach.cgroup_direct(node.cgroup), DETACH_SECONDS,
+               f"socket-LB detached from {node.cgroup}")
     # kube-proxy never left this node: it serves the ClusterIP as before, to a client of the node's
     # cgroup too, now by DNAT.
     answer = cilium.dial(node.cgroup, node.name, node.cluster_ip, SERVICE_PORT)

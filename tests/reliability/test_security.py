@@ -200,7 +200,8 @@ EXEC_HOOK = textwrap.dedent("""\
 AGENT_PROGRAMS = {"iptables", "ip6tables", "iptables-save", "ip6tables-save", "iptables-restore", "ip6tables-restore",
                   "iptables-nft-save", "ip6tables-nft-save", "iptables-nft-restore", "ip6tables-nft-restore",
                   "iptables-legacy-save", "ip6tables-legacy-save", "iptables-legacy-restore",
-                  "ip6tables-legacy-restore", "nft", "ip", "ipset", "ipvsadm", "modprobe"}
+                  "ip6tables-legacy-restore", "nft", "ip", "ipset", "ipvsadm", "modprobe",
+                  "tc"}  # Cilium's legacy tc filters, leaving cilium-kpr
 
 
 @pytest.mark.dataplane
@@ -220,6 +221,7 @@ def test_the_agent_starts_no_shell_at_runtime(tmp_path: Path) -> None:
                      ["preflight", "--mode", "nftables"],
                      ["cleanup", "--remove", "nftables", "--remove", "ipvs", "--target", "iptables"],
                      ["cleanup", "--remove", "iptables", "--target", "nftables"],
+                     ["cleanup", "--remove", "cilium-kpr", "--target", "iptables"],
                      ["probe", "--metrics-address", "127.0.0.1:1", "--health-address", "127.0.0.1:1",
                       "--service", "198.19.0.1:443"]):
             done = subprocess.run(["ip", "netns", "exec", ns.name, sys.executable, "-c", EXEC_HOOK, "agent", *args],

@@ -4,6 +4,7 @@ the guard that leaves a running Cilium's objects alone (agent/flush/__init__.py)
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -40,6 +41,8 @@ class FakeIp:
             gone = {name} | ({"cilium_host", "cilium_net"} if name in ("cilium_host", "cilium_net") else set())
             self.links = [link for link in self.links if link["ifname"] not in gone]
             return Result(argv, 0, "", "")
+        if argv[:4] == ["tc", "-j", "filter", "show"]:
+            return Result(argv, 0, "[]", "")  # no legacy tc filter (tcx, or never attached)
         raise AssertionError(f"unexpected command {argv}")
 
 
@@ -81,12 +84,14 @@ def test_ip_output_that_is_not_its_json_is_an_error_in_the_step() -> None:
     assert step.errors and not step.removed
 
 
-def test_a_running_cilium_keeps_its_objects() -> None:
+def test_a_running_cilium_keeps_its_objects(tmp_path: Path) -> None:
     ip = FakeIp()
-    report = flush(["cilium-kpr"], "iptables", runner=ip, iptables_tools=[], answers=lambda socket: True)
+    report = flush(["cilium-kpr"], "iptables", runner=ip, iptables_tools=[], answers=lambda socket: True,
+                   bpffs=tmp_path)
     assert report.ok and report.total_removed() == 0
     assert report.steps[0].skipped == ["Cilium's agent answers on /var/run/cilium/cilium.sock: its objects are "
                                        "in use"]
     assert not any(c[:3] == ["ip", "link", "delete"] for c in ip.calls)
-    stopped = flush(["cilium-kpr"], "iptables", runner=ip, iptables_tools=[], answers=lambda socket: False)
+    stopped = flush(["cilium-kpr"], "iptables", runner=ip, iptables_tools=[], answers=lambda socket: False,
+                    bpffs=tmp_path)  # no bpffs mount: its step says so
     assert {k: v for s in stopped.steps for k, v in s.removed.items()} == {"devices": 1, "routes": 2}

@@ -84,8 +84,11 @@ def test_cilium_socket_folder_is_the_nodes_own(tmp_path: Path) -> None:
     assert volumes.node_host_path(one, Path("/var/run/cilium")) == one / "hostpath/run/cilium"
     assert volumes.node_host_path(one, Path("/run/cilium/cilium.sock")) == one / "hostpath/run/cilium/cilium.sock"
     assert volumes.node_host_path(two, Path("/var/run/cilium")) != volumes.node_host_path(one, Path("/var/run/cilium"))
+    # The node's BPF filesystem is its own too (a bpffs instance per node, mounted by the simulator).
+    assert volumes.node_host_path(one, Path("/sys/fs/bpf")) == one / "hostpath/sys/fs/bpf"
+    assert volumes.node_host_path(one, Path("/sys/fs/bpf/cilium")) == one / "hostpath/sys/fs/bpf/cilium"
     # Everything else stays the machine's.
-    for shared in ("/lib/modules", "/run/xtables.lock", "/var/run/ciliumx", "/run"):
+    for shared in ("/lib/modules", "/run/xtables.lock", "/var/run/ciliumx", "/run", "/sys/fs/bpfx", "/sys"):
         assert volumes.node_host_path(one, Path(shared)) is None, shared
     socket = cilium_install.node_socket(tmp_path, "ps-node-1")
     assert socket == paths.StateLayout(tmp_path).nodes / "ps-node-1/hostpath/run/cilium/cilium.sock"

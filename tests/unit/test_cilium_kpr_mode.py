@@ -108,12 +108,16 @@ def test_what_cilium_kpr_needs_and_owns() -> None:
     assert ("filter", "CILIUM_INPUT") in facts.owned.chains and ("nat", "OLD_CILIUM_POST_nat") in facts.owned.chains
     assert all(chain.startswith(("CILIUM_", "OLD_CILIUM_")) for _, chain in facts.owned.chains)
     assert not facts.owned.nft_tables and not facts.owned.ipsets and facts.owned.interface is None
-    assert facts.objects == ("iptables-chains", "replacement-devices")
+    assert facts.objects == ("iptables-chains", "replacement-devices", "bpf-attachments")
+    # Its pins: only its own bpffs folder, links under "links"/"plugin_links"; its legacy tc filters by program name.
+    assert facts.owned.bpffs_dir == "cilium" and facts.owned.bpffs_link_dirs == {"links", "plugin_links"}
+    assert {"cil_from_netdev", "cil_to_netdev", "cil_from_host", "cil_to_host"} <= facts.owned.tc_filter_programs
+    assert all(p.startswith("cil_") for p in facts.owned.tc_filter_programs)
     assert facts.socket_lb and not any(MODE_FACTS[m].socket_lb for m in KUBE_PROXY_MODES)
     # Devices and chain prefixes are names no kube-proxy mode uses.
     for mode in KUBE_PROXY_MODES:
         owned = MODE_FACTS[mode].owned
-        assert not owned.devices
+        assert not owned.devices and owned.bpffs_dir is None and not owned.tc_filter_programs
         assert not any(re.match(r"(OLD_)?CILIUM_", c) for _, c in owned.chains)
 
 

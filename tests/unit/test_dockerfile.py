@@ -37,7 +37,7 @@ TOOL_PACKAGES = {
     "iptables-legacy-save": "iptables", "iptables-legacy-restore": "iptables",
     "ip6tables-legacy-save": "iptables", "ip6tables-legacy-restore": "iptables",
     "nft": "nftables",
-    "ip": "iproute2",
+    "ip": "iproute2", "tc": "iproute2",
     "ipset": "ipset",
     "ipvsadm": "ipvsadm",
     "modprobe": "kmod",

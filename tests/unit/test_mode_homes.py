@@ -89,6 +89,7 @@ def test_every_mode_has_an_entry_in_every_table() -> None:
         assert ("nft-tables" in facts.objects) == bool(facts.owned.nft_tables)
         assert ("ipvs-objects" in facts.objects) == bool(facts.owned.interface or facts.owned.ipsets)
         assert ("replacement-devices" in facts.objects) == bool(facts.owned.devices)
+        assert ("bpf-attachments" in facts.objects) == bool(facts.owned.bpffs_dir or facts.owned.tc_filter_programs)
         if facts.held_as is not None:
             assert facts.held_as in facts.objects and facts.held_as in hold.INSTALLERS
         assert facts.counters == "conntrack" or facts.counters in diagnostics.RULE_COUNTERS

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from proxyshift.agent.flush.base import Runner
+from proxyshift.agent.flush.bpf import DEFAULT_BPFFS, is_bpffs, plan_pins
 from proxyshift.agent.flush.devices import parse_link_names
 from proxyshift.agent.flush.iptables import IptablesTool, available_tools
 from proxyshift.agent.flush.ipvs import (
@@ -69,6 +70,9 @@ class Inventory:
     ipsets: list[str] = field(default_factory=list)
     # A replacement's devices here (Cilium's cilium_host/cilium_net), by the exact names its facts list.
     replacement_devices: list[str] = field(default_factory=list)
+    # A replacement's pinned BPF links in the node's bpffs (Cilium's under /sys/fs/bpf/cilium), at most
+    # MAX_PINS counted: each keeps one of its programs attached.
+    bpf_link_pins: int = 0
     errors: list[str] = field(default_factory=list)
 
     def kind_count(self, kind: ObjectKind) -> int:
@@ -145,6 +149,8 @@ KIND_COUNTS: dict[ObjectKind, _Kind] = {
     "replacement-devices": _Kind(lambda inv: len(inv.replacement_devices),
                                  lambda inv: ["devices " + ", ".join(inv.replacement_devices)]
                                  if inv.replacement_devices else []),
+    "bpf-attachments": _Kind(lambda inv: inv.bpf_link_pins,
+                             lambda inv: [f"{inv.bpf_link_pins} pinned BPF links"] if inv.bpf_link_pins else []),
 }
 
 _REPLACEMENT_DEVICES = frozenset(d for f in MODE_FACTS.values() for d in f.owned.devices)
@@ -157,6 +163,17 @@ def _devices(inv: Inventory, runner: Runner) -> None:
         inv.errors.append(f"ip -j link: {exc}")
         return
     inv.replacement_devices = sorted(names & _REPLACEMENT_DEVICES)
+
+
+def _bpf_links(inv: Inventory, bpffs: Path) -> None:
+    """Count the replacements' link pins (a filesystem walk of their own bpffs folders; no bpf() call)."""
+    try:
+        if not is_bpffs(bpffs, Path("/proc/self/mountinfo").read_text(errors="replace")):
+            return
+        inv.bpf_link_pins = sum(len(plan_pins(bpffs / f.owned.bpffs_dir, f.owned.bpffs_link_dirs).links)
+                                for f in MODE_FACTS.values() if f.owned.bpffs_dir is not None)
+    except (OSError, ValueError) as exc:
+        inv.errors.append(f"bpffs: {exc}")
 
 
 def _iptables(inv: Inventory, runner: Runner, tools: list[IptablesTool]) -> None:
@@ -230,11 +247,12 @@ def take_ipvs_inventory(*, runner: Runner = run, proc_root: Path = Path("/proc")
 
 
 def take_inventory(*, runner: Runner = run, iptables_tools: list[IptablesTool] | None = None,
-                   proc_root: Path = Path("/proc")) -> Inventory:
+                   proc_root: Path = Path("/proc"), bpffs: Path = DEFAULT_BPFFS) -> Inventory:
     inv = Inventory()
     _iptables(inv, runner, iptables_tools if iptables_tools is not None else available_tools())
     _nft(inv, runner)
     _ipvs(inv, runner, proc_root)
+    _bpf_links(inv, bpffs)
     return inv
 
 

@@ -26,8 +26,10 @@ Tool = Literal["iptables", "ipset", "nft"]
 # kind, not per mode, because two modes share a tool: ipvs mode's KUBE-* chains are iptables chains, and one
 # iptables-save/-restore per family must see both modes' chains to tell the shared ones apart. The order is the
 # flush's only safe order: rules first (ipvs mode's rules reference the ipsets the ipvs flush destroys).
-# A replacement's devices (Cilium's cilium_host/cilium_net) go last: nothing else references them.
-ObjectKind = Literal["iptables-chains", "ipvs-objects", "nft-tables", "replacement-devices"]
+# A replacement's devices (Cilium's cilium_host/cilium_net) go next: nothing else references them. Its BPF
+# attachments last: its pinned links in the node's BPF filesystem and its legacy tc filters (Cilium's own unload
+# order does not matter against the devices: a device's tcx links die with it, their pins stay to be removed).
+ObjectKind = Literal["iptables-chains", "ipvs-objects", "nft-tables", "replacement-devices", "bpf-attachments"]
 OBJECT_KINDS: tuple[ObjectKind, ...] = get_args(ObjectKind)
 
 # nodePortAddresses when unset, as kube-proxy 1.37 defaults it per mode: every local address, or the node's IPs.
@@ -114,9 +116,18 @@ class Owned:
     # Network devices it creates (a replacement's, e.g. cilium_host/cilium_net), besides `interface`, which is
     # where ipvs mode binds Service addresses (the compatibility report's StrictARP finding asks for that one).
     devices: tuple[str, ...] = ()
-    # Where its BPF programs are attached: tc/tcx on its devices, cgroup hooks for socket-LB. For a person and
-    # the flush's report; the agent finds the attachments by evidence (their program names), not by this text.
+    # Where its BPF programs are attached: tc/tcx on its devices, cgroup hooks for socket-LB. For a person;
+    # the agent finds the attachments by the two facts below, not by this text.
     bpf_attachments: tuple[str, ...] = ()
+    # Its own directory in the node's BPF filesystem (relative to the bpffs root, /sys/fs/bpf): every pin under
+    # it is its own. A pinned bpf_link stays attached after its process is gone; unpinning it (the last
+    # reference) detaches the program. Never a directory another program shares (tc/globals is iproute2's).
+    bpffs_dir: str | None = None
+    # The folder names below bpffs_dir that hold its link pins (removed first, as its own unload does).
+    bpffs_link_dirs: frozenset[str] = frozenset()
+    # The programs it attaches as legacy tc filters (kernels before tcx, or tcx off): the kernel lists such a
+    # filter under the name "<program>-<device>", so a filter is its own only by that exact name.
+    tc_filter_programs: frozenset[str] = frozenset()
 
 
 def _no_modules(scheduler: str | None) -> tuple[ModuleNeed, ...]:

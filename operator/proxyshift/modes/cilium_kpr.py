@@ -41,6 +41,25 @@ _CILIUM_CHAINS = (("filter", "CILIUM_INPUT"), ("filter", "CILIUM_OUTPUT"), ("fil
                   ("mangle", "CILIUM_PRE_mangle"), ("mangle", "CILIUM_POST_mangle"))
 CILIUM_CHAINS = frozenset(_CILIUM_CHAINS) | {(table, f"OLD_{chain}") for table, chain in _CILIUM_CHAINS}
 
+# Cilium's directory in the node's BPF filesystem (v1.20.2 pkg/bpf/bpffs_linux.go CiliumPath: <bpf-root>/cilium).
+# It pins its bpf_links there, which keep its programs attached after the agent is gone:
+#   socketlb/links/cgroup/<program>     socket-LB at its cgroup root (pkg/socketlb/socketlb.go cgroupLinkPath,
+#                                       pkg/socketlb/cgroup.go attachCgroup)
+#   devices/<device>/links/<program>    tcx (or XDP) on the node's devices and cilium_host/cilium_net
+#                                       (pkg/datapath/loader/paths.go bpffsDeviceLinksDir, tcx.go attachTCX)
+#   endpoints/<id>/links/<program>      tcx on a pod's veth (paths.go bpffsEndpointLinksDir)
+# and plugin pins beside them (plugin_links, plugins, plugin_pins). Its maps are pinned in tc/globals (iproute2's
+# shared folder, names cilium_*), which the flush leaves: no program reads them once the links are gone.
+CILIUM_BPFFS_DIR = "cilium"
+# The directory name under which Cilium pins links: unpinned first, as Cilium's own unload does (netdev.go: "remove
+# the device links directory first", before plugin pins).
+CILIUM_LINK_DIRS = frozenset({"links", "plugin_links"})
+# Its tc programs (pkg/datapath/loader: host.go, endpoint.go, overlay.go, wireguard.go). With legacy tc (before
+# tcx, or --enable-tcx=false) a filter is named "<program>-<device>" (tc.go upsertTCProgram) and no pin holds it.
+CILIUM_TC_PROGRAMS = frozenset({"cil_from_netdev", "cil_to_netdev", "cil_from_host", "cil_to_host",
+                                "cil_from_container", "cil_to_container", "cil_from_overlay", "cil_to_overlay",
+                                "cil_from_wireguard", "cil_to_wireguard"})
+
 OWNED = Owned(
     chains=CILIUM_CHAINS,
     devices=CILIUM_DEVICES,
@@ -49,6 +68,9 @@ OWNED = Owned(
         "cil_to_netdev, cil_from_host, cil_to_host)",
         "cgroup connect4/sendmsg4/recvmsg4/getpeername4 (and the v6 ones) at its cgroup root: socket-LB",
     ),
+    bpffs_dir=CILIUM_BPFFS_DIR,
+    bpffs_link_dirs=CILIUM_LINK_DIRS,
+    tc_filter_programs=CILIUM_TC_PROGRAMS,
 )
 
 FEATURES = (
@@ -101,9 +123,10 @@ FACTS = ModeFacts(
     # No kube-proxy tools: Cilium's agent brings its own datapath.
     tools=(),
     owned=OWNED,
-    # What a stopped Cilium agent leaves: its chains (the iptables flusher removes them by name) and its devices
-    # with their routes. Its BPF attachments go with its pins and cgroup (agent/flush/__init__.py says when not).
-    objects=("iptables-chains", "replacement-devices"),
+    # What a stopped Cilium agent leaves: its chains (the iptables flusher removes them by name), its devices
+    # with their routes, and its BPF attachments (its pinned links, which keep socket-LB and tcx attached after
+    # it is gone, and legacy tc filters). Never while its agent answers (agent/flush/__init__.py).
+    objects=("iptables-chains", "replacement-devices", "bpf-attachments"),
     kube_proxy=False,
     replacement=Replacement(agent="Cilium", node_label=REPLACEMENT_LABEL, default_socket=DEFAULT_CILIUM_SOCKET,
                             # Cilium's documented per-node migration (v1.16 and later: cilium.io/v2).

@@ -2,10 +2,10 @@
 
 Which kinds a mode leaves on a node is the mode's fact (`proxyshift.modes`, ModeFacts.objects): iptables mode
 its chains, ipvs mode chains and IPVS objects, nftables mode its nft tables, Cilium's KPR its chains and devices
-(never while its agent still answers on the node). `flush(remove_modes, target_mode)` runs the flushers of the
-kinds the removed modes own, in the only safe order (OBJECT_KINDS): iptables rules first (ipvs-mode rules
-reference the KUBE-* ipsets that the ipvs flusher destroys), then ipvs, then nftables, then a replacement's
-devices.
+and its BPF attachments (never while its agent still answers on the node). `flush(remove_modes, target_mode)` runs
+the flushers of the kinds the removed modes own, in the only safe order (OBJECT_KINDS): iptables rules first
+(ipvs-mode rules reference the KUBE-* ipsets that the ipvs flusher destroys), then ipvs, then nftables, then a
+replacement's devices, then its pinned BPF links and legacy tc filters.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from proxyshift.agent import cilium_api
 from proxyshift.agent.flush.base import Flusher, FlushReport, FlushStep, Runner
+from proxyshift.agent.flush.bpf import DEFAULT_BPFFS, BpfFlusher
 from proxyshift.agent.flush.devices import DeviceFlusher
 from proxyshift.agent.flush.iptables import IptablesFlusher, IptablesTool
 from proxyshift.agent.flush.ipvs import IpvsFlusher
@@ -45,6 +46,8 @@ class FlushOptions:
     verify: bool
     dry_run: bool
     destroy_sets: frozenset[str]
+    # The node's BPF filesystem as the agent sees it (its DaemonSet's hostPath of /sys/fs/bpf).
+    bpffs: Path = DEFAULT_BPFFS
 
 
 # One flusher per kind of object a mode leaves (ModeFacts.objects), run in OBJECT_KINDS order.
@@ -54,6 +57,7 @@ FLUSHERS: dict[ObjectKind, Callable[[FlushOptions], Flusher]] = {
     "ipvs-objects": lambda o: IpvsFlusher(run=o.runner, proc_root=o.proc_root, dry_run=o.dry_run),
     "nft-tables": lambda o: NftablesFlusher(run=o.runner, dry_run=o.dry_run),
     "replacement-devices": lambda o: DeviceFlusher(run=o.runner, dry_run=o.dry_run),
+    "bpf-attachments": lambda o: BpfFlusher(run=o.runner, bpffs=o.bpffs, dry_run=o.dry_run),
 }
 
 
@@ -65,7 +69,7 @@ def _agent_answers(socket_path: str) -> bool:
 
 def flush(remove_modes: Iterable[str], target_mode: str | None, *, runner: Runner = run,
           iptables_tools: list[IptablesTool] | None = None, proc_root: Path = Path("/proc"),
-          verify: bool = True, dry_run: bool = False,
+          verify: bool = True, dry_run: bool = False, bpffs: Path = DEFAULT_BPFFS,
           answers: Callable[[str], bool] = _agent_answers) -> FlushReport:
     """Remove the objects of `remove_modes` that `target_mode` does not use. Idempotent.
 
@@ -77,12 +81,13 @@ def flush(remove_modes: Iterable[str], target_mode: str | None, *, runner: Runne
     for mode in sorted(remove):
         replacement = MODE_FACTS[mode].replacement
         if replacement is not None and answers(replacement.default_socket):
-            # Cilium still runs here (the CNI of a cluster that keeps it): its chains and devices are not stale.
+            # Cilium still runs here (the CNI of a cluster that keeps it): its chains, devices and pinned links are
+            # its running datapath, not stale.
             remove = remove - {mode}
             report.steps.append(FlushStep(f"{mode} objects", skipped=[
                 f"{replacement.agent}'s agent answers on {replacement.default_socket}: its objects are in use"]))
     options = FlushOptions(runner=runner, iptables_tools=iptables_tools, proc_root=proc_root, verify=verify,
-                           dry_run=dry_run,
+                           dry_run=dry_run, bpffs=bpffs,
                            # The iptables flush also drops the rules that reference the removed modes' ipsets,
                            # so that those can be destroyed.
                            destroy_sets=frozenset[str]().union(*(MODE_FACTS[m].owned.ipsets for m in remove)))
