@@ -17,12 +17,12 @@ clang-19 in about 1.4 s of that); it prints the agent's start-to-healthy time an
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import cilium_topology
 import pytest
 
 from localcluster import cilium, podnet
@@ -31,7 +31,7 @@ from proxyshift.agent.behaviour import dial_tcp
 from proxyshift.agent.cilium_api import CiliumAPI, read_replacement
 from proxyshift.api.policy import GateSettings
 from proxyshift.api.replacement import frontend_key
-from proxyshift.commands import run, stop_child
+from proxyshift.commands import run
 from proxyshift.planner.gate import evaluate_replacement_gate
 from tests.support import bpf_attach
 from tests.support.ps_netns import Netns
@@ -55,39 +55,14 @@ def _program_ids() -> set[int]:
 
 @pytest.fixture
 def topology() -> Iterator[tuple[Netns, Netns, str]]:
-    node, outside = Netns(), Netns()
-    pod = ""
-    try:
-        node.run(["ip", "link", "add", "eth0", "type", "veth", "peer", "name", "ext0", "netns", outside.name])
-        node.run(["ip", "addr", "add", f"{NODE_IP}/24", "dev", "eth0"])
-        outside.run(["ip", "addr", "add", f"{OUTSIDE_IP}/24", "dev", "ext0"])
-        for ns, link in ((node, "eth0"), (node, "lo"), (outside, "ext0"), (outside, "lo")):
-            ns.run(["ip", "link", "set", link, "up"])
-        node.run(["sysctl", "-qw", "net.ipv4.ip_forward=1"])
-        pod = podnet.create_pod_netns(node.name, POD_INDEX)
-        yield node, outside, pod
-    finally:
-        if pod:
-            run(["ip", "netns", "del", pod], check=False)
-        node.delete()
-        outside.delete()
+    with cilium_topology.node_outside_pod(NODE_IP, OUTSIDE_IP, POD_INDEX) as found:
+        yield found
 
 
 @pytest.fixture
 def listener(topology: tuple[Netns, Netns, str], tmp_path: Path) -> Iterator[str]:
-    """The pod's listener: answers every connection with the pod namespace's name."""
-    pod = topology[2]
-    ready = tmp_path / "listener.ready"
-    proc = subprocess.Popen([sys.executable, "-m", "localcluster.listener", "--endpoint",
-                             f"{pod}:{TARGET_PORT}", "--ready-file", str(ready)])
-    try:
-        deadline = time.monotonic() + 30
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "the listener did not start"
-            time.sleep(0.1)
+    with cilium_topology.pod_listener(topology[2], TARGET_PORT, tmp_path) as pod:
         yield pod
-    finally:
-        stop_child(proc)
 
 
 def test_kpr_serves_the_node_and_touches_nothing_of_the_host(agent_binary: Path, topology: tuple[Netns, Netns, str],

@@ -22,18 +22,16 @@ Wall time: about 30 s on 2 cores (three agent starts).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import cilium_topology
 import pytest
 
 from localcluster import cilium, podnet
 from localcluster.container import run_in_netns
 from proxyshift.agent.flush import flush
-from proxyshift.commands import run, stop_child
+from proxyshift.commands import run
 from tests.support import bpf_attach
 from tests.support.ps_netns import Netns
 
@@ -55,39 +53,14 @@ char _license[] __attribute__((section("license"), used)) = "GPL";
 
 @pytest.fixture
 def topology() -> Iterator[tuple[Netns, str]]:
-    node, outside = Netns(), Netns()
-    pod = ""
-    try:
-        node.run(["ip", "link", "add", "eth0", "type", "veth", "peer", "name", "ext0", "netns", outside.name])
-        node.run(["ip", "addr", "add", f"{NODE_IP}/24", "dev", "eth0"])
-        outside.run(["ip", "addr", "add", f"{OUTSIDE_IP}/24", "dev", "ext0"])
-        for ns, link in ((node, "eth0"), (node, "lo"), (outside, "ext0"), (outside, "lo")):
-            ns.run(["ip", "link", "set", link, "up"])
-        node.run(["sysctl", "-qw", "net.ipv4.ip_forward=1"])
-        pod = podnet.create_pod_netns(node.name, POD_INDEX)
+    with cilium_topology.node_outside_pod(NODE_IP, OUTSIDE_IP, POD_INDEX) as (node, _, pod):
         yield node, pod
-    finally:
-        if pod:
-            run(["ip", "netns", "del", pod], check=False)
-        node.delete()
-        outside.delete()
 
 
 @pytest.fixture
 def listener(topology: tuple[Netns, str], tmp_path: Path) -> Iterator[str]:
-    """The pod's listener: answers every connection with the pod namespace's name."""
-    pod = topology[1]
-    ready = tmp_path / "listener.ready"
-    proc = subprocess.Popen([sys.executable, "-m", "localcluster.listener", "--endpoint",
-                             f"{pod}:{TARGET_PORT}", "--ready-file", str(ready)])
-    try:
-        deadline = time.monotonic() + 30
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "the listener did not start"
-            time.sleep(0.1)
+    with cilium_topology.pod_listener(topology[1], TARGET_PORT, tmp_path) as pod:
         yield pod
-    finally:
-        stop_child(proc)
 
 
 @pytest.fixture
