@@ -176,9 +176,8 @@ def _served_from_every_node(h: Harness, service: workloads.Service) -> None:
 
 
 def _ready_on(h: Harness, name: str, mode: str) -> None:
-    """The policy Ready with every blue node's migration Done on `mode`. Ready alone is not enough: right
-    after an edit the status has been seen to carry the new generation with the last revision's Ready=True
-    for a moment, before the rollout of the edit starts."""
+    """The policy Ready with every blue node's migration Done on `mode`: what the test then looks at, and
+    stronger than the Ready condition alone (whose wait once returned before the edit's rollout started)."""
     def done() -> bool:
         records = h.proxynodes()
         moved = all((migration(records[n]).get("toMode"), migration(records[n]).get("phase")) == (mode, "Done")
