@@ -211,6 +211,14 @@ def test_blue_iptables_to_cilium_kpr_then_on_to_nftables(harness: Harness, clust
             h.apply(policy("blue-kpr", "cilium-kpr", rollout={"maxUnavailable": 1},
                            gate={"timeout": "3m", "behaviour": {"allowChanges": ["SocketLoadBalancing"]}}))
             _ready_on(h, "blue-kpr", "cilium-kpr")
+            ready_at = time.monotonic()
+            # The gate passes on Cilium's /v1/healthz, which says Ok before the agent's first datapath load
+            # has attached socket-LB to the node's cgroup: seen 2 s after the node's migration was Done (and
+            # after its iptables rules were flushed), the window the losses onto KPR fall in. The host check
+            # needs the datapath loaded on both nodes.
+            h.wait_for(lambda: all(bpf_attach.socket_lb_at(bpf_attach.host_snapshot(cgroup_root), cilium.node_cgroup(n))
+                                   for n in BLUE), 60, "socket-LB at every blue node's cgroup", interval=0.2)
+            print(f"\nsocket-LB at both blue nodes' cgroups {time.monotonic() - ready_at:.1f}s after Ready")
             # Both blue nodes run Cilium now: nothing of it may reach the host.
             during = bpf_attach.host_snapshot(cgroup_root)
             time.sleep(2)  # the probes see the settled pool too
