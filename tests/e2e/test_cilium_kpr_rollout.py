@@ -47,10 +47,10 @@ PROBE_TIMEOUT = 1.0
 # expected: onto KPR, between the flush of kube-proxy's iptables rules (after the gate) and Cilium attaching
 # socket-LB to the node's cgroup, which the gate does not wait for (seen in one run's agent log; 4.3-5.9 s
 # after the switch); back to nftables, while Cilium's pod stops and its socket-LB leaves the node's cgroup
-# (1.7-2.5 s after the switch), before nftables kube-proxy's rules serve the node's clients.
+# (1.6-2.5 s after the switch), before nftables kube-proxy's rules serve the node's clients.
 # Measured here (2 cores, every 0.05 s, 1 s timeout; docs/migration-guide.md): at most 2 per node per move
-# over 7 runs of an earlier version of this test; over 8 runs of this one, onto KPR 0 to 2 (4 of 16 node
-# moves lost any, one of them 2), back to nftables exactly 1 in each of 12 node moves, all connect
+# over 7 runs of an earlier version of this test; over 9 runs of this one, onto KPR 0 to 2 (4 of 18 node
+# moves lost any, one of them 2), back to nftables exactly 1 in each of 14 node moves, all connect
 # timeouts. The bound leaves one more than the worst seen, for a loaded machine. A node whose clients its
 # Cilium did not serve (socket-LB not at its cgroup once the iptables rules are flushed) or a move that
 # left the node without Services for seconds fails tens to hundreds of probes, far above it.
