@@ -7,20 +7,29 @@
   listing the endpoints; requests go out in parallel and without the client's
   model layer, so thousands of Services take seconds;
 - `tcp_probe(node, ip, port, count)` and `ContinuousProber` open TCP
-  connections from inside a node's namespace and count who answered.
+  connections from inside a node's namespace and count who answered
+  (`ContinuousProber(..., cgroup=...)` from inside the node's cgroup too, where
+  a node's Cilium socket-LB translates them).
+
+    python -m localcluster.workloads probe [--cgroup DIR --netns NS] ADDRESS PORT   (the prober's child)
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import concurrent.futures
+import contextlib
+import json
+import select
 import socket
+import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from localcluster import network, paths
 from localcluster.container import run_in_netns, setns
@@ -282,16 +291,37 @@ class ContinuousProber:
         with ContinuousProber("ps-node-1", svc.cluster_ip, 80) as prober:
             ...  # migrate
         assert prober.result.failed == 0, prober.failures
+
+    By default a thread of this process enters the node's network namespace: kube-proxy's rules
+    (netfilter, per namespace) serve it. Cilium's socket-LB does not follow the network namespace but
+    the cgroup (localcluster.cilium): with `cgroup` (the node's, `cilium.node_cgroup(node)`) the loop
+    runs in a child process that joins that cgroup and the node's namespace first
+    (`cilium.join_node`, as the agent's launcher and `cilium.dial` do), so its connects are
+    translated by the node's Cilium like those of any process of the node. The child reports each
+    attempt as a JSON line and stops when its stdin closes (with this process, too).
     """
 
-    def __init__(self, node: str, ip: str, port: int, *, interval: float = 0.05, timeout: float = 1.0) -> None:
+    def __init__(self, node: str, ip: str, port: int, *, interval: float = 0.05, timeout: float = 1.0,
+                 cgroup: Path | None = None) -> None:
         self.node, self.ip, self.port = node, ip, port
         self.interval, self.timeout = interval, timeout
+        self.cgroup = cgroup
         self.result = ProbeResult()
         self.failures: list[tuple[float, str]] = []  # (time.time(), error)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"prober-{node}", daemon=True)
+        self._thread = threading.Thread(target=self._run_child if cgroup is not None else self._run,
+                                        name=f"prober-{node}", daemon=True)
         self._error: BaseException | None = None
+        self._child: subprocess.Popen[str] | None = None
+
+    def _record(self, ok: bool, detail: str, at: float) -> None:
+        if ok:
+            self.result.ok += 1
+            self.result.served_by[detail] += 1
+        else:
+            self.result.failed += 1
+            self.result.errors[detail] += 1
+            self.failures.append((at, detail))
 
     def _run(self) -> None:
         try:
@@ -301,21 +331,46 @@ class ContinuousProber:
             return
         while not self._stop.is_set():
             ok, detail = connect_once(self.ip, self.port, self.timeout)
-            if ok:
-                self.result.ok += 1
-                self.result.served_by[detail] += 1
-            else:
-                self.result.failed += 1
-                self.result.errors[detail] += 1
-                self.failures.append((time.time(), detail))
+            self._record(ok, detail, time.time())
             self._stop.wait(self.interval)
 
+    def child_argv(self) -> list[str]:
+        """The child's command line: `python -m localcluster.workloads probe ...` in the node's cgroup."""
+        return [sys.executable, "-m", "localcluster.workloads", "probe", "--cgroup", str(self.cgroup),
+                "--netns", self.node, "--interval", str(self.interval), "--timeout", str(self.timeout),
+                self.ip, str(self.port)]
+
+    def _run_child(self) -> None:
+        proc = self._child
+        assert proc is not None and proc.stdout is not None
+        for line in proc.stdout:
+            try:
+                attempt = json.loads(line)
+                self._record(bool(attempt["ok"]), str(attempt["detail"]), float(attempt["at"]))
+            except (ValueError, KeyError, TypeError) as exc:
+                self._error = RuntimeError(f"prober in {self.node}: unreadable line {line!r}: {exc}")
+        if proc.wait() != 0 and self._error is None:
+            stderr = proc.stderr.read() if proc.stderr is not None else ""
+            self._error = RuntimeError(f"prober in {self.node} ({self.cgroup}) exited {proc.returncode}: "
+                                       f"{stderr.strip()[-2000:]}")
+
     def start(self) -> ContinuousProber:
+        if self.cgroup is not None:
+            self._child = subprocess.Popen(self.child_argv(), stdin=subprocess.PIPE,  # noqa: S603
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self._thread.start()
         return self
 
     def stop(self) -> ProbeResult:
         self._stop.set()
+        child = self._child
+        if child is not None and child.stdin is not None:
+            with contextlib.suppress(OSError):
+                child.stdin.close()  # the child's signal to stop after its attempt in flight
+            try:
+                child.wait(timeout=self.timeout + CHILD_STOP_GRACE)
+            except subprocess.TimeoutExpired:
+                child.kill()
         self._thread.join()
         if self._error is not None:
             raise self._error
@@ -326,6 +381,23 @@ class ContinuousProber:
 
     def __exit__(self, *_: object) -> None:
         self.stop()
+
+
+CHILD_STOP_GRACE = 10.0
+
+
+def probe_stream(ip: str, port: int, *, interval: float, timeout: float, stop_fd: int, out: IO[str]) -> int:
+    """The child's loop: connect, write {"ok", "detail", "at"} as a line, wait `interval`; until `stop_fd`
+    reads end-of-file (or anything). Returns the number of attempts."""
+    attempts = 0
+    while True:
+        ok, detail = connect_once(ip, port, timeout)
+        out.write(json.dumps({"ok": ok, "detail": detail, "at": time.time()}) + "\n")
+        out.flush()
+        attempts += 1
+        readable, _, _ = select.select([stop_fd], [], [], interval)
+        if readable:
+            return attempts
 
 
 def http_get(node: str, url: str, *, timeout: float = 3.0) -> tuple[int, str]:
@@ -345,3 +417,32 @@ def http_get(node: str, url: str, *, timeout: float = 3.0) -> tuple[int, str]:
             conn.close()
 
     return run_in_netns(node, get)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="localcluster.workloads")
+    sub = parser.add_subparsers(dest="what", required=True)
+    probe = sub.add_parser("probe", help="connect to ADDRESS PORT every --interval seconds until stdin closes; "
+                                         "one JSON line per attempt (ContinuousProber's child)")
+    probe.add_argument("--cgroup", type=Path, help="the node's cgroup v2 directory, joined first")
+    probe.add_argument("--netns", help="the node's network namespace (under /run/netns)")
+    probe.add_argument("--interval", type=float, default=0.05)
+    probe.add_argument("--timeout", type=float, default=1.0)
+    probe.add_argument("address")
+    probe.add_argument("port", type=int)
+    args = parser.parse_args(argv)
+    if args.cgroup is not None:
+        from localcluster import cilium
+
+        if args.netns is None:
+            parser.error("--cgroup needs --netns")
+        cilium.join_node(args.cgroup, args.netns)
+    elif args.netns is not None:
+        setns(args.netns)
+    probe_stream(args.address, args.port, interval=args.interval, timeout=args.timeout,
+                 stop_fd=sys.stdin.fileno(), out=sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

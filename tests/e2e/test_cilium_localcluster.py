@@ -114,18 +114,6 @@ def node_cgroup_name(node: CiliumNode) -> str:
     return str(node.cgroup.relative_to(cilium.cgroup2_mount()))
 
 
-def _outside_node(attached: dict[str, Any], cgroup_root: Path, node: str) -> dict[str, Any]:
-    """Attachments at cgroups other than the node's subtree. The cgroups of confined agents that are not
-    the cluster's (a dataplane test of another session) are theirs, not the host's; the cluster's other
-    nodes' cgroups count."""
-    ours = str(cilium.node_cgroup(node))
-    foreign = str(cgroup_root / cilium.CGROUP_PREFIX)
-    cluster = str(cgroup_root / f"{cilium.CGROUP_PREFIX}{network.NODE_PREFIX}")
-    return {path: progs for path, progs in attached.items()
-            if not (path == ours or path.startswith(f"{ours}/"))
-            and (path.startswith(cluster) or not path.startswith(foreign))}
-
-
 @pytest.fixture(scope="module")
 def cilium_installed(cluster: Any) -> Iterator[None]:
     with cilium_installed_in(cluster):
@@ -219,18 +207,11 @@ def test_nothing_of_cilium_is_attached_to_the_host(cilium_node: CiliumNode) -> N
     node = cilium_node
     cgroup_root = cilium.cgroup2_mount()
     during = bpf_attach.host_snapshot(cgroup_root)
-    attached = during["cgroups"]
-    assert isinstance(attached, dict)
     # Socket-LB is at the node's cgroup: the agent's cgroup root is the node's subtree.
-    assert str(node.cgroup) in attached, f"no socket-LB at the node's cgroup {node.cgroup}: {attached}"
-    assert "cgroup_inet4_connect" in {p["attach_type"] for p in attached[str(node.cgroup)]}
-    before = node.before["cgroups"]
-    assert isinstance(before, dict)
-    assert _outside_node(attached, cgroup_root, node.name) == _outside_node(before, cgroup_root, node.name), \
-        "BPF programs attached at a cgroup outside the node's subtree"
-    assert during["root_cgroup"] == node.before["root_cgroup"], during["root_cgroup"]
-    assert during["net"] == node.before["net"], f"BPF in the host's network namespace: {during['net']}"
-    assert during["tcx"] == node.before["tcx"], f"tcx programs in the host's network namespace: {during['tcx']}"
+    assert bpf_attach.socket_lb_at(during, node.cgroup), f"no socket-LB at the node's cgroup {node.cgroup}: {during}"
+    # Nothing at the host's root cgroup, at a cgroup outside the node's subtree, in the host's netns.
+    reached = bpf_attach.reached_the_host(node.before, during, cgroup_root, [node.cgroup])
+    assert reached == [], "\n".join(reached)
     # Its tc programs, devices and chains are the node's.
     node_tcx = run_in_netns(node.name, bpf_attach.host_tcx)
     node_tc = run(["bpftool", "-j", "net", "show"], netns=node.name, timeout=60).stdout

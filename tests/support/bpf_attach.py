@@ -5,6 +5,10 @@ programs (`net show`), but Debian 12's bpftool 7.1 predates tcx (kernel 6.6), th
 its tc programs on this kernel; and it skips cgroup attach types newer than itself. So the kernel is
 also asked directly, with BPF_PROG_QUERY on every host interface's tcx hooks and every cgroup attach
 type of the host's root cgroup.
+
+`reached_the_host(before, during, ...)` compares two `host_snapshot`s, one taken before Cilium started
+and one while it runs on some nodes: the verdict the Cilium tests share (tests/e2e/test_cilium_localcluster.py
+on one labelled node, tests/e2e/test_cilium_kpr_rollout.py while a pool runs Cilium's KPR).
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ import ctypes
 import json
 import os
 import socket
+from collections.abc import Iterable
 from pathlib import Path
 
+from localcluster import cilium, network
 from proxyshift.commands import run
 
 SYS_BPF = 321  # x86_64
@@ -85,3 +91,52 @@ def host_snapshot(cgroup_root: Path) -> dict[str, object]:
     """Everything attached in the host's network namespace and at the host's cgroups, comparable."""
     return {"cgroups": cgroup_tree(cgroup_root), "root_cgroup": cgroup_direct(cgroup_root),
             "net": net_show(), "tcx": host_tcx()}
+
+
+def outside_nodes(attached: dict[str, list[dict[str, object]]], cgroup_root: Path,
+                  allowed: Iterable[Path]) -> dict[str, list[dict[str, object]]]:
+    """Attachments (a `cgroup_tree`) at cgroups outside the `allowed` subtrees (the nodes that may run
+    Cilium). The cgroups of confined agents that are not the cluster's (a dataplane test of another
+    session) are theirs, not the host's; the cluster's other nodes' cgroups count."""
+    subtrees = [str(path) for path in allowed]
+    foreign = str(cgroup_root / cilium.CGROUP_PREFIX)
+    cluster = str(cgroup_root / f"{cilium.CGROUP_PREFIX}{network.NODE_PREFIX}")
+    return {path: progs for path, progs in attached.items()
+            if not any(path == tree or path.startswith(f"{tree}/") for tree in subtrees)
+            and (path.startswith(cluster) or not path.startswith(foreign))}
+
+
+def reached_the_host(before: dict[str, object], during: dict[str, object], cgroup_root: Path,
+                     allowed: Iterable[Path]) -> list[str]:
+    """What reached the host while Cilium ran on the nodes whose cgroups are `allowed`: one line per
+    finding, [] when nothing did. `before` and `during` are `host_snapshot(cgroup_root)`s, taken before
+    Cilium started and while it runs.
+
+    The host is its root cgroup (programs attached directly there apply to every process of the
+    machine), every cgroup outside the allowed nodes' subtrees (the other nodes' included), and the host's
+    network namespace (XDP, tc, flow dissector, tcx on its interfaces). A finding is any difference from
+    `before` there, a program gone included: the test bed has no business with the host's own programs.
+    """
+    problems = []
+    if during["root_cgroup"] != before["root_cgroup"]:
+        problems.append(f"attached at the host's root cgroup {cgroup_root}: {during['root_cgroup']} "
+                        f"(before: {before['root_cgroup']})")
+    cgroups_before, cgroups_during = before["cgroups"], during["cgroups"]
+    assert isinstance(cgroups_before, dict) and isinstance(cgroups_during, dict)
+    subtrees = list(allowed)
+    was = outside_nodes(cgroups_before, cgroup_root, subtrees)
+    now = outside_nodes(cgroups_during, cgroup_root, subtrees)
+    problems += [f"attached at {path}, outside the nodes' cgroups {[str(t) for t in subtrees]}: {now.get(path)} "
+                 f"(before: {was.get(path)})" for path in sorted(set(was) | set(now)) if was.get(path) != now.get(path)]
+    if during["net"] != before["net"]:
+        problems.append(f"BPF in the host's network namespace: {during['net']} (before: {before['net']})")
+    if during["tcx"] != before["tcx"]:
+        problems.append(f"tcx programs in the host's network namespace: {during['tcx']} (before: {before['tcx']})")
+    return problems
+
+
+def socket_lb_at(snapshot: dict[str, object], cgroup: Path) -> bool:
+    """Whether a `host_snapshot` shows Cilium's socket-LB (a cgroup_inet4_connect program) at `cgroup`."""
+    cgroups = snapshot["cgroups"]
+    assert isinstance(cgroups, dict)
+    return "cgroup_inet4_connect" in {p.get("attach_type") for p in cgroups.get(str(cgroup), [])}

@@ -110,8 +110,11 @@ class Harness:
 
     def wait_condition(self, name: str, type_: str, timeout: float, status: str = "True") -> dict[str, Any]:
         def check() -> dict[str, Any] | None:
-            cond = self.condition(name, type_)
+            # One read: a condition from one GET and the generations from another could pair the last
+            # generation's condition with the new observedGeneration.
             body = self.get(name) or {}
+            cond = next((c for c in (body.get("status") or {}).get("conditions") or [] if c.get("type") == type_),
+                        None)
             fresh = (body.get("status") or {}).get("observedGeneration") == body.get("metadata", {}).get("generation")
             return cond if cond and cond.get("status") == status and fresh else None
 
