@@ -4,7 +4,9 @@ operator, node by node, on the local cluster with Cilium installed (the real age
 The move to cilium-kpr labels each node for Cilium (its DaemonSet starts there), takes kube-proxy off it,
 gates on Cilium's own API through the proxyshift agent's read-only socket mount and then on the behaviour
 matrix, then flushes the iptables kube-proxy left; the edit to nftables starts kube-proxy again, takes the
-label off (Cilium's pod goes) and flushes what Cilium left (its CILIUM_* chains, cilium_host/cilium_net).
+label off (Cilium's pod goes) and flushes what Cilium left (its CILIUM_* chains, cilium_host/cilium_net,
+the link pins in the node's bpffs that keep its socket-LB attached: none may be left, nothing at the node's
+cgroup).
 
 Throughout both moves one prober per node (ps-node-1, ps-node-2 blue; ps-node-3 green) connects to a
 ClusterIP Service every PROBE_INTERVAL seconds from the node's cgroup and network namespace: Cilium's
@@ -32,7 +34,7 @@ import pytest
 
 from localcluster import cilium, cilium_install, network, workloads
 from tests.support import bpf_attach
-from tests.support.cilium_cluster import cilium_installed_in
+from tests.support.cilium_cluster import cilium_installed_in, node_link_pins
 from tests.support.operator_harness import IPTABLES_MODE_CHAINS, Harness, migration, policy, timestamp
 
 pytestmark = [pytest.mark.e2e, pytest.mark.cilium]
@@ -43,17 +45,14 @@ READY_TIMEOUT = 420  # each node's Cilium compiles its datapath at its first sta
 PROBE_INTERVAL = 0.05
 PROBE_TIMEOUT = 1.0
 # Failed connections allowed per blue node per move. Cilium's own migration guide warns that connections
-# break while a node switches to or from its kube-proxy replacement, and a small loss on the moving node is
-# expected: onto KPR, between the flush of kube-proxy's iptables rules (after the gate) and Cilium attaching
-# socket-LB to the node's cgroup, which the gate does not wait for (seen in one run's agent log; 4.3-5.9 s
-# after the switch); back to nftables, while Cilium's pod stops and its socket-LB leaves the node's cgroup
-# (1.6-2.5 s after the switch), before nftables kube-proxy's rules serve the node's clients.
-# Measured here (2 cores, every 0.05 s, 1 s timeout; docs/migration-guide.md): at most 2 per node per move
-# over 7 runs of an earlier version of this test; over 9 runs of this one, onto KPR 0 to 2 (4 of 18 node
-# moves lost any, one of them 2), back to nftables exactly 1 in each of 14 node moves, all connect
-# timeouts. The bound leaves one more than the worst seen, for a loaded machine. A node whose clients its
-# Cilium did not serve (socket-LB not at its cgroup once the iptables rules are flushed) or a move that
-# left the node without Services for seconds fails tens to hundreds of probes, far above it.
+# break while a node switches to or from its kube-proxy replacement. Onto KPR the gate waits for Cilium's host
+# endpoint to be ready (its datapath and socket-LB loaded) before kube-proxy's rules are flushed; back to
+# nftables Cilium's links, pinned in the node's bpffs, serve the node's clients until the cleanup after the
+# new kube-proxy's sync. Measured here (2 cores, every 0.05 s, 1 s timeout; docs/migration-guide.md): 0 in
+# each of 12 node moves over 3 runs with both; before them, up to 2 per node per move (the gate passing ~2 s
+# before socket-LB was attached; the links dying with Cilium's pod). The bound keeps room for a loaded machine;
+# a node whose clients nothing served (socket-LB not at its cgroup once the iptables rules are flushed, or
+# gone before kube-proxy synced) fails tens to hundreds of probes, far above it.
 BLUE_LOSS_BOUND = 3
 GREEN_LOSS_BOUND = 0  # green never moves: its kube-proxy serves it throughout
 BEHAVIOUR_PASSED = "Service cells answer as before"  # the gate's word when the matrix compared and passed
@@ -76,10 +75,15 @@ def _ready(pod: Any) -> bool:
     return any(c.type == "Ready" and c.status == "True" for c in (pod.status and pod.status.conditions) or [])
 
 
-def _cilium_leftovers(h: Harness, node: str) -> list[str]:
+def _cilium_leftovers(h: Harness, cluster: Any, node: str) -> list[str]:
+    """What a stopped Cilium leaves on the node until proxyshift's cleanup: its CILIUM_* chains, its devices,
+    the link pins in the node's bpffs (which keep its socket-LB attached at the node's cgroup)."""
     chains = sorted(c for c in h.iptables_chains(node) if c.startswith("CILIUM_"))
     links = h.node_exec(node, ["ip", "-br", "link"]).stdout.split()
-    return chains + [name for name in ("cilium_host", "cilium_net") if any(w.startswith(name) for w in links)]
+    devices = [name for name in ("cilium_host", "cilium_net") if any(w.startswith(name) for w in links)]
+    attached = bpf_attach.cgroup_direct(cilium.node_cgroup(node))
+    held = [f"programs attached at the node's cgroup: {attached}"] if attached else []
+    return chains + devices + node_link_pins(cluster.state_dir, node) + held
 
 
 def _event_time(event: Any) -> float:
@@ -248,7 +252,8 @@ def test_blue_iptables_to_cilium_kpr_then_on_to_nftables(harness: Harness, clust
             assert cilium_install.NODE_LABEL not in h.node_labels(node)
             assert h.proxy_mode(node) == "nftables"
             h.wait_for(lambda n=node: not _pods_on(h, n, "k8s-app=cilium"), 120, f"Cilium's pod to leave {node}")
-            assert not _cilium_leftovers(h, node), f"Cilium left on {node}: {_cilium_leftovers(h, node)}"
+            left = _cilium_leftovers(h, cluster, node)
+            assert not left, f"Cilium left on {node}: {left}"
     except BaseException:
         print(f"\n{_table(moves, service)}\n{h.describe('blue-kpr')}")
         for node in BLUE:
@@ -275,7 +280,7 @@ def test_blue_iptables_to_cilium_kpr_then_on_to_nftables(harness: Harness, clust
         assert h.proxy_mode(node) == "iptables"
 
 
-def _assert_back_on_kube_proxy(h: Harness, first: str) -> dict[str, Any]:
+def _assert_back_on_kube_proxy(h: Harness, cluster: Any, first: str) -> dict[str, Any]:
     """The first blue node rolled back from cilium-kpr for GateTimeout, as it was; the second never moved."""
     record = migration(h.proxynodes()[first])
     assert (record.get("phase"), record.get("reason")) == ("RolledBack", "GateTimeout"), record
@@ -283,7 +288,8 @@ def _assert_back_on_kube_proxy(h: Harness, first: str) -> dict[str, Any]:
     h.wait_for(lambda: not _pods_on(h, first, "k8s-app=cilium"), 120, f"Cilium's pod to leave {first}")
     h.wait_for(lambda: _pods_on(h, first, "k8s-app=kube-proxy"), 120, f"kube-proxy back on {first}")
     assert h.proxy_mode(first) == "iptables"
-    assert not _cilium_leftovers(h, first), f"Cilium left on {first}: {_cilium_leftovers(h, first)}"
+    left = _cilium_leftovers(h, cluster, first)
+    assert not left, f"Cilium left on {first}: {left}"
     assert migration(h.proxynodes()[BLUE[1]]).get("phase") in (None, "Pending", "Preflight"), "a second node moved"
     return record
 
@@ -300,7 +306,7 @@ def test_a_cilium_that_does_not_replace_kube_proxy_rolls_the_node_back(harness: 
     first = BLUE[0]
     h.wait_for(lambda: migration(h.proxynodes()[first]).get("phase") in ("RolledBack", "Failed"), READY_TIMEOUT,
                f"{first} to be back on its kube-proxy")
-    record = _assert_back_on_kube_proxy(h, first)
+    record = _assert_back_on_kube_proxy(h, cluster, first)
     assert "replacement is 'False'" in record.get("message", ""), record
     h.delete("blue-kpr-off", wait=READY_TIMEOUT)
 
@@ -333,7 +339,7 @@ def test_a_cilium_agent_that_never_comes_up_rolls_the_node_back(harness: Harness
         h.wait_for(back, READY_TIMEOUT, f"{first} to be back on its kube-proxy", interval=1.0)
         degraded = h.wait_condition("blue-kpr-down", "Degraded", 60)
         assert degraded.get("reason") == "NodeRolledBack", degraded
-        _assert_back_on_kube_proxy(h, first)
+        _assert_back_on_kube_proxy(h, cluster, first)
     except BaseException:
         print(f"\nCilium's pod on {first}: {seen}\n{h.describe('blue-kpr-down')}\n{_cilium_logs(cluster, first)}")
         raise

@@ -42,7 +42,7 @@ from proxyshift.agent.behaviour import dial_tcp
 from proxyshift.agent.flush import flush
 from proxyshift.commands import run
 from tests.support import bpf_attach
-from tests.support.cilium_cluster import cilium_installed_in
+from tests.support.cilium_cluster import cilium_installed_in, node_link_pins
 from tests.support.polling import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.cilium]
@@ -280,8 +280,7 @@ def test_unlabelled_node_loses_cilium_and_keeps_kube_proxy(cilium_node: CiliumNo
     # are pinned in the node's bpffs, which outlives the agent as a real node's /sys/fs/bpf does.
     bpffs = volumes.node_host_path(network.node_dir(node.state_dir, node.name), volumes.NODE_BPFFS)
     assert bpffs is not None
-    pins = sorted(str(p.relative_to(bpffs)) for p in (bpffs / "cilium").rglob("*")
-                  if "/links/" in str(p) and not p.is_dir())
+    pins = node_link_pins(node.state_dir, node.name)
     attached = bpf_attach.cgroup_direct(node.cgroup)
     print(f"\npinned links of the stopped agent: {pins}; still attached at the node's cgroup: {attached}")
     assert "cilium/socketlb/links/cgroup/cil_sock4_connect" in pins, pins

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from localcluster import cilium, cilium_install, gotools
+from localcluster import cilium, cilium_install, gotools, network
+from localcluster.nodesim import volumes
 
 
 @contextlib.contextmanager
@@ -23,3 +25,12 @@ def cilium_installed_in(cluster: Any) -> Iterator[None]:
         yield
     finally:
         cilium_install.uninstall(cluster.kubeconfig, kubectl)
+
+
+def node_link_pins(state_dir: Path, node: str) -> list[str]:
+    """The link pins under Cilium's folder in a local-cluster node's bpffs (its /sys/fs/bpf), relative to it:
+    what keeps a stopped Cilium's socket-LB and tcx programs attached until proxyshift's flush unpins them."""
+    bpffs = volumes.node_host_path(network.node_dir(state_dir, node), volumes.NODE_BPFFS)
+    assert bpffs is not None, f"{node} has no bpffs"
+    return sorted(str(p.relative_to(bpffs)) for p in (bpffs / "cilium").rglob("*")
+                  if "/links/" in str(p) and not p.is_dir())

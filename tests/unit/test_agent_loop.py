@@ -1006,3 +1006,55 @@ def test_preflight_for_cilium_kpr_passes_without_cilium_and_refuses_a_sick_one()
     assert "a healthy kube-proxy replacement agent: it runs on the node but reports Failure (kvstore unreachable)" \
         in last.message
     assert last.result_as(PreflightResult).replacement == fake_node(agent).replaced
+
+
+# ---- a replacement probe waits on the node until the replacement proves itself ----
+
+def _replacement_sequence_agent(api: FakeAPI, answers: list[ReplacementFacts]) -> tuple[Agent, list[float]]:
+    agent = make_agent(api)
+    sleeps: list[float] = []
+    seen = iter(answers)
+    last = [answers[0]]
+
+    def replacement(params: ReplacementParams, *, with_services: bool) -> ReplacementFacts:
+        fake_node(agent).replacement_calls.append((params.socket_path, with_services))
+        last[0] = next(seen, last[0])
+        return last[0]
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        fake_clock(agent).t += seconds
+
+    agent.effects.replacement, agent.sleep = replacement, sleep  # type: ignore[method-assign]  # swapped seams
+    return agent, sleeps
+
+
+CILIUM_STARTING = ReplacementFacts(error="GET /v1/healthz on /var/run/cilium/cilium.sock: FileNotFoundError")
+CILIUM_HOST_LOADING = CILIUM_OK.model_copy(update={"host_endpoint": "regenerating"})
+CILIUM_READY = CILIUM_OK.model_copy(update={"host_endpoint": "ready"})
+
+
+def test_a_replacement_probe_answers_once_the_replacement_proves_itself() -> None:
+    api = FakeAPI(node_obj(probe_op(replacement=KPR_PARAMS, awaitSeconds=10)))
+    agent, sleeps = _replacement_sequence_agent(api, [CILIUM_STARTING, CILIUM_HOST_LOADING, CILIUM_READY])
+    agent.handle(api.get("n1"))
+    node = ProxyNode.model_validate(api.obj)
+    assert node.status.replacement == CILIUM_READY
+    assert len(fake_node(agent).replacement_calls) == 3 and sleeps == [0.1, 0.1]
+    assert node.status.last_operation is not None and node.status.last_operation.state == "Succeeded"
+
+
+def test_a_replacement_probe_waits_no_longer_than_asked() -> None:
+    api = FakeAPI(node_obj(probe_op(replacement=KPR_PARAMS, awaitSeconds=1)))
+    agent, sleeps = _replacement_sequence_agent(api, [CILIUM_HOST_LOADING])
+    agent.handle(api.get("n1"))
+    # What it read last goes to the gate, which waits on it as before.
+    assert ProxyNode.model_validate(api.obj).status.replacement == CILIUM_HOST_LOADING
+    assert 9 <= len(sleeps) <= 11 and sum(sleeps) <= 1.1
+
+
+def test_a_replacement_probe_without_a_wait_reads_once() -> None:
+    api = FakeAPI(node_obj(probe_op(replacement=KPR_PARAMS)))
+    agent, sleeps = _replacement_sequence_agent(api, [CILIUM_HOST_LOADING, CILIUM_READY])
+    agent.handle(api.get("n1"))
+    assert sleeps == [] and len(fake_node(agent).replacement_calls) == 1

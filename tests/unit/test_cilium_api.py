@@ -272,3 +272,15 @@ def test_the_replacement_gate_never_passes_short_of_every_proof(state: str | Non
     # Nothing the replacement reports about itself is a reason to roll back at once: the timeout decides.
     assert found.result in ("pass", "wait")
 
+
+
+@given(state=st.sampled_from([None, "Ok", "Warning"]), enabled=st.booleans(),
+       held=st.one_of(st.none(), st.integers(0, 20)), missing=st.integers(0, 2), expected=st.integers(0, 20),
+       error=st.sampled_from([None, "boom"]), host=st.sampled_from([None, "ready", "regenerating", "absent"]))
+def test_what_the_agent_waits_for_is_what_the_gate_passes(state: str | None, enabled: bool, held: int | None,
+                                                          missing: int, expected: int, error: str | None,
+                                                          host: str | None) -> None:
+    facts = ReplacementFacts(agent_state=state, enabled=enabled, cluster_ip_frontends=held,
+                             missing=[f"198.19.0.{i}:80/TCP" for i in range(missing)], missing_count=missing,
+                             error=error, host_endpoint=host)
+    assert facts.proves(expected) == evaluate_replacement_gate(facts, GateSettings(), "Cilium", expected, None).passed

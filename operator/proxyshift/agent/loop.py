@@ -76,6 +76,8 @@ MAX_PROBE_AWAIT_SECONDS = 30.0  # whatever a Probe asks, the agent never sits lo
 # A Probe that waits notices kube-proxy's sync this soon (half of it on average: the gate's verdict lag per
 # node); one poll is three HTTP GETs to the node's own kube-proxy.
 PROBE_AWAIT_POLL_SECONDS = 0.05
+# Three GETs on the replacement's socket (health, Service table, endpoints) a round.
+REPLACEMENT_AWAIT_POLL_SECONDS = 0.1
 # A watch that ran this long before failing was healthy: the failure is a new outage, the back-off starts anew.
 HEALTHY_WATCH_SECONDS = 5.0
 # Operations that change nothing on the node: a diagnose request may be read while one runs.
@@ -531,7 +533,14 @@ class Agent:
         services = p.services
         replaced = None
         if p.replacement is not None:
+            # As for kube-proxy's sync: wait here, reading the replacement's own API, until it proves itself
+            # (its host datapath loads seconds after its health turns Ok), rather than answer "not yet" and
+            # make the operator ask again a round later. Bounded; the gate judges whatever comes.
             replaced = self.effects.replacement(p.replacement, with_services=True)
+            deadline = self.clock() + min(p.await_seconds or 0.0, MAX_PROBE_AWAIT_SECONDS)
+            while not replaced.proves(p.replacement.expected_frontends) and self.clock() < deadline:
+                self.sleep(REPLACEMENT_AWAIT_POLL_SECONDS)
+                replaced = self.effects.replacement(p.replacement, with_services=True)
             extra = {**extra, "replacement": with_nulls(replaced)}
         synced = self.clock()
         flushed: CleanupResult | None = None

@@ -79,6 +79,14 @@ class ReplacementFacts(KubeModel):
     probed_at: str | None = Field(default=None, max_length=REPLACEMENT_TEXT_LIMIT,
                                   description="When it was read (RFC 3339).")
 
+    def proves(self, expected_frontends: int) -> bool:
+        """Everything the replacement gate asks of the replacement itself (planner/gate.py): read without
+        error, Ok, replacing kube-proxy, every asked frontend and as many as the cluster has in its table, its
+        host endpoint ready (or not reported). The agent waits on the node until this holds."""
+        return (self.error is None and self.agent_state == "Ok" and self.enabled
+                and self.cluster_ip_frontends is not None and self.cluster_ip_frontends >= expected_frontends
+                and self.missing_count == 0 and self.host_endpoint in (None, HOST_ENDPOINT_READY))
+
 
 # ---- the Cilium agent's answers, read (not part of proxyshift's wire) ----
 
