@@ -755,6 +755,23 @@ def test_the_gate_of_a_cilium_kpr_node_judges_cilium_and_then_cleans_kube_proxys
     assert "holds 2 ClusterIP frontends, the cluster's Services have 3" in (migration_of(late).message or "")
 
 
+def test_a_gate_timeout_during_a_running_probe_names_what_the_last_answer_said() -> None:
+    """The agent waits on the node (up to AGENT_AWAIT_SECONDS) for the replacement to prove itself; a timeout
+    that lands while it waits still says why the node did not pass, from the answer before."""
+    said = "Cilium answers but its kube-proxy replacement is 'False': its agent on the node has not read it"
+    m = mig("Gate", to_mode="cilium-kpr", message=said)
+    op = Operation(id=f"{REV}.1.0.Gate.3", type="Probe")
+    late = machine.step(inp(m, label=REV, pods=[], op=op, last=done(op, state="Running"), mode="cilium-kpr",
+                            now_plus=400))
+    assert late.phase == "RollingBack" and migration_of(late).reason == "GateTimeout"
+    assert said in (migration_of(late).message or "")
+    # Before any answer there is nothing to name.
+    first = Operation(id=f"{REV}.1.0.Gate.0", type="Probe")
+    early = machine.step(inp(mig("Gate", to_mode="cilium-kpr", message="switched"), label=REV, pods=[], op=first,
+                             last=done(first, state="Running"), mode="cilium-kpr", now_plus=400))
+    assert "waiting for the agent's probe" in (migration_of(early).message or "")
+
+
 def test_a_rollback_onto_cilium_kpr_is_proven_by_cilium_too() -> None:
     back = mig("RollingBack", rollback_step="Gate", from_revision="kpr-1", from_mode="cilium-kpr",
                to_mode="nftables", reverted_at=fmt(T0))

@@ -833,7 +833,7 @@ def _gate(inp: NodeInput, m: NodeMigration) -> Step:
     if verdict is not None and verdict.passed:
         return _after_gate(inp, m, verdict)
     left, limit = _forward_left(inp, m)
-    waiting = verdict.message if verdict else "waiting for the agent's probe"
+    waiting = verdict.message if verdict else _last_round_said(inp, m, phase)
     if left <= 0:
         reason = "GateTimeout" if phase == "Gate" else "VerifyTimeout"
         return _start_rollback(inp, m, reason, f"not proven {limit}: {waiting}")
@@ -843,6 +843,15 @@ def _gate(inp: NodeInput, m: NodeMigration) -> Step:
                                     "behaviour_differs_since": _differs_since(inp, m, verdict)}) if verdict else m
         actions.append(_forward_write(inp, note, next_op))
     return Step(actions, phase, waiting, min(wait or POLL_SECONDS, left))
+
+
+def _last_round_said(inp: NodeInput, m: NodeMigration, phase: str) -> str:
+    """While a probe round runs: what the round before it said (written to the record with this round's
+    operation), so a timeout that lands while the agent waits on the node still names why it waited."""
+    op = inp.proxynode.spec.operation
+    if op is not None and op.id.startswith(op_prefix(m, phase)) and not op.id.endswith(".0") and m.message:
+        return f"{m.message} (at the last probe's answer)"
+    return "waiting for the agent's probe"
 
 
 def _differs_since(inp: NodeInput, m: NodeMigration, verdict: GateVerdict) -> str | None:
