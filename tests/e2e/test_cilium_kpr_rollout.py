@@ -49,7 +49,7 @@ PROBE_TIMEOUT = 1.0
 # endpoint to be ready (its datapath and socket-LB loaded) before kube-proxy's rules are flushed; back to
 # nftables Cilium's links, pinned in the node's bpffs, serve the node's clients until the cleanup after the
 # new kube-proxy's sync. Measured here (2 cores, every 0.05 s, 1 s timeout; docs/migration-guide.md): 0 in
-# each of 12 node moves over 3 runs with both; before them, up to 2 per node per move (the gate passing ~2 s
+# each of 20 node moves over 5 runs with both; before them, up to 2 per node per move (the gate passing ~2 s
 # before socket-LB was attached; the links dying with Cilium's pod). The bound keeps room for a loaded machine;
 # a node whose clients nothing served (socket-LB not at its cgroup once the iptables rules are flushed, or
 # gone before kube-proxy synced) fails tens to hundreds of probes, far above it.
