@@ -6,7 +6,7 @@ import copy
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import pytest
 
@@ -773,22 +773,36 @@ def probe_op(**params: Any) -> dict[str, Any]:
     return {"id": "m1.Gate.0", "type": "Probe", "params": {"services": [], **params}}
 
 
-def _sequence_agent(api: FakeAPI, answers: list[KubeProxyFacts]) -> tuple[Agent, list[float]]:
-    agent = make_agent(api)
-    sleeps: list[float] = []
-    seen = iter(answers)
-    last = [answers[0]]
+T = TypeVar("T")
 
-    def probe() -> KubeProxyFacts:
+
+def _in_turn(answers: list[T]) -> Callable[[], T]:
+    """Each call the next answer; the last one again once they are used up."""
+    seen, last = iter(answers), [answers[0]]
+
+    def answer() -> T:
         last[0] = next(seen, last[0])
         return last[0]
+
+    return answer
+
+
+def _recorded_sleeps(agent: Agent) -> list[float]:
+    """The agent's sleeps, recorded; each moves its fake clock on instead of waiting."""
+    sleeps: list[float] = []
 
     def sleep(seconds: float) -> None:
         sleeps.append(seconds)
         fake_clock(agent).t += seconds
 
-    agent.effects.probe, agent.sleep = probe, sleep  # type: ignore[method-assign]  # swapped seams
-    return agent, sleeps
+    agent.sleep = sleep  # a swapped seam
+    return sleeps
+
+
+def _sequence_agent(api: FakeAPI, answers: list[KubeProxyFacts]) -> tuple[Agent, list[float]]:
+    agent = make_agent(api)
+    agent.effects.probe = _in_turn(answers)  # type: ignore[method-assign]  # a swapped seam
+    return agent, _recorded_sleeps(agent)
 
 
 STARTING = KubeProxyFacts(proxy_mode=None, error="connection refused")
@@ -1012,21 +1026,14 @@ def test_preflight_for_cilium_kpr_passes_without_cilium_and_refuses_a_sick_one()
 
 def _replacement_sequence_agent(api: FakeAPI, answers: list[ReplacementFacts]) -> tuple[Agent, list[float]]:
     agent = make_agent(api)
-    sleeps: list[float] = []
-    seen = iter(answers)
-    last = [answers[0]]
+    answer = _in_turn(answers)
 
     def replacement(params: ReplacementParams, *, with_services: bool) -> ReplacementFacts:
         fake_node(agent).replacement_calls.append((params.socket_path, with_services))
-        last[0] = next(seen, last[0])
-        return last[0]
+        return answer()
 
-    def sleep(seconds: float) -> None:
-        sleeps.append(seconds)
-        fake_clock(agent).t += seconds
-
-    agent.effects.replacement, agent.sleep = replacement, sleep  # type: ignore[method-assign]  # swapped seams
-    return agent, sleeps
+    agent.effects.replacement = replacement  # type: ignore[method-assign]  # a swapped seam
+    return agent, _recorded_sleeps(agent)
 
 
 CILIUM_STARTING = ReplacementFacts(error="GET /v1/healthz on /var/run/cilium/cilium.sock: FileNotFoundError")
