@@ -39,7 +39,6 @@ import ctypes
 import http.client
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -53,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from localcluster import container, gotools
+from proxyshift.agent.flush.bpf import bpffs_mounts, is_bpffs
 from proxyshift.commands import CommandError, run, stop_child
 
 AGENT_TOOL = "cilium-agent"
@@ -74,6 +74,7 @@ HOST_BPFFS_ROOT = Path("/run/proxyshift-cilium")
 # The kernel's own iterators in every new bpffs instance (bpf_preload): not unlinkable, and nobody's pins.
 BPFFS_PRELOADED = frozenset({"maps.debug", "progs.debug"})
 PRIVATE_CGROUP = LAUNCHER_RUN / "cgroupv2"
+MOUNTINFO = Path("/proc/self/mountinfo")
 # Machine-wide sysctls the agent's loader sets (pkg/datapath/loader/base.go, errors ignored).
 HOST_SYSCTLS = ("/proc/sys/kernel/unprivileged_bpf_disabled", "/proc/sys/kernel/timer_migration")
 # Healthy in about 5 s here (bpf_host compiled by clang in 1.4 s on 2 cores); generous for a loaded CI machine.
@@ -111,23 +112,13 @@ def node_bpffs(node: str) -> Path:
 
 
 def bpffs_mount_points() -> set[Path]:
-    """The bpffs mount points in this process's mount namespace (/proc/self/mountinfo, octal escapes decoded).
-
-    The launcher's own parser: it runs with the pod's environment, where `proxyshift` may be another
-    checkout's (the product's parser is proxyshift.agent.flush.bpf.bpffs_mounts).
-    """
-    found = set()
-    for line in Path("/proc/self/mountinfo").read_text(errors="replace").splitlines():
-        before, _, after = line.partition(" - ")
-        fields = before.split()
-        if len(fields) >= 5 and after.split(" ", 1)[0] == "bpf":
-            found.add(Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])))
-    return found
+    """The bpffs mount points in this process's mount namespace (the agent's own mountinfo reading)."""
+    return {Path(point) for point in bpffs_mounts(MOUNTINFO.read_text(errors="replace"))}
 
 
 def bpffs_mounted(path: Path) -> bool:
     """Whether `path` is a bpffs mount point in this process's mount namespace."""
-    return Path(os.path.realpath(path)) in bpffs_mount_points()
+    return is_bpffs(path, MOUNTINFO.read_text(errors="replace"))
 
 
 def mount_bpffs(path: Path) -> Path:
