@@ -36,19 +36,22 @@ restarts every baseline pod once (docs/architecture.md).
 Every time is the benchmark's own clock at the moment its watches (pods, ProxyNodes,
 ProxyPolicies) saw the change, so both sides are measured the same way. Per node, a
 proxyshift migration is split into
-  kube-proxy  from the switch (ProxyNode phase Switch seen) to the new kube-proxy's first rule
-              sync (its kubeproxy_sync_proxy_rules_last_timestamp_seconds, as the agent reported
-              it): the DaemonSet controller, the scheduler, kube-proxy's start-up (including its
-              cleanup of the other modes' rules) and first sync
+  kube-proxy  kube-proxy's own restart: from the first sign of it on the node (the old kube-proxy
+              pod seen deleting or the new one seen created, whichever came first, after phase
+              Switch) to the new kube-proxy's first rule sync (its
+              kubeproxy_sync_proxy_rules_last_timestamp_seconds, as the agent reported it): the
+              DaemonSet controller, kube-proxy's start-up (including its cleanup of the other modes'
+              rules) and first sync. Before 2026-12-05 this span started at phase Switch, so the
+              rule hold and the label move (proxyshift's own work) counted as kube-proxy's.
   gate        from the later of phase Gate seen and that first sync to the gate's verdict
-  own         the rest of the node's time (preflight, the operator noticing, stale-rule cleanup +
-              verify), and, per rollout, the time outside any node
+  own         the rest of the node's time (preflight, the rule hold, moving the label, the operator
+              noticing, stale-rule cleanup + verify), and, per rollout, the time outside any node
 The restart's kube-proxy time is old pod deleted -> new pod Running+Ready: the baseline
 DaemonSet (like kubeadm's) has no readiness probe, so the restart never waits for a sync;
 restart-ready's is the same span, up to the probe's first success. "pod Running" / "pod Ready"
 show the same moments for proxyshift's nodes (from the switch).
 
-sync floor: the sum over nodes of migrate's per-node kube-proxy time (switch -> first sync): what
+sync floor: the sum over nodes of migrate's per-node kube-proxy time (restart -> first sync): what
 any rollout that waits, node after node (maxUnavailable 1), for each node's kube-proxy to have
 synced needs at the least. The report gives migrate's ratio to restart, restart-ready and the floor,
 with the 1.5x target's verdict against each.
@@ -352,6 +355,7 @@ class Bench:
             # kube-proxy is ready to serve at its first rule sync. The agent reports the process's start
             # and last sync (the node's clock: this host's); the earliest sync of a process started after
             # the switch is that moment. Without one, fall back to the new pod being Running+Ready.
+            # (The process start is only good to a second: the kernel's boot time in /proc/stat is whole seconds.)
             first_sync = None
             if switch is not None:
                 switch_wall = switch + WALL_OFFSET
@@ -360,7 +364,12 @@ class Bench:
             ready = min((r["ready"] for r in pods.values() if r.get("node") == node and "ready" in r
                          and switch is not None and r["ready"] >= switch), default=None)
             serving = first_sync if first_sync is not None else ready
-            kp = (serving - switch) if serving is not None and switch is not None else 0.0
+            # kube-proxy's own restart starts where the label move first shows on the node; the hold and the
+            # label move before it are ours.
+            restart = min((at for r in pods.values() if r.get("node") == node and switch is not None
+                           for at in (r.get("first"), r.get("deleting")) if at is not None and at >= switch),
+                          default=switch)
+            kp = (serving - restart) if serving is not None and restart is not None else 0.0
             # gating: from the later of "phase Gate seen" and "kube-proxy synced" to the verdict
             gate_start = seen_at.get("Gate")
             verdict = next((at for at, _ in mine if gate_start is not None and at > gate_start), None)
@@ -374,13 +383,26 @@ class Bench:
             rows.append(NodeSplit(node, done - start, kp, gate, done - start - kp - gate, durations))
         return rows
 
-    def timeline(self, t0: float, node: str) -> None:
-        """One node's ProxyNode states since t0, for finding where the time goes (--timeline)."""
-        print(f"\ntimeline of {node} (seconds after the apply/delete; phase, requested op, agent's report):")
+    def timeline(self, t0: float) -> None:
+        """Every node's ProxyNode states, kube-proxy pods and first syncs since t0, merged in time order: the
+        critical path from one node to the next (--timeline)."""
+        print("\ntimeline (seconds after the apply/delete; node, phase, requested op, agent's report; pods; syncs):")
+        rows: list[tuple[float, str]] = []
         with self.seen.lock:
             for at, name, phase, op, state, message in self.seen.log:
-                if name == node and at >= t0:
-                    print(f"  {at - t0:7.2f}  {phase:<9} {op:<12} {state:<60} {message}")
+                if at >= t0:
+                    rows.append((at, f"{name:<10} {phase:<9} {op:<12} {state:<60} {message}"))
+            for pod, rec in self.seen.pods.items():
+                for moment in ("first", "deleting", "running", "ready"):
+                    if rec.get(moment, -1.0) >= t0:
+                        rows.append((rec[moment], f"{rec.get('node') or '?':<10} pod {pod} {moment}"))
+            for name, seen_syncs in self.seen.syncs.items():
+                for started, synced in seen_syncs:
+                    if synced - WALL_OFFSET >= t0:
+                        rows.append((synced - WALL_OFFSET, f"{name:<10} kube-proxy synced (its process "
+                                     f"started {started - WALL_OFFSET - t0:.2f})"))
+        for at, line in sorted(rows):
+            print(f"  {at - t0:7.2f}  {line}")
 
     def migrate(self, run: int, matrix: bool = True, ahead: bool = True) -> Result:
         self.wait_settled()
@@ -390,7 +412,7 @@ class Bench:
         key = f"{POLICY}/{created['metadata']['uid']}"
         end = self.seen.wait(lambda: self.seen.policy_ready.get(key), self.timeout, "the policy's Ready")
         if self.show_timeline:
-            self.timeline(t0, self.nodes[0])
+            self.timeline(t0)
         kind = NO_MATRIX if not matrix else NO_AHEAD if not ahead else "migrate"
         return Result(kind, run, end - t0, self._splits(t0, end))
 
@@ -483,8 +505,8 @@ def _verdict_at(a: float, b: float, target: float) -> str:
 
 def print_report(results: list[Result], nodes: int) -> None:
     print(f"\n## rollout overhead, {nodes} nodes, maxUnavailable 1 (seconds; medians over runs)\n")
-    print("sync floor = the sum over nodes of migrate's kube-proxy time (switch -> first rule sync): the least\n"
-          "any rollout that waits, node after node, for each node's kube-proxy to have synced needs.\n"
+    print("sync floor = the sum over nodes of migrate's kube-proxy time (kube-proxy's restart -> first rule sync):\n"
+          "the least any rollout that waits, node after node, for each node's kube-proxy to have synced needs.\n"
           "restart-ready's readinessProbe (/healthz, periodSeconds 1) passes once kube-proxy serves /healthz,\n"
           "which it does (200) while still starting up: it waits for the process, not for its first sync.\n")
     print("| run | restart s | restart-ready s | migrate s | revert s | sync floor s "
@@ -508,7 +530,8 @@ def print_report(results: list[Result], nodes: int) -> None:
           f"{med['revert']:.1f} | {floor_med:.1f} | {_ratio(med['migrate'], med['restart'])} | "
           f"{_ratio(med['migrate'], med['restart-ready'])} | {paired:.2f}x | "
           f"{_ratio(med['revert'], med['restart'])} |")
-    print(f"\nsync floor (sum over nodes of migrate's switch -> first sync, maxUnavailable 1): {floor_med:.1f} s; "
+    print(f"\nsync floor (sum over nodes of migrate's kube-proxy restart -> first sync, maxUnavailable 1): "
+          f"{floor_med:.1f} s; "
           f"migrate/floor {paired:.2f}x as the median of the runs' ratios, "
           f"{_ratio(med['migrate'], floor_med)} as the ratio of the medians")
     print(f"target: migrate within {TARGET_RATIO}x of the restart: {_verdict(med['migrate'], med['restart'])}")
@@ -525,7 +548,7 @@ def print_report(results: list[Result], nodes: int) -> None:
                   f"{median([r.gate for r in rows]):.1f} | {median([r.own for r in rows]):.1f} | "
                   f"{median([r.between for r in rows]):.1f} |")
     print("\nper node, median over nodes and runs (seconds; a phase lasts until the next one is seen;\n"
-          "restarts: kube-proxy = old pod deleted -> new pod Ready; migrate/revert: kube-proxy = switch -> first\n"
+          "restarts: kube-proxy = old pod deleted -> new pod Ready; migrate/revert: kube-proxy = its restart -> first\n"
           "sync, pod times from the switch):\n")
     print("| rollout | node total | kube-proxy | pod Running | pod Ready | " + " | ".join(PHASES) + " |")
     print("|---|---:|---:|---:|---:|" + "---:|" * len(PHASES))
@@ -565,7 +588,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=600, help="per rollout")
     parser.add_argument("--keep", action="store_true", help="leave the cluster up afterwards")
     parser.add_argument("--no-warmup", action="store_true")
-    parser.add_argument("--timeline", action="store_true", help="print one node's ProxyNode states per migration")
+    parser.add_argument("--timeline", action="store_true",
+                        help="print every node's ProxyNode states, pods and syncs per migration")
     parser.add_argument("--ahead-cost", action="store_true",
                         help="also migrate with rollout.preflightAhead off (matrix on), side by side")
     parser.add_argument("--matrix-cost", action="store_true",
