@@ -1,6 +1,6 @@
 """Agent reconnect storm: N agents' watches after an API server restart, with and without jitter.
 
-    sudo nice -n 19 python -m bench.bench_reconnect_storm [--agents 5000] [--backoff none,jitter]
+    sudo python -m bench.bench_reconnect_storm [--agents 5000] [--backoff none,jitter]
     # quick: --agents 500
 
 A PRIVATE control plane (never the local cluster's): etcd and kube-apiserver from the local
@@ -411,7 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--signal", choices=("KILL", "TERM"), default="KILL", help="how the API server is stopped")
     p.add_argument("--keep", action="store_true", help="keep the state folder (logs, request records)")
     args = p.parse_args(argv)
-    os.nice(max(0, 19 - os.nice(0)))  # never outrank other work on the machine (children inherit it)
+    # The control plane runs at the caller's priority, the simulated fleet at nice 19 (storm_agents.py): on a
+    # real cluster the agents run on their own nodes and never take the API server's CPU. Before 2026-12-05
+    # everything ran at 19, and at 5,000 agents the fleet's TLS handshakes starved the restarted API server's
+    # own post-start hooks until it exited.
     # SIGTERM and SIGINT (ignored by default in a background job) unwind through the finally blocks below,
     # which stop the agents, the API server and etcd by their own handles.
     for sig in (signal.SIGTERM, signal.SIGINT):

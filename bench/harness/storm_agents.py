@@ -148,7 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backoff", choices=("jitter", "none"), default="jitter")
     p.add_argument("--ramp", type=float, default=100.0, help="agents started per second (the first connects)")
     p.add_argument("--watch-timeout", type=int, default=AgentConfig.watch_timeout)
+    p.add_argument("--nice", type=int, default=19,
+                   help="the fleet's niceness: it stands in for N machines and must not take the API server's CPU")
     args = p.parse_args(argv)
+    os.nice(max(0, args.nice - os.nice(0)))
     # The threads block in socket reads; the default 8 MiB stacks would only cost address space, but
     # a small one keeps a few thousand of them cheap to create.
     threading.stack_size(512 * 1024)
