@@ -73,8 +73,18 @@ P99_ABOVE_BUCKETS = 1e9
 MESSAGE_LIMIT = 4000
 FLUSH_MESSAGE_LIMIT = 1000  # a flush's message inside a Probe's details (the probe's own message has it too)
 MAX_PROBE_AWAIT_SECONDS = 30.0  # whatever a Probe asks, the agent never sits longer on one
-# A Probe that waits notices kube-proxy's sync this soon (half of it on average: the gate's verdict lag per
-# node); one poll is three HTTP GETs to the node's own kube-proxy.
+# A Probe that waits for kube-proxy's sync (Agent._await_sync). kube-proxy offers no way to be told of a sync:
+# the agent polls, and the cheapest answer that moves with a sync is /healthz's per-family time of the last one
+# (probe.KubeProxyHealth), a small JSON object. So the wait reads only /healthz every PROBE_HEALTH_POLL_SECONDS
+# (half of it on average is the gate's verdict lag per node) and the full probe (three GETs, the whole /metrics
+# text parsed) only when that answer changes, then at every poll for PROBE_CHASE_SECONDS (the metrics count a
+# sync a moment after /healthz shows it: the sync's tail, service health checks and UDP conntrack cleanup, runs
+# in between), and at the latest every PROBE_FALLBACK_SECONDS. A /healthz without per-family times (a
+# kube-proxy from before them, one not in its sync loop yet, none answering) is waited on as before it:
+# the full probe every PROBE_AWAIT_POLL_SECONDS.
+PROBE_HEALTH_POLL_SECONDS = 0.01
+PROBE_CHASE_SECONDS = 0.1
+PROBE_FALLBACK_SECONDS = 0.25
 PROBE_AWAIT_POLL_SECONDS = 0.05
 # Three GETs on the replacement's socket (health, Service table, endpoints) a round.
 REPLACEMENT_AWAIT_POLL_SECONDS = 0.1
@@ -521,15 +531,14 @@ class Agent:
 
     def _run_probe(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
         p = op.params_as(ProbeParams)
+        # Read before the first full probe: a sync after that probe then shows as a change of this answer.
+        seen = self.effects.health() if p.await_mode else None
         extra = self.observe(inventory=False)
-        if p.await_mode:
+        if p.await_mode and seen is not None:
             # Wait here, polling the node's own kube-proxy, rather than answer "not synced yet" and
             # make the operator ask again a round later. Bounded; the gate judges whatever comes.
-            syncs = p.await_syncs or 1
             deadline = self.clock() + min(p.await_seconds or 0.0, MAX_PROBE_AWAIT_SECONDS)
-            while not _settled(self.facts, p.await_mode, syncs) and self.clock() < deadline:
-                self.sleep(PROBE_AWAIT_POLL_SECONDS)
-                extra = self.observe(inventory=False)
+            extra = self._await_sync(p.await_mode, p.await_syncs or 1, deadline, seen) or extra
         services = p.services
         replaced = None
         if p.replacement is not None:
@@ -592,6 +601,30 @@ class Agent:
             extra = {**extra, "behaviour": {"after": with_nulls(matrix)}}
             parts.append(_matrix_summary(matrix))
         return self._done(op, started, True, "; ".join(parts), details), extra
+
+    def _await_sync(self, mode: str, syncs: int, deadline: float,
+                    seen: probe_mod.KubeProxyHealth) -> dict[str, Any] | None:
+        """Poll until `_settled` or `deadline` (agent clock): /healthz alone while its per-family sync times
+        hold still, the full probe when they move (PROBE_HEALTH_POLL_SECONDS and its neighbours say why).
+        `seen`: /healthz as read just before the last full probe. The last full probe's status fields, None
+        if none was taken."""
+        extra: dict[str, Any] | None = None
+        observed, changed = self.clock(), -math.inf
+        while not _settled(self.facts, mode, syncs) and self.clock() < deadline:
+            self.sleep(PROBE_AWAIT_POLL_SECONDS if seen.proxiers is None else PROBE_HEALTH_POLL_SECONDS)
+            now_seen = self.effects.health()
+            now = self.clock()
+            if now_seen.proxiers is None:
+                due = True  # nothing to watch: the full probe at every poll, as before /healthz had the times
+            elif now_seen.mark != seen.mark:
+                due, changed = True, now
+            else:
+                due = now - changed < PROBE_CHASE_SECONDS or now - observed >= PROBE_FALLBACK_SECONDS
+            seen = now_seen
+            if due:
+                extra = self.observe(inventory=False)
+                observed = self.clock()
+        return extra
 
     def _recover(self, op: Operation, last: dict[str, Any]) -> None:
         """Our own operation is still Running in the status: a previous agent died during it."""
