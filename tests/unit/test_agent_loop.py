@@ -21,6 +21,7 @@ from proxyshift.agent.loop import (
     PROBE_HEALTH_POLL_SECONDS,
     Agent,
     AgentConfig,
+    HoldRecord,
     ProxyNodeAPI,
     parse_args,
 )
@@ -928,27 +929,51 @@ def _probe_details(api: FakeAPI) -> tuple[str, ProbeResult]:
     return last.message, last.result_as(ProbeResult)
 
 
-def test_a_gate_probe_flushes_once_kube_proxy_has_synced_and_before_it_connects() -> None:
+def _gate_probe_counting_flushes(answers: list[KubeProxyFacts]) -> tuple[FakeAPI, Agent, list[str]]:
+    """A gate Probe with the in-gate flush; the third list: how many flushes each connect came after. The
+    flush takes a moment (real time), so a connect beside it sees none."""
+    import time
+
     api = FakeAPI(node_obj(probe_op(services=["198.19.0.10:443"], awaitMode="nftables", awaitSyncs=1,
                                     awaitSeconds=10, cleanup=IN_GATE_FLUSH)))
-    agent, _ = _sequence_agent(api, [STARTING, UP_NOT_SYNCED, FACTS])
-    node = agent.effects
-    assert isinstance(node, FakeNode)
+    agent, _ = _sequence_agent(api, answers)
+    node = fake_node(agent)
     order: list[str] = []
-    connect = node.connect
+    connect, flush = node.connect, node.flush
 
-    def connect_after_flush(targets: list[str]) -> dict[str, bool | str]:
+    def counting_connect(targets: list[str]) -> dict[str, bool | str]:
         order.append(f"connect after {len(node.flush_calls)} flush(es)")
         return connect(targets)
 
-    node.connect = connect_after_flush  # type: ignore[method-assign]  # the test swaps this seam
+    def slow_flush(remove: list[str], target: str | None) -> FlushReport:
+        time.sleep(0.05)
+        return flush(remove, target)
+
+    node.connect, node.flush = counting_connect, slow_flush  # type: ignore[method-assign]  # swapped seams
+    return api, agent, order
+
+
+def test_a_gate_probe_flushes_once_kube_proxy_has_synced() -> None:
+    api, agent, order = _gate_probe_counting_flushes([STARTING, UP_NOT_SYNCED, FACTS])
     agent.handle(api.get("n1"))
     message, details = _probe_details(api)
-    assert node.flush_calls == [(["iptables"], "nftables")] and order == ["connect after 1 flush(es)"]
+    assert fake_node(agent).flush_calls == [(["iptables"], "nftables")] and len(order) == 1
     assert details.cleanup is not None and details.cleanup.ok is True
     assert details.cleanup.steps and details.cleanup.steps[0].removed == {"chains": 3}
     assert details.connects == {"198.19.0.10:443": True}
     assert "cleanup: " in message
+
+
+def test_a_rule_hold_still_on_the_node_keeps_the_gate_s_connects_after_the_flush() -> None:
+    # The hold's kube-proxy is the one running (as if its release had failed at the sync): the observe keeps
+    # it, the in-gate flush releases it, and only then may the connects judge kube-proxy's own rules.
+    api, agent, order = _gate_probe_counting_flushes([FACTS])
+    node = fake_node(agent)
+    node.held.present = True
+    agent.hold = HoldRecord("iptables", "nftables", FACTS.process_start_time, fake_clock(agent).t + 600)
+    agent.handle(api.get("n1"))
+    assert order == ["connect after 1 flush(es)"] and node.held.calls == ["release"] and agent.hold is None
+    assert _probe_details(api)[1].connects == {"198.19.0.10:443": True}
 
 
 def test_a_gate_probe_flushes_nothing_while_kube_proxy_has_not_synced_in_its_mode() -> None:

@@ -41,7 +41,7 @@ from proxyshift.agent import probe as probe_mod
 from proxyshift.agent.effects import KernelNodeEffects, NodeEffects
 from proxyshift.agent.ownership import MODES
 from proxyshift.agent.preflight import Missing
-from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams
+from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams, ConntrackParams, ConntrackReport
 from proxyshift.api.common import API_GROUP, API_VERSION
 from proxyshift.api.proxynode import (
     CleanupParams,
@@ -553,27 +553,44 @@ class Agent:
             extra = {**extra, "replacement": with_nulls(replaced)}
         synced = self.clock()
         flushed: CleanupResult | None = None
-        if p.cleanup is not None and p.await_mode and _synced_in(self.facts, p.await_mode, p.await_syncs or 1):
-            # The old mode's leftovers go before anything is judged: the connects and the "after" matrix
-            # then see the node as it stays, and no Cleanup step of its own follows the gate.
-            try:
-                ok, said, flushed = self._flush_stale(p.cleanup)
-            except ValueError as exc:  # modes the flush refuses: told, never a failed probe
-                ok, said, flushed = False, str(exc), CleanupResult()
-            flushed.ok, flushed.message = ok, said[:FLUSH_MESSAGE_LIMIT]
-            extra = self.observe(inventory=True)
-        cleaned_up = self.clock()
-        connects = self.effects.connect(services) if services else {}
-        connected = self.clock()
+        flush = bool(p.cleanup is not None and p.await_mode
+                     and _synced_in(self.facts, p.await_mode, p.await_syncs or 1))
+        # After the sync, three parts, the first two side by side (they shared the critical path one after the
+        # other): the flush of the old mode's leftovers with the inventory after it; the conntrack step then
+        # the connects; then the "after" matrix, which must judge the node as it stays, so it waits for both.
+        # The conntrack step and the connects need nothing of the flush: it runs only where the new kube-proxy
+        # already deleted the old mode's Service rules at its start (planner/machine.py _cleanup_in_gate), and
+        # they only delete un-NATed entries and reach Services through the new rules. The conntrack step goes
+        # first, as before the matrix: a connect whose source port happens to be that of an un-NATed entry
+        # left from the switch's gap (its client gave up, the entry stays) would hang through its SYN retries
+        # and fail the gate for nothing. A rule hold still on the node (its release when kube-proxy
+        # synced failed) keeps the connects after the flush, which releases it again: a connect must reach
+        # its Service through kube-proxy's rules, not the hold's copy of the old ones.
+        connects_beside = not flush or self.hold is None
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="probe-checks") as pool:
+            checks = pool.submit(self._conntrack_then_connect, p.conntrack, services if connects_beside else [])
+            if flush and p.cleanup is not None:
+                try:
+                    ok, said, flushed = self._flush_stale(p.cleanup)
+                except ValueError as exc:  # modes the flush refuses: told, never a failed probe
+                    ok, said, flushed = False, str(exc), CleanupResult()
+                flushed.ok, flushed.message = ok, said[:FLUSH_MESSAGE_LIMIT]
+                extra = self.observe(inventory=True)
+            cleaned_up = self.clock()
+            cleaned, connects, conntrack_took, connects_took = checks.result()
+        if not connects_beside and services:
+            began = self.clock()
+            connects = self.effects.connect(services)
+            connects_took = self.clock() - began
+        checked = self.clock()
         behaviour = p.behaviour
-        # The conntrack step first: a flow left un-NATed from the switch's gap would fail the probe.
-        cleaned = self.effects.conntrack(p.conntrack) if p.conntrack is not None else None
-        conntracked = self.clock()
         matrix = self._take_behaviour(op, behaviour) if behaviour is not None else None
-        # Where the time after kube-proxy's sync goes: the gate's own part of a node's switch.
-        log.info("probe %s after the sync: cleanup %.3f s, connects %.3f s, conntrack %.3f s, behaviour %.3f s",
-                 op.id, cleaned_up - synced, connected - cleaned_up, conntracked - connected,
-                 self.clock() - conntracked)
+        # Where the time after kube-proxy's sync goes: the gate's own part of a node's switch. The parts overlap:
+        # "in all" is what they cost the node before the matrix.
+        log.info("probe %s after the sync: cleanup %.3f s; beside it conntrack %.3f s then connects %.3f s%s; "
+                 "%.3f s in all; then behaviour %.3f s", op.id, cleaned_up - synced, conntrack_took, connects_took,
+                 "" if connects_beside else " (the connects after the cleanup: a rule hold was left)",
+                 checked - synced, self.clock() - checked)
         facts = self.facts or KubeProxyFacts()
         if replaced is not None:
             # No kube-proxy runs here: the replacement's account is the probe's answer.
@@ -625,6 +642,16 @@ class Agent:
                 extra = self.observe(inventory=False)
                 observed = self.clock()
         return extra
+
+    def _conntrack_then_connect(self, params: ConntrackParams | None, services: list[str]
+                                ) -> tuple[ConntrackReport | None, dict[str, bool | str], float, float]:
+        """A gate Probe's conntrack step (with `params`), then its connects to `services`: their answers and
+        the seconds each took. Runs beside the in-gate flush (_run_probe says why it may)."""
+        began = self.clock()
+        cleaned = self.effects.conntrack(params) if params is not None else None
+        between = self.clock()
+        connects = self.effects.connect(services) if services else {}
+        return cleaned, connects, between - began, self.clock() - between
 
     def _recover(self, op: Operation, last: dict[str, Any]) -> None:
         """Our own operation is still Running in the status: a previous agent died during it."""
