@@ -14,8 +14,19 @@ from proxyshift.agent import diagnostics as diag
 from proxyshift.agent.flush.base import FlushReport, FlushStep
 from proxyshift.agent.hold import HoldReport
 from proxyshift.agent.inventory import ChainInventory, Inventory
-from proxyshift.agent.loop import P99_ABOVE_BUCKETS, Agent, AgentConfig, ProxyNodeAPI, parse_args
+from proxyshift.agent.loop import (
+    P99_ABOVE_BUCKETS,
+    PROBE_AWAIT_POLL_SECONDS,
+    PROBE_FALLBACK_SECONDS,
+    PROBE_HEALTH_POLL_SECONDS,
+    Agent,
+    AgentConfig,
+    HoldRecord,
+    ProxyNodeAPI,
+    parse_args,
+)
 from proxyshift.agent.preflight import Missing, PreflightReport, ToolVersions
+from proxyshift.agent.probe import KubeProxyHealth, ProxierSync
 from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams, ConntrackParams, ConntrackReport
 from proxyshift.api.diagnostics import DiagnoseRequest, NodeDiagnostics
 from proxyshift.api.proxynode import KubeProxyFacts, Mode, PreflightResult, ProbeResult, ProxyNode
@@ -120,9 +131,14 @@ class FakeNode:
         # The node's kube-proxy replacement (Cilium) as its API answers; the reads asked of it.
         self.replaced = ReplacementFacts(error="GET /v1/healthz on /var/run/cilium/cilium.sock: FileNotFoundError")
         self.replacement_calls: list[tuple[str, bool]] = []
+        # kube-proxy's /healthz alone; by default without per-family sync times (a kube-proxy from before them).
+        self.healthz = KubeProxyHealth(200, None)
 
     def probe(self) -> KubeProxyFacts:
         return self.facts
+
+    def health(self) -> KubeProxyHealth:
+        return self.healthz
 
     def inventory(self) -> Inventory:
         return self.inventory_now
@@ -818,6 +834,8 @@ def test_a_probe_answers_once_the_new_kube_proxy_has_synced() -> None:
     assert node.status.last_operation.state == "Succeeded"
     assert node.status.kube_proxy is not None
     assert node.status.kube_proxy.sync_count == 4 and len(sleeps) == 3  # answered at the first synced look
+    # This /healthz has no per-family sync times: the full probe at every poll, as before they existed.
+    assert sleeps == [PROBE_AWAIT_POLL_SECONDS] * 3
 
 
 def test_a_probe_waits_no_longer_than_asked_and_then_reports_what_it_sees() -> None:
@@ -831,6 +849,77 @@ def test_a_probe_waits_no_longer_than_asked_and_then_reports_what_it_sees() -> N
     assert 1.8 <= sum(sleeps) <= 2.2
 
 
+def _health(last_updated: str, status: int = 200) -> KubeProxyHealth:
+    """kube-proxy 1.37's /healthz: one IPv4 proxier, last Updated() at `last_updated`."""
+    return KubeProxyHealth(status, (ProxierSync("IPv4", last_updated, True),), node_eligible=True)
+
+
+BEFORE_SYNC, AFTER_SYNC = _health("2026-12-05T12:00:00.1Z"), _health("2026-12-05T12:00:00.2Z")
+
+
+def _watching_agent(api: FakeAPI, answers: list[KubeProxyFacts],
+                    healths: list[KubeProxyHealth]) -> tuple[Agent, list[float], list[str]]:
+    """_sequence_agent with /healthz answered in turn too; the third list: the agent's reads, in order."""
+    agent, sleeps = _sequence_agent(api, answers)
+    reads: list[str] = []
+    probe, health = agent.effects.probe, _in_turn(healths)
+
+    def full() -> KubeProxyFacts:
+        reads.append("probe")
+        return probe()
+
+    def cheap() -> KubeProxyHealth:
+        reads.append("health")
+        return health()
+
+    agent.effects.probe, agent.effects.health = full, cheap  # type: ignore[method-assign]  # swapped seams
+    return agent, sleeps, reads
+
+
+def test_a_waiting_probe_reads_only_healthz_until_its_sync_time_moves() -> None:
+    api = FakeAPI(node_obj(probe_op(awaitMode="nftables", awaitSyncs=1, awaitSeconds=10)))
+    agent, sleeps, reads = _watching_agent(api, [UP_NOT_SYNCED, FACTS], [BEFORE_SYNC] * 5 + [AFTER_SYNC])
+    agent.handle(api.get("n1"))
+    # /healthz read before the first full probe, then alone at every short poll until it shows the sync.
+    assert reads == ["health", "probe"] + ["health"] * 5 + ["probe"]
+    assert sleeps == [PROBE_HEALTH_POLL_SECONDS] * 5
+    kube_proxy = ProxyNode.model_validate(api.obj).status.kube_proxy
+    assert kube_proxy is not None and kube_proxy.sync_count == 4
+
+
+def test_a_waiting_probe_chases_metrics_that_lag_healthz() -> None:
+    # /healthz shows the sync before /metrics counts it: the full probe again at the next short poll, not a
+    # fallback interval later.
+    api = FakeAPI(node_obj(probe_op(awaitMode="nftables", awaitSyncs=1, awaitSeconds=10)))
+    agent, sleeps, reads = _watching_agent(api, [UP_NOT_SYNCED, UP_NOT_SYNCED, FACTS], [BEFORE_SYNC, AFTER_SYNC])
+    agent.handle(api.get("n1"))
+    assert reads == ["health", "probe", "health", "probe", "health", "probe"]
+    assert sleeps == [PROBE_HEALTH_POLL_SECONDS] * 2
+
+
+def test_a_waiting_probe_still_takes_the_full_probe_now_and_then() -> None:
+    # A sync /healthz does not show (a missed change, an unhealthy answer turning healthy alone in /metrics)
+    # is noticed within the fallback interval; the wait stays bounded and costs a full probe that often only.
+    api = FakeAPI(node_obj(probe_op(awaitMode="nftables", awaitSyncs=1, awaitSeconds=10)))
+    agent, sleeps, reads = _watching_agent(api, [UP_NOT_SYNCED, FACTS], [BEFORE_SYNC])
+    agent.handle(api.get("n1"))
+    assert reads.count("probe") == 2
+    assert PROBE_FALLBACK_SECONDS <= sum(sleeps) <= PROBE_FALLBACK_SECONDS + 2 * PROBE_HEALTH_POLL_SECONDS
+    api = FakeAPI(node_obj(probe_op(awaitMode="nftables", awaitSyncs=1, awaitSeconds=1)))
+    agent, sleeps, reads = _watching_agent(api, [UP_NOT_SYNCED], [BEFORE_SYNC])
+    agent.handle(api.get("n1"))
+    assert 0.99 <= sum(sleeps) <= 1.01 + PROBE_HEALTH_POLL_SECONDS
+    assert reads.count("probe") <= 1 + 1 / PROBE_FALLBACK_SECONDS and reads.count("health") >= 90
+
+
+def test_a_waiting_probe_takes_the_full_probe_when_healthz_health_changes_alone() -> None:
+    api = FakeAPI(node_obj(probe_op(awaitMode="nftables", awaitSyncs=1, awaitSeconds=10)))
+    unhealthy = _health("2026-12-05T12:00:00.1Z", status=503)
+    agent, sleeps, reads = _watching_agent(api, [UP_NOT_SYNCED, FACTS], [unhealthy, unhealthy, BEFORE_SYNC])
+    agent.handle(api.get("n1"))
+    assert reads == ["health", "probe", "health", "health", "probe"] and len(sleeps) == 2
+
+
 IN_GATE_FLUSH = {"removeModes": ["iptables"], "targetMode": "nftables"}
 
 
@@ -840,27 +929,51 @@ def _probe_details(api: FakeAPI) -> tuple[str, ProbeResult]:
     return last.message, last.result_as(ProbeResult)
 
 
-def test_a_gate_probe_flushes_once_kube_proxy_has_synced_and_before_it_connects() -> None:
+def _gate_probe_counting_flushes(answers: list[KubeProxyFacts]) -> tuple[FakeAPI, Agent, list[str]]:
+    """A gate Probe with the in-gate flush; the third list: how many flushes each connect came after. The
+    flush takes a moment (real time), so a connect beside it sees none."""
+    import time
+
     api = FakeAPI(node_obj(probe_op(services=["198.19.0.10:443"], awaitMode="nftables", awaitSyncs=1,
                                     awaitSeconds=10, cleanup=IN_GATE_FLUSH)))
-    agent, _ = _sequence_agent(api, [STARTING, UP_NOT_SYNCED, FACTS])
-    node = agent.effects
-    assert isinstance(node, FakeNode)
+    agent, _ = _sequence_agent(api, answers)
+    node = fake_node(agent)
     order: list[str] = []
-    connect = node.connect
+    connect, flush = node.connect, node.flush
 
-    def connect_after_flush(targets: list[str]) -> dict[str, bool | str]:
+    def counting_connect(targets: list[str]) -> dict[str, bool | str]:
         order.append(f"connect after {len(node.flush_calls)} flush(es)")
         return connect(targets)
 
-    node.connect = connect_after_flush  # type: ignore[method-assign]  # the test swaps this seam
+    def slow_flush(remove: list[str], target: str | None) -> FlushReport:
+        time.sleep(0.05)
+        return flush(remove, target)
+
+    node.connect, node.flush = counting_connect, slow_flush  # type: ignore[method-assign]  # swapped seams
+    return api, agent, order
+
+
+def test_a_gate_probe_flushes_once_kube_proxy_has_synced() -> None:
+    api, agent, order = _gate_probe_counting_flushes([STARTING, UP_NOT_SYNCED, FACTS])
     agent.handle(api.get("n1"))
     message, details = _probe_details(api)
-    assert node.flush_calls == [(["iptables"], "nftables")] and order == ["connect after 1 flush(es)"]
+    assert fake_node(agent).flush_calls == [(["iptables"], "nftables")] and len(order) == 1
     assert details.cleanup is not None and details.cleanup.ok is True
     assert details.cleanup.steps and details.cleanup.steps[0].removed == {"chains": 3}
     assert details.connects == {"198.19.0.10:443": True}
     assert "cleanup: " in message
+
+
+def test_a_rule_hold_still_on_the_node_keeps_the_gate_s_connects_after_the_flush() -> None:
+    # The hold's kube-proxy is the one running (as if its release had failed at the sync): the observe keeps
+    # it, the in-gate flush releases it, and only then may the connects judge kube-proxy's own rules.
+    api, agent, order = _gate_probe_counting_flushes([FACTS])
+    node = fake_node(agent)
+    node.held.present = True
+    agent.hold = HoldRecord("iptables", "nftables", FACTS.process_start_time, fake_clock(agent).t + 600)
+    agent.handle(api.get("n1"))
+    assert order == ["connect after 1 flush(es)"] and node.held.calls == ["release"] and agent.hold is None
+    assert _probe_details(api)[1].connects == {"198.19.0.10:443": True}
 
 
 def test_a_gate_probe_flushes_nothing_while_kube_proxy_has_not_synced_in_its_mode() -> None:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
-from test_agent_loop import FACTS, FakeAPI, FakeNode, make_agent, node_obj
+import threading
+from typing import Any
 
+import pytest
+from test_agent_loop import FACTS, FakeAPI, FakeNode, fake_node, make_agent, node_obj
+
+from proxyshift.agent.flush.base import FlushReport
 from proxyshift.api.behaviour import (
     BehaviourCell,
     BehaviourMatrix,
@@ -102,6 +106,51 @@ def test_probe_runs_the_conntrack_step_then_the_behaviour_probe_after_the_wait()
     assert last.details["conntrack"] == {"scanned": 3, "deletedTcp": 1, "deletedUdp": 0,
                                          "entries": ["tcp 198.18.1.2:40000 -> 198.19.0.10:80"], "truncated": False}
     assert "conntrack: 1 TCP and 0 UDP" in last.message and "pod path: probe server" in last.message
+
+
+def test_a_gate_probe_runs_conntrack_and_connects_beside_the_flush_and_the_matrix_last() -> None:
+    checks = FakeChecks()
+    api = FakeAPI(node_obj({"id": "m1.Probe.1", "type": "Probe", "params": {
+        "awaitMode": "nftables", "awaitSeconds": 5, "services": ["198.19.0.10:443"], "behaviour": BEHAVIOUR,
+        "conntrack": CONNTRACK, "cleanup": {"removeModes": ["iptables"], "targetMode": "nftables"}}}))
+    agent = make_agent(api)
+    node = fake_node(agent)
+    node.checks = checks
+    events: list[str] = []
+    conntrack_began = threading.Event()
+    conntrack, behaviour = checks.conntrack, checks.behaviour
+    flush, connect, inventory = node.flush, node.connect, node.inventory
+
+    def conntrack_beside(params: ConntrackParams) -> ConntrackReport:
+        conntrack_began.set()
+        events.append("conntrack")
+        return conntrack(params)
+
+    def flush_waiting(remove: list[str], target: str | None) -> FlushReport:
+        # Returns once the conntrack step has begun: run one after the other, this would wait out its 5 s.
+        events.append(f"flush (conntrack began: {conntrack_began.wait(5)})")
+        return flush(remove, target)
+
+    def recorded(name: str, seam: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            events.append(name)
+            return seam(*args, **kwargs)
+        return call
+
+    # The test swaps these seams for ones that record each call.
+    checks.conntrack, checks.behaviour = conntrack_beside, recorded("behaviour", behaviour)  # type: ignore[method-assign]
+    node.flush, node.connect = flush_waiting, recorded("connect", connect)  # type: ignore[method-assign]  # swapped
+    node.inventory = recorded("inventory", inventory)  # type: ignore[method-assign]  # swapped, recording
+    agent.handle(api.get("n1"))
+    assert "flush (conntrack began: True)" in events
+    assert events.index("conntrack") < events.index("connect")  # the gap's un-NATed entries go first
+    # The matrix judges the node as it stays: after the flush and the inventory read after it, last.
+    flushed = events.index("flush (conntrack began: True)")
+    assert "inventory" in events[flushed:] and events[-1] == "behaviour" and events.count("behaviour") == 1
+    last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last is not None and last.state == "Succeeded"
+    assert last.details["connects"] == {"198.19.0.10:443": True} and last.details["cleanup"]["ok"] is True
+    assert last.details["conntrack"]["deletedTcp"] == 1
 
 
 def test_a_new_after_matrix_clears_the_old_ones_pod_path_error() -> None:

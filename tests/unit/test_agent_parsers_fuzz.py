@@ -13,6 +13,7 @@ from proxyshift.agent.flush.ipvs import IpvsadmOutputError, parse_ipset_save, pa
 from proxyshift.agent.flush.nftables import NftOutputError, parse_tables
 from proxyshift.agent.ip_addr import addresses
 from proxyshift.agent.iptables_save import IptablesSaveError, parse
+from proxyshift.agent.probe import HttpAnswer, health_from_answer
 
 pytestmark = pytest.mark.unit
 
@@ -55,6 +56,19 @@ def test_nft_json_parser(doc: Any) -> None:  # any JSON value
     with contextlib.suppress(NftOutputError):
         for family, name in parse_tables(json.dumps(doc)):
             assert isinstance(family, str) and isinstance(name, str)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                 max_size=4), max_leaves=20))
+def test_healthz_json_parser(doc: Any) -> None:  # any JSON value as kube-proxy's /healthz body
+    import json
+
+    health = health_from_answer(HttpAnswer("http://127.0.0.1:10256/healthz", 200, json.dumps(doc)))
+    assert health.status == 200 and health.error is None
+    assert health.proxiers is None or (health.proxiers and all(isinstance(s.last_updated, str)
+                                                               for s in health.proxiers))
 
 
 def test_ip_addr_json_without_addresses() -> None:

@@ -12,7 +12,17 @@ from typing import Any
 
 import pytest
 
-from proxyshift.agent.probe import facts_from_probe, http_get, probe, split_address, tcp_connect
+from proxyshift.agent.probe import (
+    HttpAnswer,
+    ProxierSync,
+    facts_from_probe,
+    health_from_answer,
+    http_get,
+    probe,
+    read_health,
+    split_address,
+    tcp_connect,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -150,3 +160,52 @@ def test_tcp_connect(server: tuple[str, dict]) -> None:
     refused, invalid = results[closed], results["kubernetes.default:443"]
     assert isinstance(refused, str) and "refused" in refused.lower()
     assert isinstance(invalid, str) and invalid.startswith("invalid target")
+
+
+# kube-proxy 1.37's /healthz (pkg/proxy/healthcheck/proxy_health.go): written here from its field list.
+HEALTHZ_SYNCED = ('{"lastUpdated":"2026-12-05T12:00:07.5Z","currentTime":"2026-12-05T12:00:07.5Z",'
+                  '"nodeEligible":true,"healthy":true,'
+                  '"status":{"IPv6":{"lastUpdated":"2026-12-05T12:00:03.25Z","healthy":true},'
+                  '"IPv4":{"lastUpdated":"2026-12-05T12:00:03.125Z","healthy":true}}}')
+# Before the proxier's sync loop starts its `status` map is empty, and empty maps are omitted.
+HEALTHZ_STARTING = '{"lastUpdated":"0001-01-01T00:00:00Z","currentTime":"2026-12-05T12:00:01Z","healthy":true}'
+
+
+def test_read_health_gives_the_per_family_sync_times(server: tuple[str, dict]) -> None:
+    addr, routes = server
+    routes["/healthz"] = (200, HEALTHZ_SYNCED)
+    health = read_health(addr)
+    assert health.status == 200 and health.error is None and health.node_eligible is True
+    assert health.proxiers == (ProxierSync("IPv4", "2026-12-05T12:00:03.125Z", True),
+                               ProxierSync("IPv6", "2026-12-05T12:00:03.25Z", True))
+    # The top-level times move with every answer; the mark does not.
+    later = HEALTHZ_SYNCED.replace("12:00:07.5Z", "12:00:09Z")
+    routes["/healthz"] = (200, later)
+    assert read_health(addr).mark == health.mark
+    routes["/healthz"] = (200, later.replace("03.25Z", "08.5Z"))
+    assert read_health(addr).mark != health.mark
+    routes["/healthz"] = (503, HEALTHZ_SYNCED.replace('"healthy":true}}}', '"healthy":false}}}'))
+    unhealthy = read_health(addr)
+    assert unhealthy.status == 503 and unhealthy.proxiers is not None and unhealthy.mark != health.mark
+
+
+def test_a_healthz_without_sync_times_gives_no_signal(server: tuple[str, dict]) -> None:
+    addr, routes = server
+    for body in (HEALTHZ_STARTING, "{}", "", "ok", "[1]", '{"status": []}', '{"status": {"IPv4": 5}}',
+                 '{"status": {"IPv4": {"healthy": true}}}', "[" * 50_000):
+        routes["/healthz"] = (200, body)
+        health = read_health(addr)
+        assert health.status == 200 and health.proxiers is None and health.error is None, body[:40]
+    routes["/healthz"] = (200, _huge)
+    huge = read_health(addr)
+    assert huge.proxiers is None and huge.error is not None and "larger than" in huge.error
+
+
+def test_no_healthz_answer_is_an_error_without_a_signal() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    health = read_health(f"127.0.0.1:{port}", timeout=1)
+    assert health.status is None and health.proxiers is None
+    assert health.error is not None and "ConnectionRefused" in health.error
+    assert health_from_answer(HttpAnswer("http://x/healthz", 200, error="GET: no complete answer")).proxiers is None

@@ -29,12 +29,21 @@ from proxyshift.api.proxynode import KubeProxyFacts
 from proxyshift.api.replacement import ReplacementFacts, ReplacementParams
 from proxyshift.commands import CommandError, run
 
+# A /healthz poll answers from the node's loopback in a millisecond; one that hangs must not stretch a
+# Probe's bounded wait by the full probe's 3 s.
+HEALTH_POLL_TIMEOUT = 1.0
+
 
 class NodeEffects(Protocol):
     """The node as the agent loop sees it."""
 
     def probe(self) -> KubeProxyFacts:
         """kube-proxy's own answers (/proxyMode, /metrics, /healthz); a failure is a fact with an error."""
+        ...
+
+    def health(self) -> probe_mod.KubeProxyHealth:
+        """kube-proxy's /healthz alone, its proxiers' last sync times: the cheap look a waiting Probe polls
+        between full probes. A failure is an answer with an error."""
         ...
 
     def inventory(self) -> inventory_mod.Inventory:
@@ -97,6 +106,9 @@ class KernelNodeEffects:
 
     def probe(self) -> KubeProxyFacts:
         return probe_mod.facts_from_probe(probe_mod.probe(self.metrics_address, self.health_address))
+
+    def health(self) -> probe_mod.KubeProxyHealth:
+        return probe_mod.read_health(self.health_address, timeout=HEALTH_POLL_TIMEOUT)
 
     def inventory(self) -> inventory_mod.Inventory:
         return inventory_mod.take_inventory(proc_root=self.proc_root)

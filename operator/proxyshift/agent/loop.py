@@ -41,7 +41,7 @@ from proxyshift.agent import probe as probe_mod
 from proxyshift.agent.effects import KernelNodeEffects, NodeEffects
 from proxyshift.agent.ownership import MODES
 from proxyshift.agent.preflight import Missing
-from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams
+from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams, ConntrackParams, ConntrackReport
 from proxyshift.api.common import API_GROUP, API_VERSION
 from proxyshift.api.proxynode import (
     CleanupParams,
@@ -73,8 +73,18 @@ P99_ABOVE_BUCKETS = 1e9
 MESSAGE_LIMIT = 4000
 FLUSH_MESSAGE_LIMIT = 1000  # a flush's message inside a Probe's details (the probe's own message has it too)
 MAX_PROBE_AWAIT_SECONDS = 30.0  # whatever a Probe asks, the agent never sits longer on one
-# A Probe that waits notices kube-proxy's sync this soon (half of it on average: the gate's verdict lag per
-# node); one poll is three HTTP GETs to the node's own kube-proxy.
+# A Probe that waits for kube-proxy's sync (Agent._await_sync). kube-proxy offers no way to be told of a sync:
+# the agent polls, and the cheapest answer that moves with a sync is /healthz's per-family time of the last one
+# (probe.KubeProxyHealth), a small JSON object. So the wait reads only /healthz every PROBE_HEALTH_POLL_SECONDS
+# (half of it on average is the gate's verdict lag per node) and the full probe (three GETs, the whole /metrics
+# text parsed) only when that answer changes, then at every poll for PROBE_CHASE_SECONDS (the metrics count a
+# sync a moment after /healthz shows it: the sync's tail, service health checks and UDP conntrack cleanup, runs
+# in between), and at the latest every PROBE_FALLBACK_SECONDS. A /healthz without per-family times (a
+# kube-proxy from before them, one not in its sync loop yet, none answering) is waited on as before it:
+# the full probe every PROBE_AWAIT_POLL_SECONDS.
+PROBE_HEALTH_POLL_SECONDS = 0.01
+PROBE_CHASE_SECONDS = 0.1
+PROBE_FALLBACK_SECONDS = 0.25
 PROBE_AWAIT_POLL_SECONDS = 0.05
 # Three GETs on the replacement's socket (health, Service table, endpoints) a round.
 REPLACEMENT_AWAIT_POLL_SECONDS = 0.1
@@ -521,15 +531,14 @@ class Agent:
 
     def _run_probe(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
         p = op.params_as(ProbeParams)
+        # Read before the first full probe: a sync after that probe then shows as a change of this answer.
+        seen = self.effects.health() if p.await_mode else None
         extra = self.observe(inventory=False)
-        if p.await_mode:
+        if p.await_mode and seen is not None:
             # Wait here, polling the node's own kube-proxy, rather than answer "not synced yet" and
             # make the operator ask again a round later. Bounded; the gate judges whatever comes.
-            syncs = p.await_syncs or 1
             deadline = self.clock() + min(p.await_seconds or 0.0, MAX_PROBE_AWAIT_SECONDS)
-            while not _settled(self.facts, p.await_mode, syncs) and self.clock() < deadline:
-                self.sleep(PROBE_AWAIT_POLL_SECONDS)
-                extra = self.observe(inventory=False)
+            extra = self._await_sync(p.await_mode, p.await_syncs or 1, deadline, seen) or extra
         services = p.services
         replaced = None
         if p.replacement is not None:
@@ -544,27 +553,44 @@ class Agent:
             extra = {**extra, "replacement": with_nulls(replaced)}
         synced = self.clock()
         flushed: CleanupResult | None = None
-        if p.cleanup is not None and p.await_mode and _synced_in(self.facts, p.await_mode, p.await_syncs or 1):
-            # The old mode's leftovers go before anything is judged: the connects and the "after" matrix
-            # then see the node as it stays, and no Cleanup step of its own follows the gate.
-            try:
-                ok, said, flushed = self._flush_stale(p.cleanup)
-            except ValueError as exc:  # modes the flush refuses: told, never a failed probe
-                ok, said, flushed = False, str(exc), CleanupResult()
-            flushed.ok, flushed.message = ok, said[:FLUSH_MESSAGE_LIMIT]
-            extra = self.observe(inventory=True)
-        cleaned_up = self.clock()
-        connects = self.effects.connect(services) if services else {}
-        connected = self.clock()
+        flush = bool(p.cleanup is not None and p.await_mode
+                     and _synced_in(self.facts, p.await_mode, p.await_syncs or 1))
+        # After the sync, three parts, the first two side by side (they shared the critical path one after the
+        # other): the flush of the old mode's leftovers with the inventory after it; the conntrack step then
+        # the connects; then the "after" matrix, which must judge the node as it stays, so it waits for both.
+        # The conntrack step and the connects need nothing of the flush: it runs only where the new kube-proxy
+        # already deleted the old mode's Service rules at its start (planner/machine.py _cleanup_in_gate), and
+        # they only delete un-NATed entries and reach Services through the new rules. The conntrack step goes
+        # first, as before the matrix: a connect whose source port happens to be that of an un-NATed entry
+        # left from the switch's gap (its client gave up, the entry stays) would hang through its SYN retries
+        # and fail the gate for nothing. A rule hold still on the node (its release when kube-proxy
+        # synced failed) keeps the connects after the flush, which releases it again: a connect must reach
+        # its Service through kube-proxy's rules, not the hold's copy of the old ones.
+        connects_beside = not flush or self.hold is None
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="probe-checks") as pool:
+            checks = pool.submit(self._conntrack_then_connect, p.conntrack, services if connects_beside else [])
+            if flush and p.cleanup is not None:
+                try:
+                    ok, said, flushed = self._flush_stale(p.cleanup)
+                except ValueError as exc:  # modes the flush refuses: told, never a failed probe
+                    ok, said, flushed = False, str(exc), CleanupResult()
+                flushed.ok, flushed.message = ok, said[:FLUSH_MESSAGE_LIMIT]
+                extra = self.observe(inventory=True)
+            cleaned_up = self.clock()
+            cleaned, connects, conntrack_took, connects_took = checks.result()
+        if not connects_beside and services:
+            began = self.clock()
+            connects = self.effects.connect(services)
+            connects_took = self.clock() - began
+        checked = self.clock()
         behaviour = p.behaviour
-        # The conntrack step first: a flow left un-NATed from the switch's gap would fail the probe.
-        cleaned = self.effects.conntrack(p.conntrack) if p.conntrack is not None else None
-        conntracked = self.clock()
         matrix = self._take_behaviour(op, behaviour) if behaviour is not None else None
-        # Where the time after kube-proxy's sync goes: the gate's own part of a node's switch.
-        log.info("probe %s after the sync: cleanup %.3f s, connects %.3f s, conntrack %.3f s, behaviour %.3f s",
-                 op.id, cleaned_up - synced, connected - cleaned_up, conntracked - connected,
-                 self.clock() - conntracked)
+        # Where the time after kube-proxy's sync goes: the gate's own part of a node's switch. The parts overlap:
+        # "in all" is what they cost the node before the matrix.
+        log.info("probe %s after the sync: cleanup %.3f s; beside it conntrack %.3f s then connects %.3f s%s; "
+                 "%.3f s in all; then behaviour %.3f s", op.id, cleaned_up - synced, conntrack_took, connects_took,
+                 "" if connects_beside else " (the connects after the cleanup: a rule hold was left)",
+                 checked - synced, self.clock() - checked)
         facts = self.facts or KubeProxyFacts()
         if replaced is not None:
             # No kube-proxy runs here: the replacement's account is the probe's answer.
@@ -592,6 +618,40 @@ class Agent:
             extra = {**extra, "behaviour": {"after": with_nulls(matrix)}}
             parts.append(_matrix_summary(matrix))
         return self._done(op, started, True, "; ".join(parts), details), extra
+
+    def _await_sync(self, mode: str, syncs: int, deadline: float,
+                    seen: probe_mod.KubeProxyHealth) -> dict[str, Any] | None:
+        """Poll until `_settled` or `deadline` (agent clock): /healthz alone while its per-family sync times
+        hold still, the full probe when they move (PROBE_HEALTH_POLL_SECONDS and its neighbours say why).
+        `seen`: /healthz as read just before the last full probe. The last full probe's status fields, None
+        if none was taken."""
+        extra: dict[str, Any] | None = None
+        observed, changed = self.clock(), -math.inf
+        while not _settled(self.facts, mode, syncs) and self.clock() < deadline:
+            self.sleep(PROBE_AWAIT_POLL_SECONDS if seen.proxiers is None else PROBE_HEALTH_POLL_SECONDS)
+            now_seen = self.effects.health()
+            now = self.clock()
+            if now_seen.proxiers is None:
+                due = True  # nothing to watch: the full probe at every poll, as before /healthz had the times
+            elif now_seen.mark != seen.mark:
+                due, changed = True, now
+            else:
+                due = now - changed < PROBE_CHASE_SECONDS or now - observed >= PROBE_FALLBACK_SECONDS
+            seen = now_seen
+            if due:
+                extra = self.observe(inventory=False)
+                observed = self.clock()
+        return extra
+
+    def _conntrack_then_connect(self, params: ConntrackParams | None, services: list[str]
+                                ) -> tuple[ConntrackReport | None, dict[str, bool | str], float, float]:
+        """A gate Probe's conntrack step (with `params`), then its connects to `services`: their answers and
+        the seconds each took. Runs beside the in-gate flush (_run_probe says why it may)."""
+        began = self.clock()
+        cleaned = self.effects.conntrack(params) if params is not None else None
+        between = self.clock()
+        connects = self.effects.connect(services) if services else {}
+        return cleaned, connects, between - began, self.clock() - between
 
     def _recover(self, op: Operation, last: dict[str, Any]) -> None:
         """Our own operation is still Running in the status: a previous agent died during it."""

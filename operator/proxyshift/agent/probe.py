@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import ipaddress
+import json
 import socket
 import time
 from collections.abc import Iterable
@@ -22,6 +23,7 @@ DEFAULT_METRICS_ADDRESS = "127.0.0.1:10249"
 DEFAULT_HEALTH_ADDRESS = "127.0.0.1:10256"
 DEFAULT_TIMEOUT = 3.0
 DEFAULT_MAX_BYTES = 8 * 1024 * 1024
+HEALTHZ_MAX_BYTES = 64 * 1024  # kube-proxy's /healthz is one small JSON object
 _CHUNK = 64 * 1024
 
 
@@ -124,8 +126,71 @@ def probe(metrics_address: str = DEFAULT_METRICS_ADDRESS, health_address: str = 
     return ProbeResult(
         proxy_mode=http_get(metrics_address, "/proxyMode", timeout=timeout, max_bytes=4096),
         metrics=http_get(metrics_address, "/metrics", timeout=timeout, max_bytes=max_bytes),
-        healthz=http_get(health_address, "/healthz", timeout=timeout, max_bytes=64 * 1024),
+        healthz=http_get(health_address, "/healthz", timeout=timeout, max_bytes=HEALTHZ_MAX_BYTES),
     )
+
+
+@dataclass(frozen=True)
+class ProxierSync:
+    """One proxier (IP family) in /healthz's `status`: when it last called Updated(), whether it is healthy."""
+
+    family: str
+    last_updated: str  # kube-proxy's own RFC 3339 text: only compared with the previous answer, never parsed
+    healthy: bool
+
+
+@dataclass(frozen=True)
+class KubeProxyHealth:
+    """kube-proxy's /healthz alone: the cheap look a waiting Probe polls instead of /metrics.
+
+    kube-proxy offers no way to be told of a sync. Its /healthz (pkg/proxy/healthcheck/proxy_health.go, v1.37)
+    is a small JSON object whose `status` holds, per IP family, the time the proxier last called Updated():
+    at the start of its sync loop and after every successful sync. A change of it (or of the answer's health)
+    is worth the full probe; the top-level `lastUpdated` is not, a healthy server answers "now" there.
+    """
+
+    status: int | None  # the HTTP status; None: no answer
+    # Sorted by family. None: the answer has no per-family `status` (a kube-proxy from before it, one not yet in
+    # its sync loop, which omits the empty map, or an answer that is not that JSON): no signal to watch.
+    proxiers: tuple[ProxierSync, ...] | None
+    node_eligible: bool | None = None
+    error: str | None = None
+
+    @property
+    def mark(self) -> tuple[object, ...]:
+        """What a new sync or a change of health alters; equal marks: nothing worth a full probe happened."""
+        return self.status, self.proxiers, self.node_eligible
+
+
+def read_health(health_address: str = DEFAULT_HEALTH_ADDRESS, *, timeout: float = DEFAULT_TIMEOUT) -> KubeProxyHealth:
+    """GET /healthz, bounded like every read here, and what it says of the proxiers' syncs."""
+    return health_from_answer(http_get(health_address, "/healthz", timeout=timeout, max_bytes=HEALTHZ_MAX_BYTES))
+
+
+def health_from_answer(answer: HttpAnswer) -> KubeProxyHealth:
+    """A /healthz answer as KubeProxyHealth; anything but kube-proxy's JSON has no proxiers, never raises."""
+    if answer.error is not None or answer.status is None:
+        return KubeProxyHealth(answer.status, None, error=answer.error)
+    try:
+        doc = json.loads(answer.body)
+    except (ValueError, RecursionError):  # the body is capped, but its nesting is the server's
+        return KubeProxyHealth(answer.status, None)
+    if not isinstance(doc, dict):
+        return KubeProxyHealth(answer.status, None)
+    eligible = doc.get("nodeEligible")
+    return KubeProxyHealth(answer.status, _proxiers(doc.get("status")),
+                           node_eligible=eligible if isinstance(eligible, bool) else None)
+
+
+def _proxiers(status: object) -> tuple[ProxierSync, ...] | None:
+    if not isinstance(status, dict) or not status:
+        return None
+    found: list[ProxierSync] = []
+    for family, entry in status.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("lastUpdated"), str):
+            return None  # not the shape kube-proxy writes: no signal rather than half of one
+        found.append(ProxierSync(str(family)[:16], entry["lastUpdated"][:64], entry.get("healthy") is True))
+    return tuple(sorted(found, key=lambda s: s.family))
 
 
 def facts_from_probe(result: ProbeResult, now: datetime | None = None) -> KubeProxyFacts:

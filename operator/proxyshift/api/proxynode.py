@@ -202,7 +202,7 @@ class ProbeParams(_Params):
         default=None, description="The node runs no kube-proxy (cilium-kpr): read its replacement's API instead.")
     cleanup: CleanupParams | None = Field(
         default=None, description="Flush these stale objects once kube-proxy runs await_mode and synced, "
-        "before the connects, the conntrack step and the behaviour probe.")
+        "beside the conntrack step and the connects (they need nothing of it), before the behaviour probe.")
 
     def to_params(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"services": list(self.services), "awaitMode": self.await_mode,
