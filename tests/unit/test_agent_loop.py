@@ -92,6 +92,7 @@ class FakeHold:
 
     def __init__(self, present: bool = False, fail: bool = False):
         self.present, self.fail = present, fail
+        self.release_fails = False
         self.calls: list[str] = []
 
     def install(self, from_mode: str) -> HoldReport:
@@ -107,6 +108,9 @@ class FakeHold:
     def release(self) -> HoldReport:
         self.calls.append("release")
         report = HoldReport("release")
+        if self.release_fails:
+            report.errors.append("iptables-restore: exit status 4")
+            return report
         if self.present:
             report.done.append("9 chains removed")
         self.present = False
@@ -850,6 +854,20 @@ def test_a_hold_goes_as_soon_as_the_proxynode_no_longer_names_its_migration_in_f
     agent.handle(api.get("n1"))
     assert not hold.present and hold.calls[-1] == "release" and agent.hold is None
     assert len(api.patches) > writes and ProxyNode.model_validate(api.obj).status.hold is None
+
+
+def test_a_release_that_fails_on_an_event_writes_nothing_and_is_tried_again_by_the_next_observe() -> None:
+    hold = FakeHold()
+    api, agent = held_with_the_preflight(hold)
+    hold.release_fails = True
+    api.obj["spec"]["migration"]["phase"] = "Pending"
+    writes = len(api.patches)
+    agent.handle(api.get("n1"))
+    agent.handle(api.get("n1"))  # no write, so no watch event of its own to answer again: no write loop
+    assert len(api.patches) == writes and hold.present and agent.hold is not None
+    hold.release_fails = False
+    agent.observe(inventory=False)
+    assert not hold.present and agent.hold is None
 
 
 @pytest.mark.parametrize("phase", ["Preflight", "Prepared", "Switch", "Gate", "RollingBack"])

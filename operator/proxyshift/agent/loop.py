@@ -375,7 +375,8 @@ class Agent:
         self._migration, self._spec_seen = spec.migration, True
         if self.hold is not None and hold_mod.abandoned(self.hold.operation_id, spec.migration):
             self._release_abandoned()
-            self.write({"hold": self.hold_status()})  # the operator reads status.hold before it trusts a hold
+            if self.hold is None:  # told at once; a failed release is retried by the next observe, not here
+                self.write({"hold": None})
         op = spec.operation
         last = (obj.get("status") or {}).get("lastOperation") or {}
         if op is not None and op.id not in self._started and last.get("id") != op.id \
