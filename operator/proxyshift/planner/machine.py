@@ -5,7 +5,10 @@
     Prepared: preflight passed while no maxUnavailable slot was free (the planner started the node's
               preflight ahead, during another node's gate); it switches when the planner grants a slot.
               Not written: the record stays Preflight, and its passed preflight (the agent's answer to the
-              migration's own Preflight id) is what makes it Prepared (is_prepared).
+              migration's own Preflight id) is what makes it Prepared (is_prepared). Where the switch holds
+              rules and follows the grant directly, that preflight also made the rule hold (holds_ahead), so the
+              granted switch moves the label at once (_held_ahead); the agent drops the hold when the record
+              leaves flight (agent/hold.abandoned).
     Switch/Gate/Cleanup/Verify failure -> RollingBack -> RolledBack (or Failed if the old kube-proxy
                                           does not pass the gate either)
 
