@@ -237,6 +237,19 @@ def test_nodes_waiting_prepared_hold_their_rules_and_switch_without_a_hold_round
     assert sim.holds == {}
 
 
+def test_from_nftables_the_hold_is_made_at_the_switch_only() -> None:
+    """The proxyshift-hold nft table would hook before the live kube-proxy's and serve every connection from a
+    snapshot while the node waits: from nftables the preflight asks for no hold, every switch asks its own."""
+    pol = make_policy("pol0", "iptables", {"matchLabels": {"pool": "blue"}},
+                      rollout={"maxUnavailable": 1, "preflightAhead": True})
+    sim = Sim.build({f"node-{i}": {"pool": "blue"} for i in range(1, 4)}, [pol], baseline_mode="nftables")
+    sim.run(max_steps=600)
+    assert sim.settled() and sim.violations == [], sim.violations[:5]
+    assert _switches(sim, held=True) == [] and sorted(_switches(sim, held=False)) == sorted(sim.nodes)
+    holds = [w.node for w in sim.actions(SetMigration) if w.operation is not None and w.operation.type == "Hold"]
+    assert sorted(holds) == sorted(sim.nodes)
+
+
 def test_a_kube_proxy_restart_while_prepared_ends_the_hold_and_the_switch_says_so_and_holds_again() -> None:
     sim = _held_fleet(3)
     sim.faults.restart_prepared = {"node-2"}

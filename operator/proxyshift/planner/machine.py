@@ -57,6 +57,7 @@ from proxyshift.api.proxynode import (
 from proxyshift.api.replacement import ReplacementParams
 from proxyshift.modes import (
     facts_of,
+    hold_yields_to_live_rules,
     prunes_unexcluded_ipvs,
     replacement_labels,
     runs_kube_proxy,
@@ -571,9 +572,11 @@ def holds_rules(inp: NodeInput, m: NodeMigration) -> bool:
 
 def holds_ahead(inp: NodeInput, m: NodeMigration) -> bool:
     """Whether the preflight itself asks for the rule hold (PreflightParams.hold), so that the switch a slot
-    grants moves the label at once: where the switch holds rules and follows the grant directly. With
-    rollout.cordon the cordon and a drain (up to drainTimeout) come between: the switch asks, as before."""
-    return holds_rules(inp, m) and not inp.spec.rollout.cordon
+    grants moves the label at once: where the switch holds rules and follows the grant directly, and where the
+    copy yields to the old kube-proxy's live rules while it waits (iptables -> nftables; from nftables the hold's
+    nft table would run before kube-proxy's, serving every connection from a snapshot). With rollout.cordon the
+    cordon and a drain (up to drainTimeout) come between: the switch asks, as before."""
+    return holds_rules(inp, m) and not inp.spec.rollout.cordon and hold_yields_to_live_rules(m.from_mode)
 
 
 def hold_ttl(inp: NodeInput, *, ahead: bool = False) -> timedelta:
