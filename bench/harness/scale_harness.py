@@ -11,7 +11,10 @@ as fast as the API server lets it, so that what is measured is the operator.
 - "agent": for every ProxyNode whose spec.operation id differs from
   status.lastOperation.id, one status write reporting it Succeeded; a Probe also
   reports the kube-proxy facts of the node's current pod (mode of its
-  DaemonSet, started when the harness made the pod, synced, healthy).
+  DaemonSet, started when the harness made the pod, synced, healthy). A
+  Preflight that asks for the rule hold (params.hold) or a Hold reports the
+  hold made (details.hold, status.hold), as the agent does; a Probe or Cleanup
+  reports it gone (the new kube-proxy has synced).
 
 Work is keyed by node name: a watch thread per kind updates a cache and queues
 the name, worker threads reconcile the newest cached object. One node is never
@@ -255,6 +258,12 @@ class Fleet:
         status: dict[str, Any] = {"heartbeat": now_iso(), "lastOperation": {
             "id": op["id"], "type": op["type"], "state": "Succeeded", "message": "ok (bench harness)",
             "startedAt": now_iso(), "finishedAt": now_iso(), "details": {}}}
+        if op["type"] == "Hold" or (op["type"] == "Preflight" and (op.get("params") or {}).get("hold")):
+            status["hold"] = {"operationId": op["id"], "expires": None}
+            if op["type"] == "Preflight":
+                status["lastOperation"]["details"] = {"hold": {"ok": True, "message": "rule hold (bench harness)"}}
+        elif op["type"] in ("Probe", "Cleanup"):
+            status["hold"] = None
         if op["type"] == "Probe":
             with self.lock:
                 ds, started = self.pods.get(name, ("kube-proxy", time.time()))

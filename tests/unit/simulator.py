@@ -16,6 +16,8 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from proxyshift.agent.hold import abandoned
+from proxyshift.api.common import parse_duration
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.api.proxynode import (
     KubeProxyFacts,
@@ -24,8 +26,17 @@ from proxyshift.api.proxynode import (
     ProxyNode,
     ProxyNodeSpec,
     ProxyNodeStatus,
+    RuleHold,
+    attempt_key,
 )
-from proxyshift.planner.machine import IN_FLIGHT, UNTOUCHED, is_in_flight, is_prepared
+from proxyshift.planner.machine import (
+    HOLD_ROLLBACK_SECONDS,
+    IN_FLIGHT,
+    RECONNECT_GRACE,
+    UNTOUCHED,
+    is_in_flight,
+    is_prepared,
+)
 from proxyshift.planner.ownership import compute_ownership, is_deleting
 from proxyshift.planner.planner import plan, resolve_max_unavailable
 from proxyshift.planner.timeutil import fmt
@@ -96,8 +107,20 @@ class Faults:
     sync_failures: set[tuple[str, str]] = field(default_factory=set)
     cleanup_fail: set[str] = field(default_factory=set)
     hold_fail: set[str] = field(default_factory=set)  # the agent's rule hold fails (the switch goes on)
+    # The node's old kube-proxy restarts (once) while the node waits Prepared: a hold made before goes with it.
+    restart_prepared: set[str] = field(default_factory=set)
     agent_dead: set[str] = field(default_factory=set)
     no_connect: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class Held:
+    """A rule hold the fake agent keeps: the operation that made it, until when, and the kube-proxy pod it was
+    made under (the hold goes once another one has synced, as agent/loop.py's _maybe_release_hold)."""
+
+    operation_id: str
+    expires: datetime
+    pod: str | None
 
 
 @dataclass
@@ -119,6 +142,8 @@ class Sim:
     _starts: dict[str, int] = field(default_factory=dict)  # per policy, since the last world()
     _touches: dict[str, int] = field(default_factory=dict)  # likewise: nodes moved past Prepared
     _finishes: dict[str, int] = field(default_factory=dict)  # likewise: touched nodes written out of flight
+    holds: dict[str, Held] = field(default_factory=dict)  # node -> the fake agent's rule hold
+    restarted: set[str] = field(default_factory=set)  # restart_prepared faults that fired
 
     @classmethod
     def build(cls, node_labels: dict[str, dict[str, str]], policies: Iterable[ProxyPolicy], **kw: Any) -> Sim:
@@ -182,6 +207,8 @@ class Sim:
     def apply(self, policy: str, action: Action, world: World) -> None:
         self.log.append((self.now, policy, action))
         self._check_action(policy, action, world)
+        if isinstance(action, Event) and action.node is not None and "rules held since the preflight" in action.message:
+            self._check_held(action.node)
         if isinstance(action, EnsureRevision):
             target = self.render(self.policies[action.policy])
             assert target.name == action.revision
@@ -311,6 +338,34 @@ class Sim:
             self.violations.append(f"{self.now}: {node} touched ({after.phase}) without a passed preflight of "
                                    f"{attempt}: operation {op and op.id}, answer {last and (last.id, last.state)}")
 
+    def _check_held(self, node: str) -> None:
+        """A switch that says it runs under the hold made with the preflight does: the agent keeps a hold of
+        this migration, made after it started, that outlives a rollback of this switch."""
+        held, m = self.holds.get(node), self.proxynodes[node].spec.migration
+        if held is None or m is None or not held.operation_id.startswith(f"{attempt_key(m)}.Preflight."):
+            self.violations.append(f"{self.now}: {node} switched claiming the preflight's rule hold, but the agent "
+                                   f"holds {held and held.operation_id}")
+            return
+        policy = self.policies[self.proxynodes[node].spec.policy or ""]
+        # The switch and the gate each gate.timeout and an API server outage's grace, then a rollback.
+        needed = 2 * (parse_duration(policy.spec.gate.timeout) + RECONNECT_GRACE) \
+            + timedelta(seconds=HOLD_ROLLBACK_SECONDS)
+        if held.expires - self.now < needed:
+            self.violations.append(f"{self.now}: {node} switched under a hold that ends at {held.expires}, too soon "
+                                   f"for its switch, gate and a rollback ({needed})")
+
+    def check_holds(self) -> None:
+        """After the agents ran: a node keeps a rule hold only while its record names the hold's migration in
+        flight (not back to Pending, not ended, not another attempt, not released by its policy)."""
+        for node in [n for n in self.holds if n not in self.nodes]:
+            del self.holds[node]  # the node was deleted: its kernel's rules with it
+        for node, held in self.holds.items():
+            pn = self.proxynodes.get(node)
+            m = pn.spec.migration if pn is not None else None
+            if m is None or m.phase not in IN_FLIGHT or not held.operation_id.startswith(f"{attempt_key(m)}."):
+                self.violations.append(f"{self.now}: {node} keeps the rule hold of {held.operation_id} while its "
+                                       f"record is {m and (m.phase, attempt_key(m))}")
+
     def _check_touch(self, policy: str, node: str, world: World) -> None:
         """The standing promise of maxUnavailable: a node leaves Preflight/Prepared for a step that touches it
         only while fewer than maxUnavailable nodes are touched (those switched in this plan included, those
@@ -331,9 +386,17 @@ class Sim:
             if name not in self.faults.agent_dead and name in self.proxynodes:
                 self._agent(name)
         self.check_pods()
+        self.check_holds()
 
     def _kubelet(self, name: str, view: NodeView) -> None:
         want = daemonset_for(view.revision)
+        pn = self.proxynodes.get(name)
+        if name in self.faults.restart_prepared and name not in self.restarted and pn is not None \
+                and is_prepared(pn):
+            # The old kube-proxy restarts while the node waits for its slot: a new process, Ready at once.
+            self.restarted.add(name)
+            self.pods[name] = [self._new_pod(name, p.daemonset, ready=True) if not p.deleting else p
+                               for p in self.pods.get(name, [])]
         exists = want == BASELINE_DAEMONSET or view.revision in self.revisions
         pods = []
         for pod in self.pods.get(name, []):
@@ -368,9 +431,27 @@ class Sim:
             sync_failures=3 if (name, mode) in self.faults.sync_failures else 0, probed_at=fmt(self.now),
         )
 
+    def _serving_pod(self, name: str) -> str | None:
+        ready = [p for p in self.pods.get(name, []) if p.ready and not p.deleting]
+        return ready[0].name if ready else None
+
+    def _hold(self, name: str, op_id: str, ttl: object) -> None:
+        self.holds[name] = Held(op_id, self.now + timedelta(seconds=float(str(ttl or 600))), self._serving_pod(name))
+
+    def _keep_or_release_hold(self, name: str, pn: ProxyNode) -> None:
+        """The agent's rules: the hold goes when its migration is over (hold.abandoned, the real function), when
+        another kube-proxy has synced (a Ready pod here), or when its time ran out. status.hold tells."""
+        held = self.holds.get(name)
+        if held is not None and (abandoned(held.operation_id, pn.spec.migration) or self.now >= held.expires
+                                 or self._serving_pod(name) not in (None, held.pod)):
+            del self.holds[name]
+        held = self.holds.get(name)
+        pn.status.hold = RuleHold(operation_id=held.operation_id, expires=fmt(held.expires)) if held else None
+
     def _agent(self, name: str) -> None:
         pn = self.proxynodes[name]
         pn.status.heartbeat = fmt(self.now)
+        self._keep_or_release_hold(name, pn)
         op = pn.spec.operation
         if op is None:
             return
@@ -385,8 +466,16 @@ class Sim:
         state, message, details = "Succeeded", "ok", {}
         if op.type == "Preflight" and name in self.faults.preflight_fail:
             state, message = "Failed", f"kernel module ip_vs_{op.params.get('scheduler') or 'rr'} missing"
+        elif op.type == "Preflight" and op.params.get("hold"):
+            # A passed preflight makes the hold it was asked for (a failing hold fails only the hold).
+            made = name not in self.faults.hold_fail
+            if made:
+                self._hold(name, op.id, op.params["hold"].get("ttlSeconds"))
+            details = {"hold": {"ok": made, "message": "9 chains copied" if made else "exit status 4"}}
         elif op.type == "Hold" and name in self.faults.hold_fail:
             state, message = "Failed", "iptables-restore: exit status 4"
+        elif op.type == "Hold":
+            self._hold(name, op.id, op.params.get("ttlSeconds"))
         elif op.type == "Cleanup" and name in self.faults.cleanup_fail:
             state, message = "Failed", "iptables-restore: exit status 1"
         elif op.type == "Probe":
@@ -398,8 +487,11 @@ class Sim:
                 flushed = name not in self.faults.cleanup_fail
                 details["cleanup"] = {"ok": flushed,
                                       "message": "3 chains removed" if flushed else "iptables-restore: exit status 1"}
+        if op.type == "Cleanup":
+            self.holds.pop(name, None)  # every cleanup drops the hold with the flush
         pn.status.last_operation = last.model_copy(update={"state": state, "message": message, "details": details,
                                                            "finished_at": fmt(self.now)})
+        self._keep_or_release_hold(name, pn)
 
     # ---- driving ----
 

@@ -29,7 +29,15 @@ from proxyshift.agent.preflight import Missing, PreflightReport, ToolVersions
 from proxyshift.agent.probe import KubeProxyHealth, ProxierSync
 from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams, ConntrackParams, ConntrackReport
 from proxyshift.api.diagnostics import DiagnoseRequest, NodeDiagnostics
-from proxyshift.api.proxynode import KubeProxyFacts, Mode, PreflightResult, ProbeResult, ProxyNode
+from proxyshift.api.proxynode import (
+    KubeProxyFacts,
+    Mode,
+    NodeMigration,
+    PreflightResult,
+    ProbeResult,
+    ProxyNode,
+    attempt_key,
+)
 from proxyshift.api.replacement import ReplacementFacts, ReplacementParams
 from proxyshift.commands import Result
 
@@ -74,10 +82,12 @@ class Clock:
         return self.t
 
 
-def node_obj(op: dict | None = None, status: dict | None = None) -> dict[str, Any]:
+def node_obj(op: dict | None = None, status: dict | None = None,
+             migration: dict | None = None) -> dict[str, Any]:
     return {"apiVersion": "proxyshift.io/v1alpha1", "kind": "ProxyNode",
             "metadata": {"name": "n1", "resourceVersion": "1"},
-            "spec": {"mode": "nftables", **({"operation": op} if op else {})}, "status": status or {}}
+            "spec": {"mode": "nftables", **({"operation": op} if op else {}),
+                     **({"migration": migration} if migration else {})}, "status": status or {}}
 
 
 FACTS = KubeProxyFacts(proxy_mode="nftables", healthz_status=200, process_start_time=1.7e9,
@@ -93,6 +103,7 @@ class FakeHold:
 
     def __init__(self, present: bool = False, fail: bool = False):
         self.present, self.fail = present, fail
+        self.release_fails = False
         self.calls: list[str] = []
 
     def install(self, from_mode: str) -> HoldReport:
@@ -108,6 +119,9 @@ class FakeHold:
     def release(self) -> HoldReport:
         self.calls.append("release")
         report = HoldReport("release")
+        if self.release_fails:
+            report.errors.append("iptables-restore: exit status 4")
+            return report
         if self.present:
             report.done.append("9 chains removed")
         self.present = False
@@ -701,9 +715,19 @@ def test_the_watch_back_off_starts_anew_after_a_watch_that_ran(monkeypatch: pyte
 
 # ---- rule hold ----
 
+# The migration a hold is made for: the agent keeps a hold only while its ProxyNode names it in flight.
+SWITCHING = {"phase": "Switch", "toRevision": "p-1", "attempt": 1, "startedAt": "2026-12-05T10:00:00Z"}
+KEY = attempt_key(NodeMigration.model_validate(SWITCHING))
+
+
 def hold_op(n: int = 0) -> dict[str, Any]:
-    return {"id": f"m1.Hold.{n}", "type": "Hold",
+    return {"id": f"{KEY}.Hold.{n}", "type": "Hold",
             "params": {"fromMode": "iptables", "toMode": "nftables", "ttlSeconds": 300}}
+
+
+def hold_node(op: dict[str, Any] | None = None, **migration: Any) -> dict[str, Any]:
+    """A ProxyNode whose migration (SWITCHING, changed by `migration`) asks for `op` (a Hold by default)."""
+    return node_obj(op or hold_op(), migration={**SWITCHING, **migration})
 
 
 OLD_PROXY = FACTS.model_copy(update={"proxy_mode": "iptables"})
@@ -712,7 +736,7 @@ NEW_SYNCED = FACTS.model_copy(update={"process_start_time": 1.8e9, "last_sync_ti
 
 
 def test_hold_copies_the_old_rules_and_goes_once_a_new_kube_proxy_has_synced() -> None:
-    api, hold = FakeAPI(node_obj(hold_op())), FakeHold()
+    api, hold = FakeAPI(hold_node()), FakeHold()
     seen = [OLD_PROXY]
     agent = make_agent(api, hold=hold)
     agent.effects.probe = lambda: seen[0]  # type: ignore[method-assign]  # the test swaps this seam
@@ -732,7 +756,7 @@ def test_hold_copies_the_old_rules_and_goes_once_a_new_kube_proxy_has_synced() -
 
 
 def test_a_hold_never_outlives_its_time_to_live() -> None:
-    api, hold = FakeAPI(node_obj(hold_op())), FakeHold()
+    api, hold = FakeAPI(hold_node()), FakeHold()
     agent = make_agent(api, hold=hold, facts=OLD_PROXY)
     agent.handle(api.get("n1"))
     fake_clock(agent).t += 299
@@ -781,6 +805,124 @@ def test_a_hold_left_by_an_earlier_agent_goes_once_kube_proxy_has_synced() -> No
     agent.effects.probe = lambda: NEW_SYNCED  # type: ignore[method-assign]  # the test swaps this seam
     agent.observe(inventory=False)
     assert not hold.present and hold.calls == ["release"]
+
+
+# ---- a rule hold made with the preflight, and when it goes ----
+
+def preflight_holding() -> dict[str, Any]:
+    return {"id": f"{KEY}.Preflight.0", "type": "Preflight",
+            "params": {"mode": "nftables", "scheduler": None,
+                       "hold": {"fromMode": "iptables", "toMode": "nftables", "ttlSeconds": 300}}}
+
+
+def held_with_the_preflight(hold: FakeHold, **migration: Any) -> tuple[FakeAPI, Agent]:
+    """An agent that ran a passed preflight asking for the hold (waiting for its slot: phase Preflight)."""
+    api = FakeAPI(hold_node(preflight_holding(), phase="Preflight", **migration))
+    agent = make_agent(api, hold=hold, facts=OLD_PROXY)
+    agent.handle(api.get("n1"))
+    return api, agent
+
+
+def test_a_passed_preflight_makes_the_hold_it_was_asked_for_and_says_so_in_the_status() -> None:
+    hold = FakeHold()
+    api, _ = held_with_the_preflight(hold)
+    pn = ProxyNode.model_validate(api.obj)
+    last = pn.status.last_operation
+    assert last is not None and last.state == "Succeeded" and "9 chains, 20 rules copied" in last.message
+    made = last.result_as(PreflightResult).hold
+    assert made is not None and made.ok and "9 chains" in made.message
+    assert hold.calls == ["install iptables"] and hold.present
+    # One write carries the answer and the hold: the operator trusts a hold only while status.hold names it.
+    assert pn.status.hold is not None and pn.status.hold.operation_id == f"{KEY}.Preflight.0"
+    assert pn.status.hold.expires == "2027-01-15T08:05:00Z"  # the fake clock's start + ttlSeconds
+
+
+def test_a_failed_preflight_makes_no_hold() -> None:
+    def refuse(mode: str, scheduler: str | None, **kw: Any) -> PreflightReport:
+        report = FakeNode().preflight(mode, scheduler)
+        report.missing.append(Missing("nft", "not found", "install nftables"))
+        return report
+
+    api, hold = FakeAPI(hold_node(preflight_holding(), phase="Preflight")), FakeHold()
+    agent = make_agent(api, hold=hold, facts=OLD_PROXY, preflight=refuse)
+    agent.handle(api.get("n1"))
+    last = ProxyNode.model_validate(api.obj).status.last_operation
+    assert last is not None and last.state == "Failed" and last.result_as(PreflightResult).hold is None
+    assert hold.calls == [] and agent.hold is None
+
+
+@pytest.mark.parametrize("now", [
+    {"phase": "Pending", "reason": "PreflightExpired"},  # abandoned: expired, paused, halted, superseded
+    {"phase": "Failed", "reason": "PreflightFailed"},
+    {"phase": "Done"},
+    {"phase": "Preflight", "attempt": 2},                # another attempt, its own preflight
+    {"phase": "Preflight", "toRevision": "p-2"},         # another revision
+    None,                                                # released: no migration at all
+])
+def test_a_hold_goes_as_soon_as_the_proxynode_no_longer_names_its_migration_in_flight(
+        now: dict[str, Any] | None) -> None:
+    hold = FakeHold()
+    api, agent = held_with_the_preflight(hold)
+    writes = len(api.patches)
+    api.obj["spec"]["migration"] = None if now is None else {**SWITCHING, **now}
+    if now is None:
+        del api.obj["spec"]["operation"]
+    agent.handle(api.get("n1"))
+    assert not hold.present and hold.calls[-1] == "release" and agent.hold is None
+    assert len(api.patches) > writes and ProxyNode.model_validate(api.obj).status.hold is None
+
+
+def test_a_release_that_fails_on_an_event_writes_nothing_and_is_tried_again_by_the_next_observe() -> None:
+    hold = FakeHold()
+    api, agent = held_with_the_preflight(hold)
+    hold.release_fails = True
+    api.obj["spec"]["migration"]["phase"] = "Pending"
+    writes = len(api.patches)
+    agent.handle(api.get("n1"))
+    agent.handle(api.get("n1"))  # no write, so no watch event of its own to answer again: no write loop
+    assert len(api.patches) == writes and hold.present and agent.hold is not None
+    hold.release_fails = False
+    agent.observe(inventory=False)
+    assert not hold.present and agent.hold is None
+
+
+@pytest.mark.parametrize("phase", ["Preflight", "Prepared", "Switch", "Gate", "RollingBack"])
+def test_a_hold_stays_while_its_migration_may_still_switch_or_roll_back(phase: str) -> None:
+    hold = FakeHold()
+    api, agent = held_with_the_preflight(hold)
+    api.obj["spec"]["migration"]["phase"] = phase
+    agent.handle(api.get("n1"))
+    agent.observe(inventory=False)
+    assert hold.present and agent.hold is not None and hold.calls == ["install iptables"]
+
+
+def test_a_hold_left_by_an_earlier_agent_goes_at_once_when_no_migration_is_in_flight() -> None:
+    hold = FakeHold(present=True)
+    api = FakeAPI(node_obj(migration={**SWITCHING, "phase": "Pending"}))
+    agent = make_agent(api, hold=hold, facts=NEW_STARTED)
+    agent.handle(api.get("n1"))
+    agent.observe(inventory=False)  # not synced yet: only the ended migration lets it go
+    assert not hold.present and hold.calls == ["release"]
+
+
+def test_a_hold_that_went_with_a_restarted_kube_proxy_is_told_before_the_heartbeat_is_due() -> None:
+    """The old kube-proxy restarting while the node waits for its slot ends the hold (a different process has
+    synced): the status says so at once, so the switch asks for a new one instead of trusting the old answer."""
+    hold = FakeHold()
+    api, agent = held_with_the_preflight(hold)
+    seen = [OLD_PROXY]
+    fake_node(agent).probe = lambda: seen[0]  # type: ignore[method-assign]  # the test swaps this seam
+    agent.tick()
+    seen[0] = NEW_STARTED.model_copy(update={"proxy_mode": "iptables"})
+    fake_clock(agent).t += 16
+    agent.tick()                                     # a new process: written, the hold kept until it synced
+    assert hold.present and ProxyNode.model_validate(api.obj).status.hold is not None
+    writes = len(api.patches)
+    seen[0] = NEW_SYNCED.model_copy(update={"proxy_mode": "iptables"})
+    fake_clock(agent).t += 16
+    agent.tick()                                     # nothing else changed, no heartbeat due
+    assert not hold.present and len(api.patches) == writes + 1
+    assert "hold" in api.patches[-1] and ProxyNode.model_validate(api.obj).status.hold is None
 
 
 # ---- a probe waits on the node for the new kube-proxy's sync ----

@@ -86,7 +86,12 @@ def _planned() -> dict[str, dict[str, Any]]:
 
     out: dict[str, dict[str, Any]] = {}
     start = machine.start(inp(), Target(REV, "nftables"), from_mode="iptables", generation=3, retry_token="a")
-    out["Preflight"] = first_op(start).to_k8s()["params"]
+    preflight_params = first_op(start).to_k8s()["params"]
+    # New since v0: the rule hold made by a passed preflight (iptables -> nftables without cordon). An older agent
+    # ignores the key and reports no hold, and the switch asks for a Hold of its own as before: the "Hold" capture.
+    assert preflight_params.pop("hold") == {"fromMode": "iptables", "toMode": "nftables",
+                                            "ttlSeconds": int(machine.hold_ttl(inp(), ahead=True).total_seconds())}
+    out["Preflight"] = preflight_params
     policy: dict[str, Any] = {"gate": {**gate, "behaviour": {"allowChanges": ["ForeignIPVSFlush"]}}, "mode": "ipvs",
               "extra_spec": {"preflight": {"loadModules": True, "extraModules": ["nf_nat"]},
                              "ipvs": {"scheduler": "rr"}}}

@@ -20,6 +20,7 @@ from proxyshift.api.proxynode import (
     ProxyNode,
     ProxyNodeSpec,
     ProxyNodeStatus,
+    RuleHold,
 )
 from proxyshift.api.replacement import ReplacementFacts
 from proxyshift.planner import machine
@@ -217,6 +218,98 @@ def test_a_failed_or_unanswered_hold_does_not_stop_the_switch() -> None:
     silent = machine.step(inp(m, op=hold, now_plus=machine.HOLD_WAIT_SECONDS + 1))
     assert SetRevisionLabel in [type(a) for a in silent.actions]
     assert machine.step(inp(m, op=hold, now_plus=machine.HOLD_WAIT_SECONDS - 1)).actions == []
+
+
+# ---- the rule hold made with the preflight (PreflightParams.hold) ----
+
+STARTED = mig("Preflight", started_at=fmt(T0), switched_at=None)
+PREFLIGHT = Operation(id=machine.op_id(STARTED, "Preflight", 0), type="Preflight")
+HOLD_AT_SWITCH = machine.op_id(STARTED, "Hold", 0)
+
+
+def held_ahead(m: NodeMigration | None = None, *, hold: str = "ok", status_id: str | None = PREFLIGHT.id,
+               may_switch: bool = True, **kw: Any) -> NodeInput:
+    """A node whose preflight passed and made its hold (`hold`: "ok", "failed" or "none": not asked) and whose
+    agent reports the hold of `status_id` (None: no hold)."""
+    details: dict[str, Any] = {} if hold == "none" else {
+        "hold": {"ok": hold == "ok", "message": f"rule hold install: {hold}"}}
+    i = inp(m or STARTED, op=PREFLIGHT,
+            last=done(PREFLIGHT, message="kernel 6.1", **details), **kw)
+    i.proxynode.status.hold = RuleHold(operation_id=status_id, expires=fmt(T0 + timedelta(minutes=10))) \
+        if status_id else None
+    return dataclasses.replace(i, may_switch=may_switch)
+
+
+def test_the_preflight_asks_for_the_hold_where_the_switch_follows_the_grant() -> None:
+    def hold_asked(mode: str = "nftables", from_mode: str = "iptables", **rollout: Any) -> dict[str, Any] | None:
+        start = machine.start(inp(rollout=rollout), Target(REV, mode), from_mode=from_mode, generation=1,
+                              retry_token=None)
+        return operation_of(start).params.get("hold")
+
+    made = inp()
+    ttl = machine.hold_ttl(made, ahead=True)
+    assert hold_asked() == {"fromMode": "iptables", "toMode": "nftables", "ttlSeconds": int(ttl.total_seconds())}
+    # It also outlives the wait for a slot (gate.timeout at most, from the start) on top of the switch's hold.
+    assert ttl == machine.hold_ttl(made) + timedelta(minutes=2)
+    # From nftables the hold's nft table would hook before the live kube-proxy's: made only at the switch.
+    assert hold_asked("iptables", "nftables") is None
+    assert hold_asked(cordon=True) is None        # cordon and a drain come between: the switch asks
+    assert hold_asked(holdRules=False) is None
+    assert hold_asked("ipvs") is None and hold_asked("nftables", "ipvs") is None  # nothing deletes the rules
+
+
+def test_a_prepared_node_keeps_its_hold_without_a_write_and_its_granted_switch_moves_the_label_at_once() -> None:
+    waiting = held_ahead(may_switch=False)
+    assert machine.is_prepared(waiting.proxynode)
+    step = machine.step(waiting)
+    assert step.phase == "Prepared" and step.actions == []  # untouched, nothing written: it disrupts nothing
+    granted = machine.step(held_ahead(now_plus=30))
+    kinds = [type(a) for a in granted.actions]
+    assert kinds == [SetMigration, SetRevisionLabel, Event] and granted.phase == "Switch"
+    record = migration_of(granted)
+    assert record.phase == "Switch" and record.switched_at == fmt(T0 + timedelta(seconds=30))
+    assert record.touched_at == record.switched_at and writes(granted)[0].operation is None
+    told = next(a for a in granted.actions if isinstance(a, Event))
+    assert told.reason == "Switching" and "rules held since the preflight (rule hold install: ok)" in told.message
+    # The switch's later plans see no Hold to wait for: the label is all that is left to (re)do.
+    again = machine.step(inp(record, op=None))
+    assert [type(a) for a in again.actions] == [SetRevisionLabel]
+
+
+@pytest.mark.parametrize(("case", "kw", "lost"), [
+    ("gone", {"status_id": None}, True),                           # kube-proxy or the agent restarted
+    ("another", {"status_id": HOLD_AT_SWITCH.replace(".1.", ".0.")}, True),  # not the preflight's hold
+    ("failed", {"hold": "failed"}, False),
+    ("not asked", {"hold": "none"}, False),                        # an agent older than params.hold
+    ("too old", {"now_plus": 121}, False),                         # its time to live may not cover the switch
+])
+def test_without_a_usable_hold_from_the_preflight_the_switch_asks_for_one(case: str, kw: dict[str, Any],
+                                                                         lost: bool) -> None:
+    step = machine.step(held_ahead(**kw))
+    assert step.phase == "Switch" and SetRevisionLabel not in [type(a) for a in step.actions], case
+    assert operation_of(step).id == HOLD_AT_SWITCH and operation_of(step).params["ttlSeconds"] == int(
+        machine.hold_ttl(inp()).total_seconds())
+    warned = [a for a in step.actions if isinstance(a, Event) and a.reason == "RuleHoldLost"]
+    assert bool(warned) is lost, case  # a hold the agent dropped is said, never claimed
+    if lost:
+        assert warned[0].type == "Warning" and "gone" in warned[0].message
+    # From there on as before: the label moves on the agent's answer, or without it after HOLD_WAIT_SECONDS.
+    switching = migration_of(step)
+    hold = operation_of(step)
+    moved = machine.step(inp(switching, op=hold, last=done(hold, message="9 chains copied"), now_plus=122))
+    assert [type(a) for a in moved.actions] == [SetRevisionLabel, Event]
+
+
+def test_a_prepared_node_that_expires_goes_back_to_pending_and_its_hold_with_it() -> None:
+    """The operator's part of an abandon: the record leaves flight (Pending), which is what the agent reads to
+    drop the hold (agent/hold.abandoned); the same for Halted, Paused and Superseded (planner.py)."""
+    from proxyshift.agent.hold import abandoned
+
+    step = machine.step(held_ahead(may_switch=False, now_plus=121))
+    record = migration_of(step)
+    assert step.phase == "Pending" and record.reason == "PreflightExpired" and writes(step)[0].operation is None
+    assert abandoned(PREFLIGHT.id, record)
+    assert not abandoned(PREFLIGHT.id, held_ahead().proxynode.spec.migration)
 
 
 def test_no_hold_where_kube_proxy_keeps_the_old_rules_or_when_turned_off() -> None:

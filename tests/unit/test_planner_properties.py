@@ -1,10 +1,12 @@
 """Property tests: random fleets, policies, faults and user actions through the simulator.
 
-Safety is checked at every step by the simulator (see Sim._check_action, check_invariants and
-check_pods): never more nodes in flight than maxUnavailable, never an action on a node outside the
+Safety is checked at every step by the simulator (see Sim._check_action, check_invariants,
+check_pods and check_holds): never more nodes in flight than maxUnavailable, never an action on a node outside the
 selector or owned by an older policy or in flight for another one, never a start while paused,
 never a label naming a revision that does not exist (so every node always has exactly one
-revision or the baseline, and a kube-proxy DaemonSet whose pod runs there).
+revision or the baseline, and a kube-proxy DaemonSet whose pod runs there), never a rule hold kept by a
+node whose record no longer names the hold's migration in flight, never a switch that claims a hold the
+agent does not keep.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from simulator import Faults, Sim, edit, make_policy
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.controller.executor import in_waves
 from proxyshift.planner.planner import plan
-from proxyshift.planner.world import Action, World
+from proxyshift.planner.world import Action, SetMigration, World
 
 pytestmark = pytest.mark.unit
 
@@ -71,6 +73,7 @@ def faults_for(draw: st.DrawFn, nodes: list[str]) -> Faults:
         sync_failures={(n, draw(modes)) for n in draw(some)},
         cleanup_fail=draw(some),
         hold_fail=draw(some),
+        restart_prepared=draw(some),
         agent_dead=draw(st.sets(st.sampled_from(nodes), max_size=1)),
     )
 
@@ -204,3 +207,91 @@ def test_revert_deletion_always_finishes_on_the_baseline(data: st.DataObject) ->
     assert all(v.revision is None for v in sim.nodes.values()) and sim.revisions == {}
     assert not any(v.unschedulable for v in sim.nodes.values())
     assert sim.violations == [], sim.violations[:5]
+
+
+# ---- the rule hold made with the preflight, while the node waits Prepared ----
+
+def _held_fleet(n: int = 5, **rollout: Any) -> Sim:
+    pol = make_policy("pol0", "nftables", {"matchLabels": {"pool": "blue"}},
+                      rollout={"maxUnavailable": 1, "preflightAhead": True, **rollout})
+    return Sim.build({f"node-{i}": {"pool": "blue"} for i in range(1, n + 1)}, [pol])
+
+
+def _switches(sim: Sim, held: bool) -> list[str]:
+    return [e.node or "" for e in sim.events("Switching") if ("rules held since the preflight" in e.message) is held]
+
+
+def test_nodes_waiting_prepared_hold_their_rules_and_switch_without_a_hold_round_trip() -> None:
+    sim = _held_fleet()
+    prepared_with_hold: set[str] = set()
+    for _ in range(600):
+        sim.step()
+        sim.tick(1.0)
+        prepared_with_hold |= {n for n in sim.nodes if sim.phase(n) == "Prepared" and n in sim.holds}
+        if sim.settled():
+            break
+    assert sim.settled() and sim.violations == [], sim.violations[:5]
+    assert len(prepared_with_hold) >= 3  # the ahead preflights held while another node gated
+    assert sorted(_switches(sim, held=True)) == sorted(sim.nodes) and _switches(sim, held=False) == []
+    assert not any(w.operation is not None and w.operation.type == "Hold" for w in sim.actions(SetMigration))
+    assert sim.holds == {}
+
+
+def test_from_nftables_the_hold_is_made_at_the_switch_only() -> None:
+    """The proxyshift-hold nft table would hook before the live kube-proxy's and serve every connection from a
+    snapshot while the node waits: from nftables the preflight asks for no hold, every switch asks its own."""
+    pol = make_policy("pol0", "iptables", {"matchLabels": {"pool": "blue"}},
+                      rollout={"maxUnavailable": 1, "preflightAhead": True})
+    sim = Sim.build({f"node-{i}": {"pool": "blue"} for i in range(1, 4)}, [pol], baseline_mode="nftables")
+    sim.run(max_steps=600)
+    assert sim.settled() and sim.violations == [], sim.violations[:5]
+    assert _switches(sim, held=True) == [] and sorted(_switches(sim, held=False)) == sorted(sim.nodes)
+    holds = [w.node for w in sim.actions(SetMigration) if w.operation is not None and w.operation.type == "Hold"]
+    assert sorted(holds) == sorted(sim.nodes)
+
+
+def test_a_kube_proxy_restart_while_prepared_ends_the_hold_and_the_switch_says_so_and_holds_again() -> None:
+    sim = _held_fleet(3)
+    sim.faults.restart_prepared = {"node-2"}
+    sim.run(max_steps=600)
+    assert sim.settled() and sim.violations == [], sim.violations[:5]
+    assert "node-2" in sim.restarted
+    assert [e.node for e in sim.events("RuleHoldLost")] == ["node-2"]
+    assert "node-2" not in _switches(sim, held=True) and "node-2" in _switches(sim, held=False)
+    holds = [w.node for w in sim.actions(SetMigration) if w.operation is not None and w.operation.type == "Hold"]
+    assert holds == ["node-2"]
+
+
+@pytest.mark.parametrize(("leave", "reason"), [("pause", "Paused"), ("halt", "Halted"), ("relabel", "Superseded"),
+                                               ("delete", "Superseded"), ("expire", "PreflightExpired")])
+def test_a_prepared_node_that_leaves_without_switching_keeps_no_hold(leave: str, reason: str) -> None:
+    sim = _held_fleet(4)
+    if leave == "halt":
+        sim.faults.crash = {("node-1", "nftables")}  # node-1's switch fails: its rollback halts the rollout
+
+    def prepared_and_held() -> bool:
+        return any(sim.phase(n) == "Prepared" and n in sim.holds for n in sim.nodes)
+
+    sim.run(max_steps=300, until=prepared_and_held)
+    held = sorted(n for n in sim.nodes if sim.phase(n) == "Prepared" and n in sim.holds)
+    assert held
+    if leave == "pause":
+        set_paused(sim, "pol0", True)
+    elif leave == "relabel":
+        for n in held:
+            sim.nodes[n] = replace(sim.nodes[n], labels={"pool": "green"})
+    elif leave == "delete":
+        p = sim.policies["pol0"]
+        sim.policies["pol0"] = p.model_copy(update={"metadata": dict(p.metadata,
+                                                                     deletionTimestamp="2026-11-30T13:00:00Z")})
+    elif leave == "expire":
+        sim.faults.agent_dead = {"node-1"}  # node-1's gate probe goes unanswered: no slot comes free in time
+    for _ in range(300):
+        sim.step()
+        sim.tick(1.0)
+        if any(e.node in held and e.reason == reason for e in sim.events()) and not any(n in sim.holds for n in held):
+            break
+    assert sim.violations == [], sim.violations[:5]
+    told = sorted({(e.node or "", e.reason) for e in sim.events()})
+    assert {e.node for e in sim.events(reason)} >= set(held), (leave, told)
+    assert not any(n in sim.holds for n in held), (leave, held, sim.holds)

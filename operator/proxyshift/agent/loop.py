@@ -46,9 +46,11 @@ from proxyshift.api.common import API_GROUP, API_VERSION
 from proxyshift.api.proxynode import (
     CleanupParams,
     CleanupResult,
+    HoldOutcome,
     HoldParams,
     HoldResult,
     KubeProxyFacts,
+    NodeMigration,
     Operation,
     OperationResult,
     OperationStatus,
@@ -180,6 +182,9 @@ class HoldRecord:
     # needed once a different kube-proxy process has synced. None: unknown (found after a restart).
     kube_proxy_start: float | None
     expires: float  # agent clock; a hold never outlives this, synced or not
+    # The operation that made it (a Preflight asked to hold, or a Hold): the hold goes as soon as the ProxyNode no
+    # longer names that operation's migration in flight (hold.abandoned). None: found after a restart.
+    operation_id: str | None = None
 
 
 # A hold found on the node by a restarted agent: released at the first synced kube-proxy, or after this.
@@ -233,6 +238,9 @@ class Agent:
     backoff_draw: Callable[[], float] = random.random
     hold: HoldRecord | None = None
     _hold_checked: bool = False
+    # spec.migration as the last ProxyNode event had it (None until one came): whose hold may stay.
+    _migration: NodeMigration | None = None
+    _spec_seen: bool = False
     facts: KubeProxyFacts | None = None
     inventory: inventory_mod.Inventory | None = None
     _started: set[str] = field(default_factory=set)
@@ -286,6 +294,9 @@ class Agent:
             log.warning("found a rule hold left by an earlier agent; it goes once kube-proxy has synced")
             self.hold = HoldRecord(None, None, None, self.clock() + ORPHAN_HOLD_TTL)
         facts, held = self.facts, self.hold
+        if self._spec_seen and hold_mod.abandoned(held.operation_id, self._migration):
+            self._release_abandoned()
+            return
         synced = (facts is not None and facts.process_start_time is not None
                   and facts.last_sync_timestamp is not None and facts.proxy_mode in MODES
                   and facts.process_start_time != held.kube_proxy_start
@@ -296,6 +307,33 @@ class Agent:
         why = f"kube-proxy ({facts.proxy_mode if facts else '?'}) has synced" if synced else "its time ran out"
         report = self._release_hold()
         (log.info if report.ok else log.error)("%s (%s)", report.message(), why)
+
+    def _release_abandoned(self) -> None:
+        """Drop a hold whose migration the ProxyNode no longer names in flight (abandoned before its switch, ended,
+        or replaced by another attempt): nothing will switch under it, and a copy left would go stale."""
+        m = self._migration
+        why = "no migration" if m is None else f"migration {m.phase} ({m.reason or 'no reason'})"
+        report = self._release_hold()
+        (log.info if report.ok else log.error)("%s (its migration is over: %s)", report.message(), why)
+
+    def hold_status(self) -> dict[str, Any] | None:
+        """status.hold: the hold this agent keeps, or None."""
+        held = self.hold
+        if held is None:
+            return None
+        return {"operationId": held.operation_id, "expires": now_rfc3339(lambda: held.expires)}
+
+    def _make_hold(self, op_id: str, p: HoldParams) -> hold_mod.HoldReport | None:
+        """Copy the old mode's service rules (a Hold, or a passed preflight asked to); None: the move needs none."""
+        from_mode, to_mode, ttl = p.from_mode or "", p.to_mode or "", float(p.ttl_seconds or 600)
+        if not hold_mod.hold_applies(from_mode, to_mode):
+            return None
+        facts = self._probe()  # the kube-proxy running now: the hold goes when a different one has synced
+        report = self.effects.install_hold(from_mode)
+        if report.changed:
+            self.hold = HoldRecord(from_mode, to_mode, facts.process_start_time, self.clock() + ttl, op_id)
+            self._hold_checked = True
+        return report
 
     def node_facts(self) -> dict[str, Any]:
         """Kernel release, modules and tool versions: they only change with a reboot, read once."""
@@ -323,6 +361,7 @@ class Agent:
             "leftovers": inventory_mod.leftovers(self.inventory, mode),
             "leftoverObjects": inventory_mod.leftover_objects(self.inventory, mode),
             "foreignIPVS": inventory_mod.foreign_ipvs(self.inventory).to_k8s(),
+            "hold": self.hold_status(),
         }
 
     def write(self, status: dict[str, Any]) -> None:
@@ -343,6 +382,11 @@ class Agent:
         """React to the current ProxyNode: run its operation if it is new."""
         self.node_seen = True
         spec = ProxyNodeSpec.model_validate(obj.get("spec") or {})
+        self._migration, self._spec_seen = spec.migration, True
+        if self.hold is not None and hold_mod.abandoned(self.hold.operation_id, spec.migration):
+            self._release_abandoned()
+            if self.hold is None:  # told at once; a failed release is retried by the next observe, not here
+                self.write({"hold": None})
         op = spec.operation
         last = (obj.get("status") or {}).get("lastOperation") or {}
         if op is not None and op.id not in self._started and last.get("id") != op.id \
@@ -478,6 +522,14 @@ class Agent:
             # The "before" of this migration; an "after" of an earlier one means nothing any more.
             extra["behaviour"] = {"before": with_nulls(matrix), "after": None}
             message += f"; {_matrix_summary(matrix)}"
+        if report.ok and p.hold is not None:
+            # Made now, while the node waits for its switch, the hold costs the switch no round trip. Its
+            # failure is no failed preflight: the switch asks for a Hold of its own, as without it.
+            held = self._make_hold(op.id, p.hold)
+            if held is not None:
+                details = details.model_copy(update={"hold": HoldOutcome(ok=held.ok, message=held.message())})
+                message += f"; {held.message()}"
+            extra["hold"] = self.hold_status()
         return self._done(op, started, report.ok, message, details), extra
 
     def _take_behaviour(self, op: Operation, params: BehaviourParams) -> BehaviourMatrix:
@@ -518,16 +570,11 @@ class Agent:
     def _run_hold(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
         """Copy the old mode's service rules so they outlive the new kube-proxy's startup cleanup."""
         p = op.params_as(HoldParams)
-        from_mode, to_mode, ttl = p.from_mode or "", p.to_mode or "", float(p.ttl_seconds or 600)
-        if not hold_mod.hold_applies(from_mode, to_mode):
-            return self._done(op, started, True, f"no rule hold needed for {from_mode} -> {to_mode}",
+        report = self._make_hold(op.id, p)
+        if report is None:
+            return self._done(op, started, True, f"no rule hold needed for {p.from_mode} -> {p.to_mode}",
                               HoldResult()), {}
-        facts = self._probe()  # the kube-proxy running now: the hold goes when a different one has synced
-        report = self.effects.install_hold(from_mode)
-        if report.changed:
-            self.hold = HoldRecord(from_mode, to_mode, facts.process_start_time, self.clock() + ttl)
-            self._hold_checked = True
-        return self._done(op, started, report.ok, report.message(), HoldResult()), {}
+        return self._done(op, started, report.ok, report.message(), HoldResult()), {"hold": self.hold_status()}
 
     def _run_probe(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
         p = op.params_as(ProbeParams)
@@ -695,9 +742,12 @@ class Agent:
             self._send_unsent()
         if now - self._last_probe < self.cfg.probe_interval and now - self._last_status < self.cfg.status_interval:
             return
-        before = self.facts
+        before, held = self.facts, self.hold
         status = self.observe(inventory=now - self._last_inventory >= self.cfg.inventory_interval)
-        if now - self._last_status >= self.cfg.status_interval or _meaningful_change(before, self.facts):
+        # A hold that went (a new kube-proxy synced, its time ran out) is told at once: status.hold is what
+        # the operator reads before it switches under a hold made with the preflight.
+        if now - self._last_status >= self.cfg.status_interval or _meaningful_change(before, self.facts) \
+                or self.hold is not held:
             self.write({**self.node_facts(), **status})
 
     def run(self, stop: threading.Event) -> None:

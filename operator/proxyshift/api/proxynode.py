@@ -114,6 +114,19 @@ class _Params(KubeModel):
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
 
 
+class HoldParams(_Params):
+    """Operation params of a Hold: the move the old mode's service rules are copied for (agent/hold.py)."""
+
+    operation_type: ClassVar[OperationType] = "Hold"
+
+    from_mode: str | None = Field(default=None, description="The mode the node leaves (whose rules are held).")
+    to_mode: str | None = Field(default=None, description="The mode the node moves to.")
+    ttl_seconds: int = Field(default=600, description="The hold goes after this long at the latest.")
+
+    def to_params(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, mode="json")  # null modes stay: the shape every agent knows
+
+
 class PreflightParams(_Params):
     """Operation params of a Preflight: what the operator takes from the policy for the agent's checks."""
 
@@ -139,12 +152,18 @@ class PreflightParams(_Params):
         "deleted by the ipvs kube-proxy at every sync, so preflight refuses it unless ForeignIPVSFlush is allowed.")
     replacement: ReplacementParams | None = Field(
         default=None, description="A target that runs no kube-proxy (cilium-kpr): where its agent's API is.")
+    # An agent older than this key ignores it and makes no hold: the operator then asks for the Hold at the switch.
+    hold: HoldParams | None = Field(
+        default=None, description="Once the checks passed, make the rule hold for this move (iptables <-> "
+        "nftables), so the switch needs no Hold round trip; the result's details.hold says how it went.")
 
     def to_params(self) -> dict[str, Any]:
         # scheduler: null stays on the wire (an older agent reads the key); no allowChanges, behaviour,
-        # ipvsExcludeCIDRs or replacement leaves the key out.
+        # ipvsExcludeCIDRs, replacement or hold leaves the key out.
         wire = self.model_dump(by_alias=True, exclude={"behaviour", "allow_changes", "ipvs_exclude_cidrs",
-                                                       "replacement"}, mode="json")
+                                                       "replacement", "hold"}, mode="json")
+        if self.hold is not None:
+            wire["hold"] = self.hold.to_params()
         if self.replacement is not None:
             wire["replacement"] = self.replacement.model_dump(by_alias=True, mode="json")
         if self.allow_changes:
@@ -154,19 +173,6 @@ class PreflightParams(_Params):
         if self.behaviour is not None:
             wire["behaviour"] = self.behaviour.model_dump(by_alias=True, exclude_none=True, mode="json")
         return wire
-
-
-class HoldParams(_Params):
-    """Operation params of a Hold: the move the old mode's service rules are copied for (agent/hold.py)."""
-
-    operation_type: ClassVar[OperationType] = "Hold"
-
-    from_mode: str | None = Field(default=None, description="The mode the node leaves (whose rules are held).")
-    to_mode: str | None = Field(default=None, description="The mode the node moves to.")
-    ttl_seconds: int = Field(default=600, description="The hold goes after this long at the latest.")
-
-    def to_params(self) -> dict[str, Any]:
-        return self.model_dump(by_alias=True, mode="json")  # null modes stay: the shape every agent knows
 
 
 class CleanupParams(_Params):
@@ -272,6 +278,14 @@ class NodeMigration(KubeModel):
         description="IPVS virtual servers that were not kube-proxy's, found by this migration's preflight, which "
         "the switch to nftables deletes (the policy accepted ForeignIPVSFlush), e.g. 'TCP 198.18.5.1:80 rr'.",
     )
+
+
+def attempt_key(m: NodeMigration) -> str:
+    """Names one migration of one node, the prefix of its operation ids ("<toRevision|baseline>.<attempt>.
+    <startedAt digits>"). The start time is part of it because `attempt` starts again at 1 when a released node is
+    taken by another policy, and an agent runs each operation id only once."""
+    started = "".join(ch for ch in (m.started_at or "") if ch.isdigit())
+    return f"{m.to_revision or 'baseline'}.{m.attempt or 0}.{started or '0'}"
 
 
 class ProxyNodeSpec(KubeModel):
@@ -438,6 +452,15 @@ class ForeignIPVSFound(KubeModel):
     accepted: bool = Field(default=False, description="The policy's allowChanges names ForeignIPVSFlush.")
 
 
+class HoldOutcome(KubeModel):
+    """The rule hold a passed preflight made (PreflightParams.hold)."""
+
+    model_config = KubeModel.model_config | {"extra": "ignore"}
+
+    ok: bool = False
+    message: str = ""
+
+
 class PreflightResult(_Result):
     """details of a Preflight: the kernel and tools checked for the target mode."""
 
@@ -454,6 +477,7 @@ class PreflightResult(_Result):
     tools: dict[str, str] = Field(default_factory=dict)
     foreign_ipvs: ForeignIPVSFound | None = Field(default=None, alias="foreignIPVS")
     replacement: ReplacementFacts | None = None
+    hold: HoldOutcome | None = None  # the rule hold params.hold asked for; None: not asked, or an older agent
 
 
 class HoldResult(_Result):
@@ -522,6 +546,19 @@ RESULT_MODELS: dict[OperationType, type[OperationResult]] = {
 }
 
 
+class RuleHold(KubeModel):
+    """A rule hold the agent keeps on the node (status.hold)."""
+
+    model_config = KubeModel.model_config | {"extra": "ignore"}
+
+    operation_id: str | None = Field(
+        default=None, max_length=STATUS_TEXT_LIMIT,
+        description="The operation that made it (a Preflight asked to hold, or a Hold); null: found on the node "
+        "by a restarted agent.")
+    expires: str | None = Field(default=None, max_length=STATUS_TEXT_LIMIT,
+                                description="When it goes at the latest, on the agent's clock (RFC 3339).")
+
+
 class ProxyNodeStatus(KubeModel):
     """Written by the node's agent: the node's real state."""
 
@@ -568,6 +605,9 @@ class ProxyNodeStatus(KubeModel):
     distribution: NodeDistribution | None = Field(
         default=None, description="spec.diagnose answers the operator recorded before and after the migration."
     )
+    hold: RuleHold | None = Field(
+        default=None, description="The rule hold on the node now (agent/hold.py), null when there is none. "
+        "Absent from an agent older than this field.")
     heartbeat: str | None = Field(default=None, max_length=STATUS_TEXT_LIMIT,
                                   description="Last time the agent wrote status (RFC 3339).")
     agent_version: str | None = Field(default=None, max_length=STATUS_TEXT_LIMIT,

@@ -83,6 +83,7 @@ __all__ = [
     "described_address",
     "facts",
     "facts_of",
+    "hold_yields_to_live_rules",
     "is_mode",
     "kind_is_stale",
     "node_port_default",
@@ -154,6 +155,12 @@ def startup_cleanup_drops_old_rules(from_mode: str | None, to_mode: str | None) 
     if not is_mode(from_mode) or not is_mode(to_mode) or from_mode == to_mode:
         return False
     return from_mode in MODE_FACTS[to_mode].startup_cleans_rules_of
+
+
+def hold_yields_to_live_rules(from_mode: str | None) -> bool:
+    """Whether a rule hold of `from_mode`'s rules serves only what that mode's live rules no longer match
+    (ModeFacts.hold_yields_to_live_rules): only then may it be made before the switch."""
+    return is_mode(from_mode) and MODE_FACTS[from_mode].hold_yields_to_live_rules
 
 
 def deletes_foreign_ipvs(to_mode: str | None) -> bool:

@@ -183,6 +183,11 @@ class ModeFacts:
     prunes_unexcluded_ipvs: bool = False
     # The kind of its objects a rule hold copies under proxyshift's names (agent/hold.py); None: not holdable.
     held_as: ObjectKind | None = None
+    # While this mode's kube-proxy still has its rules, they bind a new connection before the hold's copy does:
+    # a hold made ahead of the switch (with the preflight, while the node waits for a slot) then serves only what
+    # the live rules no longer match. False where the copy runs first and would serve every connection from a
+    # frozen snapshot: such a hold is made only at the switch, right before kube-proxy's start deletes the rules.
+    hold_yields_to_live_rules: bool = False
     # Lays the policy's settings for this mode (spec.<mode>) onto the rendered KubeProxyConfiguration.
     render_settings: Callable[[KubeProxyConfiguration, ProxyPolicySpec], None] = field(default=_no_settings)
     # Why a cluster should leave it even without a measured speed-up (`proxyshift plan`'s advice).

@@ -67,6 +67,8 @@ FACTS = ModeFacts(
     startup_cleans_rules_of=frozenset({"nftables"}),
     # Its service rules are nat chains, which a hold copies as PSHOLD-* chains.
     held_as="iptables-chains",
+    # kube-proxy prepends its jumps to PREROUTING/OUTPUT/POSTROUTING (-I); the hold appends its own (-A).
+    hold_yields_to_live_rules=True,
     render_settings=render_settings,
     counters="iptables",
     opens_node_ports=True,

@@ -74,6 +74,9 @@ FACTS = ModeFacts(
     deletes_foreign_ipvs=True,
     # Its service rules are the kube-proxy tables, which a hold copies whole as proxyshift-hold tables.
     held_as="nft-tables",
+    # Not hold_yields_to_live_rules: the proxyshift-hold table's base chains hook at the same priorities as
+    # kube-proxy's, and the kernel puts a hook registered later before those of equal priority
+    # (nf_hook_entries_grow, net/netfilter/core.c): the copy binds every new connection while it exists.
     render_settings=render_settings,
     node_port_default="primary",
     localhost_protocols=localhost_protocols,

@@ -5,7 +5,10 @@
     Prepared: preflight passed while no maxUnavailable slot was free (the planner started the node's
               preflight ahead, during another node's gate); it switches when the planner grants a slot.
               Not written: the record stays Preflight, and its passed preflight (the agent's answer to the
-              migration's own Preflight id) is what makes it Prepared (is_prepared).
+              migration's own Preflight id) is what makes it Prepared (is_prepared). Where the switch holds
+              rules and follows the grant directly, that preflight also made the rule hold (holds_ahead), so the
+              granted switch moves the label at once (_held_ahead); the agent drops the hold when the record
+              leaves flight (agent/hold.abandoned).
     Switch/Gate/Cleanup/Verify failure -> RollingBack -> RolledBack (or Failed if the old kube-proxy
                                           does not pass the gate either)
 
@@ -48,11 +51,13 @@ from proxyshift.api.proxynode import (
     ProbeParams,
     ProbeResult,
     ProxyNode,
+    attempt_key,
     is_phase,
 )
 from proxyshift.api.replacement import ReplacementParams
 from proxyshift.modes import (
     facts_of,
+    hold_yields_to_live_rules,
     prunes_unexcluded_ipvs,
     replacement_labels,
     runs_kube_proxy,
@@ -160,13 +165,6 @@ class Step:
 def clip(text: str | None) -> str:
     text = text or ""
     return text if len(text) <= MESSAGE_LIMIT else text[: MESSAGE_LIMIT - 3] + "..."
-
-
-def attempt_key(m: NodeMigration) -> str:
-    """Names one migration of one node. The start time is part of it because `attempt` starts again at 1
-    when a released node is taken by another policy, and an agent runs each operation id only once."""
-    started = "".join(ch for ch in (m.started_at or "") if ch.isdigit())
-    return f"{m.to_revision or 'baseline'}.{m.attempt or 0}.{started or '0'}"
 
 
 def op_prefix(m: NodeMigration, step: str) -> str:
@@ -357,6 +355,7 @@ def _replacement_params(inp: NodeInput, mode: str | None, *, frontends: bool) ->
 
 
 def _preflight_op(inp: NodeInput, m: NodeMigration, scheduler: str | None) -> Operation:
+    hold = _hold_params(inp, m, ahead=True) if holds_ahead(inp, m) else None
     params = PreflightParams(
         mode=m.to_mode or "",
         scheduler=scheduler,
@@ -367,6 +366,7 @@ def _preflight_op(inp: NodeInput, m: NodeMigration, scheduler: str | None) -> Op
         ipvs_exclude_cidrs=list(inp.ipvs_exclude_cidrs)
         if prunes_unexcluded_ipvs(m.to_mode) and inp.ipvs_exclude_cidrs is not None else None,
         replacement=_replacement_params(inp, m.to_mode, frontends=False),
+        hold=hold,
     )
     return Operation.request(op_id(m, "Preflight", 0), params)
 
@@ -570,20 +570,58 @@ def holds_rules(inp: NodeInput, m: NodeMigration) -> bool:
     return inp.spec.rollout.hold_rules and startup_cleanup_drops_old_rules(m.from_mode, m.to_mode)
 
 
-def hold_ttl(inp: NodeInput) -> timedelta:
+def holds_ahead(inp: NodeInput, m: NodeMigration) -> bool:
+    """Whether the preflight itself asks for the rule hold (PreflightParams.hold), so that the switch a slot
+    grants moves the label at once: where the switch holds rules and follows the grant directly, and where the
+    copy yields to the old kube-proxy's live rules while it waits (iptables -> nftables; from nftables the hold's
+    nft table would run before kube-proxy's, serving every connection from a snapshot). With rollout.cordon the
+    cordon and a drain (up to drainTimeout) come between: the switch asks, as before."""
+    return holds_rules(inp, m) and not inp.spec.rollout.cordon and hold_yields_to_live_rules(m.from_mode)
+
+
+def hold_ttl(inp: NodeInput, *, ahead: bool = False) -> timedelta:
     """How long a rule hold may live: the hold's wait, the switch and the gate each given gate.timeout and the
     reconnect grace of an API server outage (_step_since), then a rollback's return to the old kube-proxy.
+    A hold made with the preflight (`ahead`) also covers the wait for a slot: the switch uses it only while
+    the migration started at most gate.timeout ago (_held_ahead), and the hold was made after that start.
 
     Never the whole rollout: it is a copy that goes stale. It goes earlier as soon as any other kube-proxy
-    has synced, which is how a switch or a rollback normally ends it."""
+    has synced, which is how a switch or a rollback normally ends it, and as soon as the ProxyNode no longer
+    names its migration in flight (the agent's hold.abandoned: the node went back to Pending or ended)."""
     step = _timeout(inp) + RECONNECT_GRACE
-    return 2 * step + timedelta(seconds=HOLD_WAIT_SECONDS + HOLD_ROLLBACK_SECONDS)
+    ttl = 2 * step + timedelta(seconds=HOLD_WAIT_SECONDS + HOLD_ROLLBACK_SECONDS)
+    return ttl + _timeout(inp) if ahead else ttl
+
+
+def _hold_params(inp: NodeInput, m: NodeMigration, *, ahead: bool = False) -> HoldParams:
+    return HoldParams(from_mode=m.from_mode, to_mode=m.to_mode,
+                      ttl_seconds=int(hold_ttl(inp, ahead=ahead).total_seconds()))
 
 
 def _hold_op(inp: NodeInput, m: NodeMigration) -> Operation:
-    ttl = int(hold_ttl(inp).total_seconds())
-    return Operation.request(op_id(m, "Hold", 0), HoldParams(from_mode=m.from_mode, to_mode=m.to_mode,
-                                                             ttl_seconds=ttl))
+    return Operation.request(op_id(m, "Hold", 0), _hold_params(inp, m))
+
+
+def _held_ahead(inp: NodeInput, m: NodeMigration) -> tuple[str | None, str | None]:
+    """(what the hold made with the preflight did, None: no usable hold; why a hold it made is gone, if it is).
+
+    Usable: this migration's Preflight is the node's operation, it passed and made its hold, the agent's status
+    still names that hold (a kube-proxy that restarted meanwhile ends it, as does a restarted agent), and the
+    migration started at most gate.timeout ago (hold_ttl(ahead=True) counts on that)."""
+    op = inp.proxynode.spec.operation
+    if op is None or op.type != "Preflight" or not op.id.startswith(op_prefix(m, "Preflight")):
+        return None, None
+    res = _result(inp, op)
+    made = res.result_as(PreflightResult).hold if res is not None and res.state == "Succeeded" else None
+    if made is None or not made.ok:
+        return None, None  # not asked (an older agent), or it failed: the switch asks for its own, as before
+    status = inp.proxynode.status.hold
+    if status is None or status.operation_id != op.id:
+        return None, "the rule hold made with the preflight is gone (kube-proxy or the agent restarted since)"
+    age = seconds_since(m.started_at, inp.now)
+    if age is None or age > _timeout(inp).total_seconds():
+        return None, None  # its time to live may not cover the switch and a rollback any more: a fresh one does
+    return clip(made.message), None
 
 
 def _forward_left(inp: NodeInput, m: NodeMigration) -> tuple[float, str]:
@@ -603,9 +641,17 @@ def _forward_left(inp: NodeInput, m: NodeMigration) -> tuple[float, str]:
 def _enter_switch(inp: NodeInput, m: NodeMigration, why: str) -> Step:
     nxt = _enter(inp, m, "Switch", switched_at=fmt(inp.now))
     if holds_rules(inp, m):
+        held, lost = _held_ahead(inp, m)
+        if held is not None:
+            # The hold made with the preflight is in place: the label moves in this plan, no round trip.
+            step = _move_label(inp, nxt, f"{why}; rules held since the preflight ({held})")
+            return Step([_forward_write(inp, nxt, None), *step.actions], step.phase, step.message,
+                         step.requeue_after)
         # The label moves once the agent has answered: a hold made after the new kube-proxy
         # started would copy nothing.
-        return Step([_forward_write(inp, nxt, _hold_op(inp, nxt))], "Switch", "holding the old rules",
+        told = [_event(inp, "RuleHoldLost", f"{lost}; holding again before the switch", warning=True)] \
+            if lost else []
+        return Step([_forward_write(inp, nxt, _hold_op(inp, nxt)), *told], "Switch", "holding the old rules",
                     POLL_SECONDS)
     step = _move_label(inp, nxt, why)
     return Step([_forward_write(inp, nxt, None), *step.actions], step.phase, step.message, step.requeue_after)
