@@ -1076,8 +1076,9 @@ def _gate_probe_counting_flushes(answers: list[KubeProxyFacts]) -> tuple[FakeAPI
     flush takes a moment (real time), so a connect beside it sees none."""
     import time
 
+    # The migration is in its gate: a hold the agent knows of is not abandoned (hold.abandoned) before the flush.
     api = FakeAPI(node_obj(probe_op(services=["198.19.0.10:443"], awaitMode="nftables", awaitSyncs=1,
-                                    awaitSeconds=10, cleanup=IN_GATE_FLUSH)))
+                                    awaitSeconds=10, cleanup=IN_GATE_FLUSH), migration={**SWITCHING, "phase": "Gate"}))
     agent, _ = _sequence_agent(api, answers)
     node = fake_node(agent)
     order: list[str] = []
