@@ -1234,7 +1234,9 @@ def test_a_probe_for_cilium_kpr_reports_cilium_in_the_status() -> None:
     fake_node(agent).replaced = CILIUM_OK
     agent.handle(api.get("n1"))
     node = ProxyNode.model_validate(api.obj)
-    assert fake_node(agent).replacement_calls == [("/var/run/cilium/cilium.sock", True)]
+    # Its health first; the Service table once that is Ok and replacing kube-proxy.
+    assert fake_node(agent).replacement_calls == [("/var/run/cilium/cilium.sock", False),
+                                                  ("/var/run/cilium/cilium.sock", True)]
     assert node.status.replacement == CILIUM_OK
     last = node.status.last_operation
     assert last is not None and last.state == "Succeeded"
@@ -1281,12 +1283,16 @@ def test_preflight_for_cilium_kpr_passes_without_cilium_and_refuses_a_sick_one()
 # ---- a replacement probe waits on the node until the replacement proves itself ----
 
 def _replacement_sequence_agent(api: FakeAPI, answers: list[ReplacementFacts]) -> tuple[Agent, list[float]]:
+    """Each round (a health read, then the full read when health allows) answers the next of `answers`."""
     agent = make_agent(api)
     answer = _in_turn(answers)
+    this_round: list[ReplacementFacts] = []
 
     def replacement(params: ReplacementParams, *, with_services: bool) -> ReplacementFacts:
         fake_node(agent).replacement_calls.append((params.socket_path, with_services))
-        return answer()
+        if not with_services or not this_round:
+            this_round[:] = [answer()]
+        return this_round[0]
 
     agent.effects.replacement = replacement  # type: ignore[method-assign]  # a swapped seam
     return agent, _recorded_sleeps(agent)
@@ -1303,7 +1309,9 @@ def test_a_replacement_probe_answers_once_the_replacement_proves_itself() -> Non
     agent.handle(api.get("n1"))
     node = ProxyNode.model_validate(api.obj)
     assert node.status.replacement == CILIUM_READY
-    assert len(fake_node(agent).replacement_calls) == 3 and sleeps == [0.1, 0.1]
+    # A starting agent is read for its health alone; the table only once it is Ok.
+    assert [full for _, full in fake_node(agent).replacement_calls] == [False, False, True, False, True]
+    assert sleeps == [0.1, 0.1]
     assert node.status.last_operation is not None and node.status.last_operation.state == "Succeeded"
 
 
@@ -1316,8 +1324,17 @@ def test_a_replacement_probe_waits_no_longer_than_asked() -> None:
     assert 9 <= len(sleeps) <= 11 and sum(sleeps) <= 1.1
 
 
+def test_a_replacement_probe_reads_no_service_table_while_the_replacement_is_not_ok() -> None:
+    api = FakeAPI(node_obj(probe_op(replacement=KPR_PARAMS, awaitSeconds=1)))
+    agent, sleeps = _replacement_sequence_agent(api, [CILIUM_STARTING])
+    agent.handle(api.get("n1"))
+    calls = fake_node(agent).replacement_calls
+    assert len(calls) >= 9 and not any(full for _, full in calls) and sum(sleeps) <= 1.1
+    assert ProxyNode.model_validate(api.obj).status.replacement == CILIUM_STARTING
+
+
 def test_a_replacement_probe_without_a_wait_reads_once() -> None:
     api = FakeAPI(node_obj(probe_op(replacement=KPR_PARAMS)))
     agent, sleeps = _replacement_sequence_agent(api, [CILIUM_HOST_LOADING, CILIUM_READY])
     agent.handle(api.get("n1"))
-    assert sleeps == [] and len(fake_node(agent).replacement_calls) == 1
+    assert sleeps == [] and [full for _, full in fake_node(agent).replacement_calls] == [False, True]

@@ -62,7 +62,7 @@ from proxyshift.api.proxynode import (
     ProxyNodeSpec,
     clip_status,
 )
-from proxyshift.api.replacement import ReplacementFacts
+from proxyshift.api.replacement import ReplacementFacts, ReplacementParams
 from proxyshift.kubeconfig import loading
 from proxyshift.modes import DEFAULT_MODE
 
@@ -88,7 +88,7 @@ PROBE_HEALTH_POLL_SECONDS = 0.01
 PROBE_CHASE_SECONDS = 0.1
 PROBE_FALLBACK_SECONDS = 0.25
 PROBE_AWAIT_POLL_SECONDS = 0.05
-# Three GETs on the replacement's socket (health, Service table, endpoints) a round.
+# A round on the replacement's socket: its health, and while that is Ok its Service table and endpoints.
 REPLACEMENT_AWAIT_POLL_SECONDS = 0.1
 # A watch that ran this long before failing was healthy: the failure is a new outage, the back-off starts anew.
 HEALTHY_WATCH_SECONDS = 5.0
@@ -592,11 +592,11 @@ class Agent:
             # As for kube-proxy's sync: wait here, reading the replacement's own API, until it proves itself
             # (its host datapath loads seconds after its health turns Ok), rather than answer "not yet" and
             # make the operator ask again a round later. Bounded; the gate judges whatever comes.
-            replaced = self.effects.replacement(p.replacement, with_services=True)
+            replaced = self._read_replacement(p.replacement)
             deadline = self.clock() + min(p.await_seconds or 0.0, MAX_PROBE_AWAIT_SECONDS)
             while not replaced.proves(p.replacement.expected_frontends) and self.clock() < deadline:
                 self.sleep(REPLACEMENT_AWAIT_POLL_SECONDS)
-                replaced = self.effects.replacement(p.replacement, with_services=True)
+                replaced = self._read_replacement(p.replacement)
             extra = {**extra, "replacement": with_nulls(replaced)}
         synced = self.clock()
         flushed: CleanupResult | None = None
@@ -689,6 +689,16 @@ class Agent:
                 extra = self.observe(inventory=False)
                 observed = self.clock()
         return extra
+
+    def _read_replacement(self, params: ReplacementParams) -> ReplacementFacts:
+        """A Probe's read of the replacement: its health, and its Service table and endpoints only once it is Ok
+        and replacing kube-proxy. While the replacement starts (seconds, read every 0.1 s) the table, up to 32 MiB
+        of JSON on a large cluster, would be read and parsed for nothing: the gate judges an agent that is not Ok,
+        or not replacing kube-proxy, on its health alone (planner/gate.py, before the table)."""
+        health = self.effects.replacement(params, with_services=False)
+        if health.agent_state != "Ok" or not health.enabled:
+            return health
+        return self.effects.replacement(params, with_services=True)
 
     def _conntrack_then_connect(self, params: ConntrackParams | None, services: list[str]
                                 ) -> tuple[ConntrackReport | None, dict[str, bool | str], float, float]:
