@@ -50,7 +50,7 @@ from faults import (
 )
 from loss_budget import budget_of
 
-from proxyshift.planner.machine import IN_FLIGHT
+from proxyshift.api.proxynode import IN_FLIGHT
 from tests.support.operator_harness import Harness, migration, policy
 
 pytestmark = pytest.mark.reliability

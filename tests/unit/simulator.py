@@ -20,6 +20,7 @@ from proxyshift.agent.hold import abandoned
 from proxyshift.api.common import parse_duration
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.api.proxynode import (
+    IN_FLIGHT,
     KubeProxyFacts,
     NodeMigration,
     OperationStatus,
@@ -31,7 +32,6 @@ from proxyshift.api.proxynode import (
 )
 from proxyshift.planner.machine import (
     HOLD_ROLLBACK_SECONDS,
-    IN_FLIGHT,
     RECONNECT_GRACE,
     UNTOUCHED,
     is_in_flight,

@@ -206,6 +206,6 @@ def test_phase_and_mode_are_one_literal_each() -> None:
 
     assert policy.NodePhase is proxynode.Phase and policy.ProxyMode is proxynode.Mode
     assert ownership.Mode is proxynode.Mode and get_args(proxynode.Mode) == ownership.MODES
-    assert machine.IN_FLIGHT | machine.TERMINAL | {"Pending"} == set(proxynode.PHASES)
+    assert proxynode.IN_FLIGHT | machine.TERMINAL | {"Pending"} == set(proxynode.PHASES)
     migration = ProxyNode.model_validate({"spec": {"migration": {"phase": "Gate"}}}).spec.migration
     assert migration is not None and migration.phase == "Gate"

@@ -46,7 +46,7 @@ from proxyshift.agent.flush.iptables import CHAIN_BATCH, IptablesTool, TablePlan
 from proxyshift.agent.flush.nftables import list_tables, render_delete
 from proxyshift.agent.iptables_save import BUILTIN_CHAINS, Dump, Rule, parse
 from proxyshift.agent.ownership import NFT_TABLES, iptables_chain_modes
-from proxyshift.api.proxynode import NodeMigration, attempt_key
+from proxyshift.api.proxynode import IN_FLIGHT, NodeMigration, attempt_key
 from proxyshift.commands import CommandError, run
 from proxyshift.modes import MODE_FACTS, MODES, ObjectKind, facts_of, startup_cleanup_drops_old_rules
 
@@ -65,19 +65,15 @@ hold_applies = startup_cleanup_drops_old_rules
 _HELD_CHAIN_MODES = frozenset(m for m, f in MODE_FACTS.items() if f.held_as == "iptables-chains")
 
 
-# The phases in which a migration may still need its hold: made with the preflight (Preflight, waiting for a slot
-# as Prepared), asked at the switch, kept through the gate and a rollback until a kube-proxy has synced. Every
-# other phase (Pending after an abandon, Done, Failed, RolledBack) is the migration's end: a hold is a stale copy.
-HOLDING_PHASES = frozenset({"Preflight", "Prepared", "Cordon", "Switch", "Gate", "Cleanup", "Verify", "Uncordon",
-                            "RollingBack"})
-
-
 def abandoned(operation_id: str | None, migration: NodeMigration | None) -> bool:
     """Whether the node's ProxyNode no longer names the migration a hold was made for: no migration, one that
     ended or went back to Pending, or another attempt (`operation_id`, the operation that made the hold, starts
     with its migration's attempt key). A hold found on the node by a restarted agent (no id) is abandoned only
     when no migration is in flight."""
-    if migration is None or migration.phase not in HOLDING_PHASES:
+    # In flight, a migration may still need its hold: made with the preflight (Preflight, then Prepared while it
+    # waits for a slot), asked at the switch, kept through the gate and a rollback until a kube-proxy has synced.
+    # Any other phase (Pending after an abandon, Done, Failed, RolledBack) is its end: a hold is a stale copy.
+    if migration is None or migration.phase not in IN_FLIGHT:
         return True
     return operation_id is not None and not operation_id.startswith(f"{attempt_key(migration)}.")
 

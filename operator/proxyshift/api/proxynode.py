@@ -32,6 +32,10 @@ Phase = Literal[
     "Failed", "RollingBack", "RolledBack",
 ]
 PHASES: tuple[Phase, ...] = get_args(Phase)
+# A migration between its start and its end: the operator steps these (planner/machine.py), and the agent keeps
+# a rule hold only while its migration is in one of them (agent/hold.py).
+IN_FLIGHT: frozenset[Phase] = frozenset(
+    {"Preflight", "Prepared", "Cordon", "Switch", "Gate", "Cleanup", "Verify", "Uncordon", "RollingBack"})
 
 
 def is_phase(text: str) -> TypeGuard[Phase]:

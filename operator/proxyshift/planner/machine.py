@@ -34,6 +34,7 @@ from proxyshift.api.common import parse_duration
 from proxyshift.api.diagnostics import DiagnoseRequest
 from proxyshift.api.policy import ProxyPolicySpec
 from proxyshift.api.proxynode import (
+    IN_FLIGHT,
     MAX_FOREIGN_VIRTUAL_SERVERS,
     MODES,
     VIRTUAL_SERVER_TEXT_LIMIT,
@@ -80,8 +81,6 @@ from proxyshift.planner.world import (
     daemonset_for,
 )
 
-IN_FLIGHT: frozenset[Phase] = frozenset(
-    {"Preflight", "Prepared", "Cordon", "Switch", "Gate", "Cleanup", "Verify", "Uncordon", "RollingBack"})
 TERMINAL: frozenset[Phase] = frozenset({"Done", "Failed", "RolledBack"})
 FAILED: frozenset[Phase] = frozenset({"Failed", "RolledBack"})
 # Before the label moves nothing on the node has changed, so these phases can be abandoned for free.
