@@ -641,17 +641,15 @@ def _enter_switch(inp: NodeInput, m: NodeMigration, why: str) -> Step:
     nxt = _enter(inp, m, "Switch", switched_at=fmt(inp.now))
     if holds_rules(inp, m):
         held, lost = _held_ahead(inp, m)
-        if held is not None:
-            # The hold made with the preflight is in place: the label moves in this plan, no round trip.
-            step = _move_label(inp, nxt, f"{why}; rules held since the preflight ({held})")
-            return Step([_forward_write(inp, nxt, None), *step.actions], step.phase, step.message,
-                         step.requeue_after)
-        # The label moves once the agent has answered: a hold made after the new kube-proxy
-        # started would copy nothing.
-        told = [_event(inp, "RuleHoldLost", f"{lost}; holding again before the switch", warning=True)] \
-            if lost else []
-        return Step([_forward_write(inp, nxt, _hold_op(inp, nxt)), *told], "Switch", "holding the old rules",
-                    POLL_SECONDS)
+        if held is None:
+            # The label moves once the agent has answered: a hold made after the new kube-proxy
+            # started would copy nothing.
+            told = [_event(inp, "RuleHoldLost", f"{lost}; holding again before the switch", warning=True)] \
+                if lost else []
+            return Step([_forward_write(inp, nxt, _hold_op(inp, nxt)), *told], "Switch", "holding the old rules",
+                        POLL_SECONDS)
+        # The hold made with the preflight is in place: the label moves in this plan, no round trip.
+        why = f"{why}; rules held since the preflight ({held})"
     step = _move_label(inp, nxt, why)
     return Step([_forward_write(inp, nxt, None), *step.actions], step.phase, step.message, step.requeue_after)
 
