@@ -60,6 +60,7 @@ from proxyshift.api.proxynode import (
     ProbeParams,
     ProbeResult,
     ProxyNodeSpec,
+    RuleHold,
     clip_status,
 )
 from proxyshift.api.replacement import ReplacementFacts, ReplacementParams
@@ -191,9 +192,9 @@ class HoldRecord:
 ORPHAN_HOLD_TTL = 120.0
 
 
-def with_nulls(answer: BehaviourMatrix | ReplacementFacts) -> dict[str, Any]:
+def with_nulls(answer: BehaviourMatrix | ReplacementFacts | RuleHold) -> dict[str, Any]:
     """Every field, with nulls: a merge patch must not keep an old answer's field (a matrix's podPathError, the
-    replacement's read error once its API answers)."""
+    replacement's read error once its API answers, a hold's operation id once a restarted agent holds one)."""
     return answer.model_dump(by_alias=True, mode="json")
 
 
@@ -321,7 +322,7 @@ class Agent:
         held = self.hold
         if held is None:
             return None
-        return {"operationId": held.operation_id, "expires": now_rfc3339(lambda: held.expires)}
+        return with_nulls(RuleHold(operation_id=held.operation_id, expires=now_rfc3339(lambda: held.expires)))
 
     def _make_hold(self, op_id: str, p: HoldParams) -> hold_mod.HoldReport | None:
         """Copy the old mode's service rules (a Hold, or a passed preflight asked to); None: the move needs none."""
