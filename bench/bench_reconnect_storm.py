@@ -30,9 +30,11 @@ running). Measured:
                from the kill on, and the largest number in one second (by the second they were
                sent); 403s: before the RBAC caches filled; 429s: priority-and-fairness refusals.
                The API server's own apiserver_request_total for proxynodes is printed below
-  agents' CPU  CPU time the agent processes used from the kill until every watch was live: on
-               this 2-core machine the simulated fleet's own TLS handshakes and client code compete
-               with the API server, which a real fleet (one agent per node) does not
+  CPU          the agent processes' CPU time from the kill until every watch was live, and the new API
+               server's from its start: on this 2-core machine the simulated fleet's own TLS handshakes
+               and client code compete with the API server, which a real fleet (one agent per node)
+               does not. The fleet runs in an idle CPU group (harness/cpu_group.py): it gets only the
+               CPU the control plane leaves
   verified     a status write to a sample of ProxyNodes, each seen back through its agent's watch
 
 Target (issue 18): every watch live within 60 s, the request rate bounded by the back-off.
@@ -65,6 +67,7 @@ from typing import IO, Any
 import kubernetes
 
 from bench.bench_controller_scale import Procs, apiserver_argv, cpu_s, etcd_argv, kubectl_apply, wait_for
+from bench.harness import cpu_group
 from bench.harness.storm_agents import node_name
 from localcluster import controlplane, pki
 from localcluster.build import build
@@ -93,6 +96,9 @@ class Result:
     all_live_after_ready_s: float = math.nan
     crashes: int = 0                  # times the new API server exited by itself before /readyz
     agents_cpu_s: float = math.nan    # CPU time of the agent processes from the stop to every watch live
+    apiserver_cpu_s: float = math.nan  # CPU time of the new API server from its start to every watch live
+    noticed_p50_s: float = math.nan   # stop -> an agent's watch stream seen ended, median over agents
+    noticed_max_s: float = math.nan
     load: str = ""
     not_live: int = 0
     reached: int = 0                  # requests with an HTTP answer, from the stop on
@@ -275,6 +281,12 @@ def analyse(res: Result, records: list[list[Any]], n: int, t_stop: float, t_read
         res.all_live_after_ready_s = res.all_live_s - (t_ready - t_stop)
         res.p50_s = statistics.median(live_after)
         res.p90_s = statistics.quantiles(live_after, n=10)[-1] if len(live_after) > 1 else live_after[0]
+    # The fleet's own reaction: when each agent's watch stream was seen ending after the stop (one agent per
+    # thread; a starved simulator notices late, a real fleet at once).
+    noticed = sorted({idx: t1 - t_stop for idx, _t0, t1, verb, _o in sorted(records, key=lambda r: -r[2])
+                      if verb == "end" and t1 >= t_stop}.values())
+    if noticed:
+        res.noticed_p50_s, res.noticed_max_s = statistics.median(noticed), noticed[-1]
     reached: collections.Counter[int] = collections.Counter()
     refused: collections.Counter[int] = collections.Counter()
     for _, t0, _t1, verb, outcome in records:
@@ -300,8 +312,17 @@ def analyse(res: Result, records: list[list[Any]], n: int, t_stop: float, t_read
     res.peak_refused_ps = max(refused.values(), default=0)
 
 
+def restart_alone(ctl: Control, sig: int) -> float:
+    """Seconds from stopping the API server to the new one's /readyz with no agent knocking: the part of a
+    storm's time that is the API server's own start on this machine."""
+    t_stop = time.monotonic()
+    ctl.stop_apiserver(sig)
+    ctl.start_apiserver()
+    return ctl.wait_ready(300) - t_stop
+
+
 def storm(ctl: Control, procs: Procs, n: int, backoff: str, per_process: int, ramp: float, verify: int,
-          timeout: float, sig: int) -> Result:
+          timeout: float, sig: int, fleet_group: Path | None) -> Result:
     res = Result(backoff, n)
     env = {**ctl.env, "PYTHONPATH": os.pathsep.join([str(ROOT / "operator"), str(ROOT)])}
     workers: list[Worker] = []
@@ -312,7 +333,8 @@ def storm(ctl: Control, procs: Procs, n: int, backoff: str, per_process: int, ra
             workers.append(Worker(procs, f"agents-{backoff}-{k}", [
                 sys.executable, "-m", "bench.harness.storm_agents", "--kubeconfig", str(ctl.agent),
                 "--first", str(first), "--count", str(min(per_process, n - first)), "--backoff", backoff,
-                "--ramp", str(ramp / count)], env))
+                "--ramp", str(ramp / count)]
+                + (["--cpu-group", str(fleet_group)] if fleet_group is not None else ["--nice", "19"]), env))
         began = time.monotonic()
         wait_for(f"{n} agents' first watches", lambda: fleet_live(workers, began) == n, n / ramp + 600)
         print(f"  {backoff}: {n} watches live after {time.monotonic() - began:.0f}s; restarting the API server",
@@ -344,6 +366,7 @@ def storm(ctl: Control, procs: Procs, n: int, backoff: str, per_process: int, ra
             time.sleep(1)
         live = fleet_live(workers, t_ready)
         res.agents_cpu_s = sum(cpu_s(w.proc.pid) for w in workers) - cpu0
+        res.apiserver_cpu_s = cpu_s(ctl.apiserver.pid) if ctl.apiserver is not None else math.nan
         res.load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
         print(f"  {backoff}: {live}/{n} watches live {time.monotonic() - t_ready:.0f}s after ready",
               file=sys.stderr, flush=True)
@@ -379,13 +402,14 @@ def fmt(x: float) -> str:
 def table(results: list[Result]) -> str:
     rows = ["| agents | back-off | API server answering / ready s after the kill | all watches live s after the kill | "
             "p50 / p90 s | requests reaching the API server | peak requests/s | 403s / 429s | API server crashes | "
-            "agents' CPU s | watches verified |",
+            "agents' / API server's CPU s | watches verified |",
             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         all_live = fmt(r.all_live_s) if not r.not_live else f"not all ({r.not_live} never)"
         rows.append(f"| {r.agents} | {r.backoff} | {fmt(r.answering_s)} / {fmt(r.away_s)} | {all_live} | "
                     f"{fmt(r.p50_s)} / {fmt(r.p90_s)} | {r.reached} | {r.peak_rps} | "
-                    f"{r.other_errors.get('403', 0)} / {r.throttled} | {r.crashes} | {fmt(r.agents_cpu_s)} | "
+                    f"{r.other_errors.get('403', 0)} / {r.throttled} | {r.crashes} | {fmt(r.agents_cpu_s)} / "
+                    f"{fmt(r.apiserver_cpu_s)} | "
                     f"{r.verified}/{r.verify_of} |")
     for r in results:
         rows.append(f"\n{r.backoff}: requests reaching the API server per second, from second {r.first_second} "
@@ -394,6 +418,8 @@ def table(results: list[Result]) -> str:
                     f"connects {r.refused} (peak {r.peak_refused_ps}/s); API server's apiserver_request_total for "
                     f"proxynodes GET+WATCH {'—' if math.isnan(r.server_count) else int(r.server_count)} (open watches "
                     f"count when they end); load average at the end {r.load}")
+        rows.append(f"{r.backoff}: the agents saw their watches end {fmt(r.noticed_p50_s)} s after the stop (median), "
+                    f"the last {fmt(r.noticed_max_s)} s")
         others = {k: v for k, v in r.other_errors.items() if k != "403"}
         if others:
             rows.append(f"{r.backoff}: other answers: {others}")
@@ -410,11 +436,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds after ready to wait for every watch")
     p.add_argument("--signal", choices=("KILL", "TERM"), default="KILL", help="how the API server is stopped")
     p.add_argument("--keep", action="store_true", help="keep the state folder (logs, request records)")
+    p.add_argument("--fleet-cpu", choices=("idle", "nice"), default="idle",
+                   help="the simulated fleet in an idle CPU group (default; nice 19 where none can be made) or at "
+                        "nice 19")
     args = p.parse_args(argv)
-    # The control plane runs at the caller's priority, the simulated fleet at nice 19 (storm_agents.py): on a
-    # real cluster the agents run on their own nodes and never take the API server's CPU. Before 2026-12-05
-    # everything ran at 19, and at 5,000 agents the fleet's TLS handshakes starved the restarted API server's
-    # own post-start hooks until it exited.
+    # The control plane runs at the caller's priority, the simulated fleet in an idle CPU group
+    # (harness/cpu_group.py): on a real cluster the agents run on their own nodes and never take the API
+    # server's CPU. Before 2026-12-05 everything ran at 19, and at 5,000 agents the fleet's TLS handshakes
+    # starved the restarted API server's own post-start hooks until it exited; the fleet alone at nice 19 still
+    # took most of the CPU (5,000 threads, each weighed on its own).
     # SIGTERM and SIGINT (ignored by default in a background job) unwind through the finally blocks below,
     # which stop the agents, the API server and etcd by their own handles.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -432,6 +462,11 @@ def main(argv: list[str] | None = None) -> int:
     state.mkdir(parents=True)
     procs = Procs(state / "logs")
     results: list[Result] = []
+    fleet_group, fleet_cpu = None, "nice 19"
+    if args.fleet_cpu == "idle":
+        fleet_group, how = cpu_group.make_idle_group(f"proxyshift-storm-fleet-{os.getpid()}")
+        fleet_cpu = how if fleet_group is not None else f"nice 19 ({how})"
+    print(f"  the simulated fleet's CPU: {fleet_cpu}", file=sys.stderr, flush=True)
     try:
         ctl = Control(state, bin_dir, procs)
         ctl.start_etcd()
@@ -447,12 +482,21 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         create_proxynodes(ctl.admin, args.agents)
         print(f"  {args.agents} ProxyNodes created in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+        sig = getattr(signal, f"SIG{args.signal}")
+        alone = restart_alone(ctl, sig)
+        print(f"  the API server restarted with no agents: /readyz {alone:.1f}s after the stop", file=sys.stderr,
+              flush=True)
         for backoff in args.backoff.split(","):
             results.append(storm(ctl, procs, args.agents, backoff, args.per_process, args.ramp, args.verify,
-                                 args.timeout, getattr(signal, f"SIG{args.signal}")))
+                                 args.timeout, sig, fleet_group))
             print(table(results), flush=True)
+        print(f"\nThe API server's own restart with no agents knocking (same {args.agents} ProxyNodes, "
+              f"SIG{args.signal}): /readyz {alone:.1f}s after the stop. The simulated fleet's CPU: {fleet_cpu}.",
+              flush=True)
     finally:
         procs.stop()
+        if fleet_group is not None:
+            cpu_group.remove(fleet_group)
         if not args.keep:
             shutil.rmtree(state, ignore_errors=True)
         else:

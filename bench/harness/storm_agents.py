@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import queue
@@ -31,11 +32,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, cast
 
 import kubernetes
 from kubernetes.client.exceptions import ApiException
 
+from bench.harness import cpu_group
 from proxyshift.agent.effects import NodeEffects
 from proxyshift.agent.loop import Agent, AgentConfig, KubeProxyNodeAPI
 
@@ -148,10 +151,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backoff", choices=("jitter", "none"), default="jitter")
     p.add_argument("--ramp", type=float, default=100.0, help="agents started per second (the first connects)")
     p.add_argument("--watch-timeout", type=int, default=AgentConfig.watch_timeout)
-    p.add_argument("--nice", type=int, default=19,
-                   help="the fleet's niceness: it stands in for N machines and must not take the API server's CPU")
+    p.add_argument("--cpu-group", default="",
+                   help="an idle CPU group to join (bench/harness/cpu_group.py): the fleet stands in for N machines "
+                        "and must not take the API server's CPU")
+    p.add_argument("--nice", type=int, default=19, help="the fleet's niceness, without --cpu-group")
     args = p.parse_args(argv)
-    os.nice(max(0, args.nice - os.nice(0)))
+    if args.cpu_group:
+        cpu_group.join(Path(args.cpu_group))
+    else:
+        os.nice(max(0, args.nice - os.nice(0)))
     # The threads block in socket reads; the default 8 MiB stacks would only cost address space, but
     # a small one keeps a few thousand of them cheap to create.
     threading.stack_size(512 * 1024)
@@ -174,8 +182,17 @@ def main(argv: list[str] | None = None) -> int:
     threads: list[threading.Thread] = []
 
     def report() -> None:
+        frozen = False
         while True:
             live = sum(1 for _, api, _ in agents if api.live_since is not None)
+            if live == args.count and not frozen:
+                # One process holds hundreds of agents' clients, pools and threads: a full collection walks all of
+                # them, where a real agent's walks its own. Frozen once every watch is up, the fleet's settled
+                # heap is out of every later collection; what the storm itself makes is collected as usual.
+                gc.collect()
+                gc.freeze()
+                frozen = True
+                print(f"gc: {gc.get_freeze_count()} objects frozen", file=sys.stderr, flush=True)
             print(json.dumps({"t": time.monotonic(), "started": len(threads), "live": live}), flush=True)
             time.sleep(1.0)
 
