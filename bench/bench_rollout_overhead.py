@@ -195,6 +195,12 @@ class NodeSplit:
     gate: float  # Gate seen -> the gate's verdict seen
     own: float  # total - kube_proxy - gate
     phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds until the next phase
+    # The node's moments on the rollout's critical path (the bench's clock; None: not seen): phase Switch seen,
+    # kube-proxy's restart (the label move showing on the node), its first sync, the agent's gate report seen.
+    switch_at: float | None = None
+    restart_at: float | None = None
+    sync_at: float | None = None
+    report_at: float | None = None
 
 
 @dataclass
@@ -203,6 +209,7 @@ class Result:
     run: int
     seconds: float
     nodes: list[NodeSplit]
+    started: float = math.nan  # the bench's clock at the apply/delete (migrate, revert)
 
     @property
     def kube_proxy(self) -> float:
@@ -342,6 +349,7 @@ class Bench:
             phases = {k: v for k, v in self.seen.phases.items() if v >= t0}
             pods = dict(self.seen.pods)
             syncs = {k: set(v) for k, v in self.seen.syncs.items()}
+            log = [row for row in self.seen.log if t0 <= row[0] <= end]
         rows = []
         for node in self.nodes:
             mine = sorted((at, phase) for (n, phase, _), at in phases.items() if n == node)
@@ -380,7 +388,10 @@ class Bench:
                            and switch is not None and r["running"] >= switch), default=None)
             durations["pod Ready"] = (ready - switch) if ready is not None and switch is not None else 0.0
             durations["pod Running"] = (running - switch) if running is not None and switch is not None else 0.0
-            rows.append(NodeSplit(node, done - start, kp, gate, done - start - kp - gate, durations))
+            report = next((at for at, name, phase, _op, state, _m in log if name == node and phase == "Gate"
+                           and ".Gate." in state.split(" ", 1)[0] and " Succeeded " in state), None)
+            rows.append(NodeSplit(node, done - start, kp, gate, done - start - kp - gate, durations,
+                                  switch, restart if switch is not None else None, serving, report))
         return rows
 
     def timeline(self, t0: float) -> None:
@@ -414,7 +425,7 @@ class Bench:
         if self.show_timeline:
             self.timeline(t0)
         kind = NO_MATRIX if not matrix else NO_AHEAD if not ahead else "migrate"
-        return Result(kind, run, end - t0, self._splits(t0, end))
+        return Result(kind, run, end - t0, self._splits(t0, end), t0)
 
     def revert(self, run: int) -> Result:
         t0 = time.monotonic()
@@ -424,7 +435,7 @@ class Bench:
         left = [n for n in self.nodes if REVISION_LABEL in _labels(self.core.read_node(n).metadata)]
         if left:
             raise RuntimeError(f"policy gone but {left} still carry a revision label")
-        return Result("revert", run, end - t0, self._splits(t0, end))
+        return Result("revert", run, end - t0, self._splits(t0, end), t0)
 
 
 # ---- cluster and report ----
@@ -503,6 +514,55 @@ def _verdict_at(a: float, b: float, target: float) -> str:
     return f"{'met' if a <= target * b else 'missed'} ({a / b:.2f}x)"
 
 
+# The segments of a rollout's critical path, in the order they follow each other (maxUnavailable 1).
+PATH_SEGMENTS = ("start", "label", "kube-proxy", "agent", "handoff", "end")
+
+
+def critical_path(result: Result) -> dict[str, list[float]] | None:
+    """A one-node-at-a-time rollout cut into what follows what: `start` (the apply -> the first node's phase
+    Switch), per node `label` (Switch -> kube-proxy's restart: the label move and the DaemonSet controller),
+    `kube-proxy` (restart -> first sync: the floor), `agent` (sync -> the agent's gate report seen: noticing,
+    the hold's release, the in-gate flush, the conntrack step, the matrix, the status write), per node after
+    the first `handoff` (the previous report -> this node's Switch: the operator's plan and writes), `end` (the
+    last report -> Ready). None when a moment is missing or nodes overlapped."""
+    nodes = sorted(result.nodes, key=lambda n: n.switch_at if n.switch_at is not None else math.inf)
+    if not nodes or math.isnan(result.started) or any(
+            None in (n.switch_at, n.restart_at, n.sync_at, n.report_at) for n in nodes):
+        return None
+    path: dict[str, list[float]] = {k: [] for k in PATH_SEGMENTS}
+    path["start"].append(cast(float, nodes[0].switch_at) - result.started)
+    for prev, n in itertools.pairwise(nodes):
+        if cast(float, n.switch_at) < cast(float, prev.report_at):
+            return None  # overlapping nodes: no single path
+        path["handoff"].append(cast(float, n.switch_at) - cast(float, prev.report_at))
+    for n in nodes:
+        path["label"].append(cast(float, n.restart_at) - cast(float, n.switch_at))
+        path["kube-proxy"].append(cast(float, n.sync_at) - cast(float, n.restart_at))
+        path["agent"].append(cast(float, n.report_at) - cast(float, n.sync_at))
+    path["end"].append(result.started + result.seconds - cast(float, nodes[-1].report_at))
+    return path
+
+
+def print_critical_path(results: list[Result]) -> None:
+    kinds = [k for k in ("migrate", NO_MATRIX, NO_AHEAD, "revert") if any(r.kind == k for r in results)]
+    print("\nthe critical path, node after node (seconds; per-node columns: the median over nodes and runs; "
+          "own in all: the median over runs of the rollout's sum):\n"
+          "start = apply -> first Switch; label = Switch -> kube-proxy's restart (label move, DaemonSet controller);\n"
+          "kube-proxy = restart -> first sync (the floor); agent = sync -> the agent's gate report seen;\n"
+          "handoff = a report -> the next node's Switch (the operator); end = the last report -> Ready\n")
+    print("| rollout | start | label | kube-proxy | agent | handoff | end | own in all (all but kube-proxy) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for kind in kinds:
+        paths = [p for r in results if r.kind == kind and (p := critical_path(r)) is not None]
+        if not paths:
+            print(f"| {kind} | not measured (a moment missing or nodes overlapped) |||||||")
+            continue
+        cells = [f"{median([v for p in paths for v in p[k]]):.2f}" if any(p[k] for p in paths) else "-"
+                 for k in PATH_SEGMENTS]
+        own = median([sum(sum(p[k]) for k in PATH_SEGMENTS if k != "kube-proxy") for p in paths])
+        print(f"| {kind} | {' | '.join(cells)} | {own:.2f} |")
+
+
 def print_report(results: list[Result], nodes: int) -> None:
     print(f"\n## rollout overhead, {nodes} nodes, maxUnavailable 1 (seconds; medians over runs)\n")
     print("sync floor = the sum over nodes of migrate's kube-proxy time (kube-proxy's restart -> first rule sync):\n"
@@ -568,6 +628,7 @@ def print_report(results: list[Result], nodes: int) -> None:
         return f"{median(values):.2f}" if values else "-"
 
     print_matrix_cost(results, nodes)
+    print_critical_path(results)
 
     print("\neach node, median over runs (seconds; restarts: from the old pod deleted; migrate: from the switch):\n")
     print("| node | restart pod Ready | restart-ready pod Running | restart-ready pod Ready "
