@@ -891,3 +891,37 @@ def test_the_replacement_label_always_follows_the_revision_the_node_is_moved_to(
                                 from_revision=from_revision, reason="GateTimeout"), label=REV, pods=[]))
     (undo,) = [a for a in back.actions if isinstance(a, SetRevisionLabel)]
     assert (undo.revision, undo.labels) == (from_revision, expected.get(from_mode, NO_REPLACEMENT))
+
+
+def test_a_rollback_gate_timeout_names_what_the_last_probe_said() -> None:
+    # The rollback keeps its own reason in `message`; the rounds' words go to probe_said, so a timeout that lands
+    # while the agent holds a round open still says why the old kube-proxy did not pass.
+    m = mig("RollingBack", rollback_step="Gate", reason="GateTimeout", message="gate: not proven within 2m",
+            from_revision="blue-old", reverted_at=fmt(T0))
+    first = Operation(id=f"{REV}.1.0.RollbackGate.0", type="Probe")
+    unhealthy = _good_facts().model_copy(update={"proxy_mode": "iptables", "healthz_status": 503})
+    step = machine.step(inp(m, label="blue-old", pods=[pod("kube-proxy-blue-old")], op=first, last=done(first),
+                            facts=unhealthy, now_plus=1 + machine.PROBE_INTERVAL_SECONDS))
+    (write,) = writes(step)
+    assert write.operation is not None and write.operation.id == f"{REV}.1.0.RollbackGate.1"
+    said = record_of(write).probe_said
+    assert said and "503" in said, said
+    assert record_of(write).message == "gate: not proven within 2m"  # the rollback's reason stays
+    second = write.operation
+    running = record_of(write)
+    late = machine.step(inp(running, label="blue-old", pods=[pod("kube-proxy-blue-old")], op=second,
+                            last=done(second, "Running"), facts=unhealthy, now_plus=3600))
+    assert late.phase == "Failed", late
+    failed = record_of(writes(late)[0])
+    assert failed.reason == "RollbackGateFailed"
+    assert f"{said} (at the last probe's answer)" in (failed.message or ""), failed.message
+    assert failed.probe_said is None  # a finished record carries no round's words
+
+
+def test_entering_a_phase_drops_the_last_phase_probe_words() -> None:
+    m = mig("Gate", probe_said="kube-proxy has not synced since the switch")
+    op = Operation(id=f"{REV}.1.0.Gate.0", type="Probe")
+    step = machine.step(inp(m, label=REV, pods=[pod("kube-proxy-" + REV)], op=op, last=done(op),
+                            facts=_good_facts(), now_plus=30))
+    assert step.phase != "Gate", step
+    assert all(record_of(w).probe_said is None for w in writes(step))

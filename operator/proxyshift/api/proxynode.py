@@ -273,6 +273,10 @@ class NodeMigration(KubeModel):
     reverted_at: str | None = Field(
         default=None, description="When the revision label was moved back to fromRevision (RFC 3339)."
     )
+    probe_said: str | None = Field(
+        default=None, description="What the last answered probe round of the gate under way (forward or the "
+        "rollback's) said, written with the next round: a timeout while that round runs names why the node waited.",
+    )
     behaviour_differs_since: str | None = Field(
         default=None, description="When the gate first saw the node's Services answer differently than before "
         "the switch (RFC 3339); the difference rolls the node back once it has lasted gate.behaviour.confirm.",

@@ -276,7 +276,8 @@ def _event(inp: NodeInput, reason: str, message: str, warning: bool = False) -> 
 
 
 def _enter(inp: NodeInput, m: NodeMigration, phase: Phase, **changes: Any) -> NodeMigration:
-    return m.model_copy(update={"phase": phase, "phase_since": fmt(inp.now), **changes})
+    # A new phase's probes start again: the last phase's probe words would only mislead.
+    return m.model_copy(update={"phase": phase, "phase_since": fmt(inp.now), "probe_said": None, **changes})
 
 
 def _wait(phase: Phase, message: str, after: float = POLL_SECONDS) -> Step:
@@ -882,18 +883,21 @@ def _gate(inp: NodeInput, m: NodeMigration) -> Step:
         return _start_rollback(inp, m, reason, f"not proven {limit}: {waiting}")
     actions: list[Action] = []
     if next_op is not None:
-        note = m.model_copy(update={"message": clip(waiting),
+        note = m.model_copy(update={"message": clip(waiting), "probe_said": clip(waiting),
                                     "behaviour_differs_since": _differs_since(inp, m, verdict)}) if verdict else m
         actions.append(_forward_write(inp, note, next_op))
     return Step(actions, phase, waiting, min(wait or POLL_SECONDS, left))
 
 
-def _last_round_said(inp: NodeInput, m: NodeMigration, phase: str) -> str:
+def _last_round_said(inp: NodeInput, m: NodeMigration, step_name: str) -> str:
     """While a probe round runs: what the round before it said (written to the record with this round's
-    operation), so a timeout that lands while the agent waits on the node still names why it waited."""
+    operation), so a timeout that lands while the agent waits on the node still names why it waited.
+    A rollback keeps its own reason in `message`; only `probe_said` speaks for its rounds (a forward gate's
+    record from an operator before probe_said has the words in `message` alone)."""
     op = inp.proxynode.spec.operation
-    if op is not None and op.id.startswith(op_prefix(m, phase)) and not op.id.endswith(".0") and m.message:
-        return f"{m.message} (at the last probe's answer)"
+    said = m.probe_said if step_name == "RollbackGate" else m.probe_said or m.message
+    if op is not None and op.id.startswith(op_prefix(m, step_name)) and not op.id.endswith(".0") and said:
+        return f"{said} (at the last probe's answer)"
     return "waiting for the agent's probe"
 
 
@@ -1097,7 +1101,7 @@ def _rolling_back(inp: NodeInput, m: NodeMigration) -> Step:
                             "RollingBack", "uncordoning", POLL_SECONDS)
             return _rolled_back(inp, m)
         left = _time_left(inp, m)
-        waiting = verdict.message if verdict else "waiting for the agent's probe"
+        waiting = verdict.message if verdict else _last_round_said(inp, m, "RollbackGate")
         if (verdict is not None and verdict.result == "fail") or left <= 0:
             why = waiting if left > 0 else f"not proven within {inp.spec.gate.timeout}: {waiting}"
             failed = _enter(inp, m, "Failed", reason="RollbackGateFailed", finished_at=fmt(inp.now),
@@ -1105,7 +1109,9 @@ def _rolling_back(inp: NodeInput, m: NodeMigration) -> Step:
                                          f"the gate either ({why}); left cordoned if we cordoned it"))
             return Step([_rollback_write(inp, failed, None),
                          _event(inp, "RollbackGateFailed", failed.message or "", warning=True)], "Failed", why)
-        probe: list[Action] = [_rollback_write(inp, m, next_op)] if next_op is not None else []
+        # The round's words go with the next round (probe_said): the rollback's own reason stays in `message`.
+        said = m.model_copy(update={"probe_said": clip(waiting)}) if verdict is not None else m
+        probe: list[Action] = [_rollback_write(inp, said, next_op)] if next_op is not None else []
         return Step(probe, "RollingBack", waiting, min(wait or POLL_SECONDS, left))
     if sub == "Uncordon":
         if m.cordoned_by_us and inp.node.unschedulable:
