@@ -157,12 +157,12 @@ class FakeNode:
     def inventory(self) -> Inventory:
         return self.inventory_now
 
-    def flush(self, remove: list[str], target: str | None) -> FlushReport:
+    def cleanup(self, remove: list[str], target: str | None) -> tuple[FlushReport, HoldReport]:
         self.flush_calls.append((remove, target))
         # The agent passes only the modes it validated.
         report = FlushReport(cast(list[Mode], sorted(remove)), cast(Mode | None, target))
         report.steps.append(FlushStep("iptables (ipv4, nft backend)", removed={"chains": 3}))
-        return report
+        return report, self.held.release()  # the hold leaves in the flush's round
 
     def preflight(self, mode: str, scheduler: str | None = None, **kw: Any) -> PreflightReport:
         if self.preflight_fn is not None:
@@ -1082,17 +1082,17 @@ def _gate_probe_counting_flushes(answers: list[KubeProxyFacts]) -> tuple[FakeAPI
     agent, _ = _sequence_agent(api, answers)
     node = fake_node(agent)
     order: list[str] = []
-    connect, flush = node.connect, node.flush
+    connect, cleanup = node.connect, node.cleanup
 
     def counting_connect(targets: list[str]) -> dict[str, bool | str]:
         order.append(f"connect after {len(node.flush_calls)} flush(es)")
         return connect(targets)
 
-    def slow_flush(remove: list[str], target: str | None) -> FlushReport:
+    def slow_flush(remove: list[str], target: str | None) -> tuple[FlushReport, HoldReport]:
         time.sleep(0.05)
-        return flush(remove, target)
+        return cleanup(remove, target)
 
-    node.connect, node.flush = counting_connect, slow_flush  # type: ignore[method-assign]  # swapped seams
+    node.connect, node.cleanup = counting_connect, slow_flush  # type: ignore[method-assign]  # swapped seams
     return api, agent, order
 
 

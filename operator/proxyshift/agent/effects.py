@@ -50,8 +50,9 @@ class NodeEffects(Protocol):
         """kube-proxy's objects of every mode on the node."""
         ...
 
-    def flush(self, remove: list[str], target: str | None) -> flush_mod.FlushReport:
-        """Remove the stale objects of `remove`, never those of `target`."""
+    def cleanup(self, remove: list[str], target: str | None) -> tuple[flush_mod.FlushReport, hold_mod.HoldReport]:
+        """Remove the stale objects of `remove`, never those of `target`, and the rule hold with them (a Cleanup
+        never leaves one): one round for both."""
         ...
 
     def preflight(self, mode: str, scheduler: str | None = None, *, load_modules: bool = False,
@@ -113,8 +114,8 @@ class KernelNodeEffects:
     def inventory(self) -> inventory_mod.Inventory:
         return inventory_mod.take_inventory(proc_root=self.proc_root)
 
-    def flush(self, remove: list[str], target: str | None) -> flush_mod.FlushReport:
-        return flush_mod.flush(remove, target, proc_root=self.proc_root)
+    def cleanup(self, remove: list[str], target: str | None) -> tuple[flush_mod.FlushReport, hold_mod.HoldReport]:
+        return hold_mod.release_with_flush(remove, target, proc_root=self.proc_root)
 
     def preflight(self, mode: str, scheduler: str | None = None, *, load_modules: bool = False,
                   extra_modules: Sequence[str] = (), allow_changes: Sequence[str] = (),

@@ -26,7 +26,9 @@ binds it and the kernel skips the other NAT chains of that hook, so they cannot
 fight. The hold is released as soon as a new kube-proxy process has completed a
 sync (the agent watches that through its probe), by every Cleanup, and at the
 latest when its time to live runs out: a copy left longer would DNAT to
-endpoints that may have gone.
+endpoints that may have gone. A Cleanup releases it in the flush's own round
+(release_with_flush): the copies and the stale rules leave in one save and one
+restore per iptables family, and one nft listing.
 
 ipvs mode is not held: its virtual servers live in the IPVS table, not in rules
 that can be renamed. ipvs <-> iptables needs no hold (kube-proxy keeps the
@@ -40,7 +42,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+from proxyshift.agent import flush as flush_mod
 from proxyshift.agent.flush.base import Runner
 from proxyshift.agent.flush.iptables import CHAIN_BATCH, IptablesTool, TablePlan, available_tools, render_restore
 from proxyshift.agent.flush.nftables import list_tables, render_delete
@@ -188,10 +192,14 @@ class HoldReport:
         return text
 
 
-def _tools(tools: list[IptablesTool] | None) -> list[IptablesTool]:
+def _held_by(tool: IptablesTool) -> bool:
     # Only the nft backend and the default: that is where a current kube-proxy writes.
+    return tool.backend != "legacy"
+
+
+def _tools(tools: list[IptablesTool] | None) -> list[IptablesTool]:
     found = tools if tools is not None else available_tools()
-    return [t for t in found if t.backend != "legacy"]
+    return [t for t in found if _held_by(t)]
 
 
 def install(from_mode: str, *, runner: Runner = run, iptables_tools: list[IptablesTool] | None = None) -> HoldReport:
@@ -271,6 +279,29 @@ def release(*, runner: Runner = run, iptables_tools: list[IptablesTool] | None =
     except (CommandError, ValueError) as exc:
         report.errors.append(f"nftables: {exc}")
     return report
+
+
+def _held_tables(listed: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    return [(family, name) for family, name in listed if name == NFT_HOLD_TABLE]
+
+
+def release_with_flush(remove_modes: list[str], target_mode: str | None, *, runner: Runner = run,
+                       iptables_tools: list[IptablesTool] | None = None,
+                       **flush_args: Any) -> tuple[flush_mod.FlushReport, HoldReport]:
+    """A Cleanup's flush of `remove_modes` with every hold on the node (both kinds) released in the same round:
+    the copies are planned from the flush's own save of each family and removed by its restore, the nft hold
+    table chosen from its listing. What `release` and then `flush` would do, and report, in one round instead
+    of two. `flush_args`: the rest of flush()'s arguments."""
+    extra = flush_mod.Extra(iptables=lambda tool, dump: plan_iptables_release(dump) if _held_by(tool) else [],
+                            iptables_covers=_held_by, nft_tables=_held_tables)
+    flushed = flush_mod.flush(remove_modes, target_mode, runner=runner, iptables_tools=iptables_tools,
+                              extra=extra, **flush_args)
+    report = HoldReport("release")
+    for label, n in extra.removed.items():
+        report.done.append(f"{n} nft hold tables removed" if label == "nftables" else f"{label}: {n} chains removed")
+    for label, error in extra.errors.items():
+        report.errors.append(f"{label}: {error}")
+    return flushed, report
 
 
 def present(*, runner: Runner = run, iptables_tools: list[IptablesTool] | None = None) -> bool:

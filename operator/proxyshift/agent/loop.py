@@ -271,12 +271,16 @@ class Agent:
             metrics_mod.record_error("kube_proxy_probe")
         return facts
 
-    def _flush(self, remove: list[str], target: str | None) -> flush_mod.FlushReport:
+    def _flush(self, remove: list[str], target: str | None) -> tuple[flush_mod.FlushReport, hold_mod.HoldReport]:
+        """The flush, with the hold released in its round (effects.cleanup)."""
         began = self.clock()
         try:
-            return self.effects.flush(remove, target)
+            report, released = self.effects.cleanup(remove, target)
         finally:
             metrics_mod.FLUSH_SECONDS.observe(max(self.clock() - began, 0.0))
+        if released.ok:
+            self.hold = None
+        return report, released
 
     def _release_hold(self) -> hold_mod.HoldReport:
         report = self.effects.release_hold()
@@ -346,14 +350,16 @@ class Agent:
                                 "tools": report.tools.as_status()}
         return self._node_facts
 
-    def observe(self, *, inventory: bool) -> dict[str, Any]:
-        """Fresh probe (and inventory when asked or due): the status fields they fill."""
+    def observe(self, *, inventory: bool, release_hold: bool = True) -> dict[str, Any]:
+        """Fresh probe (and inventory when asked or due): the status fields they fill. release_hold=False: the
+        caller releases the hold itself (a Probe whose in-gate flush takes it in the flush's own round)."""
         self.facts = self._probe()
         self._last_probe = self.clock()
         if inventory or self.inventory is None:
             self.inventory = self.effects.inventory()
             self._last_inventory = self.clock()
-        self._maybe_release_hold()
+        if release_hold:
+            self._maybe_release_hold()
         mode = self.facts.proxy_mode if self.facts.proxy_mode in MODES else None
         return {
             "observedMode": mode,
@@ -543,11 +549,10 @@ class Agent:
         return p.remove_modes, p.target_mode or None
 
     def _flush_stale(self, p: CleanupParams) -> tuple[bool, str, CleanupResult]:
-        """Drop the rule hold (a copy of stale rules too: a cleanup never leaves it behind) and flush the modes
-        `p` names: (ok, message, the flush's details)."""
+        """Flush the modes `p` names and drop the rule hold in the same round (a copy of stale rules too: a
+        cleanup never leaves it behind): (ok, message, the flush's details)."""
         remove, target = self._cleanup_args(p)
-        released = self._release_hold()
-        report = self._flush(remove, target)
+        report, released = self._flush(remove, target)
         message = report.message() + (f" | {released.message()}" if released.changed or not released.ok else "")
         details = CleanupResult.model_validate({**report.details(), "hold": released.message()})
         return report.ok and released.ok, message, details
@@ -581,12 +586,17 @@ class Agent:
         p = op.params_as(ProbeParams)
         # Read before the first full probe: a sync after that probe then shows as a change of this answer.
         seen = self.effects.health() if p.await_mode else None
-        extra = self.observe(inventory=False)
+        # With an in-gate flush asked, the rule hold is not released as the sync shows: if the flush runs (the
+        # sync came), the hold leaves in the flush's own round, one save and one restore per family for both;
+        # if it does not, it is released below as any observe would have.
+        flush_asked = p.cleanup is not None and bool(p.await_mode)
+        extra = self.observe(inventory=False, release_hold=not flush_asked)
         if p.await_mode and seen is not None:
             # Wait here, polling the node's own kube-proxy, rather than answer "not synced yet" and
             # make the operator ask again a round later. Bounded; the gate judges whatever comes.
             deadline = self.clock() + min(p.await_seconds or 0.0, MAX_PROBE_AWAIT_SECONDS)
-            extra = self._await_sync(p.await_mode, p.await_syncs or 1, deadline, seen) or extra
+            extra = self._await_sync(p.await_mode, p.await_syncs or 1, deadline, seen,
+                                     release_hold=not flush_asked) or extra
         services = p.services
         replaced = None
         if p.replacement is not None:
@@ -601,8 +611,12 @@ class Agent:
             extra = {**extra, "replacement": with_nulls(replaced)}
         synced = self.clock()
         flushed: CleanupResult | None = None
-        flush = bool(p.cleanup is not None and p.await_mode
-                     and _synced_in(self.facts, p.await_mode, p.await_syncs or 1))
+        flush = bool(flush_asked and _synced_in(self.facts, p.await_mode or "", p.await_syncs or 1))
+        if flush_asked and not flush:
+            held = self.hold
+            self._maybe_release_hold()
+            if self.hold is not held:
+                extra = {**extra, "hold": self.hold_status()}
         # After the sync, three parts, the first two side by side (they shared the critical path one after the
         # other): the flush of the old mode's leftovers with the inventory after it; the conntrack step then
         # the connects; then the "after" matrix, which must judge the node as it stays, so it waits for both.
@@ -611,25 +625,28 @@ class Agent:
         # they only delete un-NATed entries and reach Services through the new rules. The conntrack step goes
         # first, as before the matrix: a connect whose source port happens to be that of an un-NATed entry
         # left from the switch's gap (its client gave up, the entry stays) would hang through its SYN retries
-        # and fail the gate for nothing. A rule hold still on the node (its release when kube-proxy
-        # synced failed) keeps the connects after the flush, which releases it again: a connect must reach
-        # its Service through kube-proxy's rules, not the hold's copy of the old ones.
-        connects_beside = not flush or self.hold is None
+        # and fail the gate for nothing. A rule hold still on the node (the flush releases it in its round)
+        # keeps the connects waiting for the flush: a connect must reach its Service through kube-proxy's rules,
+        # not the hold's copy of the old ones. The conntrack step does not wait.
+        released = threading.Event()
+        held_through = flush and self.hold is not None
+        if not held_through:
+            released.set()
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="probe-checks") as pool:
-            checks = pool.submit(self._conntrack_then_connect, p.conntrack, services if connects_beside else [])
-            if flush and p.cleanup is not None:
-                try:
-                    ok, said, flushed = self._flush_stale(p.cleanup)
-                except ValueError as exc:  # modes the flush refuses: told, never a failed probe
-                    ok, said, flushed = False, str(exc), CleanupResult()
-                flushed.ok, flushed.message = ok, said[:FLUSH_MESSAGE_LIMIT]
-                extra = self.observe(inventory=True)
+            checks = pool.submit(self._conntrack_then_connect, p.conntrack, services, released)
+            try:
+                if flush and p.cleanup is not None:
+                    try:
+                        ok, said, flushed = self._flush_stale(p.cleanup)
+                    except ValueError as exc:  # modes the flush refuses: told, never a failed probe
+                        ok, said, flushed = False, str(exc), CleanupResult()
+                    released.set()
+                    flushed.ok, flushed.message = ok, said[:FLUSH_MESSAGE_LIMIT]
+                    extra = self.observe(inventory=True)
+            finally:
+                released.set()  # whatever happened, the connects must not wait for ever
             cleaned_up = self.clock()
             cleaned, connects, conntrack_took, connects_took = checks.result()
-        if not connects_beside and services:
-            began = self.clock()
-            connects = self.effects.connect(services)
-            connects_took = self.clock() - began
         checked = self.clock()
         behaviour = p.behaviour
         matrix = self._take_behaviour(op, behaviour) if behaviour is not None else None
@@ -637,7 +654,7 @@ class Agent:
         # "in all" is what they cost the node before the matrix.
         log.info("probe %s after the sync: cleanup %.3f s; beside it conntrack %.3f s then connects %.3f s%s; "
                  "%.3f s in all; then behaviour %.3f s", op.id, cleaned_up - synced, conntrack_took, connects_took,
-                 "" if connects_beside else " (the connects after the cleanup: a rule hold was left)",
+                 " (after the flush's round: a rule hold was on the node)" if held_through and services else "",
                  checked - synced, self.clock() - checked)
         facts = self.facts or KubeProxyFacts()
         if replaced is not None:
@@ -667,8 +684,8 @@ class Agent:
             parts.append(_matrix_summary(matrix))
         return self._done(op, started, True, "; ".join(parts), details), extra
 
-    def _await_sync(self, mode: str, syncs: int, deadline: float,
-                    seen: probe_mod.KubeProxyHealth) -> dict[str, Any] | None:
+    def _await_sync(self, mode: str, syncs: int, deadline: float, seen: probe_mod.KubeProxyHealth, *,
+                    release_hold: bool = True) -> dict[str, Any] | None:
         """Poll until `_settled` or `deadline` (agent clock): /healthz alone while its per-family sync times
         hold still, the full probe when they move (PROBE_HEALTH_POLL_SECONDS and its neighbours say why).
         `seen`: /healthz as read just before the last full probe. The last full probe's status fields, None
@@ -687,7 +704,7 @@ class Agent:
                 due = now - changed < PROBE_CHASE_SECONDS or now - observed >= PROBE_FALLBACK_SECONDS
             seen = now_seen
             if due:
-                extra = self.observe(inventory=False)
+                extra = self.observe(inventory=False, release_hold=release_hold)
                 observed = self.clock()
         return extra
 
@@ -701,13 +718,17 @@ class Agent:
             return health
         return self.effects.replacement(params, with_services=True)
 
-    def _conntrack_then_connect(self, params: ConntrackParams | None, services: list[str]
+    def _conntrack_then_connect(self, params: ConntrackParams | None, services: list[str],
+                                released: threading.Event
                                 ) -> tuple[ConntrackReport | None, dict[str, bool | str], float, float]:
-        """A gate Probe's conntrack step (with `params`), then its connects to `services`: their answers and
-        the seconds each took. Runs beside the in-gate flush (_run_probe says why it may)."""
+        """A gate Probe's conntrack step (with `params`), then, once `released` is set (no rule hold on the node
+        any more), its connects to `services`: their answers and the seconds each took (the connects' with their
+        wait). Runs beside the in-gate flush (_run_probe says why it may)."""
         began = self.clock()
         cleaned = self.effects.conntrack(params) if params is not None else None
         between = self.clock()
+        if services:
+            released.wait()
         connects = self.effects.connect(services) if services else {}
         return cleaned, connects, between - began, self.clock() - between
 
