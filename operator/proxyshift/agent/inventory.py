@@ -20,8 +20,9 @@ ModeFacts.objects name it; this module has one probe, count and summary per kind
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from proxyshift.agent.flush.base import Runner
@@ -41,7 +42,7 @@ from proxyshift.agent.ip_addr import addresses
 from proxyshift.agent.iptables_save import parse
 from proxyshift.agent.ownership import IPVS_DUMMY_INTERFACE, MODES, NFT_TABLES, Mode, iptables_chain_modes
 from proxyshift.api.proxynode import MAX_FOREIGN_VIRTUAL_SERVERS, ForeignIPVS, ModeObjects
-from proxyshift.commands import CommandError, ToolMissingError, run
+from proxyshift.commands import CommandError, ToolMissingError, run, side_by_side
 from proxyshift.modes import DEFAULT_MODE, KUBE_PROXY_MODES, MODE_FACTS, ObjectKind
 
 # The addresses kept in the inventory (the count is always the true one).
@@ -180,21 +181,22 @@ def _bpf_links(inv: Inventory, bpffs: Path) -> None:
         inv.errors.append(f"bpffs: {exc}")
 
 
-def _iptables(inv: Inventory, runner: Runner, tools: list[IptablesTool]) -> None:
-    for tool in tools:
-        try:
-            dump = parse(runner([tool.save], timeout=120).stdout)
-        except (CommandError, ValueError) as exc:
-            inv.errors.append(f"{tool.label}: {exc}")
-            continue
-        found = ChainInventory(tool.label)
-        for table in dump.tables.values():
-            for chain in table.user_defined():
-                modes = iptables_chain_modes(table.name, chain)
-                if modes:
-                    found.chains.append((table.name, chain, modes))
-        if found.chains:
-            inv.iptables.append(found)
+def _iptables_one(tool: IptablesTool, runner: Runner) -> Inventory:
+    inv = Inventory()
+    try:
+        dump = parse(runner([tool.save], timeout=120).stdout)
+    except (CommandError, ValueError) as exc:
+        inv.errors.append(f"{tool.label}: {exc}")
+        return inv
+    found = ChainInventory(tool.label)
+    for table in dump.tables.values():
+        for chain in table.user_defined():
+            modes = iptables_chain_modes(table.name, chain)
+            if modes:
+                found.chains.append((table.name, chain, modes))
+    if found.chains:
+        inv.iptables.append(found)
+    return inv
 
 
 def _nft(inv: Inventory, runner: Runner) -> None:
@@ -250,14 +252,37 @@ def take_ipvs_inventory(*, runner: Runner = run, proc_root: Path = Path("/proc")
     return inv
 
 
+def _part(fill: Callable[[Inventory], None]) -> Callable[[], Inventory]:
+    def read() -> Inventory:
+        inv = Inventory()
+        fill(inv)
+        return inv
+    return read
+
+
+def _merged(parts: list[Inventory]) -> Inventory:
+    """The parts' fields in one inventory: each part fills its own fields (lists are joined: the chains of each
+    family, the errors, in the parts' order)."""
+    inv, empty = Inventory(), Inventory()
+    for part in parts:
+        for f in fields(Inventory):
+            value = getattr(part, f.name)
+            if isinstance(value, list):
+                getattr(inv, f.name).extend(value)
+            elif value != getattr(empty, f.name):
+                setattr(inv, f.name, value)
+    return inv
+
+
 def take_inventory(*, runner: Runner = run, iptables_tools: list[IptablesTool] | None = None,
                    proc_root: Path = Path("/proc"), bpffs: Path = DEFAULT_BPFFS) -> Inventory:
-    inv = Inventory()
-    _iptables(inv, runner, iptables_tools if iptables_tools is not None else available_tools())
-    _nft(inv, runner)
-    _ipvs(inv, runner, proc_root)
-    _bpf_links(inv, bpffs)
-    return inv
+    # Every read side by side (each family's save, the nft listing, the IPVS reads, the bpffs walk): they share
+    # nothing, and the time is the tools'. Merged in a fixed order, so the result does not depend on the race.
+    tools = iptables_tools if iptables_tools is not None else available_tools()
+    return _merged(side_by_side([*(functools.partial(_iptables_one, tool, runner) for tool in tools),
+                                 _part(lambda inv: _nft(inv, runner)),
+                                 _part(lambda inv: _ipvs(inv, runner, proc_root)),
+                                 _part(lambda inv: _bpf_links(inv, bpffs))], name="inventory"))
 
 
 def mode_objects(inv: Inventory, observed_mode: str | None = None) -> list[ModeObjects]:

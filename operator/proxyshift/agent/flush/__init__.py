@@ -3,7 +3,8 @@
 Which kinds a mode leaves on a node is the mode's fact (`proxyshift.modes`, ModeFacts.objects): iptables mode
 its chains, ipvs mode chains and IPVS objects, nftables mode its nft tables, Cilium's KPR its chains and devices
 and its BPF attachments (never while its agent still answers on the node). `flush(remove_modes, target_mode)` runs
-the flushers of the kinds the removed modes own, in the only safe order (OBJECT_KINDS): iptables rules first
+the flushers of the kinds the removed modes own, in the only safe order (OBJECT_KINDS; kube-proxy's nft tables,
+which depend on nothing else, beside the others): iptables rules first
 (ipvs-mode rules reference the KUBE-* ipsets that the ipvs flusher destroys), then ipvs, then nftables, then a
 replacement's devices, then its pinned BPF links and legacy tc filters.
 
@@ -14,6 +15,7 @@ Cleanup releases it), so the two share each save, listing and restore.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +30,7 @@ from proxyshift.agent.ownership import MODES, Mode
 from proxyshift.commands import run
 from proxyshift.modes import MODE_FACTS, OBJECT_KINDS, ObjectKind
 
-__all__ = ["FLUSHERS", "Extra", "FlushOptions", "FlushReport", "FlushStep", "flush", "validate_modes"]
+__all__ = ["FLUSHERS", "NFT_LABEL", "Extra", "FlushOptions", "FlushReport", "FlushStep", "flush", "validate_modes"]
 
 
 def validate_modes(remove_modes: Iterable[str], target_mode: str | None) -> tuple[frozenset[Mode], Mode | None]:
@@ -39,6 +41,10 @@ def validate_modes(remove_modes: Iterable[str], target_mode: str | None) -> tupl
     return remove, target_mode  # type: ignore[return-value]  # every name was checked against MODES above
 
 
+# Extra's key for the nft round (a tool, like the iptables tools' labels beside it).
+NFT_LABEL = "nft"
+
+
 @dataclass
 class Extra:
     """Another owner's objects that leave in the flush's own rounds: the rule hold's copies (agent/hold.py).
@@ -46,7 +52,7 @@ class Extra:
     Planned from the flush's own reads (its save of each iptables tool the extra covers, its nft listing) and
     removed by its own writes. Those two kinds' rounds run even when no removed mode owns the kind, then with
     no step in the flush's report: what they did for the other owner is in `removed` and `errors`, per
-    iptables tool label or "nftables". Never in a dry run.
+    iptables tool label or NFT_LABEL. Never in a dry run.
     """
 
     iptables: ExtraPlanner
@@ -119,13 +125,24 @@ def flush(remove_modes: Iterable[str], target_mode: str | None, *, runner: Runne
     # Only the kinds a removed mode owns: a flush of nftables alone saves no iptables table at all. Each
     # flusher also decides for itself which of its objects the target mode keeps (shared chains).
     owned = {kind for m in remove for kind in MODE_FACTS[m].objects}
-    for kind in OBJECT_KINDS:
-        if extra is not None and kind == "iptables-chains":
-            _iptables_with_extra(options, extra, remove, target, report, owned=kind in owned)
-        elif extra is not None and kind == "nft-tables":
-            _nft_with_extra(options, extra, remove, target, report, owned=kind in owned)
-        elif kind in owned:
-            report.steps.extend(FLUSHERS[kind](options).flush(remove, target))
+    # kube-proxy's nft tables depend on nothing the other kinds remove (no ipset, chain or device of theirs), so
+    # their round goes beside the others, which keep their order; the report keeps OBJECT_KINDS order.
+    beside: FlushReport | None = None
+    with ThreadPoolExecutor(1, thread_name_prefix="flush-nft") as pool:
+        pending = None
+        if "nft-tables" in owned or extra is not None:
+            beside = FlushReport(report.remove_modes, report.target_mode)
+            pending = pool.submit(_nft_round, options, extra, remove, target, beside, owned="nft-tables" in owned)
+        for kind in OBJECT_KINDS:
+            if kind == "nft-tables":
+                if pending is not None:
+                    pending.result()
+                    assert beside is not None
+                    report.steps.extend(beside.steps)
+            elif extra is not None and kind == "iptables-chains":
+                _iptables_with_extra(options, extra, remove, target, report, owned=kind in owned)
+            elif kind in owned:
+                report.steps.extend(FLUSHERS[kind](options).flush(remove, target))
     return report
 
 
@@ -138,7 +155,7 @@ def _iptables_with_extra(options: FlushOptions, extra: Extra, remove: frozenset[
         # Only for the extra's objects: no round (no save) where it has none to look for.
         tools = [t for t in tools if extra.iptables_covers(t)]
     elif not tools:
-        report.steps.append(FlushStep("iptables", skipped=["no iptables-save/iptables-restore installed"]))
+        report.steps.extend(flusher.flush(remove, target))  # its "no iptables tools" step
     for tool, done in zip(tools, flusher.rounds(tools, remove if owned else frozenset(), target), strict=True):
         if owned:
             report.steps.append(done.step)
@@ -150,14 +167,16 @@ def _iptables_with_extra(options: FlushOptions, extra: Extra, remove: frozenset[
             extra.removed[tool.label] = done.extra_removed
 
 
-def _nft_with_extra(options: FlushOptions, extra: Extra, remove: frozenset[Mode], target: Mode | None,
-                    report: FlushReport, *, owned: bool) -> None:
+def _nft_round(options: FlushOptions, extra: Extra | None, remove: frozenset[Mode], target: Mode | None,
+               report: FlushReport, *, owned: bool) -> None:
     flusher = FLUSHERS["nft-tables"](options)
     assert isinstance(flusher, NftablesFlusher)
     done = flusher.round(remove if owned else frozenset(), target)
     if done.step is not None:
         report.steps.append(done.step)
+    if extra is None:
+        return
     if done.extra_error is not None:
-        extra.errors["nftables"] = done.extra_error
+        extra.errors[NFT_LABEL] = done.extra_error
     elif done.extra_removed:
-        extra.removed["nftables"] = done.extra_removed
+        extra.removed[NFT_LABEL] = done.extra_removed

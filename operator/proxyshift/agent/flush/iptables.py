@@ -17,11 +17,12 @@ it is idempotent, so finishing later is the same as finishing now.
 
 Another owner's chains can go in the same round (`extra`: the rule hold's copies, agent/hold.py, when a
 Cleanup releases the hold): planned from the flush's own save and merged into its restore, so a family costs
-one save and one restore for both, not a round each.
+one save and one restore for both, not a round each. The families and backends go side by side.
 """
 
 from __future__ import annotations
 
+import functools
 import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from typing import Literal
 from proxyshift.agent.flush.base import FlushStep, Runner
 from proxyshift.agent.iptables_save import Dump, Rule, parse, rule_sets
 from proxyshift.agent.ownership import Mode, chain_is_stale, iptables_chain_modes
-from proxyshift.commands import CommandError, run
+from proxyshift.commands import CommandError, run, side_by_side
 
 Family = Literal["ipv4", "ipv6"]
 Backend = Literal["nft", "legacy"]
@@ -264,8 +265,10 @@ class IptablesFlusher:
 
     def rounds(self, tools: list[IptablesTool], remove_modes: frozenset[Mode],
                target_mode: Mode | None) -> list[ToolRound]:
-        """Every tool's round, in the tools' order."""
-        return [self.round(tool, remove_modes, target_mode) for tool in tools]
+        """Every tool's round, side by side (they share nothing; iptables-legacy's xtables lock makes two legacy
+        restores wait for each other with -w, still correct), in the tools' order."""
+        return side_by_side([functools.partial(self.round, tool, remove_modes, target_mode) for tool in tools],
+                            name="flush-iptables")
 
     def flush(self, remove_modes: frozenset[Mode], target_mode: Mode | None) -> list[FlushStep]:
         tools = self.tools if self.tools is not None else available_tools()
