@@ -8,7 +8,7 @@ namespace.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -22,6 +22,7 @@ from proxyshift.agent import hold as hold_mod
 from proxyshift.agent import inventory as inventory_mod
 from proxyshift.agent import preflight as preflight_mod
 from proxyshift.agent import probe as probe_mod
+from proxyshift.agent.iptables_save import Dump
 from proxyshift.agent.preflight import PreflightReport
 from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams, ConntrackParams, ConntrackReport
 from proxyshift.api.diagnostics import DiagnoseRequest, NodeDiagnostics
@@ -46,8 +47,10 @@ class NodeEffects(Protocol):
         between full probes. A failure is an answer with an error."""
         ...
 
-    def inventory(self) -> inventory_mod.Inventory:
-        """kube-proxy's objects of every mode on the node."""
+    def inventory(self, fresh: Mapping[str, Dump] | None = None) -> inventory_mod.Inventory:
+        """kube-proxy's objects of every mode on the node. `fresh`: per iptables tool label, a save read from the
+        kernel after the agent's last change there (a Cleanup's verifying save, FlushReport.after), used instead
+        of saving that tool again."""
         ...
 
     def cleanup(self, remove: list[str], target: str | None) -> tuple[flush_mod.FlushReport, hold_mod.HoldReport]:
@@ -111,8 +114,8 @@ class KernelNodeEffects:
     def health(self) -> probe_mod.KubeProxyHealth:
         return probe_mod.read_health(self.health_address, timeout=HEALTH_POLL_TIMEOUT)
 
-    def inventory(self) -> inventory_mod.Inventory:
-        return inventory_mod.take_inventory(proc_root=self.proc_root)
+    def inventory(self, fresh: Mapping[str, Dump] | None = None) -> inventory_mod.Inventory:
+        return inventory_mod.take_inventory(proc_root=self.proc_root, fresh=fresh)
 
     def cleanup(self, remove: list[str], target: str | None) -> tuple[flush_mod.FlushReport, hold_mod.HoldReport]:
         return hold_mod.release_with_flush(remove, target, proc_root=self.proc_root)

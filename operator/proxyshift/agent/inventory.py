@@ -21,7 +21,7 @@ ModeFacts.objects name it; this module has one probe, count and summary per kind
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -39,7 +39,7 @@ from proxyshift.agent.flush.ipvs import (
 )
 from proxyshift.agent.flush.nftables import parse_tables
 from proxyshift.agent.ip_addr import addresses
-from proxyshift.agent.iptables_save import parse
+from proxyshift.agent.iptables_save import Dump, parse
 from proxyshift.agent.ownership import IPVS_DUMMY_INTERFACE, MODES, NFT_TABLES, Mode, iptables_chain_modes
 from proxyshift.api.proxynode import MAX_FOREIGN_VIRTUAL_SERVERS, ForeignIPVS, ModeObjects
 from proxyshift.commands import CommandError, ToolMissingError, run, side_by_side
@@ -181,10 +181,11 @@ def _bpf_links(inv: Inventory, bpffs: Path) -> None:
         inv.errors.append(f"bpffs: {exc}")
 
 
-def _iptables_one(tool: IptablesTool, runner: Runner) -> Inventory:
+def _iptables_one(tool: IptablesTool, runner: Runner, read: Dump | None = None) -> Inventory:
+    """One family/backend's kube-proxy chains, from its save, or from `read` (a save taken just now)."""
     inv = Inventory()
     try:
-        dump = parse(runner([tool.save], timeout=120).stdout)
+        dump = read if read is not None else parse(runner([tool.save], timeout=120).stdout)
     except (CommandError, ValueError) as exc:
         inv.errors.append(f"{tool.label}: {exc}")
         return inv
@@ -275,11 +276,17 @@ def _merged(parts: list[Inventory]) -> Inventory:
 
 
 def take_inventory(*, runner: Runner = run, iptables_tools: list[IptablesTool] | None = None,
-                   proc_root: Path = Path("/proc"), bpffs: Path = DEFAULT_BPFFS) -> Inventory:
+                   proc_root: Path = Path("/proc"), bpffs: Path = DEFAULT_BPFFS,
+                   fresh: Mapping[str, Dump] | None = None) -> Inventory:
+    """Every kind's objects on the node. `fresh`: per iptables tool label, a save the caller read from the kernel
+    after its own last change there (a flush's verifying save, agent/flush/iptables.py), taken instead of saving
+    that tool again: it is a read of the node as it is, not an assumption. Every other tool is read here."""
     # Every read side by side (each family's save, the nft listing, the IPVS reads, the bpffs walk): they share
     # nothing, and the time is the tools'. Merged in a fixed order, so the result does not depend on the race.
     tools = iptables_tools if iptables_tools is not None else available_tools()
-    return _merged(side_by_side([*(functools.partial(_iptables_one, tool, runner) for tool in tools),
+    known = fresh or {}
+    return _merged(side_by_side([*(functools.partial(_iptables_one, tool, runner, known.get(tool.label))
+                                   for tool in tools),
                                  _part(lambda inv: _nft(inv, runner)),
                                  _part(lambda inv: _ipvs(inv, runner, proc_root)),
                                  _part(lambda inv: _bpf_links(inv, bpffs))], name="inventory"))

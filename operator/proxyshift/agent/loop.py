@@ -25,7 +25,7 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -39,6 +39,7 @@ from proxyshift.agent import inventory as inventory_mod
 from proxyshift.agent import metrics as metrics_mod
 from proxyshift.agent import probe as probe_mod
 from proxyshift.agent.effects import KernelNodeEffects, NodeEffects
+from proxyshift.agent.iptables_save import Dump
 from proxyshift.agent.ownership import MODES
 from proxyshift.agent.preflight import Missing
 from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams, ConntrackParams, ConntrackReport
@@ -350,13 +351,15 @@ class Agent:
                                 "tools": report.tools.as_status()}
         return self._node_facts
 
-    def observe(self, *, inventory: bool, release_hold: bool = True) -> dict[str, Any]:
+    def observe(self, *, inventory: bool, release_hold: bool = True,
+                fresh: Mapping[str, Dump] | None = None) -> dict[str, Any]:
         """Fresh probe (and inventory when asked or due): the status fields they fill. release_hold=False: the
-        caller releases the hold itself (a Probe whose in-gate flush takes it in the flush's own round)."""
+        caller releases the hold itself (a Probe whose in-gate flush takes it in the flush's own round). `fresh`:
+        the flush's verifying reads, just taken, which the inventory uses instead of reading those again."""
         self.facts = self._probe()
         self._last_probe = self.clock()
         if inventory or self.inventory is None:
-            self.inventory = self.effects.inventory()
+            self.inventory = self.effects.inventory(fresh)
             self._last_inventory = self.clock()
         if release_hold:
             self._maybe_release_hold()
@@ -548,26 +551,27 @@ class Agent:
         flush_mod.validate_modes(p.remove_modes, p.target_mode)
         return p.remove_modes, p.target_mode or None
 
-    def _flush_stale(self, p: CleanupParams) -> tuple[bool, str, CleanupResult]:
+    def _flush_stale(self, p: CleanupParams) -> tuple[bool, str, CleanupResult, Mapping[str, Dump]]:
         """Flush the modes `p` names and drop the rule hold in the same round (a copy of stale rules too: a
-        cleanup never leaves it behind): (ok, message, the flush's details)."""
+        cleanup never leaves it behind): (ok, message, the flush's details, its verifying reads for the
+        inventory that follows)."""
         remove, target = self._cleanup_args(p)
         report, released = self._flush(remove, target)
         message = report.message() + (f" | {released.message()}" if released.changed or not released.ok else "")
         details = CleanupResult.model_validate({**report.details(), "hold": released.message()})
-        return report.ok and released.ok, message, details
+        return report.ok and released.ok, message, details, report.after
 
     def _run_cleanup(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
         p = op.params_as(CleanupParams)
         began = self.clock()
-        ok, message, details = self._flush_stale(p)
+        ok, message, details, after = self._flush_stale(p)
         flushed = self.clock()
         # kube-proxy and the node's objects as they are right after the flush (in `extra`) and, when asked,
         # the gate's Services reached from here: the operator verifies the node on this report without
         # another probe. The connects only read, so they run beside the inventory.
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cleanup-connects") as pool:
             connects = pool.submit(self.effects.connect, p.services) if p.services else None
-            extra = self.observe(inventory=True)
+            extra = self.observe(inventory=True, fresh=after)
             details.connects = connects.result() if connects is not None else None
         log.info("cleanup %s: flush %.3f s, then kube-proxy, inventory and connects %.3f s", op.id,
                  flushed - began, self.clock() - flushed)
@@ -636,13 +640,14 @@ class Agent:
             checks = pool.submit(self._conntrack_then_connect, p.conntrack, services, released)
             try:
                 if flush and p.cleanup is not None:
+                    after: Mapping[str, Dump] = {}
                     try:
-                        ok, said, flushed = self._flush_stale(p.cleanup)
+                        ok, said, flushed, after = self._flush_stale(p.cleanup)
                     except ValueError as exc:  # modes the flush refuses: told, never a failed probe
                         ok, said, flushed = False, str(exc), CleanupResult()
                     released.set()
                     flushed.ok, flushed.message = ok, said[:FLUSH_MESSAGE_LIMIT]
-                    extra = self.observe(inventory=True)
+                    extra = self.observe(inventory=True, fresh=after)
             finally:
                 released.set()  # whatever happened, the connects must not wait for ever
             cleaned_up = self.clock()
