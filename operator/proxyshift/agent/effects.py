@@ -9,7 +9,7 @@ namespace.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -107,6 +107,9 @@ class KernelNodeEffects:
     proc_root: Path = Path("/proc")
     sys_root: Path = Path("/sys")
     modules_root: Path = Path("/lib/modules")
+    # The agent's own tools' versions, asked once for its life (preflight.VersionCache says why only those).
+    versions: preflight_mod.VersionCache = field(default_factory=preflight_mod.VersionCache, compare=False,
+                                                 repr=False)
 
     def probe(self) -> KubeProxyFacts:
         return probe_mod.facts_from_probe(probe_mod.probe(self.metrics_address, self.health_address))
@@ -126,7 +129,7 @@ class KernelNodeEffects:
         return preflight_mod.check(mode, scheduler, proc_root=self.proc_root, sys_root=self.sys_root,
                                    modules_root=self.modules_root, load_modules=load_modules,
                                    extra_modules=extra_modules, allow_changes=allow_changes,
-                                   ipvs_exclude_cidrs=ipvs_exclude_cidrs)
+                                   ipvs_exclude_cidrs=ipvs_exclude_cidrs, versions=self.versions)
 
     def connect(self, targets: list[str]) -> dict[str, bool | str]:
         return probe_mod.tcp_connect(targets)
