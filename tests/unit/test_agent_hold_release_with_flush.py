@@ -12,15 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from proxyshift.agent import hold
+from proxyshift.agent.flush import flush
 from proxyshift.agent.flush.iptables import IptablesTool, TablePlan, merge_plans, plan_flush, render_restore
-from proxyshift.agent.hold import (
-    HOLD_CHAIN_PREFIX,
-    NFT_HOLD_TABLE,
-    plan_iptables_hold,
-    plan_iptables_release,
-    release,
-    release_with_flush,
-)
 from proxyshift.agent.iptables_save import Dump, Rule, Table, parse, rule_target
 from proxyshift.agent.ownership import Mode
 from proxyshift.commands import CommandError, Result
@@ -86,7 +80,7 @@ def render_save(dump: Dump) -> str:
 
 def with_hold(save: str) -> Dump:
     """`save` with the hold installed over it (the copies and their hook jumps, as hold.install makes them)."""
-    declare, rules, hooks = plan_iptables_hold(parse(save))
+    declare, rules, hooks = hold.plan_iptables_hold(parse(save))
     out: list[str] = []
     for lines in (declare, rules, hooks):
         out += ["*nat", *lines, "COMMIT"]
@@ -139,11 +133,11 @@ def chains(dump: Dump) -> set[tuple[str, str]]:
 def test_a_hold_and_stale_chains_leave_in_one_restore_per_family() -> None:
     node = FakeNode({V4: with_hold(WITH_USER_RULES), V6: with_hold(WITH_USER_RULES)},
                     nft_tables=[("ip", "filter")])
-    flushed, released = release_with_flush(["iptables"], "nftables", runner=node, iptables_tools=[V4, V6])
+    flushed, released = hold.release_with_flush(["iptables"], "nftables", runner=node, iptables_tools=[V4, V6])
     assert flushed.ok and released.ok
     for tool in (V4, V6):
         left = chains(node.dumps[tool])
-        assert not any(c.startswith(HOLD_CHAIN_PREFIX) for _, c in left)
+        assert not any(c.startswith(hold.HOLD_CHAIN_PREFIX) for _, c in left)
         assert plan_flush(node.dumps[tool], IPTABLES_ONLY, "nftables") == []
         assert ("filter", "KUBE-FIREWALL") in left  # kubelet's stays
         assert render_save(node.dumps[tool]).count("USER-") == WITH_USER_RULES.count("USER-")
@@ -154,7 +148,7 @@ def test_a_hold_and_stale_chains_leave_in_one_restore_per_family() -> None:
     assert node.commands.count("nft -j") == 1 and "nft -f" not in node.commands  # no hold table: nothing to delete
     assert [s.tool for s in flushed.steps] == [V4.label, V6.label]  # the flush's report, as without the hold
     assert all(s.removed.get("chains") for s in flushed.steps)
-    n = len(plan_iptables_release(with_hold(WITH_USER_RULES))[0].delete_chains)
+    n = len(hold.plan_iptables_release(with_hold(WITH_USER_RULES))[0].delete_chains)
     assert released.message() == (f"rule hold release: {V4.label}: {n} chains removed; "
                                   f"{V6.label}: {n} chains removed")
 
@@ -166,13 +160,13 @@ def test_with_only_the_hold_on_the_node_only_the_hold_goes_and_the_flush_reports
     held = with_hold(WITH_USER_RULES)
     kube = {c for p in plan_flush(parse(WITH_USER_RULES), IPTABLES_ONLY, "nftables") for c in p.delete_chains}
     only_hold = apply_restore(held, render_restore(plan_flush(held, IPTABLES_ONLY, "nftables")))
-    assert not kube & {c for _, c in chains(only_hold)} and plan_iptables_release(only_hold)
+    assert not kube & {c for _, c in chains(only_hold)} and hold.plan_iptables_release(only_hold)
     node = FakeNode({V4: only_hold})
-    flushed, released = release_with_flush(["iptables"], "nftables", runner=node, iptables_tools=[V4])
+    flushed, released = hold.release_with_flush(["iptables"], "nftables", runner=node, iptables_tools=[V4])
     assert flushed.ok and released.ok and released.changed
     (restore,) = node.restores[V4.label]
     named = [line.split()[1] for line in restore.splitlines() if line.startswith(("-X", "-D"))]
-    assert named and all(n.startswith(HOLD_CHAIN_PREFIX) or n in ("PREROUTING", "OUTPUT", "POSTROUTING")
+    assert named and all(n.startswith(hold.HOLD_CHAIN_PREFIX) or n in ("PREROUTING", "OUTPUT", "POSTROUTING")
                          for n in named)
     assert chains(node.dumps[V4]) == chains(parse(clean))
     assert flushed.message().endswith(f"{V4.label}: nothing to remove")
@@ -181,20 +175,21 @@ def test_with_only_the_hold_on_the_node_only_the_hold_goes_and_the_flush_reports
 def test_a_family_whose_restore_fails_is_reported_and_the_other_is_still_done() -> None:
     node = FakeNode({V4: with_hold(WITH_USER_RULES), V6: with_hold(WITH_USER_RULES)},
                     refuse={V6.restore})
-    flushed, released = release_with_flush(["iptables"], "nftables", runner=node, iptables_tools=[V4, V6])
+    flushed, released = hold.release_with_flush(["iptables"], "nftables", runner=node, iptables_tools=[V4, V6])
     assert not released.ok and not flushed.ok
-    assert released.done == [f"{V4.label}: {len(plan_iptables_release(with_hold(WITH_USER_RULES))[0].delete_chains)}"
-                             " chains removed"]
+    n = len(hold.plan_iptables_release(with_hold(WITH_USER_RULES))[0].delete_chains)
+    assert released.done == [f"{V4.label}: {n} chains removed"]
     assert len(released.errors) == 1 and released.errors[0].startswith(f"{V6.label}: iptables-restore refused")
     v4, v6 = flushed.steps
     assert not v4.errors and v6.errors and not v6.removed
-    assert not plan_iptables_release(node.dumps[V4]) and plan_iptables_release(node.dumps[V6])
+    assert not hold.plan_iptables_release(node.dumps[V4]) and hold.plan_iptables_release(node.dumps[V6])
     assert len(node.restores[V6.label]) == 2  # planned again from a fresh save, once
 
 
 def test_legacy_tools_are_flushed_but_never_searched_for_a_hold() -> None:
     node = FakeNode({V4: with_hold(WITH_USER_RULES), V4_LEGACY: parse(WITH_USER_RULES)})
-    flushed, released = release_with_flush(["iptables"], "nftables", runner=node, iptables_tools=[V4, V4_LEGACY])
+    flushed, released = hold.release_with_flush(["iptables"], "nftables", runner=node,
+                                                iptables_tools=[V4, V4_LEGACY])
     assert flushed.ok and released.ok
     assert [s.tool for s in flushed.steps] == [V4.label, V4_LEGACY.label]
     assert all(line.startswith(V4.label) for line in released.done)
@@ -203,24 +198,24 @@ def test_legacy_tools_are_flushed_but_never_searched_for_a_hold() -> None:
 
 def test_a_flush_of_nftables_alone_releases_an_iptables_hold_without_a_flush_step_for_it() -> None:
     node = FakeNode({V4: with_hold(WITH_USER_RULES), V4_LEGACY: parse(WITH_USER_RULES)},
-                    nft_tables=[("ip", "kube-proxy"), ("ip", NFT_HOLD_TABLE), ("ip", "filter")])
-    flushed, released = release_with_flush(["nftables"], "iptables", runner=node, iptables_tools=[V4, V4_LEGACY])
+                    nft_tables=[("ip", "kube-proxy"), ("ip", hold.NFT_HOLD_TABLE), ("ip", "filter")])
+    flushed, released = hold.release_with_flush(["nftables"], "iptables", runner=node,
+                                                iptables_tools=[V4, V4_LEGACY])
     assert flushed.ok and released.ok
     assert [s.tool for s in flushed.steps] == ["nftables"] and flushed.steps[0].removed == {"tables": 1}
     assert node.nft == [("ip", "filter")]
     assert node.commands.count("nft -j") == 1 and node.commands.count("nft -f") == 1  # one listing, one transaction
     assert V4_LEGACY.save not in node.commands  # no hold is looked for there, and nothing of iptables is flushed
-    assert not plan_iptables_release(node.dumps[V4])
+    assert not hold.plan_iptables_release(node.dumps[V4])
     assert released.done[-1] == "1 nft hold tables removed"
 
 
 def test_the_one_round_reports_what_release_then_flush_reported() -> None:
-    separate = FakeNode({V4: with_hold(WITH_USER_RULES)}, nft_tables=[("ip", NFT_HOLD_TABLE)])
-    held_then = release(runner=separate, iptables_tools=[V4])
-    from proxyshift.agent.flush import flush
+    separate = FakeNode({V4: with_hold(WITH_USER_RULES)}, nft_tables=[("ip", hold.NFT_HOLD_TABLE)])
+    held_then = hold.release(runner=separate, iptables_tools=[V4])
     flushed_then = flush(["iptables"], "nftables", runner=separate, iptables_tools=[V4])
-    together = FakeNode({V4: with_hold(WITH_USER_RULES)}, nft_tables=[("ip", NFT_HOLD_TABLE)])
-    flushed, released = release_with_flush(["iptables"], "nftables", runner=together, iptables_tools=[V4])
+    together = FakeNode({V4: with_hold(WITH_USER_RULES)}, nft_tables=[("ip", hold.NFT_HOLD_TABLE)])
+    flushed, released = hold.release_with_flush(["iptables"], "nftables", runner=together, iptables_tools=[V4])
     assert released.message() == held_then.message()
     assert flushed.message() == flushed_then.message() and flushed.details() == flushed_then.details()
     assert render_save(together.dumps[V4]) == render_save(separate.dumps[V4])
@@ -239,7 +234,7 @@ def test_one_merged_restore_leaves_what_the_hold_release_then_the_flush_leave(go
     pre = [TablePlan("nat", sorted(gone), [r for r in start.tables["nat"].rules
                                            if r.chain not in gone and r.target in gone])]
     start = apply_restore(start, render_restore(pre)) if gone else start
-    hold_plans, flush_plans = plan_iptables_release(start), plan_flush(start, IPTABLES_ONLY, "nftables")
+    hold_plans, flush_plans = hold.plan_iptables_release(start), plan_flush(start, IPTABLES_ONLY, "nftables")
     sequential = apply_restore(start, render_restore(hold_plans)) if hold_plans else start
     sequential = apply_restore(sequential, render_restore(plan_flush(sequential, IPTABLES_ONLY, "nftables")))
     merged = merge_plans(flush_plans, hold_plans)
