@@ -42,7 +42,7 @@ from proxyshift.agent.ip_addr import addresses
 from proxyshift.agent.iptables_save import Dump, parse
 from proxyshift.agent.ownership import IPVS_DUMMY_INTERFACE, MODES, NFT_TABLES, Mode, iptables_chain_modes
 from proxyshift.api.proxynode import MAX_FOREIGN_VIRTUAL_SERVERS, ForeignIPVS, ModeObjects
-from proxyshift.commands import CommandError, ToolMissingError, run, side_by_side
+from proxyshift.commands import CommandError, Result, ToolMissingError, run, side_by_side
 from proxyshift.modes import DEFAULT_MODE, KUBE_PROXY_MODES, MODE_FACTS, ObjectKind
 
 # The addresses kept in the inventory (the count is always the true one).
@@ -210,10 +210,32 @@ def _nft(inv: Inventory, runner: Runner) -> None:
         inv.errors.append(f"nft: {exc}")
 
 
+def _read(runner: Runner, argv: list[str], timeout: float) -> Callable[[], Result]:
+    """Run `argv` now; the returned call gives its result or raises what the run raised, where it is used."""
+    try:
+        result = runner(argv, timeout=timeout)
+    except CommandError as exc:
+        failed = exc
+
+        def again() -> Result:
+            raise failed
+        return again
+    return lambda: result
+
+
 def _ipvs(inv: Inventory, runner: Runner, proc_root: Path) -> None:
     dummy_addrs: set[str] = set()
+    # Without /proc/net/ip_vs there is no IPVS, and ipvsadm would only try to load it.
+    inv.ipvs_available = (proc_root / "net" / "ip_vs").exists()
+    # The four reads share nothing: side by side, then taken apart one by one as they always were (the node's
+    # own addresses are read even when ipvsadm fails; only its answer is then not used).
+    argvs = [(["ip", "-j", "addr", "show", "dev", IPVS_DUMMY_INTERFACE], 10.0), (["ipset", "save"], 60.0)]
+    if inv.ipvs_available:
+        argvs += [(["ipvsadm", "-Sn"], 60.0), (["ip", "-j", "addr", "show"], 10.0)]
+    reads = side_by_side([functools.partial(_read, runner, argv, timeout) for argv, timeout in argvs],
+                         name="inventory-ipvs")
     try:
-        out = runner(["ip", "-j", "addr", "show", "dev", IPVS_DUMMY_INTERFACE], timeout=10)
+        out = reads[0]()
         inv.dummy_interface = True
         found = addresses(out.stdout)
         dummy_addrs = set(found)
@@ -226,18 +248,16 @@ def _ipvs(inv: Inventory, runner: Runner, proc_root: Path) -> None:
         inv.errors.append(f"ip: {IPVS_DUMMY_INTERFACE}: {exc}")
     ipsets = IpsetState()
     try:
-        ipsets = parse_ipset_save(runner(["ipset", "save"], timeout=60).stdout)
+        ipsets = parse_ipset_save(reads[1]().stdout)
         inv.ipsets = ipsets.names
     except ToolMissingError:
         pass
     except CommandError as exc:
         inv.errors.append(f"ipset: {exc}")
-    # Without /proc/net/ip_vs there is no IPVS, and ipvsadm would only try to load it.
-    inv.ipvs_available = (proc_root / "net" / "ip_vs").exists()
     if inv.ipvs_available:
         try:
-            inv.virtual_servers = parse_ipvsadm_save(runner(["ipvsadm", "-Sn"], timeout=60).stdout)
-            local = set(addresses(runner(["ip", "-j", "addr", "show"], timeout=10).stdout))
+            inv.virtual_servers = parse_ipvsadm_save(reads[2]().stdout)
+            local = set(addresses(reads[3]().stdout))
             node_addrs = local - dummy_addrs
             inv.kube_virtual_servers = select_owned(inv.virtual_servers, dummy_addrs, ipsets, node_addrs)
             inv.foreign_virtual_servers = select_foreign(inv.virtual_servers, dummy_addrs, ipsets, node_addrs)
@@ -247,10 +267,8 @@ def _ipvs(inv: Inventory, runner: Runner, proc_root: Path) -> None:
 
 def take_ipvs_inventory(*, runner: Runner = run, proc_root: Path = Path("/proc")) -> Inventory:
     """Only the IPVS part (virtual servers, kube-ipvs0, ipsets): what preflight for nftables needs."""
-    inv = Inventory()
-    _ipvs(inv, runner, proc_root)
-    _devices(inv, runner)
-    return inv
+    return _merged(side_by_side([_part(lambda inv: _ipvs(inv, runner, proc_root)),
+                                 _part(lambda inv: _devices(inv, runner))], name="inventory"))
 
 
 def _part(fill: Callable[[Inventory], None]) -> Callable[[], Inventory]:
