@@ -242,3 +242,33 @@ def test_one_merged_restore_leaves_what_the_hold_release_then_the_flush_leave(go
     assert render_save(once) == render_save(sequential)
     lines = [r.line for p in merged for r in p.delete_rules]
     assert len(lines) == len(set(lines))  # no rule deleted twice
+
+
+def test_the_legacy_backends_rounds_never_overlap_and_the_report_keeps_the_tools_order() -> None:
+    import threading
+    import time
+
+    v6_legacy = IptablesTool("ipv6", "legacy")
+    node = FakeNode({V4: parse(WITH_USER_RULES), V4_LEGACY: parse(WITH_USER_RULES), V6: parse(WITH_USER_RULES),
+                     v6_legacy: parse(WITH_USER_RULES)})
+    busy, overlaps, lock = [0], [], threading.Lock()
+
+    def runner(argv: list[str], **kw: Any) -> Result:
+        legacy = "legacy" in argv[0]
+        if legacy:
+            with lock:
+                busy[0] += 1
+                overlaps.append(busy[0])
+            time.sleep(0.01)  # long enough for a second legacy round to start, were they side by side
+        try:
+            return node(argv, **kw)
+        finally:
+            if legacy:
+                with lock:
+                    busy[0] -= 1
+
+    tools = [V4, V4_LEGACY, V6, v6_legacy]
+    flushed, released = hold.release_with_flush(["iptables"], "nftables", runner=runner, iptables_tools=tools)
+    assert flushed.ok and released.ok and max(overlaps) == 1  # the xtables lock's users, one at a time
+    assert [s.tool for s in flushed.steps] == [t.label for t in tools]
+    assert all(plan_flush(node.dumps[t], IPTABLES_ONLY, "nftables") == [] for t in tools)

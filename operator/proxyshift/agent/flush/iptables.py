@@ -265,10 +265,20 @@ class IptablesFlusher:
 
     def rounds(self, tools: list[IptablesTool], remove_modes: frozenset[Mode],
                target_mode: Mode | None) -> list[ToolRound]:
-        """Every tool's round, side by side (they share nothing; iptables-legacy's xtables lock makes two legacy
-        restores wait for each other with -w, still correct), in the tools' order."""
-        return side_by_side([functools.partial(self.round, tool, remove_modes, target_mode) for tool in tools],
+        """Every tool's round, side by side (they share nothing), in the tools' order. The legacy backend's rounds
+        go one after the other in a lane of their own: every legacy restore takes the one xtables lock, and with
+        `-w 5` a second one of ours would only wait for the first, and give up after 5 s on a large table."""
+        legacy = [t for t in tools if t.backend == "legacy"]
+        lanes = [[t] for t in tools if t.backend != "legacy"] + ([legacy] if legacy else [])
+        done = side_by_side([functools.partial(self._lane, lane, remove_modes, target_mode) for lane in lanes],
                             name="flush-iptables")
+        by_tool = {tool: r for lane, results in zip(lanes, done, strict=True)
+                   for tool, r in zip(lane, results, strict=True)}
+        return [by_tool[tool] for tool in tools]
+
+    def _lane(self, tools: list[IptablesTool], remove_modes: frozenset[Mode],
+              target_mode: Mode | None) -> list[ToolRound]:
+        return [self.round(tool, remove_modes, target_mode) for tool in tools]
 
     def flush(self, remove_modes: frozenset[Mode], target_mode: Mode | None) -> list[FlushStep]:
         tools = self.tools if self.tools is not None else available_tools()
