@@ -26,6 +26,8 @@ FULL_TIMEOUT = 8 * 3600.0
 BENCHES: list[tuple[str, list[str], list[str], bool]] = [
     ("bench_flush.py", ["--sizes", "1000,5000", "--runs", "1"], ["--sizes", "1000,5000,10000", "--runs", "3"],
      False),
+    # The agent's preflight and its path after kube-proxy's sync, in a netns; seconds.
+    ("bench_agent_path.py", ["--services", "20", "--runs", "3"], ["--services", "20,200", "--runs", "7"], False),
     # Boots the QEMU guest (IPVS); quick: one 1k size, about 2 min under emulation.
     ("bench_flush_ipvs.py", ["--sizes", "1000", "--runs", "1"], ["--sizes", "1000,5000", "--runs", "3"], False),
     ("bench_kube_proxy_modes.py", ["--services", "1000", "--runs", "1", "--changes", "3"],

@@ -107,3 +107,29 @@ def test_flush_leaves_a_node_without_kube_proxy_rules_untouched(netns_factory: C
     report = flush(["iptables", "ipvs"], "nftables", runner=node.run, iptables_tools=V4_NFT)
     assert report.ok and report.total_removed() == 0
     assert body(node.save()) == body(ref.save())
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["hold-only", "hold-and-stale"])
+def test_one_round_removes_the_rule_hold_and_the_stale_chains_and_keeps_user_rules_byte_for_byte(
+        netns_factory: Callable[[], Netns], stale: bool) -> None:
+    from proxyshift.agent import hold
+
+    node, ref = netns_factory(), netns_factory()
+    for v6 in (False, True):
+        load_node(node, 200, v6=v6)
+        load_reference(ref, v6=v6)
+    made = hold.install("iptables", runner=node.run, iptables_tools=V4_NFT + V6_NFT)
+    assert made.ok and len(made.done) == 2, made.message()
+    if not stale:  # what an nftables kube-proxy's start leaves: its cleanup took iptables mode's chains, not the hold
+        assert flush(["iptables"], "nftables", runner=node.run, iptables_tools=V4_NFT + V6_NFT).ok
+
+    flushed, released = hold.release_with_flush(["iptables"], "nftables", runner=node.run,
+                                                iptables_tools=V4_NFT + V6_NFT)
+
+    assert flushed.ok and released.ok, (flushed.message(), released.message())
+    assert [line.split(":")[0] for line in released.done] == [t.label for t in V4_NFT + V6_NFT]
+    assert all(bool(s.removed) == stale for s in flushed.steps)
+    for v6 in (False, True):
+        assert body(node.save(v6=v6)) == body(ref.save(v6=v6))
+        assert set(flushed.after) == {t.label for t in V4_NFT + V6_NFT}
+    assert not hold.present(runner=node.run, iptables_tools=V4_NFT + V6_NFT)

@@ -127,3 +127,21 @@ def test_unreadable_addresses_are_an_inventory_error_not_a_crash(tmp_path: Path)
     inv = take_inventory(runner=fake({"ip -j addr show dev": "[{not json"}), iptables_tools=[], proc_root=tmp_path)
     assert inv.dummy_interface and inv.dummy_address_count == 0
     assert len(inv.errors) == 1 and inv.errors[0].startswith("ip: kube-ipvs0: ")
+
+
+def test_a_fresh_read_of_one_tool_is_taken_instead_of_its_save_and_every_other_tool_is_read() -> None:
+    from proxyshift.agent.iptables_save import parse
+
+    asked: list[str] = []
+    inner = fake({"ip6tables-nft-save": SAVE, "nft -j list tables": NFT, "ip -j addr show dev": "!missing-device"})
+
+    def runner(argv: Sequence[str], **kw: Any) -> Result:
+        asked.append(argv[0])
+        return inner(argv, **kw)
+
+    v4, v6 = IptablesTool("ipv4", "nft"), IptablesTool("ipv6", "nft")
+    inv = take_inventory(runner=runner, iptables_tools=[v4, v6], proc_root=Path("/nonexistent"),
+                         fresh={v4.label: parse(SAVE)})
+    assert "iptables-nft-save" not in asked and "ip6tables-nft-save" in asked and "nft" in asked
+    assert [c.label for c in inv.iptables] == [v4.label, v6.label]
+    assert inv.iptables[0].chains == inv.iptables[1].chains and not inv.errors

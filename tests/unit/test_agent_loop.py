@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import pytest
@@ -14,6 +14,7 @@ from proxyshift.agent import diagnostics as diag
 from proxyshift.agent.flush.base import FlushReport, FlushStep
 from proxyshift.agent.hold import HoldReport
 from proxyshift.agent.inventory import ChainInventory, Inventory
+from proxyshift.agent.iptables_save import Dump
 from proxyshift.agent.loop import (
     P99_ABOVE_BUCKETS,
     PROBE_AWAIT_POLL_SECONDS,
@@ -98,6 +99,10 @@ IPT_LEFT = Inventory(iptables=[ChainInventory("iptables (ipv4, nft backend)",
 CLEAN = Inventory(nft_tables=[("ip", "kube-proxy")])
 
 
+# A flush's verifying save of one family (FlushReport.after), which the inventory after a Cleanup takes.
+VERIFIED = Dump()
+
+
 class FakeHold:
     """The node's rule hold as the agent's seams see it (agent/hold.py does the kernel side)."""
 
@@ -145,6 +150,7 @@ class FakeNode:
         # The node's kube-proxy replacement (Cilium) as its API answers; the reads asked of it.
         self.replaced = ReplacementFacts(error="GET /v1/healthz on /var/run/cilium/cilium.sock: FileNotFoundError")
         self.replacement_calls: list[tuple[str, bool]] = []
+        self.inventory_fresh: list[dict[str, Dump]] = []  # what each inventory was given as just read
         # kube-proxy's /healthz alone; by default without per-family sync times (a kube-proxy from before them).
         self.healthz = KubeProxyHealth(200, None)
 
@@ -154,15 +160,17 @@ class FakeNode:
     def health(self) -> KubeProxyHealth:
         return self.healthz
 
-    def inventory(self) -> Inventory:
+    def inventory(self, fresh: Mapping[str, Dump] | None = None) -> Inventory:
+        self.inventory_fresh.append(dict(fresh or {}))
         return self.inventory_now
 
-    def flush(self, remove: list[str], target: str | None) -> FlushReport:
+    def cleanup(self, remove: list[str], target: str | None) -> tuple[FlushReport, HoldReport]:
         self.flush_calls.append((remove, target))
         # The agent passes only the modes it validated.
         report = FlushReport(cast(list[Mode], sorted(remove)), cast(Mode | None, target))
         report.steps.append(FlushStep("iptables (ipv4, nft backend)", removed={"chains": 3}))
-        return report
+        report.after["iptables (ipv4, nft backend)"] = VERIFIED  # its verifying save
+        return report, self.held.release()  # the hold leaves in the flush's round
 
     def preflight(self, mode: str, scheduler: str | None = None, **kw: Any) -> PreflightReport:
         if self.preflight_fn is not None:
@@ -236,6 +244,18 @@ def test_cleanup_runs_once_and_records_running_before_the_flush() -> None:
     assert node.status.leftover_objects == 0  # written as a count, so kubectl shows 0, not <none>
     assert node.status.kube_proxy is not None
     assert node.status.heartbeat and node.status.kube_proxy.sync_count == 4
+
+
+def test_the_inventory_after_a_cleanup_takes_the_flushs_verifying_reads_and_no_older_one() -> None:
+    api = FakeAPI(node_obj({"id": "m1.Cleanup.0", "type": "Cleanup",
+                            "params": {"removeModes": ["iptables"], "targetMode": "nftables"}}))
+    agent = make_agent(api)
+    node = fake_node(agent)
+    agent.handle(api.get("n1"))
+    # The inventory right after the flush reads the rest itself; any later one reads everything again.
+    assert node.inventory_fresh[-1] == {"iptables (ipv4, nft backend)": VERIFIED}
+    agent.observe(inventory=True)
+    assert node.inventory_fresh[-1] == {}
 
 
 def test_a_cleanup_reports_kube_proxy_and_the_gate_services_as_seen_after_the_flush() -> None:
@@ -1082,17 +1102,17 @@ def _gate_probe_counting_flushes(answers: list[KubeProxyFacts]) -> tuple[FakeAPI
     agent, _ = _sequence_agent(api, answers)
     node = fake_node(agent)
     order: list[str] = []
-    connect, flush = node.connect, node.flush
+    connect, cleanup = node.connect, node.cleanup
 
     def counting_connect(targets: list[str]) -> dict[str, bool | str]:
         order.append(f"connect after {len(node.flush_calls)} flush(es)")
         return connect(targets)
 
-    def slow_flush(remove: list[str], target: str | None) -> FlushReport:
+    def slow_flush(remove: list[str], target: str | None) -> tuple[FlushReport, HoldReport]:
         time.sleep(0.05)
-        return flush(remove, target)
+        return cleanup(remove, target)
 
-    node.connect, node.flush = counting_connect, slow_flush  # type: ignore[method-assign]  # swapped seams
+    node.connect, node.cleanup = counting_connect, slow_flush  # type: ignore[method-assign]  # swapped seams
     return api, agent, order
 
 

@@ -9,6 +9,7 @@ import pytest
 from test_agent_loop import FACTS, FakeAPI, FakeNode, fake_node, make_agent, node_obj
 
 from proxyshift.agent.flush.base import FlushReport
+from proxyshift.agent.hold import HoldReport
 from proxyshift.api.behaviour import (
     BehaviourCell,
     BehaviourMatrix,
@@ -119,17 +120,17 @@ def test_a_gate_probe_runs_conntrack_and_connects_beside_the_flush_and_the_matri
     events: list[str] = []
     conntrack_began = threading.Event()
     conntrack, behaviour = checks.conntrack, checks.behaviour
-    flush, connect, inventory = node.flush, node.connect, node.inventory
+    cleanup, connect, inventory = node.cleanup, node.connect, node.inventory
 
     def conntrack_beside(params: ConntrackParams) -> ConntrackReport:
         conntrack_began.set()
         events.append("conntrack")
         return conntrack(params)
 
-    def flush_waiting(remove: list[str], target: str | None) -> FlushReport:
+    def flush_waiting(remove: list[str], target: str | None) -> tuple[FlushReport, HoldReport]:
         # Returns once the conntrack step has begun: run one after the other, this would wait out its 5 s.
         events.append(f"flush (conntrack began: {conntrack_began.wait(5)})")
-        return flush(remove, target)
+        return cleanup(remove, target)
 
     def recorded(name: str, seam: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -139,7 +140,7 @@ def test_a_gate_probe_runs_conntrack_and_connects_beside_the_flush_and_the_matri
 
     # The test swaps these seams for ones that record each call.
     checks.conntrack, checks.behaviour = conntrack_beside, recorded("behaviour", behaviour)  # type: ignore[method-assign]
-    node.flush, node.connect = flush_waiting, recorded("connect", connect)  # type: ignore[method-assign]  # swapped
+    node.cleanup, node.connect = flush_waiting, recorded("connect", connect)  # type: ignore[method-assign]  # swapped
     node.inventory = recorded("inventory", inventory)  # type: ignore[method-assign]  # swapped, recording
     agent.handle(api.get("n1"))
     assert "flush (conntrack began: True)" in events

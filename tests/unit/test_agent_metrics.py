@@ -18,6 +18,7 @@ from test_agent_loop import Clock, FakeAPI, make_agent, node_obj
 
 from proxyshift.agent import metrics
 from proxyshift.agent.flush.base import FlushReport
+from proxyshift.agent.hold import HoldReport
 from proxyshift.agent.loop import parse_args
 from proxyshift.agent.preflight import Missing, PreflightReport, ToolVersions
 from proxyshift.api.proxynode import KubeProxyFacts, Mode
@@ -61,14 +62,14 @@ def test_an_operation_is_counted_by_type_and_result_with_its_duration_and_the_fl
     api = FakeAPI(node_obj(CLEANUP))
     agent = make_agent(api)
     clock = agent.clock
-    inner = agent.effects.flush
+    inner = agent.effects.cleanup
     assert isinstance(clock, Clock)
 
-    def slow_flush(remove: list[str], target: str | None) -> FlushReport:
+    def slow_flush(remove: list[str], target: str | None) -> tuple[FlushReport, HoldReport]:
         clock.t += 2.0  # the flush takes two seconds of the agent's clock
         return inner(remove, target)
 
-    agent.effects.flush = slow_flush  # type: ignore[method-assign]  # the test swaps this seam
+    agent.effects.cleanup = slow_flush  # type: ignore[method-assign]  # the test swaps this seam
     counted = Counted()
     flushes = sample("proxyshift_agent_flush_duration_seconds_count")
     flush_sum = sample("proxyshift_agent_flush_duration_seconds_sum")

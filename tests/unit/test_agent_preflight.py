@@ -12,12 +12,13 @@ from proxyshift.agent.inventory import Inventory
 from proxyshift.agent.preflight import (
     PreflightReport,
     ToolVersions,
+    VersionCache,
     check,
     detect_tools,
     parse_kernel_release,
     parse_version,
 )
-from proxyshift.commands import Result, ToolMissingError
+from proxyshift.commands import CommandError, Result, ToolMissingError
 
 pytestmark = pytest.mark.unit
 
@@ -208,3 +209,38 @@ def test_a_scheduler_the_kernel_lacks_is_refused_even_with_on_demand_loading(tmp
     report = _check_at(root, "ipvs", "twos")
     assert [m.what for m in report.missing] == ["kernel module ip_vs_twos"]
     assert "neither it loaded, built in nor installed" in report.missing[0].why
+
+
+def test_versions_are_asked_once_per_agent_and_the_kernel_checks_every_time(tmp_path: Path) -> None:
+    outputs = {"nft": "nftables v1.0.6 (Lester Gooch #5)", "iptables": "iptables v1.8.9 (nf_tables)"}
+    asked: list[str] = []
+    flaky = {"ipset": 1}  # ipset's first --version times out: nothing lasting is learnt from that
+
+    def runner(argv: Sequence[str], **_: Any) -> Result:
+        asked.append(" ".join(argv))
+        if argv[0] == "ipset" and flaky["ipset"]:
+            flaky["ipset"] -= 1
+            raise CommandError(argv, "timed out after 10s")
+        if argv[0] == "ipset":
+            return Result(list(argv), 0, "ipset v7.17, protocol version: 7", "")
+        if argv[0] not in outputs:
+            raise ToolMissingError(argv, "not found")
+        return Result(list(argv), 0, outputs[argv[0]] if argv[1] == "--version" else "", "")
+
+    cache = VersionCache()
+    first = detect_tools(runner, proc_root=tmp_path, versions=cache)
+    assert first.ipset is None and first.nft == "1.0.6"
+    asked.clear()
+    again = detect_tools(runner, proc_root=tmp_path, versions=cache)
+    # Only ipset's version is asked again (its first answer was a timeout); the kernel is asked every time.
+    assert sorted(asked) == ["ipset --version", "iptables -w 5 -t nat -S POSTROUTING", "nft list tables"]
+    assert again == ToolVersions(nft="1.0.6", iptables="1.8.9", iptables_backend="nf_tables", ipset="7.17",
+                                 nft_usable=True, iptables_nat=True)
+    asked.clear()
+    (tmp_path / "net").mkdir()
+    (tmp_path / "net" / "ip_vs").write_text("")  # IPVS appeared (ip_vs loaded): ipvsadm is asked, and kept missing
+    assert detect_tools(runner, proc_root=tmp_path, versions=cache).ipvsadm is None
+    assert "ipvsadm --version" in asked and "ipset --version" not in asked
+    asked.clear()
+    detect_tools(runner, proc_root=tmp_path, versions=cache)
+    assert sorted(asked) == ["iptables -w 5 -t nat -S POSTROUTING", "nft list tables"]

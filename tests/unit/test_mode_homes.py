@@ -34,7 +34,7 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     ("agent/flush/iptables.py", "IptablesTool._stem"): (1, "the iptables binary's name"),
     ("agent/flush/iptables.py", "IptablesFlusher.flush"): (1, "the tool label of a FlushStep (a wire field)"),
     ("agent/flush/ipvs.py", "IpvsFlusher.flush"): (1, "the tool label of a FlushStep (a wire field)"),
-    ("agent/flush/nftables.py", "NftablesFlusher.flush"): (1, "the tool label of a FlushStep (a wire field)"),
+    ("agent/flush/nftables.py", "NftablesFlusher.round"): (1, "the tool label of a FlushStep (a wire field)"),
     ("agent/flush/nftables.py", "parse_tables"): (2, "the top-level key of `nft -j` output"),
     ("agent/diagnostics.py", "<module>"): (2, "RULE_COUNTERS is keyed by CounterSource (api/diagnostics.py)"),
     ("planner/diagnosis.py", "diagnose"): (2, "CounterSource values: the sources with per-endpoint flows"),

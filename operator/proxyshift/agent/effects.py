@@ -8,8 +8,8 @@ namespace.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -22,6 +22,7 @@ from proxyshift.agent import hold as hold_mod
 from proxyshift.agent import inventory as inventory_mod
 from proxyshift.agent import preflight as preflight_mod
 from proxyshift.agent import probe as probe_mod
+from proxyshift.agent.iptables_save import Dump
 from proxyshift.agent.preflight import PreflightReport
 from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams, ConntrackParams, ConntrackReport
 from proxyshift.api.diagnostics import DiagnoseRequest, NodeDiagnostics
@@ -46,12 +47,15 @@ class NodeEffects(Protocol):
         between full probes. A failure is an answer with an error."""
         ...
 
-    def inventory(self) -> inventory_mod.Inventory:
-        """kube-proxy's objects of every mode on the node."""
+    def inventory(self, fresh: Mapping[str, Dump] | None = None) -> inventory_mod.Inventory:
+        """kube-proxy's objects of every mode on the node. `fresh`: per iptables tool label, a save read from the
+        kernel after the agent's last change there (a Cleanup's verifying save, FlushReport.after), used instead
+        of saving that tool again."""
         ...
 
-    def flush(self, remove: list[str], target: str | None) -> flush_mod.FlushReport:
-        """Remove the stale objects of `remove`, never those of `target`."""
+    def cleanup(self, remove: list[str], target: str | None) -> tuple[flush_mod.FlushReport, hold_mod.HoldReport]:
+        """Remove the stale objects of `remove`, never those of `target`, and the rule hold with them (a Cleanup
+        never leaves one): one round for both."""
         ...
 
     def preflight(self, mode: str, scheduler: str | None = None, *, load_modules: bool = False,
@@ -103,6 +107,9 @@ class KernelNodeEffects:
     proc_root: Path = Path("/proc")
     sys_root: Path = Path("/sys")
     modules_root: Path = Path("/lib/modules")
+    # The agent's own tools' versions, asked once for its life (preflight.VersionCache says why only those).
+    versions: preflight_mod.VersionCache = field(default_factory=preflight_mod.VersionCache, compare=False,
+                                                 repr=False)
 
     def probe(self) -> KubeProxyFacts:
         return probe_mod.facts_from_probe(probe_mod.probe(self.metrics_address, self.health_address))
@@ -110,11 +117,11 @@ class KernelNodeEffects:
     def health(self) -> probe_mod.KubeProxyHealth:
         return probe_mod.read_health(self.health_address, timeout=HEALTH_POLL_TIMEOUT)
 
-    def inventory(self) -> inventory_mod.Inventory:
-        return inventory_mod.take_inventory(proc_root=self.proc_root)
+    def inventory(self, fresh: Mapping[str, Dump] | None = None) -> inventory_mod.Inventory:
+        return inventory_mod.take_inventory(proc_root=self.proc_root, fresh=fresh)
 
-    def flush(self, remove: list[str], target: str | None) -> flush_mod.FlushReport:
-        return flush_mod.flush(remove, target, proc_root=self.proc_root)
+    def cleanup(self, remove: list[str], target: str | None) -> tuple[flush_mod.FlushReport, hold_mod.HoldReport]:
+        return hold_mod.release_with_flush(remove, target, proc_root=self.proc_root)
 
     def preflight(self, mode: str, scheduler: str | None = None, *, load_modules: bool = False,
                   extra_modules: Sequence[str] = (), allow_changes: Sequence[str] = (),
@@ -122,7 +129,7 @@ class KernelNodeEffects:
         return preflight_mod.check(mode, scheduler, proc_root=self.proc_root, sys_root=self.sys_root,
                                    modules_root=self.modules_root, load_modules=load_modules,
                                    extra_modules=extra_modules, allow_changes=allow_changes,
-                                   ipvs_exclude_cidrs=ipvs_exclude_cidrs)
+                                   ipvs_exclude_cidrs=ipvs_exclude_cidrs, versions=self.versions)
 
     def connect(self, targets: list[str]) -> dict[str, bool | str]:
         return probe_mod.tcp_connect(targets)

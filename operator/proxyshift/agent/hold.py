@@ -26,7 +26,9 @@ binds it and the kernel skips the other NAT chains of that hook, so they cannot
 fight. The hold is released as soon as a new kube-proxy process has completed a
 sync (the agent watches that through its probe), by every Cleanup, and at the
 latest when its time to live runs out: a copy left longer would DNAT to
-endpoints that may have gone.
+endpoints that may have gone. A Cleanup releases it in the flush's own round
+(release_with_flush): the copies and the stale rules leave in one save and one
+restore per iptables family, and one nft listing.
 
 ipvs mode is not held: its virtual servers live in the IPVS table, not in rules
 that can be renamed. ipvs <-> iptables needs no hold (kube-proxy keeps the
@@ -38,16 +40,19 @@ this module has one installer per kind.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+from proxyshift.agent import flush as flush_mod
 from proxyshift.agent.flush.base import Runner
 from proxyshift.agent.flush.iptables import CHAIN_BATCH, IptablesTool, TablePlan, available_tools, render_restore
 from proxyshift.agent.flush.nftables import list_tables, render_delete
 from proxyshift.agent.iptables_save import BUILTIN_CHAINS, Dump, Rule, parse
 from proxyshift.agent.ownership import NFT_TABLES, iptables_chain_modes
 from proxyshift.api.proxynode import IN_FLIGHT, NodeMigration, attempt_key
-from proxyshift.commands import CommandError, run
+from proxyshift.commands import CommandError, run, side_by_side
 from proxyshift.modes import MODE_FACTS, MODES, ObjectKind, facts_of, startup_cleanup_drops_old_rules
 
 HOLD_CHAIN_PREFIX = "PSHOLD-"
@@ -188,10 +193,14 @@ class HoldReport:
         return text
 
 
-def _tools(tools: list[IptablesTool] | None) -> list[IptablesTool]:
+def _held_by(tool: IptablesTool) -> bool:
     # Only the nft backend and the default: that is where a current kube-proxy writes.
+    return tool.backend != "legacy"
+
+
+def _tools(tools: list[IptablesTool] | None) -> list[IptablesTool]:
     found = tools if tools is not None else available_tools()
-    return [t for t in found if t.backend != "legacy"]
+    return [t for t in found if _held_by(t)]
 
 
 def install(from_mode: str, *, runner: Runner = run, iptables_tools: list[IptablesTool] | None = None) -> HoldReport:
@@ -208,18 +217,27 @@ def install(from_mode: str, *, runner: Runner = run, iptables_tools: list[Iptabl
 
 
 def _install_iptables(report: HoldReport, runner: Runner, iptables_tools: list[IptablesTool] | None) -> None:
-    for tool in _tools(iptables_tools):
-        try:
-            dump = _save_nat(tool, runner)
-            declare, rules, hooks = plan_iptables_hold(dump)
-            if not declare:
-                continue
-            _release_iptables(tool, dump, runner)
-            runner([tool.restore, "-w", "5", "--noflush"], input=render_iptables_hold(declare, rules, hooks),
-                   timeout=RESTORE_TIMEOUT)
-            report.done.append(f"{tool.label}: {len(declare)} chains, {len(rules)} rules copied")
-        except (CommandError, ValueError) as exc:
-            report.errors.append(f"{tool.label}: {exc}")
+    # The families side by side: each its own save and restore, sharing nothing.
+    tools = _tools(iptables_tools)
+    for done, error in side_by_side([functools.partial(_install_one, tool, runner) for tool in tools],
+                                    name="hold-install"):
+        report.done += [done] if done else []
+        report.errors += [error] if error else []
+
+
+def _install_one(tool: IptablesTool, runner: Runner) -> tuple[str | None, str | None]:
+    """One family's copy: (what was done, or the error); (None, None) when it has nothing to hold."""
+    try:
+        dump = _save_nat(tool, runner)
+        declare, rules, hooks = plan_iptables_hold(dump)
+        if not declare:
+            return None, None
+        _release_iptables(tool, dump, runner)
+        runner([tool.restore, "-w", "5", "--noflush"], input=render_iptables_hold(declare, rules, hooks),
+               timeout=RESTORE_TIMEOUT)
+        return f"{tool.label}: {len(declare)} chains, {len(rules)} rules copied", None
+    except (CommandError, ValueError) as exc:
+        return None, f"{tool.label}: {exc}"
 
 
 def _install_nft(report: HoldReport, runner: Runner, iptables_tools: list[IptablesTool] | None) -> None:
@@ -256,21 +274,59 @@ def _release_iptables(tool: IptablesTool, dump: Dump, runner: Runner) -> int:
 def release(*, runner: Runner = run, iptables_tools: list[IptablesTool] | None = None) -> HoldReport:
     """Remove every hold on the node (both kinds). Idempotent."""
     report = HoldReport("release")
-    for tool in _tools(iptables_tools):
-        try:
-            removed = _release_iptables(tool, _save_nat(tool, runner), runner)
-            if removed:
-                report.done.append(f"{tool.label}: {removed} chains removed")
-        except (CommandError, ValueError) as exc:
-            report.errors.append(f"{tool.label}: {exc}")
+    # Every family and the nft hold side by side: they share nothing. Reported in that order.
+    calls = [functools.partial(_release_one, tool, runner) for tool in _tools(iptables_tools)]
+    for done, error in side_by_side([*calls, functools.partial(_release_nft, runner)], name="hold-release"):
+        report.done += [done] if done else []
+        report.errors += [error] if error else []
+    return report
+
+
+def _release_one(tool: IptablesTool, runner: Runner) -> tuple[str | None, str | None]:
     try:
-        held = [(family, name) for family, name in list_tables(runner) if name == NFT_HOLD_TABLE]
+        removed = _release_iptables(tool, _save_nat(tool, runner), runner)
+        return (f"{tool.label}: {removed} chains removed" if removed else None), None
+    except (CommandError, ValueError) as exc:
+        return None, f"{tool.label}: {exc}"
+
+
+def _release_nft(runner: Runner) -> tuple[str | None, str | None]:
+    try:
+        held = _held_tables(list_tables(runner))
         if held:
             runner(["nft", "-f", "-"], input=render_delete(held), timeout=RESTORE_TIMEOUT)
-            report.done.append(f"{len(held)} nft hold tables removed")
+            return f"{len(held)} nft hold tables removed", None
+        return None, None
     except (CommandError, ValueError) as exc:
-        report.errors.append(f"nftables: {exc}")
-    return report
+        return None, f"nftables: {exc}"
+
+
+def _held_tables(listed: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    return [(family, name) for family, name in listed if name == NFT_HOLD_TABLE]
+
+
+def release_with_flush(remove_modes: list[str], target_mode: str | None, *, runner: Runner = run,
+                       iptables_tools: list[IptablesTool] | None = None,
+                       **flush_args: Any) -> tuple[flush_mod.FlushReport, HoldReport]:
+    """A Cleanup's flush of `remove_modes` with every hold on the node (both kinds) released in the same round:
+    the copies are planned from the flush's own save of each family and removed by its restore, the nft hold
+    table chosen from its listing. What `release` and then `flush` would do, and report, in one round instead
+    of two. `flush_args`: the rest of flush()'s arguments."""
+    extra = flush_mod.Extra(iptables=lambda tool, dump: plan_iptables_release(dump) if _held_by(tool) else [],
+                            iptables_covers=_held_by, nft_tables=_held_tables)
+    flushed = flush_mod.flush(remove_modes, target_mode, runner=runner, iptables_tools=iptables_tools,
+                              extra=extra, **flush_args)
+    report = HoldReport("release")
+    # As release() reports: the iptables families in the tools' order, then the nft hold (its round ran beside).
+    for label in sorted(extra.removed, key=lambda label: label == flush_mod.NFT_LABEL):
+        n = extra.removed[label]
+        report.done.append(f"{n} nft hold tables removed" if label == flush_mod.NFT_LABEL
+                           else f"{label}: {n} chains removed")
+    for label in sorted(extra.errors, key=lambda label: label == flush_mod.NFT_LABEL):
+        # release() names the nft part's errors after the kernel subsystem, as every nft error the agent reports.
+        error = extra.errors[label]
+        report.errors.append(f"nftables: {error}" if label == flush_mod.NFT_LABEL else f"{label}: {error}")
+    return flushed, report
 
 
 def present(*, runner: Runner = run, iptables_tools: list[IptablesTool] | None = None) -> bool:

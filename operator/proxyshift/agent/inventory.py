@@ -20,8 +20,9 @@ ModeFacts.objects name it; this module has one probe, count and summary per kind
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from proxyshift.agent.flush.base import Runner
@@ -38,10 +39,10 @@ from proxyshift.agent.flush.ipvs import (
 )
 from proxyshift.agent.flush.nftables import parse_tables
 from proxyshift.agent.ip_addr import addresses
-from proxyshift.agent.iptables_save import parse
+from proxyshift.agent.iptables_save import Dump, parse
 from proxyshift.agent.ownership import IPVS_DUMMY_INTERFACE, MODES, NFT_TABLES, Mode, iptables_chain_modes
 from proxyshift.api.proxynode import MAX_FOREIGN_VIRTUAL_SERVERS, ForeignIPVS, ModeObjects
-from proxyshift.commands import CommandError, ToolMissingError, run
+from proxyshift.commands import CommandError, Result, ToolMissingError, run, side_by_side
 from proxyshift.modes import DEFAULT_MODE, KUBE_PROXY_MODES, MODE_FACTS, ObjectKind
 
 # The addresses kept in the inventory (the count is always the true one).
@@ -86,11 +87,13 @@ class Inventory:
         found |= {m for m, f in MODE_FACTS.items() if any(self.kind_count(k) for k in f.objects)}
         return found
 
-    def _attributed(self, modes: frozenset[Mode], observed: str | None) -> set[Mode]:
+    @staticmethod
+    def _attributed(modes: frozenset[Mode], observed: str | None, evidence: set[Mode]) -> set[Mode]:
         # A chain iptables and ipvs share (KUBE-SERVICES, ...) belongs to the mode that
         # runs, or to the mode whose own objects are here too; failing both, to iptables,
         # the mode every cluster starts in. Never to a mode with no other trace on the node.
-        evidence = self._evidence()
+        # `evidence` is _evidence(), read once per count or summary by the caller: it walks every chain, and
+        # read per chain it made each count quadratic (200 Services a family: seconds for one observe).
         hits = set(modes & evidence)
         if observed in modes:
             hits.add(observed)
@@ -100,16 +103,18 @@ class Inventory:
 
     def count(self, mode: Mode, *, observed: str | None = None, stale_only: bool = False) -> int:
         """Objects of `mode`; stale_only: leave out the chains the observed mode uses too."""
+        evidence = self._evidence()
         n = sum(1 for inv in self.iptables for _, _, modes in inv.chains
-                if mode in self._attributed(modes, observed) and not (stale_only and observed in modes))
+                if mode in self._attributed(modes, observed, evidence) and not (stale_only and observed in modes))
         return n + sum(self.kind_count(k) for k in MODE_FACTS[mode].objects)
 
     def summary(self, mode: Mode, observed: str | None = None) -> str:
         parts: list[str] = []
+        evidence = self._evidence()
         for inv in self.iptables:
             per_table: dict[str, int] = {}
             for table, _, modes in inv.chains:
-                if mode in self._attributed(modes, observed):
+                if mode in self._attributed(modes, observed, evidence):
                     per_table[table] = per_table.get(table, 0) + 1
             if per_table:
                 parts.append(f"{inv.label}: " + ", ".join(f"{t} {n} chains" for t, n in sorted(per_table.items())))
@@ -176,21 +181,23 @@ def _bpf_links(inv: Inventory, bpffs: Path) -> None:
         inv.errors.append(f"bpffs: {exc}")
 
 
-def _iptables(inv: Inventory, runner: Runner, tools: list[IptablesTool]) -> None:
-    for tool in tools:
-        try:
-            dump = parse(runner([tool.save], timeout=120).stdout)
-        except (CommandError, ValueError) as exc:
-            inv.errors.append(f"{tool.label}: {exc}")
-            continue
-        found = ChainInventory(tool.label)
-        for table in dump.tables.values():
-            for chain in table.user_defined():
-                modes = iptables_chain_modes(table.name, chain)
-                if modes:
-                    found.chains.append((table.name, chain, modes))
-        if found.chains:
-            inv.iptables.append(found)
+def _iptables_one(tool: IptablesTool, runner: Runner, read: Dump | None = None) -> Inventory:
+    """One family/backend's kube-proxy chains, from its save, or from `read` (a save taken just now)."""
+    inv = Inventory()
+    try:
+        dump = read if read is not None else parse(runner([tool.save], timeout=120).stdout)
+    except (CommandError, ValueError) as exc:
+        inv.errors.append(f"{tool.label}: {exc}")
+        return inv
+    found = ChainInventory(tool.label)
+    for table in dump.tables.values():
+        for chain in table.user_defined():
+            modes = iptables_chain_modes(table.name, chain)
+            if modes:
+                found.chains.append((table.name, chain, modes))
+    if found.chains:
+        inv.iptables.append(found)
+    return inv
 
 
 def _nft(inv: Inventory, runner: Runner) -> None:
@@ -203,10 +210,32 @@ def _nft(inv: Inventory, runner: Runner) -> None:
         inv.errors.append(f"nft: {exc}")
 
 
+def _read(runner: Runner, argv: list[str], timeout: float) -> Callable[[], Result]:
+    """Run `argv` now; the returned call gives its result or raises what the run raised, where it is used."""
+    try:
+        result = runner(argv, timeout=timeout)
+    except CommandError as exc:
+        failed = exc
+
+        def again() -> Result:
+            raise failed
+        return again
+    return lambda: result
+
+
 def _ipvs(inv: Inventory, runner: Runner, proc_root: Path) -> None:
     dummy_addrs: set[str] = set()
+    # Without /proc/net/ip_vs there is no IPVS, and ipvsadm would only try to load it.
+    inv.ipvs_available = (proc_root / "net" / "ip_vs").exists()
+    # The four reads share nothing: side by side, then taken apart one by one as they always were (the node's
+    # own addresses are read even when ipvsadm fails; only its answer is then not used).
+    argvs = [(["ip", "-j", "addr", "show", "dev", IPVS_DUMMY_INTERFACE], 10.0), (["ipset", "save"], 60.0)]
+    if inv.ipvs_available:
+        argvs += [(["ipvsadm", "-Sn"], 60.0), (["ip", "-j", "addr", "show"], 10.0)]
+    reads = side_by_side([functools.partial(_read, runner, argv, timeout) for argv, timeout in argvs],
+                         name="inventory-ipvs")
     try:
-        out = runner(["ip", "-j", "addr", "show", "dev", IPVS_DUMMY_INTERFACE], timeout=10)
+        out = reads[0]()
         inv.dummy_interface = True
         found = addresses(out.stdout)
         dummy_addrs = set(found)
@@ -219,18 +248,16 @@ def _ipvs(inv: Inventory, runner: Runner, proc_root: Path) -> None:
         inv.errors.append(f"ip: {IPVS_DUMMY_INTERFACE}: {exc}")
     ipsets = IpsetState()
     try:
-        ipsets = parse_ipset_save(runner(["ipset", "save"], timeout=60).stdout)
+        ipsets = parse_ipset_save(reads[1]().stdout)
         inv.ipsets = ipsets.names
     except ToolMissingError:
         pass
     except CommandError as exc:
         inv.errors.append(f"ipset: {exc}")
-    # Without /proc/net/ip_vs there is no IPVS, and ipvsadm would only try to load it.
-    inv.ipvs_available = (proc_root / "net" / "ip_vs").exists()
     if inv.ipvs_available:
         try:
-            inv.virtual_servers = parse_ipvsadm_save(runner(["ipvsadm", "-Sn"], timeout=60).stdout)
-            local = set(addresses(runner(["ip", "-j", "addr", "show"], timeout=10).stdout))
+            inv.virtual_servers = parse_ipvsadm_save(reads[2]().stdout)
+            local = set(addresses(reads[3]().stdout))
             node_addrs = local - dummy_addrs
             inv.kube_virtual_servers = select_owned(inv.virtual_servers, dummy_addrs, ipsets, node_addrs)
             inv.foreign_virtual_servers = select_foreign(inv.virtual_servers, dummy_addrs, ipsets, node_addrs)
@@ -240,20 +267,47 @@ def _ipvs(inv: Inventory, runner: Runner, proc_root: Path) -> None:
 
 def take_ipvs_inventory(*, runner: Runner = run, proc_root: Path = Path("/proc")) -> Inventory:
     """Only the IPVS part (virtual servers, kube-ipvs0, ipsets): what preflight for nftables needs."""
-    inv = Inventory()
-    _ipvs(inv, runner, proc_root)
-    _devices(inv, runner)
+    return _merged(side_by_side([_part(lambda inv: _ipvs(inv, runner, proc_root)),
+                                 _part(lambda inv: _devices(inv, runner))], name="inventory"))
+
+
+def _part(fill: Callable[[Inventory], None]) -> Callable[[], Inventory]:
+    def read() -> Inventory:
+        inv = Inventory()
+        fill(inv)
+        return inv
+    return read
+
+
+def _merged(parts: list[Inventory]) -> Inventory:
+    """The parts' fields in one inventory: each part fills its own fields (lists are joined: the chains of each
+    family, the errors, in the parts' order)."""
+    inv, empty = Inventory(), Inventory()
+    for part in parts:
+        for f in fields(Inventory):
+            value = getattr(part, f.name)
+            if isinstance(value, list):
+                getattr(inv, f.name).extend(value)
+            elif value != getattr(empty, f.name):
+                setattr(inv, f.name, value)
     return inv
 
 
 def take_inventory(*, runner: Runner = run, iptables_tools: list[IptablesTool] | None = None,
-                   proc_root: Path = Path("/proc"), bpffs: Path = DEFAULT_BPFFS) -> Inventory:
-    inv = Inventory()
-    _iptables(inv, runner, iptables_tools if iptables_tools is not None else available_tools())
-    _nft(inv, runner)
-    _ipvs(inv, runner, proc_root)
-    _bpf_links(inv, bpffs)
-    return inv
+                   proc_root: Path = Path("/proc"), bpffs: Path = DEFAULT_BPFFS,
+                   fresh: Mapping[str, Dump] | None = None) -> Inventory:
+    """Every kind's objects on the node. `fresh`: per iptables tool label, a save the caller read from the kernel
+    after its own last change there (a flush's verifying save, agent/flush/iptables.py), taken instead of saving
+    that tool again: it is a read of the node as it is, not an assumption. Every other tool is read here."""
+    # Every read side by side (each family's save, the nft listing, the IPVS reads, the bpffs walk): they share
+    # nothing, and the time is the tools'. Merged in a fixed order, so the result does not depend on the race.
+    tools = iptables_tools if iptables_tools is not None else available_tools()
+    known = fresh or {}
+    return _merged(side_by_side([*(functools.partial(_iptables_one, tool, runner, known.get(tool.label))
+                                   for tool in tools),
+                                 _part(lambda inv: _nft(inv, runner)),
+                                 _part(lambda inv: _ipvs(inv, runner, proc_root)),
+                                 _part(lambda inv: _bpf_links(inv, bpffs))], name="inventory"))
 
 
 def mode_objects(inv: Inventory, observed_mode: str | None = None) -> list[ModeObjects]:

@@ -25,7 +25,7 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -39,6 +39,7 @@ from proxyshift.agent import inventory as inventory_mod
 from proxyshift.agent import metrics as metrics_mod
 from proxyshift.agent import probe as probe_mod
 from proxyshift.agent.effects import KernelNodeEffects, NodeEffects
+from proxyshift.agent.iptables_save import Dump
 from proxyshift.agent.ownership import MODES
 from proxyshift.agent.preflight import Missing
 from proxyshift.api.behaviour import BehaviourMatrix, BehaviourParams, ConntrackParams, ConntrackReport
@@ -271,12 +272,16 @@ class Agent:
             metrics_mod.record_error("kube_proxy_probe")
         return facts
 
-    def _flush(self, remove: list[str], target: str | None) -> flush_mod.FlushReport:
+    def _flush(self, remove: list[str], target: str | None) -> tuple[flush_mod.FlushReport, hold_mod.HoldReport]:
+        """The flush, with the hold released in its round (effects.cleanup)."""
         began = self.clock()
         try:
-            return self.effects.flush(remove, target)
+            report, released = self.effects.cleanup(remove, target)
         finally:
             metrics_mod.FLUSH_SECONDS.observe(max(self.clock() - began, 0.0))
+        if released.ok:
+            self.hold = None
+        return report, released
 
     def _release_hold(self) -> hold_mod.HoldReport:
         report = self.effects.release_hold()
@@ -346,14 +351,18 @@ class Agent:
                                 "tools": report.tools.as_status()}
         return self._node_facts
 
-    def observe(self, *, inventory: bool) -> dict[str, Any]:
-        """Fresh probe (and inventory when asked or due): the status fields they fill."""
+    def observe(self, *, inventory: bool, release_hold: bool = True,
+                fresh: Mapping[str, Dump] | None = None) -> dict[str, Any]:
+        """Fresh probe (and inventory when asked or due): the status fields they fill. release_hold=False: the
+        caller releases the hold itself (a Probe whose in-gate flush takes it in the flush's own round). `fresh`:
+        the flush's verifying reads, just taken, which the inventory uses instead of reading those again."""
         self.facts = self._probe()
         self._last_probe = self.clock()
         if inventory or self.inventory is None:
-            self.inventory = self.effects.inventory()
+            self.inventory = self.effects.inventory(fresh)
             self._last_inventory = self.clock()
-        self._maybe_release_hold()
+        if release_hold:
+            self._maybe_release_hold()
         mode = self.facts.proxy_mode if self.facts.proxy_mode in MODES else None
         return {
             "observedMode": mode,
@@ -542,27 +551,27 @@ class Agent:
         flush_mod.validate_modes(p.remove_modes, p.target_mode)
         return p.remove_modes, p.target_mode or None
 
-    def _flush_stale(self, p: CleanupParams) -> tuple[bool, str, CleanupResult]:
-        """Drop the rule hold (a copy of stale rules too: a cleanup never leaves it behind) and flush the modes
-        `p` names: (ok, message, the flush's details)."""
+    def _flush_stale(self, p: CleanupParams) -> tuple[bool, str, CleanupResult, Mapping[str, Dump]]:
+        """Flush the modes `p` names and drop the rule hold in the same round (a copy of stale rules too: a
+        cleanup never leaves it behind): (ok, message, the flush's details, its verifying reads for the
+        inventory that follows)."""
         remove, target = self._cleanup_args(p)
-        released = self._release_hold()
-        report = self._flush(remove, target)
+        report, released = self._flush(remove, target)
         message = report.message() + (f" | {released.message()}" if released.changed or not released.ok else "")
         details = CleanupResult.model_validate({**report.details(), "hold": released.message()})
-        return report.ok and released.ok, message, details
+        return report.ok and released.ok, message, details, report.after
 
     def _run_cleanup(self, op: Operation, started: str) -> tuple[OperationStatus, dict[str, Any]]:
         p = op.params_as(CleanupParams)
         began = self.clock()
-        ok, message, details = self._flush_stale(p)
+        ok, message, details, after = self._flush_stale(p)
         flushed = self.clock()
         # kube-proxy and the node's objects as they are right after the flush (in `extra`) and, when asked,
         # the gate's Services reached from here: the operator verifies the node on this report without
         # another probe. The connects only read, so they run beside the inventory.
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cleanup-connects") as pool:
             connects = pool.submit(self.effects.connect, p.services) if p.services else None
-            extra = self.observe(inventory=True)
+            extra = self.observe(inventory=True, fresh=after)
             details.connects = connects.result() if connects is not None else None
         log.info("cleanup %s: flush %.3f s, then kube-proxy, inventory and connects %.3f s", op.id,
                  flushed - began, self.clock() - flushed)
@@ -581,12 +590,17 @@ class Agent:
         p = op.params_as(ProbeParams)
         # Read before the first full probe: a sync after that probe then shows as a change of this answer.
         seen = self.effects.health() if p.await_mode else None
-        extra = self.observe(inventory=False)
+        # With an in-gate flush asked, the rule hold is not released as the sync shows: if the flush runs (the
+        # sync came), the hold leaves in the flush's own round, one save and one restore per family for both;
+        # if it does not, it is released below as any observe would have.
+        flush_asked = p.cleanup is not None and bool(p.await_mode)
+        extra = self.observe(inventory=False, release_hold=not flush_asked)
         if p.await_mode and seen is not None:
             # Wait here, polling the node's own kube-proxy, rather than answer "not synced yet" and
             # make the operator ask again a round later. Bounded; the gate judges whatever comes.
             deadline = self.clock() + min(p.await_seconds or 0.0, MAX_PROBE_AWAIT_SECONDS)
-            extra = self._await_sync(p.await_mode, p.await_syncs or 1, deadline, seen) or extra
+            extra = self._await_sync(p.await_mode, p.await_syncs or 1, deadline, seen,
+                                     release_hold=not flush_asked) or extra
         services = p.services
         replaced = None
         if p.replacement is not None:
@@ -601,8 +615,12 @@ class Agent:
             extra = {**extra, "replacement": with_nulls(replaced)}
         synced = self.clock()
         flushed: CleanupResult | None = None
-        flush = bool(p.cleanup is not None and p.await_mode
-                     and _synced_in(self.facts, p.await_mode, p.await_syncs or 1))
+        flush = bool(flush_asked and _synced_in(self.facts, p.await_mode or "", p.await_syncs or 1))
+        if flush_asked and not flush:
+            held = self.hold
+            self._maybe_release_hold()
+            if self.hold is not held:
+                extra = {**extra, "hold": self.hold_status()}
         # After the sync, three parts, the first two side by side (they shared the critical path one after the
         # other): the flush of the old mode's leftovers with the inventory after it; the conntrack step then
         # the connects; then the "after" matrix, which must judge the node as it stays, so it waits for both.
@@ -611,25 +629,29 @@ class Agent:
         # they only delete un-NATed entries and reach Services through the new rules. The conntrack step goes
         # first, as before the matrix: a connect whose source port happens to be that of an un-NATed entry
         # left from the switch's gap (its client gave up, the entry stays) would hang through its SYN retries
-        # and fail the gate for nothing. A rule hold still on the node (its release when kube-proxy
-        # synced failed) keeps the connects after the flush, which releases it again: a connect must reach
-        # its Service through kube-proxy's rules, not the hold's copy of the old ones.
-        connects_beside = not flush or self.hold is None
+        # and fail the gate for nothing. A rule hold still on the node (the flush releases it in its round)
+        # keeps the connects waiting for the flush: a connect must reach its Service through kube-proxy's rules,
+        # not the hold's copy of the old ones. The conntrack step does not wait.
+        released = threading.Event()
+        held_through = flush and self.hold is not None
+        if not held_through:
+            released.set()
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="probe-checks") as pool:
-            checks = pool.submit(self._conntrack_then_connect, p.conntrack, services if connects_beside else [])
-            if flush and p.cleanup is not None:
-                try:
-                    ok, said, flushed = self._flush_stale(p.cleanup)
-                except ValueError as exc:  # modes the flush refuses: told, never a failed probe
-                    ok, said, flushed = False, str(exc), CleanupResult()
-                flushed.ok, flushed.message = ok, said[:FLUSH_MESSAGE_LIMIT]
-                extra = self.observe(inventory=True)
+            checks = pool.submit(self._conntrack_then_connect, p.conntrack, services, released)
+            try:
+                if flush and p.cleanup is not None:
+                    after: Mapping[str, Dump] = {}
+                    try:
+                        ok, said, flushed, after = self._flush_stale(p.cleanup)
+                    except ValueError as exc:  # modes the flush refuses: told, never a failed probe
+                        ok, said, flushed = False, str(exc), CleanupResult()
+                    released.set()
+                    flushed.ok, flushed.message = ok, said[:FLUSH_MESSAGE_LIMIT]
+                    extra = self.observe(inventory=True, fresh=after)
+            finally:
+                released.set()  # whatever happened, the connects must not wait for ever
             cleaned_up = self.clock()
             cleaned, connects, conntrack_took, connects_took = checks.result()
-        if not connects_beside and services:
-            began = self.clock()
-            connects = self.effects.connect(services)
-            connects_took = self.clock() - began
         checked = self.clock()
         behaviour = p.behaviour
         matrix = self._take_behaviour(op, behaviour) if behaviour is not None else None
@@ -637,7 +659,7 @@ class Agent:
         # "in all" is what they cost the node before the matrix.
         log.info("probe %s after the sync: cleanup %.3f s; beside it conntrack %.3f s then connects %.3f s%s; "
                  "%.3f s in all; then behaviour %.3f s", op.id, cleaned_up - synced, conntrack_took, connects_took,
-                 "" if connects_beside else " (the connects after the cleanup: a rule hold was left)",
+                 " (after the flush's round: a rule hold was on the node)" if held_through and services else "",
                  checked - synced, self.clock() - checked)
         facts = self.facts or KubeProxyFacts()
         if replaced is not None:
@@ -667,8 +689,8 @@ class Agent:
             parts.append(_matrix_summary(matrix))
         return self._done(op, started, True, "; ".join(parts), details), extra
 
-    def _await_sync(self, mode: str, syncs: int, deadline: float,
-                    seen: probe_mod.KubeProxyHealth) -> dict[str, Any] | None:
+    def _await_sync(self, mode: str, syncs: int, deadline: float, seen: probe_mod.KubeProxyHealth, *,
+                    release_hold: bool = True) -> dict[str, Any] | None:
         """Poll until `_settled` or `deadline` (agent clock): /healthz alone while its per-family sync times
         hold still, the full probe when they move (PROBE_HEALTH_POLL_SECONDS and its neighbours say why).
         `seen`: /healthz as read just before the last full probe. The last full probe's status fields, None
@@ -687,7 +709,7 @@ class Agent:
                 due = now - changed < PROBE_CHASE_SECONDS or now - observed >= PROBE_FALLBACK_SECONDS
             seen = now_seen
             if due:
-                extra = self.observe(inventory=False)
+                extra = self.observe(inventory=False, release_hold=release_hold)
                 observed = self.clock()
         return extra
 
@@ -701,13 +723,17 @@ class Agent:
             return health
         return self.effects.replacement(params, with_services=True)
 
-    def _conntrack_then_connect(self, params: ConntrackParams | None, services: list[str]
+    def _conntrack_then_connect(self, params: ConntrackParams | None, services: list[str],
+                                released: threading.Event
                                 ) -> tuple[ConntrackReport | None, dict[str, bool | str], float, float]:
-        """A gate Probe's conntrack step (with `params`), then its connects to `services`: their answers and
-        the seconds each took. Runs beside the in-gate flush (_run_probe says why it may)."""
+        """A gate Probe's conntrack step (with `params`), then, once `released` is set (no rule hold on the node
+        any more), its connects to `services`: their answers and the seconds each took (the connects' with their
+        wait). Runs beside the in-gate flush (_run_probe says why it may)."""
         began = self.clock()
         cleaned = self.effects.conntrack(params) if params is not None else None
         between = self.clock()
+        if services:
+            released.wait()
         connects = self.effects.connect(services) if services else {}
         return cleaned, connects, between - began, self.clock() - between
 

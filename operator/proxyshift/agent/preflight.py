@@ -43,9 +43,12 @@ send them gets the check skipped, as before.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
+import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -53,7 +56,7 @@ from typing import Any, Literal
 from proxyshift.agent.flush.base import Runner
 from proxyshift.agent.inventory import Inventory, foreign_ipvs, take_ipvs_inventory
 from proxyshift.api.proxynode import ForeignIPVS
-from proxyshift.commands import CommandError, run
+from proxyshift.commands import CommandError, ToolMissingError, run, side_by_side
 from proxyshift.modes import (
     DEFAULT_IPVS_SCHEDULER,
     FOREIGN_IPVS_CHANGE,
@@ -132,6 +135,40 @@ def _version_of(runner: Runner, argv: list[str], prefix: str) -> str | None:
     return text if res.returncode == 0 and text.startswith(prefix) else None
 
 
+class VersionCache:
+    """The tools' version lines, asked once for the agent process's life.
+
+    They are the agent's own binaries, its image's, which cannot change while it runs; each preflight asked them
+    again (three or four fork/execs on the path of the rollout's first node). Only a version that was read, or a
+    tool that is not installed, is kept: a run that failed or timed out says nothing lasting. Whether the kernel
+    lets a tool work (`nft list tables`, the nat table) is asked at every preflight, never kept: a module can be
+    loaded meanwhile.
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[str, ...], str | None] = {}
+        self._lock = threading.Lock()
+
+    def version_of(self, runner: Runner, argv: list[str], prefix: str) -> str | None:
+        key = tuple(argv)
+        with self._lock:
+            if key in self._known:
+                return self._known[key]
+        try:
+            res = runner(argv, timeout=10, check=False)
+        except ToolMissingError:
+            text = None
+        except CommandError:
+            return None
+        else:
+            text = res.stdout.strip()
+            if res.returncode != 0 or not text.startswith(prefix):
+                return None
+        with self._lock:
+            self._known[key] = text
+        return text
+
+
 def _works(runner: Runner, argv: list[str]) -> bool | None:
     try:
         return runner(argv, timeout=15, check=False).returncode == 0
@@ -139,26 +176,42 @@ def _works(runner: Runner, argv: list[str]) -> bool | None:
         return None
 
 
-def detect_tools(runner: Runner = run, *, proc_root: str | Path = "/proc") -> ToolVersions:
-    """Ask the node's tools for their versions; read-only commands only.
+def detect_tools(runner: Runner = run, *, proc_root: str | Path = "/proc",
+                 versions: VersionCache | None = None) -> ToolVersions:
+    """Ask the node's tools for their versions; read-only commands only. `versions`: the agent's cache of the
+    version lines (None: ask them all now).
 
     ipvsadm is asked only when the kernel has IPVS already: on any call it tries to
     modprobe ip_vs, which would change the node just by looking at it.
     """
-    nft_text = _version_of(runner, ["nft", "--version"], "nftables v")
-    ipt_text = _version_of(runner, ["iptables", "--version"], "iptables v")
+    cache = versions if versions is not None else VersionCache()
+    has_ipvs = (Path(proc_root) / "net" / "ip_vs").exists()
+    asks: list[tuple[list[str], str]] = [(["nft", "--version"], "nftables v"),
+                                         (["iptables", "--version"], "iptables v"),
+                                         (["ipset", "--version"], "ipset v")]
+    if has_ipvs:
+        asks.append((["ipvsadm", "--version"], "ipvsadm v"))
+    # Side by side: the version lines (each asked once per process) and then the two checks of the kernel.
+    texts = side_by_side([functools.partial(cache.version_of, runner, argv, prefix) for argv, prefix in asks],
+                         name="preflight-versions")
+    nft_text, ipt_text, ipset_text = texts[:3]
     backend = None
     if ipt_text:
         backend = "nf_tables" if "nf_tables" in ipt_text else "legacy" if "legacy" in ipt_text else None
+    checks: list[Callable[[], bool | None]] = [
+        functools.partial(_works, runner, ["nft", "list", "tables"]) if nft_text else lambda: None,
+        functools.partial(_works, runner, ["iptables", "-w", "5", "-t", "nat", "-S", "POSTROUTING"])
+        if ipt_text else lambda: None,
+    ]
+    nft_usable, iptables_nat = side_by_side(checks, name="preflight-checks")
     return ToolVersions(
         nft=_fmt(parse_version(nft_text)),
         iptables=_fmt(parse_version(ipt_text)),
         iptables_backend=backend,
-        ipset=_fmt(parse_version(_version_of(runner, ["ipset", "--version"], "ipset v"))),
-        ipvsadm=_fmt(parse_version(_version_of(runner, ["ipvsadm", "--version"], "ipvsadm v")))
-        if (Path(proc_root) / "net" / "ip_vs").exists() else None,
-        nft_usable=_works(runner, ["nft", "list", "tables"]) if nft_text else None,
-        iptables_nat=_works(runner, ["iptables", "-w", "5", "-t", "nat", "-S", "POSTROUTING"]) if ipt_text else None,
+        ipset=_fmt(parse_version(ipset_text)),
+        ipvsadm=_fmt(parse_version(texts[3])) if has_ipvs else None,
+        nft_usable=nft_usable,
+        iptables_nat=iptables_nat,
     )
 
 
@@ -444,7 +497,7 @@ def check(mode: str, scheduler: str | None = None, *, proc_root: str | Path = "/
           extra_modules: Iterable[str] = (), tools: ToolVersions | None = None,
           runner: Runner = run, allow_changes: Iterable[str] = (),
           ipvs_inventory: Callable[[], Inventory] | None = None,
-          ipvs_exclude_cidrs: Iterable[str] | None = None) -> PreflightReport:
+          ipvs_exclude_cidrs: Iterable[str] | None = None, versions: VersionCache | None = None) -> PreflightReport:
     """Preflight of `mode` on this node. `tools` defaults to asking the real tools, `ipvs_inventory` to reading
     the node's IPVS state with `runner`; `allow_changes` is the policy's gate.behaviour.allowChanges
     (ForeignIPVSFlush is the one preflight reads); `ipvs_exclude_cidrs` the target's ipvs.excludeCIDRs (None: not
@@ -459,7 +512,6 @@ def check(mode: str, scheduler: str | None = None, *, proc_root: str | Path = "/
     if bad:
         raise ValueError(f"invalid kernel module name(s) {bad}: letters, digits, '_' and '-' only")
     view = KernelView(Path(proc_root), Path(sys_root), Path(modules_root)).read()
-    tools = tools if tools is not None else detect_tools(runner, proc_root=proc_root)
     needed = required_modules(mode, scheduler, extra_modules)
     loaded: list[str] = []
     if load_modules:
@@ -472,23 +524,27 @@ def check(mode: str, scheduler: str | None = None, *, proc_root: str | Path = "/
                     pass  # reported below as still missing
         if loaded:
             view.read()
+    # The tools and the IPVS table, side by side (they share nothing), once any module asked for is loaded: each
+    # looks at IPVS only when the kernel has it.
+    with ThreadPoolExecutor(1, thread_name_prefix="preflight-ipvs") as pool:
+        ipvs = pool.submit(_foreign_ipvs, mode, Path(proc_root),
+                           ipvs_inventory or (lambda: take_ipvs_inventory(runner=runner, proc_root=Path(proc_root))),
+                           None if ipvs_exclude_cidrs is None else list(ipvs_exclude_cidrs))
+        found = tools if tools is not None else detect_tools(runner, proc_root=proc_root, versions=versions)
+        foreign, unreadable, foreign_missing = ipvs.result()
     on_demand = loaded_on_demand(mode, scheduler) if view.autoload else set()
     accepted = [m for m, _ in needed if view.state(m) == "loadable" and m in on_demand]
     missing = [_module_missing(view, m, why) for m, why in needed
                if view.state(m) != "present" and m not in accepted]
-    missing += _check_tools(mode, parse_kernel_release(view.release or ""), view.release, tools)
+    missing += _check_tools(mode, parse_kernel_release(view.release or ""), view.release, found)
     missing += features_missing(mode, Path(proc_root), Path(sys_root))
-    foreign, unreadable, foreign_missing = _foreign_ipvs(
-        mode, Path(proc_root),
-        ipvs_inventory or (lambda: take_ipvs_inventory(runner=runner, proc_root=Path(proc_root))),
-        None if ipvs_exclude_cidrs is None else list(ipvs_exclude_cidrs))
     foreign_accepted = FOREIGN_IPVS_CHANGE in set(allow_changes)
     if not foreign_accepted:
         missing += foreign_missing
     modules = {m: view.state(m) for m in dict.fromkeys([*RELEVANT_MODULES, *(m for m, _ in needed)])}
     return PreflightReport(mode=mode, scheduler=(scheduler or DEFAULT_IPVS_SCHEDULER)
                            if MODE_FACTS[mode].ipvs_scheduler else None,
-                           kernel_release=view.release, modules=modules, tools=tools, missing=missing,
+                           kernel_release=view.release, modules=modules, tools=found, missing=missing,
                            loaded=loaded, on_demand=accepted, foreign_ipvs=foreign,
                            foreign_ipvs_accepted=foreign_accepted and foreign is not None and foreign.count > 0,
                            foreign_ipvs_excluded_some=prunes_unexcluded_ipvs(mode) and foreign is not None,

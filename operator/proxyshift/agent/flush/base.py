@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from proxyshift.agent.iptables_save import Dump
 from proxyshift.agent.ownership import Mode
 from proxyshift.commands import Result
 
@@ -54,6 +55,9 @@ class FlushReport:
     remove_modes: list[Mode]
     target_mode: Mode | None
     steps: list[FlushStep] = field(default_factory=list)
+    # Per iptables tool label, its save read right after the flush's restore (the verification): the kernel
+    # as the flush left it, which the inventory after a Cleanup reads instead of saving again. Not reported.
+    after: dict[str, Dump] = field(default_factory=dict, repr=False)
 
     @property
     def ok(self) -> bool:

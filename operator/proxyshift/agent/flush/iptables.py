@@ -14,10 +14,15 @@ iptables-nft-restore is superlinear in the size of one commit (32,000 chains,
 10,000 Services: 86 s as one block, about 2 s in blocks of 1,000). If a block
 fails, the blocks before it stand and the flush plans again from a fresh save:
 it is idempotent, so finishing later is the same as finishing now.
+
+Another owner's chains can go in the same round (`extra`: the rule hold's copies, agent/hold.py, when a
+Cleanup releases the hold): planned from the flush's own save and merged into its restore, so a family costs
+one save and one restore for both, not a round each. The families and backends go side by side.
 """
 
 from __future__ import annotations
 
+import functools
 import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -26,7 +31,7 @@ from typing import Literal
 from proxyshift.agent.flush.base import FlushStep, Runner
 from proxyshift.agent.iptables_save import Dump, Rule, parse, rule_sets
 from proxyshift.agent.ownership import Mode, chain_is_stale, iptables_chain_modes
-from proxyshift.commands import CommandError, run
+from proxyshift.commands import CommandError, run, side_by_side
 
 Family = Literal["ipv4", "ipv6"]
 Backend = Literal["nft", "legacy"]
@@ -137,6 +142,47 @@ def render_restore(plans: list[TablePlan], *, batch: int = CHAIN_BATCH) -> str:
     return "\n".join(out) + "\n" if out else ""
 
 
+def merge_plans(*parts: list[TablePlan]) -> list[TablePlan]:
+    """Pure: one plan per table that removes every chain and rule the parts remove (one restore for all of them).
+
+    A rule inside a chain that goes is not deleted on its own (declaring the chain empties it), and no rule is
+    deleted twice: a second `-D` of the same text would fail the whole transaction.
+    """
+    merged: dict[str, TablePlan] = {}
+    chains: dict[str, set[str]] = {}
+    for plans in parts:
+        for plan in plans:
+            into = merged.setdefault(plan.table, TablePlan(plan.table))
+            seen = chains.setdefault(plan.table, set())
+            into.delete_chains += [c for c in plan.delete_chains if c not in seen]
+            seen.update(plan.delete_chains)
+            into.delete_rules += plan.delete_rules
+    for table, into in merged.items():
+        doomed, lines = chains[table], set[str]()
+        rules = []
+        for rule in into.delete_rules:
+            if rule.chain not in doomed and rule.line not in lines:
+                lines.add(rule.line)
+                rules.append(rule)
+        into.delete_rules = rules
+    return list(merged.values())
+
+
+# Another owner's chains removed in the flush's own round: its plans from the flush's save of one tool.
+ExtraPlanner = Callable[[IptablesTool, Dump], list[TablePlan]]
+
+
+@dataclass
+class ToolRound:
+    """One family/backend's round: the flush's step, and what it did for the `extra` planner."""
+
+    step: FlushStep
+    extra_removed: int = 0
+    extra_error: str | None = None
+    # The verifying save, read after the round's restore (None: nothing was restored, or no verification).
+    after: Dump | None = None
+
+
 def _count(plans: list[TablePlan], step: FlushStep) -> None:
     for plan in plans:
         step.add("chains", len(plan.delete_chains))
@@ -150,49 +196,92 @@ class IptablesFlusher:
     destroy_sets: frozenset[str] = frozenset()
     verify: bool = True
     dry_run: bool = False
+    # Another owner's chains that go in the same save and restore (see the module doc); not in a dry run.
+    extra: ExtraPlanner | None = None
 
     def _save(self, tool: IptablesTool) -> Dump:
         return parse(self.run([tool.save], timeout=SAVE_TIMEOUT).stdout)
 
+    def _plan(self, tool: IptablesTool, dump: Dump, remove_modes: frozenset[Mode],
+              target_mode: Mode | None) -> tuple[list[TablePlan], list[TablePlan]]:
+        own = plan_flush(dump, remove_modes, target_mode, self.destroy_sets)
+        return own, (self.extra(tool, dump) if self.extra is not None and not self.dry_run else [])
+
+    def _restore(self, tool: IptablesTool, own: list[TablePlan], extra: list[TablePlan]) -> None:
+        self.run([tool.restore, "-w", "5", "--noflush"], input=render_restore(merge_plans(own, extra)),
+                 timeout=RESTORE_TIMEOUT)
+
     def flush_one(self, tool: IptablesTool, remove_modes: frozenset[Mode],
                   target_mode: Mode | None) -> FlushStep:
+        return self.round(tool, remove_modes, target_mode).step
+
+    def round(self, tool: IptablesTool, remove_modes: frozenset[Mode], target_mode: Mode | None) -> ToolRound:
+        """One tool's save, restore and verifying save, for the flush and the `extra` planner."""
         step = FlushStep(tool.label)
+        out = ToolRound(step)
         try:
-            plans = plan_flush(self._save(tool), remove_modes, target_mode, self.destroy_sets)
-            if not plans:
-                return step
+            own, extra = self._plan(tool, self._save(tool), remove_modes, target_mode)
+            if not own and not extra:
+                return out
             if self.dry_run:
-                _count(plans, step)
+                _count(own, step)
                 step.skipped.append("dry run: nothing changed")
-                return step
+                return out
             try:
-                self.run([tool.restore, "-w", "5", "--noflush"], input=render_restore(plans),
-                         timeout=RESTORE_TIMEOUT)
+                self._restore(tool, own, extra)
             except CommandError as first:
                 # The transaction changed nothing. Most likely kube-proxy rewrote a chain
                 # between our save and restore: plan again from a fresh save, once.
-                plans = plan_flush(self._save(tool), remove_modes, target_mode, self.destroy_sets)
-                if plans:
+                own, extra = self._plan(tool, self._save(tool), remove_modes, target_mode)
+                if own or extra:
                     try:
-                        self.run([tool.restore, "-w", "5", "--noflush"], input=render_restore(plans),
-                                 timeout=RESTORE_TIMEOUT)
+                        self._restore(tool, own, extra)
                     except CommandError as second:
-                        step.errors.append(f"iptables-restore refused the flush twice ({first}; {second}); "
-                                           "nothing was changed")
-                        return step
-            _count(plans, step)
+                        said = f"iptables-restore refused the flush twice ({first}; {second}); nothing was changed"
+                        # Each owner is told only of what it had to remove: a flush with nothing stale stays
+                        # "nothing removed" whatever happened to the other's chains.
+                        if own:
+                            step.errors.append(said)
+                        if extra:
+                            out.extra_error = said
+                        return out
+            _count(own, step)
+            out.extra_removed = sum(len(p.delete_chains) for p in extra)
             if self.verify:
-                left = plan_flush(self._save(tool), remove_modes, target_mode, self.destroy_sets)
+                out.after = self._save(tool)
+                left = plan_flush(out.after, remove_modes, target_mode, self.destroy_sets)
                 if left:
                     names = [c for p in left for c in p.delete_chains][:5]
                     step.errors.append(f"after the flush kube-proxy chains are still present: {names}; "
                                        "run the cleanup again")
+                extra_left = self.extra(tool, out.after) if self.extra is not None and extra else []
+                if extra_left:
+                    names = [c for p in extra_left for c in p.delete_chains][:5]
+                    out.extra_error = f"still present after the restore: {names}"
         except CommandError as exc:
             step.errors.append(str(exc))
-        return step
+            out.extra_error = str(exc)
+        return out
+
+    def rounds(self, tools: list[IptablesTool], remove_modes: frozenset[Mode],
+               target_mode: Mode | None) -> list[ToolRound]:
+        """Every tool's round, side by side (they share nothing), in the tools' order. The legacy backend's rounds
+        go one after the other in a lane of their own: every legacy restore takes the one xtables lock, and with
+        `-w 5` a second one of ours would only wait for the first, and give up after 5 s on a large table."""
+        legacy = [t for t in tools if t.backend == "legacy"]
+        lanes = [[t] for t in tools if t.backend != "legacy"] + ([legacy] if legacy else [])
+        done = side_by_side([functools.partial(self._lane, lane, remove_modes, target_mode) for lane in lanes],
+                            name="flush-iptables")
+        by_tool = {tool: r for lane, results in zip(lanes, done, strict=True)
+                   for tool, r in zip(lane, results, strict=True)}
+        return [by_tool[tool] for tool in tools]
+
+    def _lane(self, tools: list[IptablesTool], remove_modes: frozenset[Mode],
+              target_mode: Mode | None) -> list[ToolRound]:
+        return [self.round(tool, remove_modes, target_mode) for tool in tools]
 
     def flush(self, remove_modes: frozenset[Mode], target_mode: Mode | None) -> list[FlushStep]:
         tools = self.tools if self.tools is not None else available_tools()
         if not tools:
             return [FlushStep("iptables", skipped=["no iptables-save/iptables-restore installed"])]
-        return [self.flush_one(tool, remove_modes, target_mode) for tool in tools]
+        return [r.step for r in self.rounds(tools, remove_modes, target_mode)]
