@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import json
 import os
 import queue
@@ -182,17 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     threads: list[threading.Thread] = []
 
     def report() -> None:
-        frozen = False
         while True:
             live = sum(1 for _, api, _ in agents if api.live_since is not None)
-            if live == args.count and not frozen:
-                # One process holds hundreds of agents' clients, pools and threads: a full collection walks all of
-                # them, where a real agent's walks its own. Frozen once every watch is up, the fleet's settled
-                # heap is out of every later collection; what the storm itself makes is collected as usual.
-                gc.collect()
-                gc.freeze()
-                frozen = True
-                print(f"gc: {gc.get_freeze_count()} objects frozen", file=sys.stderr, flush=True)
             print(json.dumps({"t": time.monotonic(), "started": len(threads), "live": live}), flush=True)
             time.sleep(1.0)
 
