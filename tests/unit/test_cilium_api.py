@@ -104,7 +104,7 @@ def cilium(tmp_path: Path) -> Iterator[FakeCilium]:
 def test_a_healthy_kpr_agent_and_its_service_table(cilium: FakeCilium) -> None:
     asked = ["198.19.0.10:80/TCP", "198.19.0.11:53/UDP", "198.19.0.12:8443/UDP", "198.19.0.99:80/TCP"]
     facts = read_replacement(CiliumAPI(cilium.path), asked)
-    assert cilium.requests == ["/v1/healthz", "/v1/service", "/v1/endpoint"]
+    assert cilium.requests == ["/v1/healthz", "/v1/endpoint", "/v1/service"]
     assert (facts.agent_state, facts.kube_proxy_replacement, facts.enabled) == ("Ok", "True", True)
     assert facts.host_endpoint == "ready"
     assert facts.agent_message is None and facts.error is None and facts.probed_at
@@ -162,6 +162,9 @@ def test_the_host_endpoints_state_is_read(cilium: FakeCilium, endpoints: list[An
     cilium.routes["/v1/endpoint"] = answer(200, endpoints)
     facts = read_replacement(CiliumAPI(cilium.path))
     assert facts.host_endpoint == state and facts.error is None
+    # The gate waits on the host endpoint alone: the Service table is not read meanwhile.
+    assert cilium.requests == ["/v1/healthz", "/v1/endpoint"] and facts.cluster_ip_frontends is None
+    assert verdict(facts, expected=4) == ("wait", "HostDatapathNotReady")
 
 
 def test_an_endpoint_list_that_cannot_be_read_keeps_the_service_table(cilium: FakeCilium) -> None:
@@ -234,6 +237,9 @@ def test_the_replacement_gate_passes_only_a_healthy_kpr_with_the_clusters_servic
     assert verdict(GOOD, expected=13) == ("wait", "ServicesMissing")
     assert verdict(GOOD.model_copy(update={"host_endpoint": "regenerating"})) == ("wait", "HostDatapathNotReady")
     assert verdict(GOOD.model_copy(update={"host_endpoint": "absent"})) == ("wait", "HostDatapathNotReady")
+    # What the agent reports while it waits for the host endpoint: the table not read yet.
+    assert verdict(GOOD.model_copy(update={"host_endpoint": "regenerating", "cluster_ip_frontends": None})) == (
+        "wait", "HostDatapathNotReady")
     # An agent older than the field reports none: the rest still proves the replacement.
     assert verdict(GOOD.model_copy(update={"host_endpoint": None})) == ("pass", "GatePassed")
 

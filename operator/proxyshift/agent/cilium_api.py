@@ -23,6 +23,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from proxyshift.agent.probe import BodyTimedOut, BodyTooLarge, read_body
 from proxyshift.api.replacement import (
+    HOST_ENDPOINT_READY,
     MAX_MISSING,
     REPLACEMENT_MESSAGE_LIMIT,
     REPLACEMENT_TEXT_LIMIT,
@@ -140,16 +141,21 @@ def read_replacement(api: CiliumAPI, frontends: Iterable[str] = (), *, with_serv
         facts = facts.model_copy(update={"agent_message": facts.agent_message[:REPLACEMENT_MESSAGE_LIMIT]})
     if not with_services:
         return facts
+    # The endpoints first: while the host endpoint is not ready the gate waits on it alone (planner/gate.py),
+    # and the Service table (up to 32 MiB of JSON, read every 0.1 s while a probe waits) would be read for nothing.
+    endpoint_error: str | None = None
+    try:
+        host = host_endpoint_state(api.endpoints())[:REPLACEMENT_TEXT_LIMIT]
+        facts = facts.model_copy(update={"host_endpoint": host})
+        if host != HOST_ENDPOINT_READY:
+            return facts
+    except CiliumAPIError as exc:  # the table still tells what it can; the gate waits on the endpoints
+        endpoint_error = str(exc)[:REPLACEMENT_MESSAGE_LIMIT]
     try:
         table = api.services()
     except CiliumAPIError as exc:
         return facts.model_copy(update={"error": str(exc)[:REPLACEMENT_MESSAGE_LIMIT]})
     held = {key for service in table for key in service.cluster_ip_frontends}
     missing = sorted({f for f in frontends if f not in held})
-    facts = facts.model_copy(update={"cluster_ip_frontends": len(held), "missing": missing[:MAX_MISSING],
-                                     "missing_count": len(missing)})
-    try:
-        endpoints = api.endpoints()
-    except CiliumAPIError as exc:
-        return facts.model_copy(update={"error": str(exc)[:REPLACEMENT_MESSAGE_LIMIT]})
-    return facts.model_copy(update={"host_endpoint": host_endpoint_state(endpoints)[:REPLACEMENT_TEXT_LIMIT]})
+    return facts.model_copy(update={"cluster_ip_frontends": len(held), "missing": missing[:MAX_MISSING],
+                                    "missing_count": len(missing), "error": endpoint_error})

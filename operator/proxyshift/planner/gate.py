@@ -219,18 +219,19 @@ def evaluate_replacement_gate(
         return GateVerdict("wait", "ReplacementOff",
                            f"{agent} answers but its kube-proxy replacement is {facts.kube_proxy_replacement!r}: "
                            "its agent on the node has not read the revision's node config (it reads it at start)")
+    # Cilium's health turns Ok and its table fills seconds before its host endpoint has loaded the datapath on
+    # the node's devices (bpf_host): until then NodePorts and traffic entering the node are not served yet.
+    # Judged before the table: the agent reads its endpoints first and the table (up to 32 MiB) only once the
+    # host endpoint is ready. An agent older than the field reports None, and then this is not judged.
+    if facts.host_endpoint is not None and facts.host_endpoint != HOST_ENDPOINT_READY:
+        return GateVerdict("wait", "HostDatapathNotReady",
+                           f"{agent}'s host endpoint is {facts.host_endpoint!r}, not ready: its datapath on the "
+                           "node's devices is not loaded yet")
     if facts.cluster_ip_frontends is None:
         return GateVerdict("wait", "ServiceTableUnread",
                            f"{agent}'s Service table was not read: {facts.error or 'not reported'}")
     if facts.error:
         return GateVerdict("wait", "HostEndpointUnread", f"{agent}'s endpoints were not read: {facts.error}")
-    # Cilium's health turns Ok and its table fills seconds before its host endpoint has loaded the datapath on
-    # the node's devices (bpf_host): until then NodePorts and traffic entering the node are not served yet.
-    # An agent older than the field reports None, and then this is not judged.
-    if facts.host_endpoint is not None and facts.host_endpoint != HOST_ENDPOINT_READY:
-        return GateVerdict("wait", "HostDatapathNotReady",
-                           f"{agent}'s host endpoint is {facts.host_endpoint!r}, not ready: its datapath on the "
-                           "node's devices is not loaded yet")
     if facts.missing_count:
         shown = ", ".join(facts.missing[:5]) + (f" and {facts.missing_count - 5} more" if facts.missing_count > 5
                                                  else "")
