@@ -192,6 +192,26 @@ class HoldReport:
             text += "; ERROR: " + "; ".join(self.errors)
         return text
 
+    def collect(self, outcomes: list[tuple[str | None, str | None]]) -> None:
+        """Add each part's (what was done, or its error), in the parts' order; (None, None): it had nothing."""
+        for done, error in outcomes:
+            self.done += [done] if done else []
+            self.errors += [error] if error else []
+
+
+# What a release says per part: release() and release_with_flush() report alike.
+def _chains_removed(label: str, n: int) -> str:
+    return f"{label}: {n} chains removed"
+
+
+def _nft_tables_removed(n: int) -> str:
+    return f"{n} nft hold tables removed"
+
+
+def _failed(label: str, error: object) -> str:
+    # The nft part's errors are named after the kernel subsystem, as every nft error the agent reports.
+    return f"{'nftables' if label == flush_mod.NFT_LABEL else label}: {error}"
+
 
 def _held_by(tool: IptablesTool) -> bool:
     # Only the nft backend and the default: that is where a current kube-proxy writes.
@@ -219,10 +239,8 @@ def install(from_mode: str, *, runner: Runner = run, iptables_tools: list[Iptabl
 def _install_iptables(report: HoldReport, runner: Runner, iptables_tools: list[IptablesTool] | None) -> None:
     # The families side by side: each its own save and restore, sharing nothing.
     tools = _tools(iptables_tools)
-    for done, error in side_by_side([functools.partial(_install_one, tool, runner) for tool in tools],
-                                    name="hold-install"):
-        report.done += [done] if done else []
-        report.errors += [error] if error else []
+    report.collect(side_by_side([functools.partial(_install_one, tool, runner) for tool in tools],
+                                name="hold-install"))
 
 
 def _install_one(tool: IptablesTool, runner: Runner) -> tuple[str | None, str | None]:
@@ -276,18 +294,16 @@ def release(*, runner: Runner = run, iptables_tools: list[IptablesTool] | None =
     report = HoldReport("release")
     # Every family and the nft hold side by side: they share nothing. Reported in that order.
     calls = [functools.partial(_release_one, tool, runner) for tool in _tools(iptables_tools)]
-    for done, error in side_by_side([*calls, functools.partial(_release_nft, runner)], name="hold-release"):
-        report.done += [done] if done else []
-        report.errors += [error] if error else []
+    report.collect(side_by_side([*calls, functools.partial(_release_nft, runner)], name="hold-release"))
     return report
 
 
 def _release_one(tool: IptablesTool, runner: Runner) -> tuple[str | None, str | None]:
     try:
         removed = _release_iptables(tool, _save_nat(tool, runner), runner)
-        return (f"{tool.label}: {removed} chains removed" if removed else None), None
+        return (_chains_removed(tool.label, removed) if removed else None), None
     except (CommandError, ValueError) as exc:
-        return None, f"{tool.label}: {exc}"
+        return None, _failed(tool.label, exc)
 
 
 def _release_nft(runner: Runner) -> tuple[str | None, str | None]:
@@ -295,10 +311,10 @@ def _release_nft(runner: Runner) -> tuple[str | None, str | None]:
         held = _held_tables(list_tables(runner))
         if held:
             runner(["nft", "-f", "-"], input=render_delete(held), timeout=RESTORE_TIMEOUT)
-            return f"{len(held)} nft hold tables removed", None
+            return _nft_tables_removed(len(held)), None
         return None, None
     except (CommandError, ValueError) as exc:
-        return None, f"nftables: {exc}"
+        return None, _failed(flush_mod.NFT_LABEL, exc)
 
 
 def _held_tables(listed: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -320,12 +336,9 @@ def release_with_flush(remove_modes: list[str], target_mode: str | None, *, runn
     # As release() reports: the iptables families in the tools' order, then the nft hold (its round ran beside).
     for label in sorted(extra.removed, key=lambda label: label == flush_mod.NFT_LABEL):
         n = extra.removed[label]
-        report.done.append(f"{n} nft hold tables removed" if label == flush_mod.NFT_LABEL
-                           else f"{label}: {n} chains removed")
+        report.done.append(_nft_tables_removed(n) if label == flush_mod.NFT_LABEL else _chains_removed(label, n))
     for label in sorted(extra.errors, key=lambda label: label == flush_mod.NFT_LABEL):
-        # release() names the nft part's errors after the kernel subsystem, as every nft error the agent reports.
-        error = extra.errors[label]
-        report.errors.append(f"nftables: {error}" if label == flush_mod.NFT_LABEL else f"{label}: {error}")
+        report.errors.append(_failed(label, extra.errors[label]))
     return flushed, report
 
 
