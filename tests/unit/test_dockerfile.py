@@ -1,7 +1,7 @@
 """The image carries exactly the tools the agent runs, and starts without a shell.
 
 The tool list is read from the agent's code, not written down twice: every argument list the agent
-hands to a call (`run([...])`, `runner([...])`, `self.run([...])`, `_version_of(runner, [...])`)
+hands to a call (`run([...])`, `runner([...])`, `self.run([...])`)
 starts with the program's name, and the iptables save/restore names come from the flusher's own
 IptablesTool. Each tool maps to the Debian package that ships it; the Dockerfile must install
 that set of packages, no more (image size, attack surface) and no less (a ToolMissingError on a

@@ -121,20 +121,6 @@ class ToolVersions:
         return {k: v for k, v in out.items() if v}
 
 
-def _version_of(runner: Runner, argv: list[str], prefix: str) -> str | None:
-    """The tool's version line, only from a successful run that looks like one.
-
-    Anything else (an error message that happens to contain a kernel release,
-    say) is no version at all.
-    """
-    try:
-        res = runner(argv, timeout=10, check=False)
-    except CommandError:
-        return None
-    text = res.stdout.strip()
-    return text if res.returncode == 0 and text.startswith(prefix) else None
-
-
 class VersionCache:
     """The tools' version lines, asked once for the agent process's life.
 
@@ -150,6 +136,8 @@ class VersionCache:
         self._lock = threading.Lock()
 
     def version_of(self, runner: Runner, argv: list[str], prefix: str) -> str | None:
+        """The tool's version line, only from a successful run that looks like one: anything else (an error
+        message that happens to contain a kernel release, say) is no version at all."""
         key = tuple(argv)
         with self._lock:
             if key in self._known:
