@@ -283,8 +283,11 @@ def analyse(res: Result, records: list[list[Any]], n: int, t_stop: float, t_read
         res.p90_s = statistics.quantiles(live_after, n=10)[-1] if len(live_after) > 1 else live_after[0]
     # The fleet's own reaction: when each agent's watch stream was seen ending after the stop (one agent per
     # thread; a starved simulator notices late, a real fleet at once).
-    noticed = sorted({idx: t1 - t_stop for idx, _t0, t1, verb, _o in sorted(records, key=lambda r: -r[2])
-                      if verb == "end" and t1 >= t_stop}.values())
+    first_end: dict[int, float] = {}
+    for idx, _t0, t1, verb, _o in records:
+        if verb == "end" and t1 >= t_stop:
+            first_end[idx] = min(t1 - t_stop, first_end.get(idx, math.inf))
+    noticed = sorted(first_end.values())
     if noticed:
         res.noticed_p50_s, res.noticed_max_s = statistics.median(noticed), noticed[-1]
     reached: collections.Counter[int] = collections.Counter()

@@ -525,21 +525,23 @@ def critical_path(result: Result) -> dict[str, list[float]] | None:
     the hold's release, the in-gate flush, the conntrack step, the matrix, the status write), per node after
     the first `handoff` (the previous report -> this node's Switch: the operator's plan and writes), `end` (the
     last report -> Ready). None when a moment is missing or nodes overlapped."""
-    nodes = sorted(result.nodes, key=lambda n: n.switch_at if n.switch_at is not None else math.inf)
-    if not nodes or math.isnan(result.started) or any(
-            None in (n.switch_at, n.restart_at, n.sync_at, n.report_at) for n in nodes):
+    # (switch, restart, first sync, report) per node, in switch order.
+    moments = sorted((n.switch_at, n.restart_at, n.sync_at, n.report_at) for n in result.nodes
+                     if None not in (n.switch_at, n.restart_at, n.sync_at, n.report_at))
+    if not moments or len(moments) < len(result.nodes) or math.isnan(result.started):
         return None
+    timed = cast(list[tuple[float, float, float, float]], moments)
     path: dict[str, list[float]] = {k: [] for k in PATH_SEGMENTS}
-    path["start"].append(cast(float, nodes[0].switch_at) - result.started)
-    for prev, n in itertools.pairwise(nodes):
-        if cast(float, n.switch_at) < cast(float, prev.report_at):
+    path["start"].append(timed[0][0] - result.started)
+    for (_, _, _, reported), (switched, _, _, _) in itertools.pairwise(timed):
+        if switched < reported:
             return None  # overlapping nodes: no single path
-        path["handoff"].append(cast(float, n.switch_at) - cast(float, prev.report_at))
-    for n in nodes:
-        path["label"].append(cast(float, n.restart_at) - cast(float, n.switch_at))
-        path["kube-proxy"].append(cast(float, n.sync_at) - cast(float, n.restart_at))
-        path["agent"].append(cast(float, n.report_at) - cast(float, n.sync_at))
-    path["end"].append(result.started + result.seconds - cast(float, nodes[-1].report_at))
+        path["handoff"].append(switched - reported)
+    for switched, restarted, synced, reported in timed:
+        path["label"].append(restarted - switched)
+        path["kube-proxy"].append(synced - restarted)
+        path["agent"].append(reported - synced)
+    path["end"].append(result.started + result.seconds - timed[-1][3])
     return path
 
 
