@@ -210,7 +210,7 @@ def _nft_tables_removed(n: int) -> str:
 
 def _failed(label: str, error: object) -> str:
     # The nft part's errors are named after the kernel subsystem, as every nft error the agent reports.
-    return f"{'nftables' if label == flush_mod.NFT_LABEL else label}: {error}"
+    return f"nftables: {error}" if label == flush_mod.NFT_LABEL else f"{label}: {error}"
 
 
 def _held_by(tool: IptablesTool) -> bool:
