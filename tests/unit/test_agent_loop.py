@@ -450,6 +450,81 @@ def test_the_real_client_sends_a_merge_patch_to_the_status_subresource_and_a_fie
     assert json.loads(payload) == {"status": {"heartbeat": "2027-01-01T00:00:00Z", "kubeProxy": {"error": None}}}
 
 
+def _kubeconfig_for(tmp_path: Any, port: int) -> str:
+    path = tmp_path / "kubeconfig"
+    path.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        f"clusters: [{{name: k, cluster: {{server: 'http://127.0.0.1:{port}'}}}}]\n"
+        "users: [{name: u, user: {token: t}}]\n"
+        "contexts: [{name: c, context: {cluster: k, user: u}}]\n")
+    return str(path)
+
+
+def _counting_connects(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """Every TCP connection urllib3 opens, still opened for real."""
+    import urllib3.connection
+    import urllib3.util.connection
+
+    made: list[tuple[str, int]] = []
+    real = urllib3.util.connection.create_connection
+
+    def counted(address: tuple[str, int], *args: Any, **kwargs: Any) -> Any:
+        made.append(address)
+        return real(address, *args, **kwargs)
+
+    monkeypatch.setattr(urllib3.connection.connection, "create_connection", counted)
+    return made
+
+
+def test_the_agents_client_makes_one_connection_attempt_to_an_api_server_that_is_away(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The watch's back-off is the only retry: urllib3's default made each of its tries four, at once."""
+    import socket
+
+    from proxyshift.agent.loop import KubeProxyNodeAPI
+
+    with socket.socket() as s:  # a port nothing listens on: bound, never listened
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        made = _counting_connects(monkeypatch)
+        api = KubeProxyNodeAPI(kubeconfig=_kubeconfig_for(tmp_path, port))
+        with pytest.raises(Exception, match=r"(?i)refused|max retries"):
+            api.get("n1")
+    assert made == [("127.0.0.1", port)]
+    assert not [r for r in caplog.records if "Retrying" in r.getMessage()]
+
+
+def test_the_agents_client_tries_once_more_when_an_answer_breaks(tmp_path: Any,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A keep-alive connection the server closed meanwhile is no outage: one retry on a new connection."""
+    import contextlib
+    import socket
+
+    from proxyshift.agent.loop import KubeProxyNodeAPI
+
+    accepted: list[int] = []
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(8)
+        srv.settimeout(5)
+
+        def close_each() -> None:  # reads the request, closes without an answer
+            with contextlib.suppress(OSError):
+                while len(accepted) < 10:
+                    conn, _ = srv.accept()
+                    accepted.append(1)
+                    conn.recv(65536)
+                    conn.close()
+
+        server = threading.Thread(target=close_each, daemon=True)
+        server.start()
+        made = _counting_connects(monkeypatch)
+        api = KubeProxyNodeAPI(kubeconfig=_kubeconfig_for(tmp_path, srv.getsockname()[1]))
+        with pytest.raises(Exception, match=r"(?i)disconnected|aborted|max retries"):
+            api.get("n1")
+    assert len(made) == 2
+
+
 class FlakyAPI(FakeAPI):
     """Refuses the patches whose numbers (1-based) are listed."""
 

@@ -112,18 +112,40 @@ class ProxyNodeAPI(Protocol):
     def patch_status(self, name: str, status: dict[str, Any]) -> dict[str, Any]: ...
 
 
+def client_retries() -> Any:
+    """The client's own retries: none of a connection that could not be made, one of an answer that broke.
+
+    urllib3's default (3 of each, at once, a warning logged per retry) multiplied every try of the watch's
+    back-off by four against an API server that is away, so the back-off did not bound the agent's rate. The
+    one read retry covers a pooled keep-alive connection the server closed meanwhile, which is no outage.
+    """
+    from urllib3.util.retry import Retry
+
+    return Retry(total=1, connect=0, read=1, redirect=0, status=0, other=0, backoff_factor=0)
+
+
+def client_configuration(kubeconfig: str | None = None, context: str | None = None) -> Any:
+    """The agent's kubernetes client configuration: in-cluster, or KUBECONFIG; retries as `client_retries`."""
+    from kubernetes import client, config
+
+    conf = client.Configuration()
+    if not (kubeconfig or context) and os.environ.get("KUBERNETES_SERVICE_HOST") and Path(
+            "/var/run/secrets/kubernetes.io/serviceaccount/token").exists():
+        config.load_incluster_config(client_configuration=conf)
+    else:
+        config.load_kube_config(config_file=kubeconfig, context=context, client_configuration=conf)
+    conf.retries = client_retries()
+    return conf
+
+
 class KubeProxyNodeAPI:
     """ProxyNodes through the kubernetes client: in-cluster config, or KUBECONFIG."""
 
     def __init__(self, api_client: Any = None, *, kubeconfig: str | None = None, context: str | None = None) -> None:
-        from kubernetes import client, config
+        from kubernetes import client
 
         if api_client is None:
-            if not (kubeconfig or context) and os.environ.get("KUBERNETES_SERVICE_HOST") and Path(
-                    "/var/run/secrets/kubernetes.io/serviceaccount/token").exists():
-                config.load_incluster_config()
-            else:
-                config.load_kube_config(config_file=kubeconfig, context=context)
+            api_client = client.ApiClient(client_configuration(kubeconfig, context))
         self._api = client.CustomObjectsApi(api_client)
 
     def get(self, name: str) -> dict[str, Any] | None:
