@@ -39,7 +39,7 @@ from kubernetes.client.exceptions import ApiException
 
 from bench.harness import cpu_group
 from proxyshift.agent.effects import NodeEffects
-from proxyshift.agent.loop import Agent, AgentConfig, KubeProxyNodeAPI
+from proxyshift.agent.loop import Agent, AgentConfig, KubeProxyNodeAPI, client_configuration
 
 # (agent index, request sent, answered, verb, outcome): verb "get" / "watch" for the two requests
 # the agent makes, "end" for a watch stream that ended; outcome the HTTP status, "conn" for no answer
@@ -162,10 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     # The threads block in socket reads; the default 8 MiB stacks would only cost address space, but
     # a small one keeps a few thousand of them cheap to create.
     threading.stack_size(512 * 1024)
-    api_client = kubernetes.config.new_client_from_config(args.kubeconfig)
-    # One connection per agent, as on a real fleet (each agent its own client): every agent's watch
-    # holds one, and its GET takes another.
-    api_client.configuration.connection_pool_maxsize = 2 * args.count + 8
+    conf = client_configuration(args.kubeconfig)  # the agent's own: its retries too
+    # Connections kept for each agent, as on a real fleet (each agent its own client): every agent's watch
+    # holds one, and its GET takes another that the next watch reuses. Set before the ApiClient exists: its
+    # pool reads the size once. (Until 2026-12-05 it was set after, the pool kept 10, and every other GET's
+    # connection was dropped, so that agent's watch paid a TLS handshake of its own.)
+    conf.connection_pool_maxsize = 2 * args.count + 8
+    api_client = kubernetes.client.ApiClient(conf)
     rec = Recorder()
     # Constant 1.0: the back-off without jitter (Agent.backoff_draw), the comparison's other side.
     draw: Callable[[], float] = random.random if args.backoff == "jitter" else (lambda: 1.0)
