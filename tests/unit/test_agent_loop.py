@@ -685,6 +685,38 @@ def test_the_watch_loop_gets_once_then_follows_resource_versions_and_starts_from
     assert events.qsize() == 2  # the GET's object and the MODIFIED one; no second GET
 
 
+def test_after_a_broken_watch_the_next_starts_from_now_without_a_get() -> None:
+    """An API server restart: one request per agent (a watch from now, its first event the object), not a GET,
+    a watch from the GET's version that the new server answers 410, and then the watch from now."""
+    import queue
+    import threading
+
+    calls: list[tuple[str, str | None]] = []
+    stop = threading.Event()
+
+    class RestartingAPI(FakeAPI):
+        def get(self, name: str) -> dict[str, Any]:
+            calls.append(("get", None))
+            return super().get(name)
+
+        def watch(self, name: str, rv: str | None, timeout: int) -> Iterator[tuple[str, dict[str, Any]]]:
+            calls.append(("watch", rv))
+            if len(calls) == 2:
+                raise ConnectionResetError("the API server went away")
+            if rv is None:
+                yield "ADDED", {**node_obj(), "metadata": {"name": "n1", "resourceVersion": "330"}}
+                return
+            stop.set()
+            yield from ()
+
+    events: queue.Queue = queue.Queue()
+    agent = Agent(AgentConfig(node="n1", watch_timeout=1), RestartingAPI(node_obj()), FakeNode(),
+                  backoff_draw=lambda: 0.0)
+    agent._watch_loop(events, stop)
+    assert calls == [("get", None), ("watch", "1"), ("watch", None), ("watch", "330")]
+    assert [events.get_nowait()["metadata"]["resourceVersion"] for _ in range(events.qsize())] == ["1", "330"]
+
+
 class Expired(Exception):
     """What the kubernetes client raises for a watch's 410 ERROR event (an ApiException with status 410)."""
 
@@ -785,16 +817,20 @@ def test_the_watch_back_off_starts_anew_after_a_watch_that_ran(monkeypatch: pyte
                 self.set()
             return self.is_set()
 
+    gets: list[str] = []
+
     class FlakyAPI(FakeAPI):
         def get(self, name: str) -> dict[str, Any]:
+            gets.append(name)
             if script and script[0] == "down":
                 script.pop(0)
                 raise ConnectionRefusedError("API server away")
             return super().get(name)
 
         def watch(self, name: str, rv: str | None, timeout: int) -> Iterator[tuple[str, dict[str, Any]]]:
-            script.pop(0)  # "ok": the watch runs 60 s, then the API server goes away again
-            clock[0] += 60.0
+            if script.pop(0) == "down":  # after an error the agent watches from now: no GET first
+                raise ConnectionRefusedError("API server away")
+            clock[0] += 60.0  # "ok": the watch runs 60 s, then the API server goes away again
             raise ConnectionResetError("API server restarting")
             yield  # a generator, like the real watch
 
@@ -806,6 +842,7 @@ def test_the_watch_back_off_starts_anew_after_a_watch_that_ran(monkeypatch: pyte
     thread.join(timeout=20)
     assert not thread.is_alive()
     assert stop.waits[:6] == pytest.approx(expected), stop.waits
+    assert gets == ["n1"]  # the first only
 
 
 # ---- rule hold ----

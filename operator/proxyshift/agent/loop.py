@@ -832,11 +832,13 @@ class Agent:
                 stop.wait(5)
 
     def _watch_loop(self, events: queue.Queue[dict[str, Any]], stop: threading.Event) -> None:
-        """GET once, then watch from the last resourceVersion; GET again only after an error other than a 410
-        (after a 410 the watch starts from the API server's current state, whose first event is the object).
+        """GET once, then watch from the last resourceVersion. After an error the watch starts from the API
+        server's current state (no resourceVersion), whose first event is the object: the GET's answer, in the
+        watch's first event.
 
         Re-listing on every renewal would cost the API server a GET per node per
-        renewal; 5,000 agents make that matter.
+        renewal; 5,000 agents make that matter. After an API server restart each agent made three requests
+        (a GET, a watch from the GET's version that the new server answered 410, a watch from now); now one.
         """
         backoff = backoff_mod.BASE_SECONDS  # the ceiling; the wait is drawn below it
         rv: str | None = None
@@ -876,8 +878,9 @@ class Agent:
                         # resumes inside the watch window instead of from a version that may have left it.
                         rv = (item.get("metadata") or {}).get("resourceVersion") or rv
                     elif kind in ("DELETED", "ERROR"):
-                        rv = None  # gone, or the version expired (410): start from a fresh GET
-                        from_now = kind == "ERROR" and _expired(item)
+                        # Gone: a GET says so (and waits for the operator). An error (a 410: the version left the
+                        # window): the server's current state, from the next watch's first event.
+                        rv, from_now = None, kind == "ERROR"
                         break
                 self.health.contact()  # the watch ran to its timeout: the API server kept it open
                 backoff = backoff_mod.BASE_SECONDS
@@ -886,8 +889,10 @@ class Agent:
             except Exception as exc:
                 log.warning("watching ProxyNode %s: %s", self.cfg.node, exc)
                 metrics_mod.record_error("watch")
-                rv = None
-                from_now = _expired(exc)  # the kubernetes client raises a watch's 410 ERROR event
+                # From now, not GET + watch from the object's version: after an API server restart that version
+                # is older than the new server's window (a 410) unless something wrote the object since, and
+                # the 410 (here or raised as one by the client) needs the watch from now anyway.
+                rv, from_now = None, True
                 if watching_since is not None and time.monotonic() - watching_since >= HEALTHY_WATCH_SECONDS:
                     # A watch that ran ended by a new outage, not a longer one. Kept growing, two API server
                     # restarts a minute apart left the agent asleep up to 30 s after the second, the
@@ -898,14 +903,6 @@ class Agent:
                 # server restart) must not all come back in the same instant, again and again.
                 stop.wait(backoff_mod.jittered_wait(backoff, self.backoff_draw()))
                 backoff = backoff_mod.next_ceiling(backoff)
-
-
-def _expired(failure: object) -> bool:
-    """A 410 Gone: the resourceVersion asked for is older than the API server's watch window. Either the
-    client's exception (its `status`) or a watch ERROR event's Status object (its `code`)."""
-    if isinstance(failure, dict):
-        return failure.get("code") == 410
-    return getattr(failure, "status", None) == 410
 
 
 # The dispatch table: how the agent runs each operation type (a unit test checks every type has one).
