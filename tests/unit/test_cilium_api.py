@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_cilium import POD, TABLE, FakeCilium, Route, answer, endpoint, service
+from fake_cilium import HEALTHY, HOST, POD, TABLE, FakeCilium, Route, answer, endpoint, service
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -43,6 +43,47 @@ def test_a_healthy_kpr_agent_and_its_service_table(cilium: FakeCilium) -> None:
 def test_preflight_reads_the_health_alone(cilium: FakeCilium) -> None:
     facts = read_replacement(CiliumAPI(cilium.path), with_services=False)
     assert facts.enabled and facts.cluster_ip_frontends is None and cilium.requests == ["/v1/healthz"]
+
+
+@pytest.mark.parametrize(("health", "reason"), [
+    ({"cilium": {"state": "Warning", "msg": "starting"}, "kube-proxy-replacement": {"mode": "True"}},
+     "ReplacementNotReady"),
+    ({"cilium": {"state": "Failure"}, "kube-proxy-replacement": {"mode": "True"}}, "ReplacementNotReady"),
+    ({"cilium": {"state": "Ok"}, "kube-proxy-replacement": {"mode": "False"}}, "ReplacementOff"),
+    ({"cilium": {"state": "Ok"}}, "ReplacementOff"),
+])
+def test_an_agent_not_ok_or_not_replacing_kube_proxy_is_read_for_its_health_alone(
+        cilium: FakeCilium, health: dict[str, Any], reason: str) -> None:
+    cilium.routes["/v1/healthz"] = answer(200, health)
+    facts = read_replacement(CiliumAPI(cilium.path), ["198.19.0.10:80/TCP"])
+    # The gate judges such an agent on its health, before the endpoints and the table: neither is read.
+    assert cilium.requests == ["/v1/healthz"]
+    assert facts == read_replacement(CiliumAPI(cilium.path), with_services=False).model_copy(
+        update={"probed_at": facts.probed_at})
+    assert facts.host_endpoint is None and facts.cluster_ip_frontends is None and facts.error is None
+    assert verdict(facts, expected=4) == ("wait", reason)
+
+
+def test_each_read_goes_as_far_as_the_health_it_read_allows(cilium: FakeCilium) -> None:
+    """A Probe's rounds while Cilium starts: one /v1/healthz each, the endpoints once it is Ok and replacing
+    kube-proxy, the Service table once its host endpoint is ready."""
+    rounds: list[list[str]] = []
+
+    def read_round() -> ReplacementFacts:
+        before = len(cilium.requests)
+        facts = read_replacement(CiliumAPI(cilium.path), ["198.19.0.10:80/TCP"])
+        rounds.append(cilium.requests[before:])
+        return facts
+
+    cilium.routes["/v1/healthz"] = answer(200, {**HEALTHY, "cilium": {"state": "Warning", "msg": "starting"}})
+    assert verdict(read_round(), expected=4) == ("wait", "ReplacementNotReady")
+    cilium.routes["/v1/healthz"] = answer(200, HEALTHY)
+    cilium.routes["/v1/endpoint"] = answer(200, [POD, endpoint(1, ["reserved:host"], "regenerating")])
+    assert verdict(read_round(), expected=4) == ("wait", "HostDatapathNotReady")
+    cilium.routes["/v1/endpoint"] = answer(200, [POD, HOST])
+    assert verdict(read_round(), expected=4) == ("pass", "GatePassed")
+    assert rounds == [["/v1/healthz"], ["/v1/healthz", "/v1/endpoint"],
+                      ["/v1/healthz", "/v1/endpoint", "/v1/service"]]
 
 
 def test_an_agent_without_kpr_says_so(cilium: FakeCilium) -> None:
