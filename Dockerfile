@@ -1,6 +1,7 @@
 # One image for the operator and the node agent: `proxyshift operator` / `proxyshift agent`.
 # The Debian packages are exactly the tools the agent runs (tests/unit/test_dockerfile.py checks
-# the list against what the agent calls). Entrypoint in exec form: nothing runs through a shell.
+# the list against every argument list written in the agent's code). Entrypoint in exec form:
+# nothing runs through a shell.
 FROM python:3.11-slim-bookworm AS base
 
 RUN apt-get update \

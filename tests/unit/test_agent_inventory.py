@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+from test_agent_flush_plan import FakeNode as IpvsNode
 
+from proxyshift.agent import inventory as inventory_mod
 from proxyshift.agent.flush.iptables import IptablesTool
 from proxyshift.agent.inventory import (
     MAX_DUMMY_ADDRESSES,
+    Inventory,
+    _merged,
+    _Part,
     leftover_objects,
     leftovers,
     mode_objects,
     take_inventory,
+    take_ipvs_inventory,
 )
 from proxyshift.agent.ip_addr import MAX_IP_JSON_BYTES, addresses
 from proxyshift.commands import CommandError, Result
@@ -145,3 +152,48 @@ def test_a_fresh_read_of_one_tool_is_taken_instead_of_its_save_and_every_other_t
     assert "iptables-nft-save" not in asked and "ip6tables-nft-save" in asked and "nft" in asked
     assert [c.label for c in inv.iptables] == [v4.label, v6.label]
     assert inv.iptables[0].chains == inv.iptables[1].chains and not inv.errors
+
+
+# ---- the readers' parts, merged ----
+
+def test_a_field_a_part_read_as_its_default_is_kept() -> None:
+    filled = frozenset({"ipvs_available", "dummy_interface", "dummy_address_count", "bpf_link_pins", "errors"})
+    first = _Part(Inventory(ipvs_available=True, dummy_interface=True, dummy_address_count=3, bpf_link_pins=2,
+                            errors=["first"]), filled)
+    # No IPVS, no kube-ipvs0, no pins: read, and each the default. A value is no sign of whether it was read.
+    later = _Part(Inventory(errors=["later"]), filled)
+    assert _merged([first, later]) == Inventory(errors=["first", "later"])
+    # The parts' order decides, not their values; lists are joined in that order.
+    assert _merged([later, first]) == dataclasses.replace(first.inventory, errors=["later", "first"])
+    # A field a part did not fill is not taken from it, whatever it holds.
+    assert _merged([_Part(Inventory(ipvs_available=True, nft_tables=[("ip", "kube-proxy")]),
+                          frozenset({"errors"}))]) == Inventory()
+
+
+def test_every_field_a_reader_fills_reaches_the_inventory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node with something of every kind: no field of the merged inventory is left at its default, so each
+    reader names every field it fills (a field it fills but does not name would be dropped by the merge)."""
+    (tmp_path / "net").mkdir()
+    (tmp_path / "net" / "ip_vs").write_text("")
+    bpffs = tmp_path / "bpffs"
+    (bpffs / "cilium" / "socketlb" / "links" / "cgroup").mkdir(parents=True)
+    (bpffs / "cilium" / "socketlb" / "links" / "cgroup" / "cil_sock4_connect").write_text("")
+    monkeypatch.setattr(inventory_mod, "is_bpffs", lambda path, mountinfo: path == bpffs)
+    ipvs_node = IpvsNode()
+
+    def runner(argv: Sequence[str], **kw: Any) -> Result:
+        text = {"iptables-nft-save": SAVE, "nft -j list tables": NFT,
+                "ip -j link show": '[{"ifname":"lo"},{"ifname":"cilium_host"},{"ifname":"cilium_net"}]'}.get(
+                    " ".join(argv))
+        return Result(list(argv), 0, text, "") if text is not None else ipvs_node(argv, **kw)
+
+    merged = take_inventory(runner=runner, iptables_tools=[IptablesTool("ipv4", "nft")], proc_root=tmp_path,
+                            bpffs=bpffs)
+    ipvs_only = take_ipvs_inventory(runner=runner, proc_root=tmp_path)
+    assert not merged.errors and not ipvs_only.errors
+    empty = Inventory()
+    left = {f.name for f in dataclasses.fields(Inventory) if getattr(merged, f.name) == getattr(empty, f.name)}
+    # The devices are read by take_ipvs_inventory alone (preflight's); the errors are empty on this node.
+    assert left == {"replacement_devices", "errors"}
+    assert ipvs_only.replacement_devices == ["cilium_host", "cilium_net"]
+    assert ipvs_only.kube_virtual_servers == merged.kube_virtual_servers and ipvs_only.ipsets == merged.ipsets

@@ -6,11 +6,14 @@ import copy
 import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import pytest
+from fake_cilium import HOST, POD, FakeCilium, answer, endpoint
 
 from proxyshift.agent import diagnostics as diag
+from proxyshift.agent.effects import KernelNodeEffects
 from proxyshift.agent.flush.base import FlushReport, FlushStep
 from proxyshift.agent.hold import HoldReport
 from proxyshift.agent.inventory import ChainInventory, Inventory
@@ -1366,9 +1369,8 @@ def test_a_probe_for_cilium_kpr_reports_cilium_in_the_status() -> None:
     fake_node(agent).replaced = CILIUM_OK
     agent.handle(api.get("n1"))
     node = ProxyNode.model_validate(api.obj)
-    # Its health first; the Service table once that is Ok and replacing kube-proxy.
-    assert fake_node(agent).replacement_calls == [("/var/run/cilium/cilium.sock", False),
-                                                  ("/var/run/cilium/cilium.sock", True)]
+    # One read, as far as Cilium's health allows (test_cilium_api: the endpoints and the table once it is Ok).
+    assert fake_node(agent).replacement_calls == [("/var/run/cilium/cilium.sock", True)]
     assert node.status.replacement == CILIUM_OK
     last = node.status.last_operation
     assert last is not None and last.state == "Succeeded"
@@ -1415,16 +1417,13 @@ def test_preflight_for_cilium_kpr_passes_without_cilium_and_refuses_a_sick_one()
 # ---- a replacement probe waits on the node until the replacement proves itself ----
 
 def _replacement_sequence_agent(api: FakeAPI, answers: list[ReplacementFacts]) -> tuple[Agent, list[float]]:
-    """Each round (a health read, then the full read when health allows) answers the next of `answers`."""
+    """Each round (one read: the client reads as far as the health allows) answers the next of `answers`."""
     agent = make_agent(api)
     answer = _in_turn(answers)
-    this_round: list[ReplacementFacts] = []
 
     def replacement(params: ReplacementParams, *, with_services: bool) -> ReplacementFacts:
         fake_node(agent).replacement_calls.append((params.socket_path, with_services))
-        if not with_services or not this_round:
-            this_round[:] = [answer()]
-        return this_round[0]
+        return answer()
 
     agent.effects.replacement = replacement  # type: ignore[method-assign]  # a swapped seam
     return agent, _recorded_sleeps(agent)
@@ -1441,8 +1440,8 @@ def test_a_replacement_probe_answers_once_the_replacement_proves_itself() -> Non
     agent.handle(api.get("n1"))
     node = ProxyNode.model_validate(api.obj)
     assert node.status.replacement == CILIUM_READY
-    # A starting agent is read for its health alone; the table only once it is Ok.
-    assert [full for _, full in fake_node(agent).replacement_calls] == [False, False, True, False, True]
+    # One read a round; what it reads of Cilium is the client's choice (test_cilium_api).
+    assert [full for _, full in fake_node(agent).replacement_calls] == [True, True, True]
     assert sleeps == [0.1, 0.1]
     assert node.status.last_operation is not None and node.status.last_operation.state == "Succeeded"
 
@@ -1456,12 +1455,12 @@ def test_a_replacement_probe_waits_no_longer_than_asked() -> None:
     assert 9 <= len(sleeps) <= 11 and sum(sleeps) <= 1.1
 
 
-def test_a_replacement_probe_reads_no_service_table_while_the_replacement_is_not_ok() -> None:
+def test_a_replacement_probe_waits_on_a_replacement_that_does_not_answer() -> None:
     api = FakeAPI(node_obj(probe_op(replacement=KPR_PARAMS, awaitSeconds=1)))
     agent, sleeps = _replacement_sequence_agent(api, [CILIUM_STARTING])
     agent.handle(api.get("n1"))
     calls = fake_node(agent).replacement_calls
-    assert len(calls) >= 9 and not any(full for _, full in calls) and sum(sleeps) <= 1.1
+    assert len(calls) == len(sleeps) + 1 and len(calls) >= 9 and sum(sleeps) <= 1.1
     assert ProxyNode.model_validate(api.obj).status.replacement == CILIUM_STARTING
 
 
@@ -1469,4 +1468,26 @@ def test_a_replacement_probe_without_a_wait_reads_once() -> None:
     api = FakeAPI(node_obj(probe_op(replacement=KPR_PARAMS)))
     agent, sleeps = _replacement_sequence_agent(api, [CILIUM_HOST_LOADING, CILIUM_READY])
     agent.handle(api.get("n1"))
-    assert sleeps == [] and [full for _, full in fake_node(agent).replacement_calls] == [False, True]
+    assert sleeps == [] and [full for _, full in fake_node(agent).replacement_calls] == [True]
+
+
+def test_a_replacement_probe_reads_cilium_health_once_a_round(tmp_path: Path) -> None:
+    """Through the agent's real client of Cilium's API: each round of the wait reads /v1/healthz once, then
+    what that health allows (the endpoints, and the table once the host endpoint is ready)."""
+    cilium = FakeCilium(tmp_path / "cilium.sock")
+    try:
+        hosts = _in_turn([endpoint(1, ["reserved:host"], "regenerating")] * 2 + [HOST])
+        cilium.routes["/v1/endpoint"] = lambda handler: answer(200, [POD, hosts()])(handler)
+        params = {"socketPath": str(cilium.path), "frontends": ["198.19.0.10:80/TCP"], "expectedFrontends": 4}
+        api = FakeAPI(node_obj(probe_op(replacement=params, awaitSeconds=10)))
+        agent = make_agent(api)
+        agent.effects.replacement = KernelNodeEffects().replacement  # type: ignore[method-assign]  # the real read
+        sleeps = _recorded_sleeps(agent)
+        agent.handle(api.get("n1"))
+    finally:
+        cilium.close()
+    replaced = ProxyNode.model_validate(api.obj).status.replacement
+    assert replaced is not None and replaced.host_endpoint == "ready" and replaced.cluster_ip_frontends == 4
+    assert sleeps == [0.1, 0.1]
+    assert cilium.requests.count("/v1/healthz") == len(sleeps) + 1
+    assert cilium.requests == ["/v1/healthz", "/v1/endpoint"] * 2 + ["/v1/healthz", "/v1/endpoint", "/v1/service"]

@@ -4,14 +4,12 @@ the test, and the gate that judges what it reads (planner/gate.py evaluate_repla
 from __future__ import annotations
 
 import http.server
-import json
-import socketserver
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_cilium import HEALTHY, HOST, POD, TABLE, FakeCilium, Route, answer, endpoint, service
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -21,77 +19,6 @@ from proxyshift.api.replacement import MAX_MISSING, CiliumService, ReplacementFa
 from proxyshift.planner.gate import evaluate_replacement_gate
 
 pytestmark = pytest.mark.unit
-
-HEALTHY = {"cilium": {"state": "Ok", "msg": ""}, "kube-proxy-replacement": {"mode": "True", "devices": []},
-           "cluster": {"ciliumHealth": {"state": "Ok"}}, "controllers": []}
-
-
-def service(ip: str, port: int, kind: str = "ClusterIP", protocol: str = "TCP") -> dict[str, Any]:
-    return {"spec": {"id": port, "frontend-address": {"ip": ip, "port": port, "protocol": protocol,
-                                                      "scope": "external"},
-                     "backend-addresses": [{"ip": "198.18.1.1", "port": 8080, "state": "active"}],
-                     "flags": {"type": kind, "name": f"svc-{port}", "namespace": "default"}},
-            "status": {"realized": {}}}
-
-
-def endpoint(ident: int, labels: list[str], state: str = "ready") -> dict[str, Any]:
-    return {"id": 100 + ident, "spec": {}, "status": {"state": state, "identity": {"id": ident, "labels": labels},
-                                                      "health": {"bpf": "OK"}}}
-
-
-HOST = endpoint(1, ["reserved:host", "reserved:kube-apiserver"])
-POD = endpoint(4242, ["k8s:app=web", "k8s:io.kubernetes.pod.namespace=default"])
-
-TABLE = [service("198.19.0.10", 80), service("198.19.0.11", 53, protocol="UDP"), service("198.19.0.12", 8443,
-         protocol="ANY"), service("198.18.0.11", 30080, kind="NodePort")]
-
-Route = Callable[[http.server.BaseHTTPRequestHandler], None]
-
-
-def answer(status: int, body: bytes | str | Any) -> Route:
-    data = body if isinstance(body, bytes) else (body.encode() if isinstance(body, str) else json.dumps(body).encode())
-
-    def send(handler: http.server.BaseHTTPRequestHandler) -> None:
-        handler.send_response(status)
-        handler.send_header("Content-Type", "application/json")
-        handler.send_header("Content-Length", str(len(data)))
-        handler.end_headers()
-        handler.wfile.write(data)
-
-    return send
-
-
-class FakeCilium:
-    """A Cilium agent's API on a unix socket: each path answers as its route says; the requests are kept."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.routes: dict[str, Route] = {"/v1/healthz": answer(200, HEALTHY), "/v1/service": answer(200, TABLE),
-                                         "/v1/endpoint": answer(200, [POD, HOST])}
-        self.requests: list[str] = []
-        self.stop = threading.Event()
-        fake = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                fake.requests.append(self.path)
-                fake.routes.get(self.path, answer(404, {"message": "no such path"}))(self)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                return  # a unix socket's client has no address to log
-
-        class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-            daemon_threads = True
-
-        self.server = Server(str(path), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(5)
 
 
 @pytest.fixture
@@ -116,6 +43,47 @@ def test_a_healthy_kpr_agent_and_its_service_table(cilium: FakeCilium) -> None:
 def test_preflight_reads_the_health_alone(cilium: FakeCilium) -> None:
     facts = read_replacement(CiliumAPI(cilium.path), with_services=False)
     assert facts.enabled and facts.cluster_ip_frontends is None and cilium.requests == ["/v1/healthz"]
+
+
+@pytest.mark.parametrize(("health", "reason"), [
+    ({"cilium": {"state": "Warning", "msg": "starting"}, "kube-proxy-replacement": {"mode": "True"}},
+     "ReplacementNotReady"),
+    ({"cilium": {"state": "Failure"}, "kube-proxy-replacement": {"mode": "True"}}, "ReplacementNotReady"),
+    ({"cilium": {"state": "Ok"}, "kube-proxy-replacement": {"mode": "False"}}, "ReplacementOff"),
+    ({"cilium": {"state": "Ok"}}, "ReplacementOff"),
+])
+def test_an_agent_not_ok_or_not_replacing_kube_proxy_is_read_for_its_health_alone(
+        cilium: FakeCilium, health: dict[str, Any], reason: str) -> None:
+    cilium.routes["/v1/healthz"] = answer(200, health)
+    facts = read_replacement(CiliumAPI(cilium.path), ["198.19.0.10:80/TCP"])
+    # The gate judges such an agent on its health, before the endpoints and the table: neither is read.
+    assert cilium.requests == ["/v1/healthz"]
+    assert facts == read_replacement(CiliumAPI(cilium.path), with_services=False).model_copy(
+        update={"probed_at": facts.probed_at})
+    assert facts.host_endpoint is None and facts.cluster_ip_frontends is None and facts.error is None
+    assert verdict(facts, expected=4) == ("wait", reason)
+
+
+def test_each_read_goes_as_far_as_the_health_it_read_allows(cilium: FakeCilium) -> None:
+    """A Probe's rounds while Cilium starts: one /v1/healthz each, the endpoints once it is Ok and replacing
+    kube-proxy, the Service table once its host endpoint is ready."""
+    rounds: list[list[str]] = []
+
+    def read_round() -> ReplacementFacts:
+        before = len(cilium.requests)
+        facts = read_replacement(CiliumAPI(cilium.path), ["198.19.0.10:80/TCP"])
+        rounds.append(cilium.requests[before:])
+        return facts
+
+    cilium.routes["/v1/healthz"] = answer(200, {**HEALTHY, "cilium": {"state": "Warning", "msg": "starting"}})
+    assert verdict(read_round(), expected=4) == ("wait", "ReplacementNotReady")
+    cilium.routes["/v1/healthz"] = answer(200, HEALTHY)
+    cilium.routes["/v1/endpoint"] = answer(200, [POD, endpoint(1, ["reserved:host"], "regenerating")])
+    assert verdict(read_round(), expected=4) == ("wait", "HostDatapathNotReady")
+    cilium.routes["/v1/endpoint"] = answer(200, [POD, HOST])
+    assert verdict(read_round(), expected=4) == ("pass", "GatePassed")
+    assert rounds == [["/v1/healthz"], ["/v1/healthz", "/v1/endpoint"],
+                      ["/v1/healthz", "/v1/endpoint", "/v1/service"]]
 
 
 def test_an_agent_without_kpr_says_so(cilium: FakeCilium) -> None:

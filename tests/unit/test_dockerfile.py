@@ -1,11 +1,11 @@
 """The image carries exactly the tools the agent runs, and starts without a shell.
 
 The tool list is read from the agent's code, not written down twice: every argument list the agent
-hands to a call (`run([...])`, `runner([...])`, `self.run([...])`)
-starts with the program's name, and the iptables save/restore names come from the flusher's own
-IptablesTool. Each tool maps to the Debian package that ships it; the Dockerfile must install
-that set of packages, no more (image size, attack surface) and no less (a ToolMissingError on a
-node in the middle of a migration).
+writes as a literal starts with the program's name, wherever it stands (handed to a call, `run([...])`,
+or kept for later, as preflight's version asks and the inventory's IPVS reads are), and the iptables
+save/restore names come from the flusher's own IptablesTool. Each tool maps to the Debian package that
+ships it; the Dockerfile must install that set of packages, no more (image size, attack surface) and
+no less (a ToolMissingError on a node in the middle of a migration).
 """
 
 from __future__ import annotations
@@ -47,27 +47,39 @@ TOOL_PACKAGES = {
 PROGRAM = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
 
 
-def argv_lists(tree: ast.AST) -> list[list[str]]:
-    """Literal argument lists passed to calls: [first string, ...] for each list argument of a call."""
-    # Any: a non-string constant after the first string is kept as it is (what the call passes).
+def argv_lists(tree: ast.AST) -> list[list[Any]]:
+    """Argv-shaped literals anywhere in `tree`: [first string, ...] for every list literal that starts with a string,
+    and for every tuple literal that starts with one and holds an option ("-x", "--x") after it."""
+    # The agent writes its data sequences of words as tuples ("ipv4", "ipv6"), its argvs as lists (metrics.py's
+    # label names became tuples for this scan): a tuple of plain words is data, so a tuple argv is known by an
+    # option (one of plain words, ("ipset", "save"), would be missed: an argv is written as a list). An argv may
+    # stand outside any call (preflight's `asks`, inventory._ipvs's `argvs`), so the whole tree is walked, not
+    # only call arguments. `__all__` is a list of names, never a command.
+    exported = {id(node.value) for node in ast.walk(tree)
+                if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign)
+                and any(isinstance(t, ast.Name) and t.id == "__all__"
+                        for t in (node.targets if isinstance(node, ast.Assign) else [node.target]))}
+    # Any: a non-string constant after the first string is kept as it is (what the argv holds).
     found: list[list[Any]] = []
     for node in ast.walk(tree):
-        if not isinstance(node, ast.Call):
+        if not isinstance(node, ast.List | ast.Tuple) or id(node) in exported:
             continue
-        for arg in [*node.args, *(k.value for k in node.keywords)]:
-            if (isinstance(arg, ast.List) and arg.elts and isinstance(arg.elts[0], ast.Constant)
-                    and isinstance(arg.elts[0].value, str)):
-                found.append([e.value if isinstance(e, ast.Constant) else "?" for e in arg.elts])
+        if not (node.elts and isinstance(node.elts[0], ast.Constant) and isinstance(node.elts[0].value, str)):
+            continue
+        words = [e.value if isinstance(e, ast.Constant) else "?" for e in node.elts]
+        if isinstance(node, ast.Tuple) and not any(isinstance(w, str) and w.startswith("-") for w in words[1:]):
+            continue
+        found.append(words)
     return found
 
 
-def agent_tools() -> dict[str, set[str]]:
-    """program -> files that run it."""
+def agent_tools(package: Path = AGENT, root: Path = ROOT) -> dict[str, set[str]]:
+    """program -> files (relative to `root`) that run it."""
     tools: dict[str, set[str]] = {}
-    for path in sorted(AGENT.rglob("*.py")):
+    for path in sorted(package.rglob("*.py")):
         for argv in argv_lists(ast.parse(path.read_text(), str(path))):
             if PROGRAM.match(argv[0]):
-                tools.setdefault(argv[0], set()).add(str(path.relative_to(ROOT)))
+                tools.setdefault(argv[0], set()).add(str(path.relative_to(root)))
     for family in ("ipv4", "ipv6"):
         for backend in ("nft", "legacy", None):
             tool = IptablesTool(family, backend)
@@ -94,12 +106,37 @@ def apt_packages(text: str) -> set[str]:
     return packages
 
 
+def unknown_tools(tools: dict[str, set[str]]) -> dict[str, list[str]]:
+    """The programs with no known Debian package, and where they are run."""
+    return {t: sorted(files) for t, files in tools.items() if t not in TOOL_PACKAGES}
+
+
 def test_agent_tools_are_known() -> None:
     tools = agent_tools()
-    unknown = {t: sorted(files) for t, files in tools.items() if t not in TOOL_PACKAGES}
+    unknown = unknown_tools(tools)
     assert not unknown, f"the agent runs programs with no known Debian package (add them to TOOL_PACKAGES): {unknown}"
     # The walk must see the tools we know the agent uses, or it is not looking at the code.
-    assert {"nft", "ip", "ipset", "ipvsadm", "modprobe", "iptables"} <= set(tools)
+    assert {"nft", "ip", "ipset", "ipvsadm", "modprobe", "iptables", "conntrack", "tc"} <= set(tools)
+
+
+def test_argvs_kept_for_later_are_tools_too() -> None:
+    # Preflight's version asks stand in a list of (argv, prefix) pairs, handed to no call as they are.
+    preflight = AGENT / "preflight.py"
+    found = argv_lists(ast.parse(preflight.read_text(), str(preflight)))
+    assert {"nft", "iptables", "ipset", "ipvsadm"} <= {argv[0] for argv in found if argv[1:] == ["--version"]}
+
+
+def test_a_tool_asked_only_for_its_version_is_unknown_until_packaged(tmp_path: Path) -> None:
+    package = tmp_path / "agent"
+    package.mkdir()
+    (package / "tools.py").write_text(
+        "asks = [(['faketool', '--version'], 'faketool v')]\n"
+        "def read(runner):\n"
+        "    argvs = [(['ipset', 'save'], 60.0)]\n"
+        "    argvs += [(['otherfake', '-Sn'], 60.0)]\n"
+        "    return [runner(argv, timeout=t) for argv, t in argvs]\n")
+    unknown = unknown_tools(agent_tools(package, tmp_path))
+    assert unknown == {"faketool": ["agent/tools.py"], "otherfake": ["agent/tools.py"]}
 
 
 def test_dockerfile_installs_exactly_the_agents_packages() -> None:
@@ -123,5 +160,9 @@ def test_entrypoint_and_cmd_are_exec_form(instruction: str) -> None:
 def test_parsers_see_what_they_should() -> None:
     assert apt_packages("RUN apt-get update \\\n && apt-get install -y --no-install-recommends a b \\\n"
                         " && rm -rf x\nRUN apt-get install -y c; echo d") == {"a", "b", "c"}
-    tree = ast.parse("run(['nft', '-f', '-'], input=x)\nself.run(cmd)\nf(r, ['ipset', 'save'])\n__all__ = ['x']")
-    assert argv_lists(tree) == [["nft", "-f", "-"], ["ipset", "save"]]
+    tree = ast.parse("run(['nft', '-f', '-'], input=x)\nself.run(cmd)\nf(r, ['ipset', 'save'])\n__all__ = ['x']\n"
+                     "asks = [(['ipvsadm', '--version'], 'ipvsadm v')]\nargv = ('conntrack', '-L', family)\n"
+                     "for d in ('ingress', 'egress'): pass\nreturn 'refused', 'connection refused'\n"
+                     "__all__ += ['y']\nkinds = [k for k in x]")
+    assert sorted(argv_lists(tree)) == [["conntrack", "-L", "?"], ["ipset", "save"], ["ipvsadm", "--version"],
+                                        ["nft", "-f", "-"]]

@@ -37,6 +37,7 @@ ALLOWED: dict[tuple[str, str], tuple[int, str]] = {
     ("agent/flush/nftables.py", "NftablesFlusher.round"): (1, "the tool label of a FlushStep (a wire field)"),
     ("agent/flush/nftables.py", "parse_tables"): (2, "the top-level key of `nft -j` output"),
     ("agent/diagnostics.py", "<module>"): (2, "RULE_COUNTERS is keyed by CounterSource (api/diagnostics.py)"),
+    ("agent/inventory.py", "<module>"): (1, "_IPTABLES_FILLS names the Inventory field `iptables`, not the mode"),
     ("planner/diagnosis.py", "diagnose"): (2, "CounterSource values: the sources with per-endpoint flows"),
 }
 

@@ -6,7 +6,8 @@ Service table fills a few seconds before it has loaded the host datapath on the 
 in time (one deadline for the whole answer, so an agent trickling bytes cannot hold the proxyshift agent) and in
 size, and parsed into the typed models of api/replacement.py: never a dict past this module. Preflight asks
 whether the agent is there and healthy; the gate whether the replacement is on, its table holds the cluster's
-Services and its host endpoint is ready (`read_replacement`).
+Services and its host endpoint is ready (`read_replacement`, which reads the two lists only for an agent that is
+Ok and replacing kube-proxy).
 """
 
 from __future__ import annotations
@@ -122,9 +123,9 @@ def _now() -> str:
 
 
 def read_replacement(api: CiliumAPI, frontends: Iterable[str] = (), *, with_services: bool = True) -> ReplacementFacts:
-    """ReplacementFacts from the agent's health and (with_services) its Service table, measured against the
-    frontends the operator named, and its host endpoint's state. What could not be read is in `error`: an absent
-    agent is a fact, not a crash."""
+    """ReplacementFacts from the agent's health and (with_services, once that is Ok and replacing kube-proxy) its
+    host endpoint's state and its Service table, measured against the frontends the operator named: one read of
+    each, /v1/healthz first. What could not be read is in `error`: an absent agent is a fact, not a crash."""
     try:
         health = api.healthz()
     except CiliumAPIError as exc:
@@ -139,7 +140,10 @@ def read_replacement(api: CiliumAPI, frontends: Iterable[str] = (), *, with_serv
     )
     if facts.agent_message is not None:
         facts = facts.model_copy(update={"agent_message": facts.agent_message[:REPLACEMENT_MESSAGE_LIMIT]})
-    if not with_services:
+    # An agent that is not Ok, or not replacing kube-proxy, is judged on its health alone (planner/gate.py, before
+    # the endpoints and the table): a Probe reads it every 0.1 s while it starts, and neither list would tell more.
+    # Decided here on the health just read, so a round reads /v1/healthz once.
+    if not with_services or facts.agent_state != "Ok" or not facts.enabled:
         return facts
     # The endpoints first: while the host endpoint is not ready the gate waits on it alone (planner/gate.py),
     # and the Service table (up to 32 MiB of JSON, read every 0.1 s while a probe waits) would be read for nothing.

@@ -69,8 +69,9 @@ class NodeEffects(Protocol):
         ...
 
     def replacement(self, params: ReplacementParams, *, with_services: bool) -> ReplacementFacts:
-        """The node's kube-proxy replacement from its own API (Cilium's socket): its health and (with_services)
-        how much of the asked Service table it holds. An absent agent is a fact with an error."""
+        """The node's kube-proxy replacement from its own API (Cilium's socket): its health and (with_services,
+        once that is Ok and replacing kube-proxy) its host endpoint and how much of the asked Service table it
+        holds. An absent agent is a fact with an error."""
         ...
 
     def install_hold(self, from_mode: str) -> hold_mod.HoldReport:

@@ -159,6 +159,33 @@ KIND_COUNTS: dict[ObjectKind, _Kind] = {
 }
 
 _REPLACEMENT_DEVICES = frozenset(d for f in MODE_FACTS.values() for d in f.owned.devices)
+_FIELDS = frozenset(f.name for f in fields(Inventory))
+
+
+def _fills(*names: str) -> frozenset[str]:
+    """The Inventory fields one reader fills, and its `errors` (what it could not read)."""
+    unknown = set(names) - _FIELDS
+    if unknown:
+        raise ValueError(f"not Inventory fields: {sorted(unknown)}")
+    return frozenset((*names, "errors"))
+
+
+# What each reader below fills: the merge takes these fields of its part and no other, so what a reader found
+# to be a field's default (no IPVS, no pins) counts as read.
+_IPTABLES_FILLS = _fills("iptables")
+_NFT_FILLS = _fills("nft_tables")
+_IPVS_FILLS = _fills("ipvs_available", "dummy_interface", "dummy_addresses", "dummy_address_count", "ipsets",
+                     "virtual_servers", "kube_virtual_servers", "foreign_virtual_servers")
+_DEVICES_FILLS = _fills("replacement_devices")
+_BPF_LINKS_FILLS = _fills("bpf_link_pins")
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One reader's share of an inventory: what it read, and which of its fields it filled."""
+
+    inventory: Inventory
+    filled: frozenset[str]
 
 
 def _devices(inv: Inventory, runner: Runner) -> None:
@@ -181,14 +208,13 @@ def _bpf_links(inv: Inventory, bpffs: Path) -> None:
         inv.errors.append(f"bpffs: {exc}")
 
 
-def _iptables_one(tool: IptablesTool, runner: Runner, read: Dump | None = None) -> Inventory:
+def _iptables(inv: Inventory, tool: IptablesTool, runner: Runner, read: Dump | None = None) -> None:
     """One family/backend's kube-proxy chains, from its save, or from `read` (a save taken just now)."""
-    inv = Inventory()
     try:
         dump = read if read is not None else parse(runner([tool.save], timeout=120).stdout)
     except (CommandError, ValueError) as exc:
         inv.errors.append(f"{tool.label}: {exc}")
-        return inv
+        return
     found = ChainInventory(tool.label)
     for table in dump.tables.values():
         for chain in table.user_defined():
@@ -197,7 +223,6 @@ def _iptables_one(tool: IptablesTool, runner: Runner, read: Dump | None = None) 
                 found.chains.append((table.name, chain, modes))
     if found.chains:
         inv.iptables.append(found)
-    return inv
 
 
 def _nft(inv: Inventory, runner: Runner) -> None:
@@ -267,28 +292,32 @@ def _ipvs(inv: Inventory, runner: Runner, proc_root: Path) -> None:
 
 def take_ipvs_inventory(*, runner: Runner = run, proc_root: Path = Path("/proc")) -> Inventory:
     """Only the IPVS part (virtual servers, kube-ipvs0, ipsets): what preflight for nftables needs."""
-    return _merged(side_by_side([_part(lambda inv: _ipvs(inv, runner, proc_root)),
-                                 _part(lambda inv: _devices(inv, runner))], name="inventory"))
+    return _merged(side_by_side([_part(lambda inv: _ipvs(inv, runner, proc_root), _IPVS_FILLS),
+                                 _part(lambda inv: _devices(inv, runner), _DEVICES_FILLS)], name="inventory"))
 
 
-def _part(fill: Callable[[Inventory], None]) -> Callable[[], Inventory]:
-    def read() -> Inventory:
+def _part(fill: Callable[[Inventory], None], filled: frozenset[str]) -> Callable[[], _Part]:
+    """A reader as a call side_by_side can run: `fill` writes the `filled` fields of a fresh inventory."""
+    def read() -> _Part:
         inv = Inventory()
         fill(inv)
-        return inv
+        return _Part(inv, filled)
     return read
 
 
-def _merged(parts: list[Inventory]) -> Inventory:
-    """The parts' fields in one inventory: each part fills its own fields (lists are joined: the chains of each
-    family, the errors, in the parts' order)."""
-    inv, empty = Inventory(), Inventory()
+def _merged(parts: list[_Part]) -> Inventory:
+    """The parts' filled fields in one inventory, in the parts' order: a list is joined (the chains of each
+    family, the errors), any other field is the value of the last part that filled it, its default or not (a
+    value is no sign of whether it was read)."""
+    inv = Inventory()
     for part in parts:
         for f in fields(Inventory):
-            value = getattr(part, f.name)
+            if f.name not in part.filled:
+                continue
+            value = getattr(part.inventory, f.name)
             if isinstance(value, list):
                 getattr(inv, f.name).extend(value)
-            elif value != getattr(empty, f.name):
+            else:
                 setattr(inv, f.name, value)
     return inv
 
@@ -303,11 +332,12 @@ def take_inventory(*, runner: Runner = run, iptables_tools: list[IptablesTool] |
     # nothing, and the time is the tools'. Merged in a fixed order, so the result does not depend on the race.
     tools = iptables_tools if iptables_tools is not None else available_tools()
     known = fresh or {}
-    return _merged(side_by_side([*(functools.partial(_iptables_one, tool, runner, known.get(tool.label))
+    return _merged(side_by_side([*(_part(functools.partial(_iptables, tool=tool, runner=runner,
+                                                           read=known.get(tool.label)), _IPTABLES_FILLS)
                                    for tool in tools),
-                                 _part(lambda inv: _nft(inv, runner)),
-                                 _part(lambda inv: _ipvs(inv, runner, proc_root)),
-                                 _part(lambda inv: _bpf_links(inv, bpffs))], name="inventory"))
+                                 _part(lambda inv: _nft(inv, runner), _NFT_FILLS),
+                                 _part(lambda inv: _ipvs(inv, runner, proc_root), _IPVS_FILLS),
+                                 _part(lambda inv: _bpf_links(inv, bpffs), _BPF_LINKS_FILLS)], name="inventory"))
 
 
 def mode_objects(inv: Inventory, observed_mode: str | None = None) -> list[ModeObjects]:

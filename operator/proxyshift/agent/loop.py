@@ -64,7 +64,7 @@ from proxyshift.api.proxynode import (
     RuleHold,
     clip_status,
 )
-from proxyshift.api.replacement import ReplacementFacts, ReplacementParams
+from proxyshift.api.replacement import ReplacementFacts
 from proxyshift.kubeconfig import loading
 from proxyshift.modes import DEFAULT_MODE
 
@@ -628,12 +628,14 @@ class Agent:
         if p.replacement is not None:
             # As for kube-proxy's sync: wait here, reading the replacement's own API, until it proves itself
             # (its host datapath loads seconds after its health turns Ok), rather than answer "not yet" and
-            # make the operator ask again a round later. Bounded; the gate judges whatever comes.
-            replaced = self._read_replacement(p.replacement)
+            # make the operator ask again a round later. Bounded; the gate judges whatever comes. A round is one
+            # read: the client reads the endpoints and the Service table only as far as the health it has just
+            # read allows (cilium_api.read_replacement), so a starting replacement costs one small GET a round.
+            replaced = self.effects.replacement(p.replacement, with_services=True)
             deadline = self.clock() + min(p.await_seconds or 0.0, MAX_PROBE_AWAIT_SECONDS)
             while not replaced.proves(p.replacement.expected_frontends) and self.clock() < deadline:
                 self.sleep(REPLACEMENT_AWAIT_POLL_SECONDS)
-                replaced = self._read_replacement(p.replacement)
+                replaced = self.effects.replacement(p.replacement, with_services=True)
             extra = {**extra, "replacement": with_nulls(replaced)}
         synced = self.clock()
         flushed: CleanupResult | None = None
@@ -734,16 +736,6 @@ class Agent:
                 extra = self.observe(inventory=False, release_hold=release_hold)
                 observed = self.clock()
         return extra
-
-    def _read_replacement(self, params: ReplacementParams) -> ReplacementFacts:
-        """A Probe's read of the replacement: its health, and its Service table and endpoints only once it is Ok
-        and replacing kube-proxy. While the replacement starts (seconds, read every 0.1 s) the table, up to 32 MiB
-        of JSON on a large cluster, would be read and parsed for nothing: the gate judges an agent that is not Ok,
-        or not replacing kube-proxy, on its health alone (planner/gate.py, before the table)."""
-        health = self.effects.replacement(params, with_services=False)
-        if health.agent_state != "Ok" or not health.enabled:
-            return health
-        return self.effects.replacement(params, with_services=True)
 
     def _conntrack_then_connect(self, params: ConntrackParams | None, services: list[str],
                                 released: threading.Event
