@@ -15,12 +15,22 @@ import yaml
 
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.controller.executor import Executor
-from proxyshift.controller.fleet import NODES, PODS, PROXYNODE_MIRROR, node_item, pod_item, proxynode_item
+from proxyshift.controller.fleet import (
+    NODES,
+    PODS,
+    PROXYNODE_MIRROR,
+    REPLACEMENT_REVISIONS,
+    REVISIONS,
+    node_item,
+    pod_item,
+    proxynode_item,
+    replacement_revision_item,
+    revision_daemonset_item,
+)
 from proxyshift.controller.mirror import Mirror
 from proxyshift.controller.reconcile import Indexes
 from proxyshift.controller.runtime import OperatorRuntime
-from proxyshift.controller.snapshot import baseline_mode, revision_view
-from proxyshift.modes import runs_kube_proxy
+from proxyshift.controller.snapshot import baseline_mode
 from proxyshift.planner.timeutil import fmt
 from proxyshift.planner.world import daemonset_for
 from proxyshift.render import ANNOTATION_MODE, LABEL_REVISION
@@ -63,11 +73,10 @@ class FakeCluster:
         self.fail: dict[tuple[str, str], Exception] = {}  # (call, node or object name) -> raised instead
         self.runtime: OperatorRuntime | None = None
         self.echo_delay = 0.0  # seconds between a write and its watch event reaching the mirror
+        self.revision_watch_away = False  # True: revision writes do not reach the mirrors (the API server restarts)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.index_policies: dict[str, list[ProxyPolicy]] = {}
-        self.index_revisions: dict[str, list[Any]] = {}
-        # Revisions of a mode without kube-proxy (Cilium's KPR), by their ConfigMap; and their node configs.
-        self.index_replacement_revisions: dict[str, list[Any]] = {}
+        # Node configs of revisions of a mode without kube-proxy (Cilium's KPR).
         self.node_configs: dict[str, dict[str, Any]] = {}
 
     # ---- building the cluster ----
@@ -90,11 +99,8 @@ class FakeCluster:
         self.index_policies[p.name] = [p]
 
     def add_revision_daemonset(self, body: dict[str, Any]) -> None:
-        name = body["metadata"]["name"]
-        self.daemonsets[name] = body
-        view = revision_view(body)
-        if view is not None:
-            self.index_revisions[view.name] = [view]
+        self.daemonsets[body["metadata"]["name"]] = body
+        self._echo_revisions()
 
     def runtime_for_test(self) -> OperatorRuntime:
         """A runtime over this fake, its mirrors filled from the objects (as after the first list); on the loop."""
@@ -105,18 +111,20 @@ class FakeCluster:
         fleet.mirrors[NODES] = Mirror(NODES, list, node_item, fleet.node_changed)
         fleet.mirrors[PODS] = Mirror(PODS, list, pod_item, fleet.pod_changed)
         fleet.mirrors[PROXYNODE_MIRROR] = Mirror(PROXYNODE_MIRROR, list, proxynode_item, fleet.proxynode_changed)
+        fleet.mirrors[REVISIONS] = Mirror(REVISIONS, list, revision_daemonset_item, fleet.revision_changed)
+        fleet.mirrors[REPLACEMENT_REVISIONS] = Mirror(REPLACEMENT_REVISIONS, list, replacement_revision_item,
+                                                      fleet.revision_changed)
         for mirror, objects, view in ((fleet.mirrors[NODES], self.nodes, node_item),
                                       (fleet.mirrors[PODS], self.pods, pod_item),
                                       (fleet.mirrors[PROXYNODE_MIRROR], self.proxynodes, proxynode_item)):
             mirror._replace_all(dict(found for body in objects.values() if (found := view(body)) is not None))
         self.runtime, self.loop = runtime, asyncio.get_running_loop()
+        self._fill_revisions()
         return runtime
 
     def indexes(self) -> Indexes:
         return Indexes(
             policies=self.index_policies,
-            revisions=self.index_revisions,
-            replacement_revisions=self.index_replacement_revisions,
             baseline_configmap={"body": [self.configmaps["kube-proxy"]]},
             baseline_daemonset={"body": [{k: self.daemonsets["kube-proxy"].get(k)
                                           for k in ("apiVersion", "kind", "metadata", "spec")}]},
@@ -171,6 +179,19 @@ class FakeCluster:
             "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}],
                        "containerStatuses": [{"state": {"running": {"startedAt": fmt(datetime.now(UTC))}}}]},
         }
+
+    def _fill_revisions(self) -> None:
+        """The revision mirrors as a (re-)list would find the revision objects now."""
+        assert self.runtime is not None
+        mirrors = self.runtime.fleet.mirrors
+        for name, objects, view in ((REVISIONS, self.daemonsets, revision_daemonset_item),
+                                    (REPLACEMENT_REVISIONS, self.configmaps, replacement_revision_item)):
+            mirrors[name]._replace_all(dict(found for body in objects.values() if (found := view(body)) is not None))
+
+    def _echo_revisions(self) -> None:
+        """A revision object written: the mirrors see it at once, as kopf's index did for these tests."""
+        if self.runtime is not None and not self.revision_watch_away:
+            self._fill_revisions()
 
     def _echo_pods(self) -> None:
         assert self.runtime is not None and self.loop is not None
@@ -259,9 +280,7 @@ class FakeCluster:
     def apply_configmap(self, desired: dict[str, Any]) -> str:
         self._call("apply_configmap", desired["metadata"]["name"])
         rv = self._applied(self.configmaps, desired)[1]
-        view = revision_view(desired)
-        if view is not None and not runs_kube_proxy(view.mode):
-            self.index_replacement_revisions[view.name] = [view]
+        self._echo_revisions()
         return rv
 
     def apply_node_config(self, desired: dict[str, Any]) -> str:
@@ -281,15 +300,13 @@ class FakeCluster:
 
     def delete_configmap(self, name: str) -> None:
         self._call("delete_configmap", name)
-        body = self.configmaps.pop(name, None)
-        label = ((body or {}).get("metadata", {}).get("labels") or {}).get(LABEL_REVISION)
-        self.index_replacement_revisions.pop(label or "", None)
+        self.configmaps.pop(name, None)
+        self._echo_revisions()
 
     def delete_daemonset(self, name: str) -> None:
         self._call("delete_daemonset", name)
-        body = self.daemonsets.pop(name, None)
-        label = ((body or {}).get("metadata", {}).get("labels") or {}).get(LABEL_REVISION)
-        self.index_revisions.pop(label or "", None)
+        self.daemonsets.pop(name, None)
+        self._echo_revisions()
 
     def json_patch_daemonset(self, name: str, patch: Any) -> None:
         self._call("json_patch_daemonset", name)

@@ -36,13 +36,9 @@ REGISTERED = {
     ("activities", "configure", "startup", None, None, None, None),
     ("activities", "start_mirrors", "startup", None, None, None, None),
     ("activities", "stop_mirrors", "cleanup", None, None, None, None),
-    ("indexing", "revision_index", None, "apps/v1/daemonsets", None, (("proxyshift.io/managed-by", "proxyshift"),),
-     None),
     ("indexing", "policy_index", None, "proxyshift.io/v1alpha1/proxypolicies", None, None, None),
     ("indexing", "baseline_configmap_index", None, "/v1/configmaps", None, None, "_is_baseline"),
     ("indexing", "baseline_daemonset_index", None, "apps/v1/daemonsets", None, None, "_is_baseline"),
-    ("indexing", "replacement_revision_index", None, "/v1/configmaps", None,
-     (("proxyshift.io/managed-by", "proxyshift"),), "_is_replacement_revision"),
     ("spawning", "rollout", None, "proxyshift.io/v1alpha1/proxypolicies", True, None, None),
     ("changing", "on_delete", "delete", "proxyshift.io/v1alpha1/proxypolicies", True, None, None),
 }
@@ -182,10 +178,9 @@ class StopAfter:
 
 def index_kwargs(cluster: FakeCluster) -> dict[str, Any]:
     indexes = cluster.indexes()
-    return {"policy_index": indexes.policies, "revision_index": indexes.revisions,
+    return {"policy_index": indexes.policies,
             "baseline_configmap_index": indexes.baseline_configmap,
-            "baseline_daemonset_index": indexes.baseline_daemonset,
-            "replacement_revision_index": indexes.replacement_revisions}
+            "baseline_daemonset_index": indexes.baseline_daemonset}
 
 
 def test_the_rollout_daemon_steps_the_policy_and_survives_an_api_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -150,14 +150,11 @@ def test_a_failed_node_write_keeps_the_policy_status_from_describing_it() -> Non
 
 
 def test_indexes_come_from_the_handler_keywords_named_after_the_index_handlers() -> None:
-    stores: dict[str, Any] = {"policy_index": {"a": [1]}, "revision_index": {"r": [2]},
-                              "baseline_configmap_index": {"body": [3]}, "baseline_daemonset_index": {"body": [4]},
-                              "replacement_revision_index": {"k": [5]}, "logger": None}
+    stores: dict[str, Any] = {"policy_index": {"a": [1]}, "baseline_configmap_index": {"body": [3]},
+                              "baseline_daemonset_index": {"body": [4]}, "logger": None}
     indexes = Indexes.from_kwargs(stores)
-    assert (indexes.policies, indexes.revisions) == ({"a": [1]}, {"r": [2]})
+    assert indexes.policies == {"a": [1]}
     assert (indexes.baseline_configmap, indexes.baseline_daemonset) == ({"body": [3]}, {"body": [4]})
-    # The revisions of both kinds: kube-proxy's by DaemonSet, Cilium KPR's by ConfigMap.
-    assert indexes.replacement_revisions == {"k": [5]} and indexes.revision_views() == {"k": 5, "r": 2}
 
 
 def test_a_proxynode_change_wakes_the_loops_of_its_policy_only() -> None:

@@ -1,5 +1,6 @@
 """The operator's memory of the fleet-sized kinds: Nodes, kube-proxy pods and ProxyNodes, plus the
-Services side (controller/service_cache.py), mirrored outside kopf (controller/mirror.py).
+Services side (controller/service_cache.py) and the revisions' objects, mirrored outside kopf
+(controller/mirror.py).
 
 The mirrors' change callbacks run on the event loop: they wake the loops that depend on the change,
 keep the ProxyNode series of the metrics current, and hand every Node seen to the inventory.
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -24,13 +25,21 @@ from proxyshift.controller.mirror import Mirror
 from proxyshift.controller.rest import Collection
 from proxyshift.controller.service_cache import service_mirrors, service_world
 from proxyshift.controller.settings import OperatorConfig
-from proxyshift.controller.snapshot import kube_proxy_pod_view, node_view
+from proxyshift.controller.snapshot import kube_proxy_pod_view, node_view, revision_view
 from proxyshift.controller.wakeups import Wakers
+from proxyshift.modes import runs_kube_proxy
 from proxyshift.planner import world as w
+from proxyshift.render import ANNOTATION_MODE, LABEL_MANAGED_BY, MANAGED_BY
 
 log = logging.getLogger("proxyshift.operator")
 
 NODES, PODS, PROXYNODE_MIRROR = "nodes", "pods", "proxynodes"
+# The revisions: kube-proxy ones by their DaemonSet, those of a mode that runs no kube-proxy (Cilium's KPR) by
+# their ConfigMap. Mirrored, not kopf-indexed: kopf's re-list after a broken watch (an API server restart) adds
+# what it lists but never drops what it no longer finds, so a revision deleted in that gap stayed in its index
+# for good, and a Revert waiting for its policy's revisions to be gone never ended. A mirror's re-list replaces
+# its whole store.
+REVISIONS, REPLACEMENT_REVISIONS = "revisions", "replacement-revisions"
 
 
 def node_item(obj: dict[str, Any]) -> tuple[str, tuple[w.NodeView, str]] | None:
@@ -68,6 +77,31 @@ def proxynode_item(obj: dict[str, Any]) -> tuple[str, ProxyNode] | None:
     except ValidationError as exc:
         log.warning("ProxyNode %s is invalid and is ignored: %s", name, exc)
         return None
+
+
+def _object_key(meta: Mapping[str, Any]) -> str:
+    """Keyed as the mirror keys an object that leaves its view (Mirror._key_of), so such an object leaves."""
+    return f"{meta.get('namespace')}/{meta.get('name')}"
+
+
+def revision_daemonset_item(obj: dict[str, Any]) -> tuple[str, tuple[w.RevisionView, Hashable]] | None:
+    """A revision's DaemonSet as (namespace/name, (its view, its generation)): the generation tells the
+    RevisionKeeper that someone else edited it (its pods' status does not move it)."""
+    view = revision_view(obj)
+    if view is None:
+        return None
+    meta = obj.get("metadata") or {}
+    return _object_key(meta), (view, meta.get("generation"))
+
+
+def replacement_revision_item(obj: dict[str, Any]) -> tuple[str, tuple[w.RevisionView, Hashable]] | None:
+    """A revision of a mode that runs no kube-proxy, by its ConfigMap (render/replacement.py): it has no
+    DaemonSet. A kube-proxy revision's ConfigMap is not one: its DaemonSet is."""
+    meta = obj.get("metadata") or {}
+    if runs_kube_proxy((meta.get("annotations") or {}).get(ANNOTATION_MODE)):
+        return None
+    view = revision_view(obj)
+    return (_object_key(meta), (view, None)) if view is not None else None
 
 
 @dataclass(frozen=True)
@@ -115,6 +149,9 @@ class Fleet:
     baseline_mode: str | None = None
     # Called on the event loop for every Node present after a change: the inventory creates its ProxyNode.
     on_node: Callable[[str], None] = _ignore_node
+    # Called on the event loop with (revision, generation) for every revision DaemonSet seen: the executor's
+    # RevisionKeeper re-applies a revision someone else edited.
+    on_revision_daemonset: Callable[[str, Hashable], None] = lambda revision, generation: None
 
     def build(self, config: OperatorConfig) -> None:
         """The mirrors, not yet started; the kubernetes client's configuration must be loaded."""
@@ -127,6 +164,14 @@ class Fleet:
                                     kwargs={"label_selector": config.kube_proxy_pod_label})
         self.mirrors[PROXYNODE_MIRROR] = Mirror(PROXYNODE_MIRROR, proxynodes.list, proxynode_item,
                                                 self.proxynode_changed)
+        managed = {"label_selector": f"{LABEL_MANAGED_BY}={MANAGED_BY}"}
+        daemonsets = Collection(f"/apis/apps/v1/namespaces/{config.kube_proxy_namespace}/daemonsets")
+        configmaps = Collection(f"/api/v1/namespaces/{config.kube_proxy_namespace}/configmaps")
+        self.mirrors[REVISIONS] = Mirror(REVISIONS, daemonsets.list, revision_daemonset_item, self.revision_changed,
+                                         kwargs=dict(managed))
+        self.mirrors[REPLACEMENT_REVISIONS] = Mirror(REPLACEMENT_REVISIONS, configmaps.list,
+                                                     replacement_revision_item, self.revision_changed,
+                                                     kwargs=dict(managed))
         self.mirrors.update(service_mirrors())
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -158,6 +203,16 @@ class Fleet:
     def services(self) -> w.ServiceSide:
         return service_world(self.mirrors)
 
+    def revision_views(self) -> dict[str, w.RevisionView]:
+        """Every revision that exists, by its name: the kube-proxy ones by their DaemonSet, the others by their
+        ConfigMap (a DaemonSet's view wins should both name one revision)."""
+        views: dict[str, w.RevisionView] = {}
+        for name in (REPLACEMENT_REVISIONS, REVISIONS):
+            mirror = self.mirrors.get(name)
+            for view, _ in mirror.items.values() if mirror is not None else ():
+                views[view.name] = view
+        return views
+
     def seen_version(self, item: Written) -> str | None:
         """The resourceVersion the mirror holds of what `item` wrote (None: not there)."""
         if item.index == "node_index":
@@ -178,6 +233,16 @@ class Fleet:
 
     def pod_changed(self, _: Mirror, key: str, old: Any, new: Any) -> None:
         self.wakers.wake()
+
+    def revision_changed(self, mirror: Mirror, key: str, old: tuple[w.RevisionView, Hashable] | None,
+                         new: tuple[w.RevisionView, Hashable] | None) -> None:
+        if new is not None and mirror.name == REVISIONS:
+            self.on_revision_daemonset(new[0].name, new[1])
+        old_view, new_view = (old[0] if old else None), (new[0] if new else None)
+        if old_view == new_view:
+            return  # its pods' status, or a re-list that found it as it was: nothing the plan reads
+        for policy in {view.policy for view in (old_view, new_view) if view is not None}:
+            self.wakers.wake(policy)  # a revision created or gone: the policy waiting on it goes on
 
     def proxynode_changed(self, _: Mirror, name: str, old: ProxyNode | None, new: ProxyNode | None) -> None:
         self.series.record(name, new, self.baseline_mode)

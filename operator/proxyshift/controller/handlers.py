@@ -26,10 +26,7 @@ from proxyshift.controller.kube import ClusterAPI
 from proxyshift.controller.reconcile import Indexes, rollout_loop
 from proxyshift.controller.runtime import MEMO_KEY, OperatorRuntime, kube_context_of, peering_of, runtime_of
 from proxyshift.controller.settings import CONFIG, FINALIZER
-from proxyshift.controller.snapshot import baseline_mode, revision_view
-from proxyshift.modes import runs_kube_proxy
-from proxyshift.planner import world as w
-from proxyshift.render import ANNOTATION_MODE, LABEL_MANAGED_BY, MANAGED_BY
+from proxyshift.controller.snapshot import baseline_mode
 
 GROUP, VERSION = "proxyshift.io", "v1alpha1"
 
@@ -99,28 +96,6 @@ async def stop_mirrors(memo: kopf.Memo, **_: Any) -> None:
 # ---- indexes: the few kinds kopf keeps for us ----
 # Index handlers are coroutines so that they run on the event loop (kopf runs plain functions in a
 # thread pool), where waking a loop may touch asyncio events.
-
-
-@kopf.index("apps", "v1", "daemonsets", labels={LABEL_MANAGED_BY: MANAGED_BY})
-async def revision_index(body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[str, w.RevisionView]:
-    view = revision_view(body)
-    if view is None:
-        return {}
-    # Someone else's edit moves the generation; the pods' status does not.
-    runtime_of(memo).executor.kept.saw("daemonset", body.get("metadata", {}).get("generation"), view.name)
-    return {view.name: view}
-
-
-def _is_replacement_revision(namespace: str | None, annotations: kopf.Annotations, **_: Any) -> bool:
-    """A revision of a mode that runs no kube-proxy (Cilium's KPR): it has no DaemonSet, its ConfigMap is its
-    record (render/replacement.py)."""
-    return namespace == CONFIG.kube_proxy_namespace and not runs_kube_proxy(annotations.get(ANNOTATION_MODE))
-
-
-@kopf.index("", "v1", "configmaps", labels={LABEL_MANAGED_BY: MANAGED_BY}, when=_is_replacement_revision)
-async def replacement_revision_index(body: kopf.Body, **_: Any) -> dict[str, w.RevisionView]:
-    view = revision_view(body)
-    return {view.name: view} if view else {}
 
 
 @kopf.index(GROUP, VERSION, "proxypolicies")

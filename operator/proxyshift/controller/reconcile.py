@@ -33,8 +33,7 @@ log = logging.getLogger("proxyshift.operator")
 
 # kopf's index stores: key -> the values indexed under it (ours keep one per key).
 Store = Mapping[str, Collection[Any]]
-INDEX_NAMES = ("policy_index", "revision_index", "baseline_configmap_index", "baseline_daemonset_index",
-               "replacement_revision_index")
+INDEX_NAMES = ("policy_index", "baseline_configmap_index", "baseline_daemonset_index")
 
 # How long the loop waits for its own writes to reach its caches before planning anyway. After an API
 # server restart the watches re-list; planning on the older view in the meantime re-entered a switch
@@ -44,25 +43,18 @@ OBSERVE_TIMEOUT_SECONDS = 30.0
 
 @dataclasses.dataclass(frozen=True)
 class Indexes:
-    """The kopf indexes a step reads (controller/handlers.py declares them), as kopf hands them over."""
+    """The kopf indexes a step reads (controller/handlers.py declares them), as kopf hands them over. The
+    revisions are not among them: the fleet mirrors them (controller/fleet.py says why)."""
 
     policies: Store
-    revisions: Store
     baseline_configmap: Store
     baseline_daemonset: Store
-    # The revisions of a mode that runs no kube-proxy (Cilium's KPR), by their ConfigMap: they have no DaemonSet.
-    replacement_revisions: Store = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> Indexes:
         """kopf passes each index as the keyword named after its handler."""
-        policies, revisions, configmap, daemonset, replacements = (kwargs[n] for n in INDEX_NAMES)
-        return cls(policies, revisions, configmap, daemonset, replacements)
-
-    def revision_views(self) -> dict[str, w.RevisionView]:
-        """Every revision: the kube-proxy ones by their DaemonSet, the others by their ConfigMap."""
-        return {k: v for store in (self.replacement_revisions, self.revisions)
-                for k, values in store.items() if (v := first(values)) is not None}
+        policies, configmap, daemonset = (kwargs[n] for n in INDEX_NAMES)
+        return cls(policies, configmap, daemonset)
 
 
 async def step(runtime: OperatorRuntime, name: str, indexes: Indexes) -> w.Plan:
@@ -84,7 +76,7 @@ async def step(runtime: OperatorRuntime, name: str, indexes: Indexes) -> w.Plan:
         policies=policies,
         nodes=view.nodes,
         proxynodes=view.proxynodes,
-        revisions=indexes.revision_views(),
+        revisions=fleet.revision_views(),
         pods=view.pods,
         baseline_mode=baseline_mode(baseline_cm),
         current_revisions=targets,

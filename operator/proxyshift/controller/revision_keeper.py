@@ -6,13 +6,15 @@ trips at the end of every plan, which is what the next node's step waits behind 
 of each node's own time in the rollout benchmark). The rendering changes only when one of its inputs does,
 and each input is watched: the policy's spec (a new spec is a new revision name, applied as new), the
 baseline ConfigMap's data and the baseline DaemonSet's spec (their index handlers), and the revision
-DaemonSet itself, when someone else edits it (its generation moves). So a revision is applied again when
-an input moved since its last apply, and otherwise at most every `interval_seconds`: the revision
-ConfigMap is not watched, and the interval bounds how long an edit to it stays.
+DaemonSet itself, when someone else edits it (its generation moves; the revisions' mirror,
+controller/fleet.py). So a revision is applied again when an input moved since its last apply, and
+otherwise at most every `interval_seconds`: the revision ConfigMap is not watched, and the interval
+bounds how long an edit to it stays.
 
-Touched from both sides: the index handlers (event loop) call `saw`, the executor (a worker thread) calls
-`due` and `applied`. Each is one dict operation, atomic under the GIL; an input that moves while the
-revision is being applied is applied again at the next interval at the latest.
+Touched from both sides: the index handlers and the revisions' mirror (event loop) call `saw`, the
+executor (a worker thread) calls `due` and `applied`. Each is one dict operation, atomic under the
+GIL; an input that moves while the revision is being applied is applied again at the next interval at
+the latest.
 """
 
 from __future__ import annotations

@@ -71,6 +71,8 @@ class OperatorRuntime:
         if executor is None:
             executor = Executor(api, config=config, events=EventSender(api.emit_event))
         executor.node_uids = fleet.node_uids
+        kept = executor.kept
+        fleet.on_revision_daemonset = lambda revision, generation: kept.saw("daemonset", generation, revision)
         return cls(
             config=config, api=api, executor=executor, wakers=wakers, pacing=Pacing(config.min_requeue_seconds),
             fleet=fleet, inventory=inventory, compat=CompatCache(),
