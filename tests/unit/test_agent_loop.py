@@ -688,49 +688,20 @@ def test_the_watch_loop_gets_once_then_follows_resource_versions_and_starts_from
     assert events.qsize() == 2  # the GET's object and the MODIFIED one; no second GET
 
 
-def test_after_a_broken_watch_the_next_starts_from_now_without_a_get() -> None:
-    """An API server restart: one request per agent (a watch from now, its first event the object), not a GET,
-    a watch from the GET's version that the new server answers 410, and then the watch from now."""
-    import queue
-    import threading
-
-    calls: list[tuple[str, str | None]] = []
-    stop = threading.Event()
-
-    class RestartingAPI(FakeAPI):
-        def get(self, name: str) -> dict[str, Any]:
-            calls.append(("get", None))
-            return super().get(name)
-
-        def watch(self, name: str, rv: str | None, timeout: int) -> Iterator[tuple[str, dict[str, Any]]]:
-            calls.append(("watch", rv))
-            if len(calls) == 2:
-                raise ConnectionResetError("the API server went away")
-            if rv is None:
-                yield "ADDED", {**node_obj(), "metadata": {"name": "n1", "resourceVersion": "330"}}
-                return
-            stop.set()
-            yield from ()
-
-    events: queue.Queue = queue.Queue()
-    agent = Agent(AgentConfig(node="n1", watch_timeout=1), RestartingAPI(node_obj()), FakeNode(),
-                  backoff_draw=lambda: 0.0)
-    agent._watch_loop(events, stop)
-    assert calls == [("get", None), ("watch", "1"), ("watch", None), ("watch", "330")]
-    assert [events.get_nowait()["metadata"]["resourceVersion"] for _ in range(events.qsize())] == ["1", "330"]
-
-
 class Expired(Exception):
     """What the kubernetes client raises for a watch's 410 ERROR event (an ApiException with status 410)."""
 
     status = 410
 
 
-@pytest.mark.parametrize("failure", ["exception", "event"])
-def test_after_a_410_the_watch_starts_from_now_until_an_event_brings_a_version(failure: str) -> None:
+@pytest.mark.parametrize("failure", ["exception", "event", "reset"])
+def test_after_a_410_or_a_broken_watch_the_watch_starts_from_now_until_an_event_brings_a_version(
+        failure: str) -> None:
     """An object unchanged since before an API server restart carries a version older than the new server's
     watch window: watching from it after a GET would answer 410 for ever. The next watch starts from the
-    current state (its first event is the object), and follows that event's version afterwards."""
+    current state (its first event is the object), and follows that event's version afterwards. A watch that
+    broke (the API server went away) does the same: one request where a GET, a 410 and the watch from now
+    were three."""
     import queue
     import threading
 
@@ -747,6 +718,8 @@ def test_after_a_410_the_watch_starts_from_now_until_an_event_brings_a_version(f
             if len(calls) > 8:  # the loop this test is about: end it, the assertion below says what went wrong
                 stop.set()
             if rv == "1":
+                if failure == "reset":
+                    raise ConnectionResetError("the API server went away")
                 if failure == "event":
                     yield "ERROR", {"kind": "Status", "code": 410, "reason": "Expired"}
                     return
@@ -762,6 +735,7 @@ def test_after_a_410_the_watch_starts_from_now_until_an_event_brings_a_version(f
                   backoff_draw=lambda: 0.0)
     agent._watch_loop(events, stop)
     assert calls == [("get", None), ("watch", "1"), ("watch", None), ("watch", "330")]
+    assert [events.get_nowait()["metadata"]["resourceVersion"] for _ in range(events.qsize())] == ["1", "330"]
 
 
 def test_a_bookmark_moves_the_version_the_next_watch_resumes_from() -> None:
