@@ -68,6 +68,7 @@ import kubernetes
 
 from bench.bench_controller_scale import Procs, apiserver_argv, cpu_s, etcd_argv, kubectl_apply, wait_for
 from bench.harness import cpu_group
+from bench.harness.kube_client import pooled_client
 from bench.harness.storm_agents import node_name
 from localcluster import controlplane, pki
 from localcluster.build import build
@@ -221,8 +222,7 @@ class Worker:
 
 
 def create_proxynodes(admin: Path, n: int) -> None:
-    api = kubernetes.config.new_client_from_config(str(admin))
-    api.configuration.connection_pool_maxsize = 16
+    api = pooled_client(admin, 16)
     custom = kubernetes.client.CustomObjectsApi(api)
 
     def one(i: int) -> None:
