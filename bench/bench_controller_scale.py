@@ -71,10 +71,10 @@ import kubernetes
 import yaml
 
 from bench.harness import traced_operator, write_floor
-from bench.harness.kube_client import pooled_client
 from bench.harness.scale_harness import GROUP, POOL_LABEL, VERSION, Fleet
 from localcluster import baseline, controlplane, pki
 from localcluster.build import build
+from localcluster.kubeapi import pooled_api_client
 from proxyshift.commands import CommandError, run, stop_child
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -397,7 +397,7 @@ def bench(n: int, state: Path, bin_dir: Path, timeout: float, node_events: str =
         kubectl_apply(kubectl, admin, docs=baseline.manifests())
         wait_for("CRDs", lambda: run([kubectl, "--kubeconfig", str(admin), "get", "proxynodes"], timeout=10,
                                      check=False, env=controlplane.daemon_env()).returncode == 0, 60)
-        api = pooled_client(admin, 32)
+        api = pooled_api_client(admin, 32)
         fleet = Fleet(api, n)
         t0 = time.monotonic()
         fleet.create()

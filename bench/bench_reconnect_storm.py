@@ -68,10 +68,10 @@ import kubernetes
 
 from bench.bench_controller_scale import Procs, apiserver_argv, cpu_s, etcd_argv, kubectl_apply, wait_for
 from bench.harness import cpu_group
-from bench.harness.kube_client import pooled_client
 from bench.harness.storm_agents import node_name
 from localcluster import controlplane, pki
 from localcluster.build import build
+from localcluster.kubeapi import pooled_api_client
 from proxyshift.commands import run, stop_child
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -222,7 +222,7 @@ class Worker:
 
 
 def create_proxynodes(admin: Path, n: int) -> None:
-    api = pooled_client(admin, 16)
+    api = pooled_api_client(admin, 16)
     custom = kubernetes.client.CustomObjectsApi(api)
 
     def one(i: int) -> None:

@@ -1,4 +1,4 @@
-"""bench/harness/kube_client.py: the pool size a bench asks for is the pool its client keeps."""
+"""localcluster/kubeapi.py pooled_api_client: the pool size a caller asks for is the pool its client keeps."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import kubernetes
 import pytest
 
-from bench.harness.kube_client import pooled_client
+from localcluster.kubeapi import Kube, pooled_api_client
 
 pytestmark = pytest.mark.unit
 
@@ -27,13 +27,20 @@ def pool_size(client: kubernetes.client.ApiClient) -> int:
 def test_the_pool_keeps_the_size_asked_for(tmp_path: Path) -> None:
     path = tmp_path / "kubeconfig"
     path.write_text(KUBECONFIG)
-    assert pool_size(pooled_client(path, 32)) == 32
+    assert pool_size(pooled_api_client(path, 32)) == 32
 
 
 def test_a_size_set_on_a_made_client_never_reaches_its_pool(tmp_path: Path) -> None:
-    """What the storm and scale benches did until 2026-12-05, and why pooled_client exists."""
+    """What the storm and scale benches did until 2026-12-05, and why pooled_api_client exists."""
     path = tmp_path / "kubeconfig"
     path.write_text(KUBECONFIG)
     made = kubernetes.config.new_client_from_config(str(path))
     made.configuration.connection_pool_maxsize = 32
     assert pool_size(made) != 32
+
+
+def test_the_raw_json_client_keeps_its_pool_size(tmp_path: Path) -> None:
+    path = tmp_path / "kubeconfig"
+    path.write_text(KUBECONFIG)
+    kube = Kube(path, pool_size=16)
+    assert pool_size(kube.api) == 16 and kube.host == "https://198.18.0.1:6443"
