@@ -111,7 +111,7 @@ class FakeCluster:
         fleet.mirrors[NODES] = Mirror(NODES, list, node_item, fleet.node_changed)
         fleet.mirrors[PODS] = Mirror(PODS, list, pod_item, fleet.pod_changed)
         fleet.mirrors[PROXYNODE_MIRROR] = Mirror(PROXYNODE_MIRROR, list, proxynode_item, fleet.proxynode_changed)
-        fleet.mirrors[REVISIONS] = Mirror(REVISIONS, list, revision_daemonset_item, fleet.revision_changed)
+        fleet.mirrors[REVISIONS] = Mirror(REVISIONS, list, revision_daemonset_item, fleet.revision_daemonset_changed)
         fleet.mirrors[REPLACEMENT_REVISIONS] = Mirror(REPLACEMENT_REVISIONS, list, replacement_revision_item,
                                                       fleet.revision_changed)
         for mirror, objects, view in ((fleet.mirrors[NODES], self.nodes, node_item),

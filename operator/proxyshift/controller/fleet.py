@@ -167,8 +167,8 @@ class Fleet:
         managed = {"label_selector": f"{LABEL_MANAGED_BY}={MANAGED_BY}"}
         daemonsets = Collection(f"/apis/apps/v1/namespaces/{config.kube_proxy_namespace}/daemonsets")
         configmaps = Collection(f"/api/v1/namespaces/{config.kube_proxy_namespace}/configmaps")
-        self.mirrors[REVISIONS] = Mirror(REVISIONS, daemonsets.list, revision_daemonset_item, self.revision_changed,
-                                         kwargs=dict(managed))
+        self.mirrors[REVISIONS] = Mirror(REVISIONS, daemonsets.list, revision_daemonset_item,
+                                         self.revision_daemonset_changed, kwargs=dict(managed))
         self.mirrors[REPLACEMENT_REVISIONS] = Mirror(REPLACEMENT_REVISIONS, configmaps.list,
                                                      replacement_revision_item, self.revision_changed,
                                                      kwargs=dict(managed))
@@ -234,10 +234,14 @@ class Fleet:
     def pod_changed(self, _: Mirror, key: str, old: Any, new: Any) -> None:
         self.wakers.wake()
 
-    def revision_changed(self, mirror: Mirror, key: str, old: tuple[w.RevisionView, Hashable] | None,
-                         new: tuple[w.RevisionView, Hashable] | None) -> None:
-        if new is not None and mirror.name == REVISIONS:
+    def revision_daemonset_changed(self, mirror: Mirror, key: str, old: tuple[w.RevisionView, Hashable] | None,
+                                   new: tuple[w.RevisionView, Hashable] | None) -> None:
+        if new is not None:
             self.on_revision_daemonset(new[0].name, new[1])
+        self.revision_changed(mirror, key, old, new)
+
+    def revision_changed(self, _: Mirror, key: str, old: tuple[w.RevisionView, Hashable] | None,
+                         new: tuple[w.RevisionView, Hashable] | None) -> None:
         old_view, new_view = (old[0] if old else None), (new[0] if new else None)
         if old_view == new_view:
             return  # its pods' status, or a re-list that found it as it was: nothing the plan reads
