@@ -356,10 +356,13 @@ class Sim:
 
     def check_holds(self) -> None:
         """After the agents ran: a node keeps a rule hold only while its record names the hold's migration in
-        flight (not back to Pending, not ended, not another attempt, not released by its policy)."""
+        flight (not back to Pending, not ended, not another attempt, not released by its policy), or while no
+        kube-proxy serves the node without it."""
         for node in [n for n in self.holds if n not in self.nodes]:
             del self.holds[node]  # the node was deleted: its kernel's rules with it
         for node, held in self.holds.items():
+            if self._serving_pod(node) is None:
+                continue
             pn = self.proxynodes.get(node)
             m = pn.spec.migration if pn is not None else None
             if m is None or m.phase not in IN_FLIGHT or not held.operation_id.startswith(f"{attempt_key(m)}."):
@@ -439,11 +442,13 @@ class Sim:
         self.holds[name] = Held(op_id, self.now + timedelta(seconds=float(str(ttl or 600))), self._serving_pod(name))
 
     def _keep_or_release_hold(self, name: str, pn: ProxyNode) -> None:
-        """The agent's rules: the hold goes when its migration is over (hold.abandoned, the real function), when
-        another kube-proxy has synced (a Ready pod here), or when its time ran out. status.hold tells."""
+        """The agent's rules: the hold goes when its migration is over (hold.abandoned, the real function) and a
+        kube-proxy serves without it, when another kube-proxy has synced (a Ready pod here), or when its time ran
+        out. status.hold tells."""
         held = self.holds.get(name)
-        if held is not None and (abandoned(held.operation_id, pn.spec.migration) or self.now >= held.expires
-                                 or self._serving_pod(name) not in (None, held.pod)):
+        serving = self._serving_pod(name)
+        if held is not None and ((abandoned(held.operation_id, pn.spec.migration) and serving is not None)
+                                 or self.now >= held.expires or serving not in (None, held.pod)):
             del self.holds[name]
         held = self.holds.get(name)
         pn.status.hold = RuleHold(operation_id=held.operation_id, expires=fmt(held.expires)) if held else None

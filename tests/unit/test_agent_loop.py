@@ -864,6 +864,29 @@ def test_hold_copies_the_old_rules_and_goes_once_a_new_kube_proxy_has_synced() -
     assert not hold.present and agent.hold is None and hold.calls[-1] == "release"
 
 
+OLD_RESTARTED_SYNCED = NEW_SYNCED.model_copy(update={"proxy_mode": "iptables"})
+
+
+@pytest.mark.parametrize(("phase", "old_mode_sync_frees"), [
+    ("Switch", False), ("Gate", False),  # the target's startup cleanup may still remove what the old one wrote
+    ("RollingBack", True),               # the old mode is where the node goes back to
+])
+def test_while_switching_only_the_target_modes_sync_lets_the_hold_go(phase: str, old_mode_sync_frees: bool) -> None:
+    """A Node deleted and registered again restarts the old kube-proxy (it exits when its Node's addresses
+    change): its sync while the node switches proves nothing, the target kube-proxy's cleanup is still to come."""
+    api, hold = FakeAPI(hold_node(phase=phase)), FakeHold()
+    seen = [OLD_PROXY]
+    agent = make_agent(api, hold=hold)
+    agent.effects.probe = lambda: seen[0]  # type: ignore[method-assign]  # the test swaps this seam
+    agent.handle(api.get("n1"))
+    seen[0] = OLD_RESTARTED_SYNCED
+    agent.observe(inventory=False)
+    assert hold.present is not old_mode_sync_frees
+    seen[0] = NEW_SYNCED
+    agent.observe(inventory=False)
+    assert not hold.present and hold.calls == ["install iptables", "release"]
+
+
 def test_a_hold_never_outlives_its_time_to_live() -> None:
     api, hold = FakeAPI(hold_node()), FakeHold()
     agent = make_agent(api, hold=hold, facts=OLD_PROXY)
@@ -981,6 +1004,51 @@ def test_a_hold_goes_as_soon_as_the_proxynode_no_longer_names_its_migration_in_f
     assert len(api.patches) > writes and ProxyNode.model_validate(api.obj).status.hold is None
 
 
+NO_KUBE_PROXY = KubeProxyFacts(error="GET http://127.0.0.1:10249/metrics: connection refused")
+
+
+@pytest.mark.parametrize("now", [{"phase": "Pending", "reason": "SwitchTimeout"}, None])
+def test_an_abandoned_hold_stays_until_a_kube_proxy_serves_without_it(now: dict[str, Any] | None) -> None:
+    """A Node deleted at Gate: its target kube-proxy exits before its first sync (kube-proxy leaves when its Node
+    goes, and waits up to 30 s for a Node when it starts again), and the new Node's ProxyNode names no migration.
+    The old rules went with the target's startup cleanup, so the hold is all that serves the node's Services:
+    it stays through the abandon and goes at the first kube-proxy that has synced."""
+    api, hold = FakeAPI(hold_node(phase="Switch")), FakeHold()
+    seen = [OLD_PROXY]
+    agent = make_agent(api, hold=hold)
+    agent.effects.probe = lambda: seen[0]  # type: ignore[method-assign]  # the test swaps this seam
+    agent.handle(api.get("n1"))
+    assert hold.present
+    agent.observe(inventory=False)   # the label moved: the target started, then exited with its Node
+    seen[0] = NO_KUBE_PROXY
+    api.obj["spec"]["migration"] = None if now is None else {**SWITCHING, **now}
+    del api.obj["spec"]["operation"]
+    agent.handle(api.get("n1"))      # the last probe saw the old kube-proxy: the abandon reads it again
+    assert hold.present and agent.hold is not None
+    for facts in (NO_KUBE_PROXY, NEW_STARTED):
+        seen[0] = facts
+        agent.observe(inventory=False)
+        assert hold.present and agent.hold is not None
+    seen[0] = NEW_SYNCED
+    agent.observe(inventory=False)
+    assert not hold.present and agent.hold is None and hold.calls == ["install iptables", "release"]
+
+
+def test_an_abandoned_hold_no_kube_proxy_serves_without_still_ends_with_its_time_to_live() -> None:
+    api, hold = FakeAPI(hold_node()), FakeHold()
+    agent = make_agent(api, hold=hold, facts=OLD_PROXY)
+    agent.handle(api.get("n1"))
+    agent.effects.probe = lambda: NO_KUBE_PROXY  # type: ignore[method-assign]  # the test swaps this seam
+    api.obj["spec"]["migration"] = None
+    agent.handle(api.get("n1"))
+    fake_clock(agent).t += 299
+    agent.observe(inventory=False)
+    assert hold.present
+    fake_clock(agent).t += 2
+    agent.observe(inventory=False)
+    assert not hold.present and agent.hold is None
+
+
 def test_a_release_that_fails_on_an_event_writes_nothing_and_is_tried_again_by_the_next_observe() -> None:
     hold = FakeHold()
     api, agent = held_with_the_preflight(hold)
@@ -1005,12 +1073,15 @@ def test_a_hold_stays_while_its_migration_may_still_switch_or_roll_back(phase: s
     assert hold.present and agent.hold is not None and hold.calls == ["install iptables"]
 
 
-def test_a_hold_left_by_an_earlier_agent_goes_at_once_when_no_migration_is_in_flight() -> None:
+def test_a_hold_left_by_an_earlier_agent_with_no_migration_in_flight_goes_once_kube_proxy_serves() -> None:
     hold = FakeHold(present=True)
     api = FakeAPI(node_obj(migration={**SWITCHING, "phase": "Pending"}))
     agent = make_agent(api, hold=hold, facts=NEW_STARTED)
     agent.handle(api.get("n1"))
-    agent.observe(inventory=False)  # not synced yet: only the ended migration lets it go
+    agent.observe(inventory=False)  # the migration ended, but kube-proxy has not synced since it started
+    assert hold.present and hold.calls == []
+    agent.effects.probe = lambda: FACTS  # type: ignore[method-assign]  # the test swaps this seam
+    agent.observe(inventory=False)
     assert not hold.present and hold.calls == ["release"]
 
 

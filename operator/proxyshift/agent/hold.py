@@ -51,7 +51,7 @@ from proxyshift.agent.flush.iptables import CHAIN_BATCH, IptablesTool, TablePlan
 from proxyshift.agent.flush.nftables import list_tables, render_delete
 from proxyshift.agent.iptables_save import BUILTIN_CHAINS, Dump, Rule, parse
 from proxyshift.agent.ownership import NFT_TABLES, iptables_chain_modes
-from proxyshift.api.proxynode import IN_FLIGHT, NodeMigration, attempt_key
+from proxyshift.api.proxynode import IN_FLIGHT, KubeProxyFacts, NodeMigration, Phase, attempt_key
 from proxyshift.commands import CommandError, run, side_by_side
 from proxyshift.modes import MODE_FACTS, MODES, ObjectKind, facts_of, startup_cleanup_drops_old_rules
 
@@ -81,6 +81,37 @@ def abandoned(operation_id: str | None, migration: NodeMigration | None) -> bool
     if migration is None or migration.phase not in IN_FLIGHT:
         return True
     return operation_id is not None and not operation_id.startswith(f"{attempt_key(migration)}.")
+
+
+# Phases in which the target kube-proxy may start, or has started, and runs its startup cleanup of the old rules.
+_SWITCHING: frozenset[Phase] = frozenset({"Switch", "Gate"})
+
+
+def sync_frees(to_mode: str | None, synced_mode: str | None, migration: NodeMigration | None) -> bool:
+    """Whether a kube-proxy that has synced (a different process from the one the hold was made under) makes the
+    hold unneeded. While the migration switches forward, only the target mode's: an old-mode kube-proxy that
+    restarts and syncs meanwhile (a Node deleted and registered again restarts it: kube-proxy exits when its
+    Node's addresses change) rewrites the old rules that the target's startup cleanup then removes, with no hold
+    left to serve until the target's first sync. Otherwise (waiting for a slot, rolling back, ended, or a hold
+    found after a restart, whose target is unknown) any mode's."""
+    if to_mode is None or migration is None or migration.phase not in _SWITCHING:
+        return True
+    return synced_mode == to_mode
+
+
+def kube_proxy_serves(facts: KubeProxyFacts | None, held_start: float | None) -> bool:
+    """Whether kube-proxy's own rules serve the node without the hold: the kube-proxy that ran when the hold was
+    made still runs (nothing switched, its rules never went), or the one running now has synced since it started.
+
+    An abandoned hold goes only then. A Node deleted at Gate ends its migration (the new Node's ProxyNode names
+    none) while the target kube-proxy has exited before its first sync (kube-proxy 1.37 exits when its Node is
+    deleted, and its next start waits up to 30 s for a Node to exist) and the old rules went with its startup
+    cleanup: the hold is then all that serves the node's Services."""
+    if facts is None or facts.process_start_time is None:
+        return False  # nobody answers: nothing proves rules are in place
+    if held_start is not None and facts.process_start_time == held_start:
+        return True
+    return facts.last_sync_timestamp is not None and facts.last_sync_timestamp >= facts.process_start_time
 
 
 def held_name(chain: str) -> str:

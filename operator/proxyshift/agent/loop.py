@@ -264,6 +264,8 @@ class Agent:
     _hold_checked: bool = False
     # spec.migration as the last ProxyNode event had it (None until one came): whose hold may stay.
     _migration: NodeMigration | None = None
+    # The abandoned hold last said to stay (_abandoned_hold_may_go): said once a hold, not every probe.
+    _kept_abandoned: HoldRecord | None = None
     _spec_seen: bool = False
     facts: KubeProxyFacts | None = None
     inventory: inventory_mod.Inventory | None = None
@@ -322,19 +324,36 @@ class Agent:
             log.warning("found a rule hold left by an earlier agent; it goes once kube-proxy has synced")
             self.hold = HoldRecord(None, None, None, self.clock() + ORPHAN_HOLD_TTL)
         facts, held = self.facts, self.hold
-        if self._spec_seen and hold_mod.abandoned(held.operation_id, self._migration):
+        if self._abandoned_hold_may_go(lambda: facts):
             self._release_abandoned()
             return
         synced = (facts is not None and facts.process_start_time is not None
                   and facts.last_sync_timestamp is not None and facts.proxy_mode in MODES
                   and facts.process_start_time != held.kube_proxy_start
-                  and facts.last_sync_timestamp >= facts.process_start_time)
+                  and facts.last_sync_timestamp >= facts.process_start_time
+                  and hold_mod.sync_frees(held.to_mode, facts.proxy_mode, self._migration))
         expired = self.clock() >= held.expires
         if not (synced or expired):
             return
         why = f"kube-proxy ({facts.proxy_mode if facts else '?'}) has synced" if synced else "its time ran out"
         report = self._release_hold()
         (log.info if report.ok else log.error)("%s (%s)", report.message(), why)
+
+    def _abandoned_hold_may_go(self, read_facts: Callable[[], KubeProxyFacts | None]) -> bool:
+        """Whether the hold is abandoned (hold.abandoned) and kube-proxy's own rules serve without it
+        (hold.kube_proxy_serves); an abandoned hold they do not yet serve without stays until a kube-proxy has
+        synced or its time runs out (_maybe_release_hold). `read_facts` is called only for an abandoned hold."""
+        held = self.hold
+        if held is None or not self._spec_seen or not hold_mod.abandoned(held.operation_id, self._migration):
+            return False
+        if hold_mod.kube_proxy_serves(read_facts(), held.kube_proxy_start):
+            return True
+        if held is not self._kept_abandoned:
+            self._kept_abandoned = held
+            log.warning("the rule hold's migration is over, but no kube-proxy serves the node's Services without "
+                        "it (none answers, or it has not synced since it started): the hold stays until one has, "
+                        "%.0fs at most", max(held.expires - self.clock(), 0.0))
+        return False
 
     def _release_abandoned(self) -> None:
         """Drop a hold whose migration the ProxyNode no longer names in flight (abandoned before its switch, ended,
@@ -415,7 +434,8 @@ class Agent:
         self.node_seen = True
         spec = ProxyNodeSpec.model_validate(obj.get("spec") or {})
         self._migration, self._spec_seen = spec.migration, True
-        if self.hold is not None and hold_mod.abandoned(self.hold.operation_id, spec.migration):
+        # A fresh probe: the last one may predate the switch, when the old kube-proxy still served.
+        if self._abandoned_hold_may_go(self._probe):
             self._release_abandoned()
             if self.hold is None:  # told at once; a failed release is retried by the next observe, not here
                 self.write({"hold": None})
