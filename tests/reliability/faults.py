@@ -419,6 +419,34 @@ def report_path(cluster: Any) -> Path:
     return Path(os.environ.get("PROXYSHIFT_RELIABILITY_REPORT", str(default)))
 
 
+# What explains a node's lost connections after the fact: the agent's hold decisions and kube-proxy's own exits
+# and waits for its Node (kube-proxy 1.37 exits when its Node is deleted or its addresses change).
+_EXPLAINING = ("rule hold", "Node is being deleted", "Timed out waiting for node", "NodeIPs changed",
+               "Using iptables Proxier", "Using nftables Proxier")
+
+
+def explaining_log_lines(state_dir: Path, node: str, limit: int = 40) -> list[str]:
+    """The node's agent and kube-proxy log lines that say when rules were held, released, or left unprogrammed,
+    in time order (each cut to 200 characters; the last `limit`), for a run's failure message: a CI run keeps
+    nothing else of the node."""
+    lines: list[tuple[str, str]] = []
+    for path in sorted((state_dir / "nodes" / node / "logs").glob("*.log")):
+        if not path.name.startswith(("proxyshift-agent-", "kube-proxy-")):
+            continue
+        with path.open(errors="replace") as fh:
+            for line in fh:
+                if any(p in line for p in _EXPLAINING):
+                    lines.append((_log_time(line), f"{path.name.split('_')[0]}: {line.strip()[:200]}"))
+    return [text for _, text in sorted(lines)[-limit:]]
+
+
+def _log_time(line: str) -> str:
+    """A sortable time of day from the agent's (`2026-12-05 22:15:47,501 ...`) or klog's (`I1205 22:15:46.1 ...`)
+    line; lines without one sort first."""
+    parts = line.split()
+    return parts[1].replace(",", ".") if len(parts) > 1 and parts[1][:2].isdigit() and ":" in parts[1] else ""
+
+
 def record(cluster: Any, row: dict[str, Any]) -> None:
     path = report_path(cluster)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -44,6 +44,7 @@ from faults import (
     StepInjector,
     agent_pid,
     check_end_state,
+    explaining_log_lines,
     loss_facts,
     record,
     service_answers_everywhere,
@@ -156,11 +157,20 @@ def _record(cluster: Any, row: dict[str, Any]) -> None:
     node lost at most what docs/reliability.md's budget says (recorded first, so a run over budget is evidence
     in the report too)."""
     record(cluster, row)
-    assert not row["over_budget"], "\n".join(
+    assert not row["over_budget"], _over_budget(cluster, row)
+
+
+def _over_budget(cluster: Any, row: dict[str, Any]) -> str:
+    """The failure message: each visit over budget, the node's timeline, and what its agent and kube-proxy logged
+    about holds and their Node (a CI run keeps nothing else of the node)."""
+    state_dir = cluster.require_local("the nodes' logs")
+    return "\n".join(
         [f"{row['fault']}: connections lost beyond the loss budget ({row['budget']}):"] +
         [f"  {o['node']} {o['step']} (attempt {o['attempt']}): lost {o['lost']}, budget {o['budget']}; failed at "
          f"{', '.join(o['failures'])}" for o in row["over_budget"]] +
-        [f"  lost by step {row['lost_by_step']}; timeline {row.get('timeline')}"])
+        [f"  lost by step {row['lost_by_step']}; timeline {row.get('timeline')}"] +
+        [f"  {node} log: {line}" for node in sorted({o["node"] for o in row["over_budget"]})
+         for line in explaining_log_lines(state_dir, node)])
 
 
 def _retry(h: Harness, name: str, token: str, nodes: list[str] = BLUE) -> None:

@@ -1,15 +1,17 @@
 """The fault suite's StepInjector without a cluster: it fires at the armed steps it sees, Verify included, and
-an injector that saw nothing, or saw an armed step and fired nothing there, fails the run (issue 15, item 4)."""
+an injector that saw nothing, or saw an armed step and fired nothing there, fails the run (issue 15, item 4); and
+the node log lines a run over its loss budget names in its failure."""
 
 from __future__ import annotations
 
 import itertools
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
-from faults import VERIFY, StepInjector
+from faults import VERIFY, StepInjector, explaining_log_lines
 from loss_budget import DELETED
 
 pytestmark = pytest.mark.unit
@@ -184,3 +186,23 @@ def test_a_deleted_node_is_deleted_until_its_new_node_switches() -> None:
         kube.owners["n2"] = "uid-n2"
     injector._observe()
     assert _steps(injector, "n2") == [(1, "Pending"), (0, DELETED)]
+
+
+def test_a_failure_message_carries_the_nodes_hold_and_node_lines_in_time_order(tmp_path: Path) -> None:
+    logs = tmp_path / "nodes" / "ps-node-2" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "proxyshift-agent-abc_agent.log").write_text(
+        "2026-12-05 22:16:39,268 INFO proxyshift.agent: operation x.Hold.0 Succeeded: rule hold install: 9 chains\n"
+        "2026-12-05 22:16:40,001 INFO proxyshift.agent: heartbeat written\n"
+        "2026-12-05 22:17:36,668 INFO proxyshift.agent: rule hold release: 9 chains removed\n")
+    (logs / "kube-proxy-rev-xyz_kube-proxy.log").write_text(
+        'I1205 22:16:39.505000    7 node.go:218] "Node is being deleted" node="ps-node-2"\n'
+        'I1205 22:16:39.600000    7 proxier.go:1] "syncProxyRules complete"\n')
+    (logs / "proxyshift-probe-q_probe.log").write_text("2026-12-05 22:16:39,300 rule hold of someone else\n")
+    assert explaining_log_lines(tmp_path, "ps-node-2") == [
+        "proxyshift-agent-abc: 2026-12-05 22:16:39,268 INFO proxyshift.agent: operation x.Hold.0 Succeeded: "
+        "rule hold install: 9 chains",
+        'kube-proxy-rev-xyz: I1205 22:16:39.505000    7 node.go:218] "Node is being deleted" node="ps-node-2"',
+        "proxyshift-agent-abc: 2026-12-05 22:17:36,668 INFO proxyshift.agent: rule hold release: 9 chains removed",
+    ]
+    assert explaining_log_lines(tmp_path, "ps-node-9") == []
