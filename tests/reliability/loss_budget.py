@@ -62,9 +62,10 @@ ALLOWANCES: tuple[Allowance, ...] = (
     Allowance(("agent-kill",), ("Switch", "Gate"), 1,
               "the node's switch runs without a rule hold: either its agent is dead or in its restart back-off "
               "when the switch asks for the hold, and the switch goes on without one after 20 s "
-              "(`RuleHoldSkipped`), or the agent made the hold and was killed, and its successor, which cannot "
-              "tell which kube-proxy an inherited hold was made for, releases it at the first synced kube-proxy, "
-              "possibly still the old one. The new kube-proxy's startup cleanup then removes the old mode's "
+              "(`RuleHoldSkipped`). (Before 5 December also: the agent made the hold and was killed, and its "
+              "successor, which cannot tell which kube-proxy an inherited hold was made for, released it at the "
+              "first synced kube-proxy, possibly still the old one; it now waits for one of the migration's "
+              "target mode, `hold.sync_frees`.) The new kube-proxy's startup cleanup then removes the old mode's "
               "rules before its first sync: a connection the node opens in that gap has no DNAT, conntrack pins "
               "it and its retransmitted SYNs fail until the 1 s connect timeout, by which time the gap (well "
               "under a second here) is over: one connection. Switch and Gate share it: Switch ends when the new "

@@ -825,7 +825,8 @@ def test_the_watch_back_off_starts_anew_after_a_watch_that_ran(monkeypatch: pyte
 # ---- rule hold ----
 
 # The migration a hold is made for: the agent keeps a hold only while its ProxyNode names it in flight.
-SWITCHING = {"phase": "Switch", "toRevision": "p-1", "attempt": 1, "startedAt": "2026-12-05T10:00:00Z"}
+SWITCHING = {"phase": "Switch", "toRevision": "p-1", "fromMode": "iptables", "toMode": "nftables", "attempt": 1,
+             "startedAt": "2026-12-05T10:00:00Z"}
 KEY = attempt_key(NodeMigration.model_validate(SWITCHING))
 
 
@@ -885,6 +886,22 @@ def test_while_switching_only_the_target_modes_sync_lets_the_hold_go(phase: str,
     seen[0] = NEW_SYNCED
     agent.observe(inventory=False)
     assert not hold.present and hold.calls == ["install iptables", "release"]
+
+
+def test_a_hold_a_restarted_agent_finds_while_the_node_switches_waits_for_the_targets_sync() -> None:
+    """The agent killed after it made the hold: its successor cannot tell which kube-proxy the hold was made
+    under, but the migration names the target, and the old kube-proxy's rules are what its cleanup removes."""
+    hold = FakeHold(present=True)
+    seen = [OLD_PROXY]
+    api = FakeAPI(node_obj(migration={**SWITCHING, "phase": "Gate"}))
+    agent = make_agent(api, hold=hold)
+    agent.effects.probe = lambda: seen[0]  # type: ignore[method-assign]  # the test swaps this seam
+    agent.handle(api.get("n1"))
+    agent.observe(inventory=False)
+    assert hold.present and agent.hold is not None
+    seen[0] = NEW_SYNCED
+    agent.observe(inventory=False)
+    assert not hold.present and hold.calls == ["release"]
 
 
 def test_a_hold_never_outlives_its_time_to_live() -> None:

@@ -87,16 +87,17 @@ def abandoned(operation_id: str | None, migration: NodeMigration | None) -> bool
 _SWITCHING: frozenset[Phase] = frozenset({"Switch", "Gate"})
 
 
-def sync_frees(to_mode: str | None, synced_mode: str | None, migration: NodeMigration | None) -> bool:
+def sync_frees(synced_mode: str | None, migration: NodeMigration | None) -> bool:
     """Whether a kube-proxy that has synced (a different process from the one the hold was made under) makes the
-    hold unneeded. While the migration switches forward, only the target mode's: an old-mode kube-proxy that
-    restarts and syncs meanwhile (a Node deleted and registered again restarts it: kube-proxy exits when its
-    Node's addresses change) rewrites the old rules that the target's startup cleanup then removes, with no hold
-    left to serve until the target's first sync. Otherwise (waiting for a slot, rolling back, ended, or a hold
-    found after a restart, whose target is unknown) any mode's."""
-    if to_mode is None or migration is None or migration.phase not in _SWITCHING:
+    hold unneeded. While the migration switches forward, only one of the migration's target mode: an old-mode
+    kube-proxy that restarts and syncs meanwhile (a Node deleted and registered again restarts it: kube-proxy
+    exits when its Node's addresses change) rewrites the old rules that the target's startup cleanup then
+    removes, with no hold left to serve until the target's first sync. The target is the migration's, so a hold
+    a restarted agent found on the node waits for it too (it cannot tell which kube-proxy the hold was made
+    under). Otherwise (waiting for a slot, rolling back, ended, or a record without a target mode) any mode's."""
+    if migration is None or migration.phase not in _SWITCHING or migration.to_mode is None:
         return True
-    return synced_mode == to_mode
+    return synced_mode == migration.to_mode
 
 
 def kube_proxy_serves(facts: KubeProxyFacts | None, held_start: float | None) -> bool:

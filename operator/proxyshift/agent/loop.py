@@ -331,7 +331,7 @@ class Agent:
                   and facts.last_sync_timestamp is not None and facts.proxy_mode in MODES
                   and facts.process_start_time != held.kube_proxy_start
                   and facts.last_sync_timestamp >= facts.process_start_time
-                  and hold_mod.sync_frees(held.to_mode, facts.proxy_mode, self._migration))
+                  and hold_mod.sync_frees(facts.proxy_mode, self._migration))
         expired = self.clock() >= held.expires
         if not (synced or expired):
             return
