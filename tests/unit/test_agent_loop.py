@@ -843,6 +843,7 @@ def hold_node(op: dict[str, Any] | None = None, **migration: Any) -> dict[str, A
 OLD_PROXY = FACTS.model_copy(update={"proxy_mode": "iptables"})
 NEW_STARTED = FACTS.model_copy(update={"process_start_time": 1.8e9, "last_sync_timestamp": 0.0})
 NEW_SYNCED = FACTS.model_copy(update={"process_start_time": 1.8e9, "last_sync_timestamp": 1.8e9 + 1})
+NO_KUBE_PROXY = KubeProxyFacts(error="GET http://127.0.0.1:10249/metrics: connection refused")
 
 
 def test_hold_copies_the_old_rules_and_goes_once_a_new_kube_proxy_has_synced() -> None:
@@ -904,10 +905,16 @@ def test_a_hold_a_restarted_agent_finds_while_the_node_switches_waits_for_the_ta
     assert not hold.present and hold.calls == ["release"]
 
 
-def test_a_hold_never_outlives_its_time_to_live() -> None:
+@pytest.mark.parametrize("abandoned", [False, True])
+def test_a_hold_never_outlives_its_time_to_live(abandoned: bool) -> None:
+    """Abandoned too: one no kube-proxy serves without (none answers) stays only until its time runs out."""
     api, hold = FakeAPI(hold_node()), FakeHold()
     agent = make_agent(api, hold=hold, facts=OLD_PROXY)
     agent.handle(api.get("n1"))
+    if abandoned:
+        agent.effects.probe = lambda: NO_KUBE_PROXY  # type: ignore[method-assign]  # the test swaps this seam
+        api.obj["spec"]["migration"] = None
+        agent.handle(api.get("n1"))
     fake_clock(agent).t += 299
     agent.observe(inventory=False)
     assert hold.present
@@ -1021,9 +1028,6 @@ def test_a_hold_goes_as_soon_as_the_proxynode_no_longer_names_its_migration_in_f
     assert len(api.patches) > writes and ProxyNode.model_validate(api.obj).status.hold is None
 
 
-NO_KUBE_PROXY = KubeProxyFacts(error="GET http://127.0.0.1:10249/metrics: connection refused")
-
-
 @pytest.mark.parametrize("now", [{"phase": "Pending", "reason": "SwitchTimeout"}, None])
 def test_an_abandoned_hold_stays_until_a_kube_proxy_serves_without_it(now: dict[str, Any] | None) -> None:
     """A Node deleted at Gate: its target kube-proxy exits before its first sync (kube-proxy leaves when its Node
@@ -1049,21 +1053,6 @@ def test_an_abandoned_hold_stays_until_a_kube_proxy_serves_without_it(now: dict[
     seen[0] = NEW_SYNCED
     agent.observe(inventory=False)
     assert not hold.present and agent.hold is None and hold.calls == ["install iptables", "release"]
-
-
-def test_an_abandoned_hold_no_kube_proxy_serves_without_still_ends_with_its_time_to_live() -> None:
-    api, hold = FakeAPI(hold_node()), FakeHold()
-    agent = make_agent(api, hold=hold, facts=OLD_PROXY)
-    agent.handle(api.get("n1"))
-    agent.effects.probe = lambda: NO_KUBE_PROXY  # type: ignore[method-assign]  # the test swaps this seam
-    api.obj["spec"]["migration"] = None
-    agent.handle(api.get("n1"))
-    fake_clock(agent).t += 299
-    agent.observe(inventory=False)
-    assert hold.present
-    fake_clock(agent).t += 2
-    agent.observe(inventory=False)
-    assert not hold.present and agent.hold is None
 
 
 def test_a_release_that_fails_on_an_event_writes_nothing_and_is_tried_again_by_the_next_observe() -> None:
