@@ -112,7 +112,7 @@ def kube_proxy_serves(facts: KubeProxyFacts | None, held_start: float | None) ->
         return False  # nobody answers: nothing proves rules are in place
     if held_start is not None and facts.process_start_time == held_start:
         return True
-    return facts.last_sync_timestamp is not None and facts.last_sync_timestamp >= facts.process_start_time
+    return facts.synced_since_start()
 
 
 def held_name(chain: str) -> str:

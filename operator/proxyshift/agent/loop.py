@@ -327,10 +327,8 @@ class Agent:
         if self._abandoned_hold_may_go(lambda: facts):
             self._release_abandoned()
             return
-        synced = (facts is not None and facts.process_start_time is not None
-                  and facts.last_sync_timestamp is not None and facts.proxy_mode in MODES
+        synced = (facts is not None and facts.synced_since_start() and facts.proxy_mode in MODES
                   and facts.process_start_time != held.kube_proxy_start
-                  and facts.last_sync_timestamp >= facts.process_start_time
                   and hold_mod.sync_frees(facts.proxy_mode, self._migration))
         expired = self.clock() >= held.expires
         if not (synced or expired):
@@ -948,9 +946,7 @@ def _synced_in(facts: KubeProxyFacts | None, mode: str, syncs: int) -> bool:
     """Whether kube-proxy runs `mode`, answers /healthz 200 and has synced `syncs` times since it started."""
     if facts is None or facts.proxy_mode != mode:
         return False
-    start, last = facts.process_start_time, facts.last_sync_timestamp
-    return (start is not None and last is not None and last >= start and (facts.sync_count or 0) >= syncs
-            and facts.healthz_status == 200)
+    return facts.synced_since_start() and (facts.sync_count or 0) >= syncs and facts.healthz_status == 200
 
 
 def _meaningful_change(before: KubeProxyFacts | None, after: KubeProxyFacts | None) -> bool:

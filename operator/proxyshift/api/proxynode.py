@@ -346,6 +346,11 @@ class KubeProxyFacts(KubeModel):
     probed_at: str | None = Field(default=None, max_length=STATUS_TEXT_LIMIT,
                                   description="When the probe ran (RFC 3339).")
 
+    def synced_since_start(self) -> bool:
+        """Whether this kube-proxy process has completed a rule sync since it started (both from its clock)."""
+        start, last = self.process_start_time, self.last_sync_timestamp
+        return start is not None and last is not None and last >= start
+
 
 class ModeObjects(KubeModel):
     """kube-proxy objects of one mode found on the node."""
