@@ -15,7 +15,9 @@ import pytest
 from fake_cluster import FakeCluster, policy
 from kubernetes.client.exceptions import ApiException
 from prometheus_client import REGISTRY
+from test_schema_drift import document_of
 
+from proxyshift.api.schema_drift import expected_schemas
 from proxyshift.controller import handlers
 from proxyshift.controller.runtime import (
     MEMO_KEY,
@@ -69,6 +71,7 @@ def test_configure_sets_kopf_up_and_puts_the_runtime_in_the_memo(monkeypatch: py
     contexts: list[str | None] = []
     monkeypatch.setattr(handlers.login_to, "load_client_config", contexts.append)
     monkeypatch.setattr(handlers.ClusterAPI, "unserved_resources", lambda self, with_peering: [])
+    monkeypatch.setattr(handlers.ClusterAPI, "served_openapi", lambda self: document_of(expected_schemas()))
     settings, memo = kopf.OperatorSettings(), kopf.Memo({MEMO_KUBE_CONTEXT: "staging", MEMO_PEERING: None})
     settings.peering.clusterwide = False  # what kopf.operator(namespaces=[...]) sets before the startup
 
@@ -125,6 +128,83 @@ def test_configure_waits_for_the_crds_it_cannot_notice_later(monkeypatch: pytest
         handlers.configure(settings=kopf.OperatorSettings(), memo=memo)  # type: ignore[call-arg]  # as above
     assert asked == [True]
     assert MEMO_KEY not in memo
+
+
+def test_configure_waits_while_the_served_crds_would_drop_what_this_version_writes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Helm never upgrades a chart's crds/: the operator says which fields an old CRD lacks and how to fix it,
+    and starts nothing until it can write them."""
+    monkeypatch.setattr(handlers.login_to, "load_client_config", lambda _: None)
+    monkeypatch.setattr(handlers.ClusterAPI, "unserved_resources", lambda self, with_peering: [])
+    old = expected_schemas()
+    del old["ProxyNode"]["properties"]["status"]["properties"]["hold"]
+    monkeypatch.setattr(handlers.ClusterAPI, "served_openapi", lambda self: document_of(old))
+    memo = kopf.Memo({MEMO_KUBE_CONTEXT: None, MEMO_PEERING: None})
+
+    with pytest.raises(kopf.TemporaryError, match=r"older than this operator .*ProxyNode \.status\.hold: missing "
+                       r".*kubectl apply --server-side -k config/crd") as raised:
+        handlers.configure(settings=kopf.OperatorSettings(), memo=memo)  # type: ignore[call-arg]  # as above
+    assert raised.value.delay == handlers.CRD_DRIFT_RETRY_SECONDS
+    assert MEMO_KEY not in memo
+
+    # An API server that does not let the operator read its OpenAPI document: told, not checked, started.
+    monkeypatch.setattr(handlers.ClusterAPI, "served_openapi", lambda self: None)
+    handlers.configure(settings=kopf.OperatorSettings(), memo=memo)  # type: ignore[call-arg]  # as above
+    assert isinstance(memo[MEMO_KEY], OperatorRuntime)
+
+
+def test_start_mirrors_waits_for_configure_in_one_line_and_soon() -> None:
+    memo = kopf.Memo({MEMO_KUBE_CONTEXT: None, MEMO_PEERING: None})
+    with pytest.raises(kopf.TemporaryError, match="waiting for the startup handler 'configure'") as raised:
+        asyncio.run(handlers.start_mirrors(memo=memo))  # type: ignore[call-arg, arg-type]  # kopf types it an ActivityFn
+    assert raised.value.delay == handlers.STARTUP_WAIT_SECONDS
+
+
+class FakeAnswer:
+    """The client's RESTResponse as Rest.call hands it over."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def read(self) -> bytes:
+        return self.data
+
+
+@pytest.mark.parametrize(("answer", "expected"), [
+    (FakeAnswer(b'{"components": {"schemas": {}}}'), {"components": {"schemas": {}}}),
+    (ApiException(status=403, reason="Forbidden"), None),
+    (ApiException(status=404, reason="Not Found"), None),
+    (FakeAnswer(b"[" + b" " * (16 * 1024 * 1024) + b"]"), None),  # over the bound: not parsed
+])
+def test_served_openapi_reads_our_group_version_and_says_when_it_cannot(
+        monkeypatch: pytest.MonkeyPatch, answer: Any, expected: Any) -> None:
+    from proxyshift.controller.kube import ClusterAPI
+
+    api = ClusterAPI()
+    asked: list[str] = []
+
+    def call(method: str, path: str, **_: Any) -> FakeAnswer:
+        asked.append(f"{method} {path}")
+        if isinstance(answer, ApiException):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(api.rest, "call", call)
+    assert api.served_openapi() == expected
+    assert asked == ["GET /openapi/v3/apis/proxyshift.io/v1alpha1"]
+
+
+def test_served_openapi_lets_other_errors_through_for_kopf_to_retry(monkeypatch: pytest.MonkeyPatch) -> None:
+    from proxyshift.controller.kube import ClusterAPI
+
+    api = ClusterAPI()
+
+    def call(method: str, path: str, **_: Any) -> FakeAnswer:
+        raise ApiException(status=503, reason="Service Unavailable")
+
+    monkeypatch.setattr(api.rest, "call", call)
+    with pytest.raises(ApiException):
+        api.served_openapi()
 
 
 class FakeDiscovery:

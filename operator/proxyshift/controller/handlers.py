@@ -19,6 +19,7 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
+from proxyshift.api import schema_drift
 from proxyshift.api.policy import ProxyPolicy
 from proxyshift.controller import login as login_to
 from proxyshift.controller.deletion import finish_deletion
@@ -70,6 +71,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         # kopf retries the startup; without scanning, a CRD created after the start would go unserved.
         raise kopf.TemporaryError(f"the API server does not serve {', '.join(missing)} yet: install the CRDs "
                                   "(crds/); waiting", delay=5)
+    _check_served_schemas(api)
     if peering:
         # Replicas find each other through this object; creating it here spares users an ordering
         # problem (a custom resource applied in the same `kubectl apply` as its CRD is refused).
@@ -77,9 +79,34 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo[MEMO_KEY] = OperatorRuntime.create(api)
 
 
+# How often a start that found old CRDs looks again: an upgrade of the CRDs is a person's step.
+CRD_DRIFT_RETRY_SECONDS = 15
+STARTUP_WAIT_SECONDS = 5
+
+
+def _check_served_schemas(api: ClusterAPI) -> None:
+    """Wait (kopf retries the startup) while the served CRDs cannot hold what this version writes: an old
+    CRD's API server drops new fields without an error (api/schema_drift.py)."""
+    from proxyshift import __version__
+
+    document = api.served_openapi()
+    if document is None:
+        return  # told by served_openapi; an API server without OpenAPI v3 still serves the operator
+    drifts = schema_drift.crd_drift(document)
+    if drifts:
+        raise kopf.TemporaryError(
+            f"the proxyshift CRDs this API server serves are older than this operator ({__version__}): "
+            f"{schema_drift.describe(drifts)}. Upgrade them with `kubectl apply --server-side -k config/crd` "
+            "(Helm never upgrades a chart's crds/); waiting", delay=CRD_DRIFT_RETRY_SECONDS)
+
+
 @kopf.on.startup()
 async def start_mirrors(memo: kopf.Memo, **_: Any) -> None:
     """List+watch Nodes, kube-proxy pods, ProxyNodes and the Services side outside kopf (controller/mirror.py)."""
+    if not isinstance(memo.get(MEMO_KEY), OperatorRuntime):
+        # kopf runs every startup handler each round and retries each on its own: while `configure` waits (for
+        # the CRDs, above), this one waits too, told in one line and soon after, not kopf's minute and traceback.
+        raise kopf.TemporaryError("waiting for the startup handler 'configure'", delay=STARTUP_WAIT_SECONDS)
     login_to.load_client_config(kube_context_of(memo))
     runtime_of(memo).start_fleet(asyncio.get_running_loop())
 

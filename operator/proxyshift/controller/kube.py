@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 PROXYNODES = "proxynodes"
 JSON_PATCH = "application/json-patch+json"
 PROXYPOLICIES = "proxypolicies"
+# The OpenAPI v3 document of our group is about 160 KB with both CRDs; a far larger one is not parsed.
+OPENAPI_READ_LIMIT = 16 * 1024 * 1024
+OPENAPI_TIMEOUT = 30.0
 
 
 # force on revision objects: they are ours alone (named after the revision, only the operator's
@@ -246,6 +249,26 @@ class ClusterAPI:
                 served[(group, version)] = set()
         return [f"{plural}.{group}/{version}" for group, version, plural in wanted
                 if plural not in served[(group, version)]]
+
+    def served_openapi(self, group: str = API_GROUP, version: str = API_VERSION) -> dict[str, Any] | None:
+        """The API server's OpenAPI v3 document of proxyshift's group and version (api/schema_drift.py reads the
+        served CRD schemas in it); None when the API server publishes none or does not let the operator read
+        it, so the caller can say the schemas went unchecked."""
+        try:
+            answer = self.rest.call("GET", f"/openapi/v3/apis/{group}/{version}", timeout=OPENAPI_TIMEOUT)
+        except ApiException as exc:
+            if exc.status in (403, 404):
+                log.warning("cannot read the served CRD schemas (/openapi/v3, HTTP %s): not checked against this "
+                            "version's", exc.status)
+                return None
+            raise
+        data = answer.read()  # the client has read it whole already; the bound is on what is parsed
+        if len(data) > OPENAPI_READ_LIMIT:
+            log.warning("the API server's OpenAPI v3 document of %s/%s is over %d bytes: the served CRD schemas "
+                        "are not checked", group, version, OPENAPI_READ_LIMIT)
+            return None
+        document = json.loads(data)
+        return document if isinstance(document, dict) else None
 
     def ensure_peering(self, name: str) -> None:
         body = {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}}
