@@ -52,7 +52,7 @@ def test_a_missing_field_is_named_once_at_its_top() -> None:
     ]
 
 
-def test_types_enums_lists_and_maps_are_compared_and_preserved_subtrees_are_not() -> None:
+def test_types_enums_bounds_lists_and_maps_are_compared_and_preserved_subtrees_are_not() -> None:
     ours = {"type": "object", "properties": {
         "mode": {"type": "string", "enum": ["iptables", "nftables"]},
         "limit": {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}]},
@@ -61,6 +61,8 @@ def test_types_enums_lists_and_maps_are_compared_and_preserved_subtrees_are_not(
         "labels": {"type": "object", "additionalProperties": {"type": "object", "properties": {
             "value": {"type": "string"}, "since": {"type": "string"}}}},
         "free": {"type": "object", "properties": {"anything": {"type": "string"}}},
+        "names": {"type": "array", "maxItems": 16, "items": {"type": "string", "maxLength": 64}},
+        "count": {"type": "integer", "minimum": 0},
     }}
     served = {"type": "object", "properties": {
         "mode": {"type": "string", "enum": ["iptables"]},
@@ -69,12 +71,16 @@ def test_types_enums_lists_and_maps_are_compared_and_preserved_subtrees_are_not(
         "labels": {"type": "object", "additionalProperties": {"type": "object", "properties": {
             "value": {"type": "string"}}}},
         "free": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+        "names": {"type": "array", "maxItems": 8, "items": {"type": "string", "maxLength": 64}},
+        "count": {"type": "integer", "minimum": 1},
     }}
     assert [str(d) for d in schema_drift("Thing", ours, served)] == [
         "Thing .mode: the served schema refuses 'nftables'",
         "Thing .limit: type int-or-string, served as integer",
         "Thing .ports[].name: missing (the API server drops it)",
         "Thing .labels{}.since: missing (the API server drops it)",
+        "Thing .names: maxItems 8 served, 16 here",
+        "Thing .count: minimum 1 served, 0 here",
     ]
 
 

@@ -10,7 +10,7 @@ in the middle of a rollout.
 The API server publishes each served CRD's schema in its OpenAPI v3 document
 (`/openapi/v3/apis/<group>/<version>`, readable by every authenticated client through the default
 `system:discovery` role). The operator compares it at its start with the schema its own models generate
-(api/crdgen.py) and waits, saying which fields are missing, until the CRDs are upgraded.
+(api/crdgen.py) and waits, saying which fields are missing or narrower, until the CRDs are upgraded.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ from proxyshift.api.common import API_GROUP, API_VERSION
 _PRESERVE = "x-kubernetes-preserve-unknown-fields"
 # Kubernetes checks metadata itself; the published schema refers to ObjectMeta instead of spelling it out.
 _SKIPPED = frozenset({"metadata"})
+# Bounds a newer version may have widened: an old CRD's narrower one refuses a write this version makes.
+_UPPER_BOUNDS = ("maxLength", "maxItems", "maxProperties", "maximum")
+_LOWER_BOUNDS = ("minLength", "minItems", "minProperties", "minimum")
 # How many differences a message lists before it only counts the rest.
 MESSAGE_LIST_LIMIT = 8
 
@@ -66,7 +69,8 @@ def served_schemas(document: Mapping[str, Any], group: str = API_GROUP,
 
 def schema_drift(kind: str, ours: Mapping[str, Any], served: Mapping[str, Any]) -> list[Drift]:
     """What `served` lacks of `ours`: properties it does not name (the API server would prune them), types
-    that differ and enum values it refuses. Only the topmost missing property of a subtree is listed."""
+    that differ, enum values it refuses and bounds narrower than ours (it would refuse a write this version
+    makes). Only the topmost missing property of a subtree is listed."""
     drifts: list[Drift] = []
     _compare(kind, "", ours, served, drifts)
     return drifts
@@ -81,6 +85,12 @@ def _compare(kind: str, path: str, ours: Mapping[str, Any], served: Mapping[str,
     refused = [v for v in ours.get("enum") or [] if "enum" in served and v not in served["enum"]]
     if refused:
         out.append(Drift(kind, path or ".", "the served schema refuses " + ", ".join(map(repr, refused))))
+    for bound in _UPPER_BOUNDS:
+        if bound in served and (bound not in ours or ours[bound] > served[bound]):
+            out.append(Drift(kind, path or ".", f"{bound} {served[bound]} served, {ours.get(bound, 'none')} here"))
+    for bound in _LOWER_BOUNDS:
+        if bound in served and (bound not in ours or ours[bound] < served[bound]):
+            out.append(Drift(kind, path or ".", f"{bound} {served[bound]} served, {ours.get(bound, 'none')} here"))
     served_props = served.get("properties") or {}
     for name, sub in (ours.get("properties") or {}).items():
         if path == "" and name in _SKIPPED:
