@@ -15,8 +15,10 @@ The API server publishes each served CRD's schema in its OpenAPI v3 document
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import operator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from proxyshift.api.common import API_GROUP, API_VERSION
@@ -25,9 +27,12 @@ from proxyshift.api.common import API_GROUP, API_VERSION
 _PRESERVE = "x-kubernetes-preserve-unknown-fields"
 # Kubernetes checks metadata itself; the published schema refers to ObjectMeta instead of spelling it out.
 _SKIPPED = frozenset({"metadata"})
-# Bounds a newer version may have widened: an old CRD's narrower one refuses a write this version makes.
-_UPPER_BOUNDS = ("maxLength", "maxItems", "maxProperties", "maximum")
-_LOWER_BOUNDS = ("minLength", "minItems", "minProperties", "minimum")
+# Bounds a newer version may have widened, each with "the served one is narrower than ours": an old CRD's
+# narrower bound refuses a write this version makes.
+_BOUNDS: Mapping[str, Callable[[Any, Any], bool]] = MappingProxyType({
+    **dict.fromkeys(("maxLength", "maxItems", "maxProperties", "maximum"), operator.lt),
+    **dict.fromkeys(("minLength", "minItems", "minProperties", "minimum"), operator.gt),
+})
 # How many differences a message lists before it only counts the rest.
 MESSAGE_LIST_LIMIT = 8
 
@@ -85,11 +90,8 @@ def _compare(kind: str, path: str, ours: Mapping[str, Any], served: Mapping[str,
     refused = [v for v in ours.get("enum") or [] if "enum" in served and v not in served["enum"]]
     if refused:
         out.append(Drift(kind, path or ".", "the served schema refuses " + ", ".join(map(repr, refused))))
-    for bound in _UPPER_BOUNDS:
-        if bound in served and (bound not in ours or ours[bound] > served[bound]):
-            out.append(Drift(kind, path or ".", f"{bound} {served[bound]} served, {ours.get(bound, 'none')} here"))
-    for bound in _LOWER_BOUNDS:
-        if bound in served and (bound not in ours or ours[bound] < served[bound]):
+    for bound, narrower in _BOUNDS.items():
+        if bound in served and (bound not in ours or narrower(served[bound], ours[bound])):
             out.append(Drift(kind, path or ".", f"{bound} {served[bound]} served, {ours.get(bound, 'none')} here"))
     served_props = served.get("properties") or {}
     for name, sub in (ours.get("properties") or {}).items():
