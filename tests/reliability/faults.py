@@ -49,6 +49,7 @@ POLL_SECONDS = 0.05
 ETCD_PAUSE_SECONDS = 5.0
 FAULT_POLL_SECONDS = 0.2  # how often a fault waits for what it acts on (a pid, a restarted API server)
 PROBE_BLOCK_SECONDS = 20.0
+HOLD_GONE_WITHIN = 30.0  # after a run settled, every rule hold gone (check_end_state)
 PROBE_BLOCK_TABLE = "ps-fault-probe"  # a user's table: the agent's flush must leave it alone
 KUBE_PROXY_PORTS = (10249, 10256)  # metrics (/proxyMode, /metrics) and health (/healthz): what the agent probes
 
@@ -414,6 +415,12 @@ def leftover_modes(h: Harness, node: str, iptables_chains: Iterable[str]) -> lis
     return found
 
 
+def rule_holds(h: Harness, node: str) -> list[str]:
+    """A rule hold's copies still on the node (agent/hold.py: PSHOLD-* chains, proxyshift-hold tables)."""
+    found = [f"iptables chain {c}" for c in sorted(h.iptables_chains(node)) if c.startswith("PSHOLD-")]
+    return found + [f"nft table {t}" for t in sorted(h.nft_tables(node)) if t.endswith(" proxyshift-hold")]
+
+
 def report_path(cluster: Any) -> Path:
     default = (cluster.state_dir or Path("/tmp")) / "logs" / "reliability.jsonl"
     return Path(os.environ.get("PROXYSHIFT_RELIABILITY_REPORT", str(default)))
@@ -491,6 +498,13 @@ def check_end_state(h: Harness, name: str, history: History, tcp_probe: Callable
                                                f"{migrations} migration(s) and {rollbacks} rollback(s)"
     stale = {n: found for n in ALL_NODES if (found := leftover_modes(h, n, IPTABLES_MODE_CHAINS))}
     assert not stale, f"stale rules of another mode: {stale}"
+    # A hold left behind DNATs to endpoints that may have gone. Its agent lets it go as soon as the record no
+    # longer names its migration in flight and a kube-proxy serves (at the status echo after Done), so a few
+    # seconds; HOLD_GONE_WITHIN is far less than its time to live.
+    deadline = time.monotonic() + HOLD_GONE_WITHIN
+    while (held := {n: found for n in ALL_NODES if (found := rule_holds(h, n))}) and time.monotonic() < deadline:
+        time.sleep(1.0)
+    assert not held, f"a rule hold stayed on a node {HOLD_GONE_WITHIN:g}s after the rollout settled: {held}"
     spans = {n: outages(f) for n, f in probe_failures.items()}
     longest = {n: max((end - start for start, end, _ in s), default=0.0) for n, s in spans.items()}
     assert all(v < gate_timeout for v in longest.values()), f"an outage outlasted the gate timeout: {spans}"

@@ -70,11 +70,11 @@ MAX_VERIFY_TRIES = 3  # migrations at most to make a node enter Verify (test_a_f
 
 
 def fault_policy(name: str, service: Any, gate_timeout: int = GATE_TIMEOUT, nodes: list[str] = BLUE,
-                 cleanup_in_gate: bool = True) -> dict[str, Any]:
+                 cleanup_in_gate: bool = True, cordon: bool = True) -> dict[str, Any]:
     # pool blue, or both pools (blue, green) when the run needs every node
     selector = {"nodeSelector": {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["blue", "green"]}]}}
     return policy(name, "nftables", pool="blue" if nodes == BLUE else None, **({} if nodes == BLUE else selector),
-                  rollout={"maxUnavailable": 1, "cordon": True, "drain": True},
+                  rollout={"maxUnavailable": 1, "cordon": cordon, "drain": cordon},
                   cleanup={"inGate": cleanup_in_gate},
                   gate={"timeout": f"{gate_timeout}s", "minSyncs": 1,
                         "probeServices": [{"namespace": service.namespace, "name": service.name,
@@ -112,19 +112,21 @@ def migrate_under(h: Harness, cluster: Any, kube: Any, test_service: Any, tcp_pr
                   loss: str, steps: tuple[str, ...] = ALL_STEPS, before_end: Callable[[], None] | None = None,
                   kick: Callable[[], object] | None = None, gate_timeout: int = GATE_TIMEOUT,
                   nodes: list[str] = BLUE, max_per_node: int | None = None, cleanup_in_gate: bool = True,
-                  ) -> tuple[str, dict[str, Any], StepInjector, dict[str, Any], dict[str, Any]]:
+                  cordon: bool = True) -> tuple[str, dict[str, Any], StepInjector, dict[str, Any], dict[str, Any]]:
     """One blue iptables -> nftables migration with `fault` fired at each of `steps`; invariants checked.
 
     `loss` names the fault's row of the loss budget (loss_budget.FAULTS): every failed connection is charged to
     its node's step against it (facts `lost_by_step`, `over_budget`; `_record` asserts). `kick` starts the
     migration instead of applying the policy (a retry of an existing one). `cleanup_in_gate` false: the flush
-    is a Cleanup step of its own after the gate (the default flushes inside the gate's probe, no Cleanup)."""
+    is a Cleanup step of its own after the gate (the default flushes inside the gate's probe, no Cleanup).
+    `cordon` false: no cordon or drain, so each node's preflight makes its rule hold and runs ahead while the
+    node before it gates (docs/planner.md, "Prepared")."""
     service_answers_everywhere(h, tcp_probe, test_service)
     probers = {n: continuous_prober(n, test_service.cluster_ip, test_service.port, interval=0.1) for n in ALL_NODES}
     injector = StepInjector(kube, nodes, fault, steps, max_per_node).start()
     started = time.monotonic()
     if kick is None:
-        h.apply(fault_policy(name, test_service, gate_timeout, nodes, cleanup_in_gate))
+        h.apply(fault_policy(name, test_service, gate_timeout, nodes, cleanup_in_gate, cordon))
     else:
         kick()
     outcome, cond = wait_settled(h, name, nodes=nodes)
@@ -324,6 +326,55 @@ def test_fault_at_every_step(harness: Harness, cluster: Any, kube: Any, test_ser
         retry = outcome != "Ready"
         if not retry:
             mode = "iptables" if mode == "nftables" else "nftables"
+    assert not missing, f"the fault did not fire at {missing} in {rounds} migrations: {facts['phases']}"
+
+
+AHEAD_STEPS = ("Preflight", "Switch", "Gate")
+
+
+@pytest.mark.parametrize("fault_name", ["agent-kill", "operator-kill"])
+def test_a_fault_while_the_preflight_holds_ahead(harness: Harness, cluster: Any, kube: Any, test_service: Any,
+                                                tcp_probe: Callable[..., Any], continuous_prober: Callable[..., Any],
+                                                fault_name: str) -> None:
+    """Without cordon the rule hold is made by the node's preflight, which runs while the node before it gates
+    (Prepared), and the switch claims it; the cordoned runs above make it at the switch. The fault fires as a
+    node enters Preflight (the hold being made), Switch (claimed) and Gate (released at the target's sync):
+    the rollout must end Ready with one switch per node, every loss within the fault's budget, no rule hold
+    left on any node, and every other end-state invariant."""
+    h = harness
+    state_dir = cluster.require_local("fault injection")
+    faults = Faults(h, kube, state_dir, ALL_NODES)
+    fault = _prepared_fault(faults, fault_name, cluster)
+    name = f"rel-ahead-{fault_name}"
+    # A short step (Switch) can pass on both nodes while an operator restart is under way: then the pool goes
+    # back to iptables with no fault (from nftables the hold is made at the switch, not what this test is
+    # about) and forward again with the fault at the steps still missing, as test_fault_at_every_step does.
+    missing, rounds = list(AHEAD_STEPS), 0
+    while missing and rounds < MAX_ROUNDS:
+        kick: Callable[[], object] | None = None
+        if rounds:
+            back, why, idle, back_facts, _ = migrate_under(
+                h, cluster, kube, test_service, tcp_probe, continuous_prober, name, None, fault_name,
+                kick=functools.partial(h.patch, name, {"spec": {"mode": "iptables"}}), cordon=False)
+            _record(cluster, _row(f"{fault_name} (back to iptables, no fault)", back, why, idle, back_facts))
+            assert back == "Ready", why
+            kick = functools.partial(h.patch, name, {"spec": {"mode": "nftables"}})
+        try:
+            outcome, cond, injector, facts, _ = migrate_under(h, cluster, kube, test_service, tcp_probe,
+                                                              continuous_prober, name, fault, fault_name,
+                                                              steps=tuple(missing), kick=kick,
+                                                              before_end=faults.unblock_all, cordon=False)
+        finally:
+            faults.unblock_all()
+        rounds += 1
+        _record(cluster, _row(f"{fault_name} (hold made by the preflight, no cordon, migration {rounds})", outcome,
+                              cond, injector, facts))
+        if fault_name == "agent-kill":
+            h.wait_for(lambda: all(agent_pid(state_dir, n) for n in ALL_NODES), 120, "every agent running again")
+        assert outcome == "Ready", f"{fault_name}: expected Ready, got {outcome}: {cond}"
+        assert facts["switches"] == {n: int(n in BLUE) for n in ALL_NODES}, facts["switches"]
+        assert all(facts["modes"][n] == "nftables" for n in BLUE), facts["modes"]
+        missing = [step for step in missing if step not in {f.step for f in injector.fired}]
     assert not missing, f"the fault did not fire at {missing} in {rounds} migrations: {facts['phases']}"
 
 
