@@ -26,6 +26,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "diagnose": ("proxyshift.controller.diagnose_view", "main",
                  "a Service's load per endpoint from the nodes' kernel counters, and why it is uneven"),
     "crds": ("proxyshift.api.crdgen", "main", "generate (or --check) the CRD YAML under crds/"),
+    "crd-check": ("proxyshift.controller.crd_check", "main",
+                  "whether a cluster's CRDs hold everything this version writes (before an upgrade)"),
     "restore-baseline": ("proxyshift.controller.restore", "main",
                          "uninstall: undo the affinity proxyshift added to the baseline kube-proxy"),
 }

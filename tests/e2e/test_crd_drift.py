@@ -7,6 +7,8 @@ let it read the OpenAPI document, or the check would be skipped on every cluster
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -65,12 +67,20 @@ def _without(schema: dict[str, Any], *paths: tuple[str, ...]) -> dict[str, Any]:
     return schema
 
 
+def crd_check(kubeconfig: Path) -> subprocess.CompletedProcess[str]:
+    """`proxyshift crd-check` as a person runs it before an upgrade."""
+    return subprocess.run([sys.executable, "-m", "proxyshift.cli", "crd-check", "--kubeconfig", str(kubeconfig)],
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
 def test_the_operator_reads_the_served_schemas_and_the_installed_crds_hold_all_it_writes(
-        operator_api: ClusterAPI) -> None:
+        operator_api: ClusterAPI, proxyshift_installed: Path) -> None:
     document = operator_api.served_openapi()
 
     assert document is not None, "the operator's ServiceAccount could not read /openapi/v3"
     assert crd_drift(document) == []
+    checked = crd_check(proxyshift_installed)
+    assert checked.returncode == 0 and "hold everything" in checked.stdout, (checked.stdout, checked.stderr)
 
 
 @pytest.fixture
@@ -143,6 +153,9 @@ def test_the_operator_waits_for_an_old_crd_to_be_upgraded_then_starts(
         # Nothing started: kopf serves the liveness endpoint only once every startup handler succeeded.
         with pytest.raises(OSError):
             urllib.request.urlopen(f"http://127.0.0.1:{started.health_port}/healthz", timeout=2)
+
+        checked = crd_check(proxyshift_installed)
+        assert checked.returncode == 1 and f"  {said}" in checked.stdout, (checked.stdout, checked.stderr)
 
         _restore(extensions, current)
         # The next look (CRD_DRIFT_RETRY_SECONDS) finds the upgraded CRD: healthy without a restart.
