@@ -31,6 +31,7 @@ from loss_budget import BEFORE_SWITCH, DELETED, Budget, Seen, attribute, timelin
 
 from localcluster import controlplane, state
 from localcluster.kubeapi import Kube
+from proxyshift.agent.hold import HOLD_CHAIN_PREFIX, NFT_HOLD_TABLE
 from proxyshift.commands import run
 from tests.support.operator_harness import IPTABLES_MODE_CHAINS, REVISION_LABEL, Harness, migration
 from tests.support.polling import wait_until
@@ -417,8 +418,8 @@ def leftover_modes(h: Harness, node: str, iptables_chains: Iterable[str]) -> lis
 
 def rule_holds(h: Harness, node: str) -> list[str]:
     """A rule hold's copies still on the node (agent/hold.py: PSHOLD-* chains, proxyshift-hold tables)."""
-    found = [f"iptables chain {c}" for c in sorted(h.iptables_chains(node)) if c.startswith("PSHOLD-")]
-    return found + [f"nft table {t}" for t in sorted(h.nft_tables(node)) if t.endswith(" proxyshift-hold")]
+    found = [f"iptables chain {c}" for c in sorted(h.iptables_chains(node)) if c.startswith(HOLD_CHAIN_PREFIX)]
+    return found + [f"nft table {t}" for t in sorted(h.nft_tables(node)) if t.endswith(f" {NFT_HOLD_TABLE}")]
 
 
 def report_path(cluster: Any) -> Path:

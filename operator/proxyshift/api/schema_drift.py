@@ -33,6 +33,8 @@ _BOUNDS: Mapping[str, Callable[[Any, Any], bool]] = MappingProxyType({
     **dict.fromkeys(("maxLength", "maxItems", "maxProperties", "maximum"), operator.lt),
     **dict.fromkeys(("minLength", "minItems", "minProperties", "minimum"), operator.gt),
 })
+# What a person runs to bring the CRDs up to this version (Helm's crds/ never are).
+UPGRADE_COMMAND = "kubectl apply --server-side -k config/crd"
 # How many differences a message lists before it only counts the rest.
 MESSAGE_LIST_LIMIT = 8
 
@@ -84,15 +86,16 @@ def schema_drift(kind: str, ours: Mapping[str, Any], served: Mapping[str, Any]) 
 def _compare(kind: str, path: str, ours: Mapping[str, Any], served: Mapping[str, Any], out: list[Drift]) -> None:
     if served.get(_PRESERVE):
         return
+    here = path or "."
     if _type_of(ours) != _type_of(served):
-        out.append(Drift(kind, path or ".", f"type {_type_of(ours)}, served as {_type_of(served)}"))
+        out.append(Drift(kind, here, f"type {_type_of(ours)}, served as {_type_of(served)}"))
         return
     refused = [v for v in ours.get("enum") or [] if "enum" in served and v not in served["enum"]]
     if refused:
-        out.append(Drift(kind, path or ".", "the served schema refuses " + ", ".join(map(repr, refused))))
+        out.append(Drift(kind, here, "the served schema refuses " + ", ".join(map(repr, refused))))
     for bound, narrower in _BOUNDS.items():
         if bound in served and (bound not in ours or narrower(served[bound], ours[bound])):
-            out.append(Drift(kind, path or ".", f"{bound} {served[bound]} served, {ours.get(bound, 'none')} here"))
+            out.append(Drift(kind, here, f"{bound} {served[bound]} served, {ours.get(bound, 'none')} here"))
     served_props = served.get("properties") or {}
     for name, sub in (ours.get("properties") or {}).items():
         if path == "" and name in _SKIPPED:

@@ -12,12 +12,10 @@ import argparse
 from collections.abc import Sequence
 
 from proxyshift import __version__
-from proxyshift.api.schema_drift import crd_drift
+from proxyshift.api.schema_drift import UPGRADE_COMMAND, crd_drift
 from proxyshift.controller.cliargs import add_cluster_flags, cluster_errors, load_api
 from proxyshift.controller.kube import ClusterAPI
 from proxyshift.manifest import UsageError
-
-UPGRADE = "kubectl apply --server-side -k config/crd"
 
 
 def main(argv: Sequence[str]) -> int:
@@ -33,7 +31,7 @@ def main(argv: Sequence[str]) -> int:
     if not drifts:
         print(f"the served proxyshift CRDs hold everything proxyshift {__version__} writes")
         return 0
-    print(f"the served proxyshift CRDs are older than proxyshift {__version__}; upgrade them with `{UPGRADE}`:")
+    print(f"the served proxyshift CRDs are older than proxyshift {__version__}; upgrade them with `{UPGRADE_COMMAND}`:")
     for drift in drifts:
         print(f"  {drift}")
     return 1

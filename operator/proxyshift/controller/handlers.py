@@ -70,7 +70,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     if missing:
         # kopf retries the startup; without scanning, a CRD created after the start would go unserved.
         raise kopf.TemporaryError(f"the API server does not serve {', '.join(missing)} yet: install the CRDs "
-                                  "(crds/); waiting", delay=5)
+                                  "(crds/); waiting", delay=STARTUP_WAIT_SECONDS)
     _check_served_schemas(api)
     if peering:
         # Replicas find each other through this object; creating it here spares users an ordering
@@ -81,6 +81,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
 
 # How often a start that found old CRDs looks again: an upgrade of the CRDs is a person's step.
 CRD_DRIFT_RETRY_SECONDS = 15
+# How often a start waiting for something that comes by itself (the CRDs served, the `configure` handler) looks.
 STARTUP_WAIT_SECONDS = 5
 
 
@@ -96,7 +97,7 @@ def _check_served_schemas(api: ClusterAPI) -> None:
     if drifts:
         raise kopf.TemporaryError(
             f"the proxyshift CRDs this API server serves are older than this operator ({__version__}): "
-            f"{schema_drift.describe(drifts)}. Upgrade them with `kubectl apply --server-side -k config/crd` "
+            f"{schema_drift.describe(drifts)}. Upgrade them with `{schema_drift.UPGRADE_COMMAND}` "
             "(Helm never upgrades a chart's crds/); waiting", delay=CRD_DRIFT_RETRY_SECONDS)
 
 
